@@ -1,0 +1,46 @@
+"""eqx_offload: keep optimizer state in host memory between steps.
+
+Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
+`offloaded`, `filter_jit`, `memory_report`.
+"""
+
+import importlib.metadata
+
+from ._errors import (
+    CompositionError as CompositionError,
+    MemoryKindError as MemoryKindError,
+    NotATransformationError as NotATransformationError,
+    OffloadError as OffloadError,
+    StateError as StateError,
+    TracedMoveError as TracedMoveError,
+    WhereError as WhereError,
+)
+from ._jit import filter_jit as filter_jit
+from ._memory import supported_memory_kinds as supported_memory_kinds
+from ._move import to_device as to_device, to_host as to_host
+from ._optax import (
+    OffloadedState as OffloadedState,
+    OffloadWarning as OffloadWarning,
+    offloaded as offloaded,
+)
+from ._report import (
+    LeafMemory as LeafMemory,
+    memory_report as memory_report,
+    MemoryReport as MemoryReport,
+)
+from ._types import (
+    Donate as Donate,
+    HostMemoryKind as HostMemoryKind,
+    MemoryKind as MemoryKind,
+    Nested as Nested,
+    Where as Where,
+)
+from ._where import (
+    Filter as Filter,
+    min_bytes as min_bytes,
+    min_ndim as min_ndim,
+    pattern as pattern,
+)
+
+
+__version__ = importlib.metadata.version("eqx_offload")

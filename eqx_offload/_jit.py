@@ -1,0 +1,246 @@
+"""`filter_jit`: `eqx.filter_jit` with memory-kind-aware shardings, safe to donate
+host-resident state to."""
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, ParamSpec, TypeVar, overload
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._memory import default_device
+from ._types import Donate
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+_DONATE_MODES: dict[str, tuple[bool, bool, bool]] = {
+    # mode: (donate first argument, donate the rest, silence unusable-donation warnings)
+    "all": (True, True, True),
+    "all-except-first": (False, True, True),
+    "warn": (True, True, False),
+    "warn-except-first": (False, True, False),
+    "none": (False, False, False),
+}
+
+
+class _Static:
+    """Holds the non-array part of the arguments, hashed by value like
+    `eqx.filter_jit` does (static parts must be hashable)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        leaves, treedef = jtu.tree_flatten(value)
+        self._hash = hash((treedef, tuple(leaves)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static):
+            return NotImplemented
+        a, a_def = jtu.tree_flatten(self.value)
+        b, b_def = jtu.tree_flatten(other.value)
+        return a_def == b_def and len(a) == len(b) and all(
+            type(x) is type(y) and x == y for x, y in zip(a, b)
+        )
+
+
+def _input_sharding(leaf: Any) -> jax.sharding.Sharding:
+    if isinstance(leaf, jax.Array):
+        return leaf.sharding
+    return jax.sharding.SingleDeviceSharding(default_device())
+
+
+def _memory_kind_of(aval: Any, device: jax.Device) -> str:
+    if aval.memory_space == jax.memory.Space.Host:
+        return "pinned_host"
+    return device.default_memory().kind
+
+
+def _output_shardings(
+    out_avals: Sequence[Any], in_avals: Sequence[Any], in_shardings: Sequence[Any]
+) -> list[jax.sharding.Sharding]:
+    """A concrete sharding with the right memory kind for every output.
+
+    The memory kind comes from the traced program (`aval.memory_space`). The layout, in
+    order of preference: the sharding an explicit-axes mesh gives the output; the
+    sharding of an input of the same shape and dtype (a training step returns new
+    params and state shaped like the old ones); replicated over the inputs' mesh; the
+    default device.
+    """
+    meshes = [s.mesh for s in in_shardings if isinstance(s, jax.sharding.NamedSharding)]
+    mesh = meshes[0] if meshes else None
+    if mesh is not None:
+        device = mesh.devices.flat[0]
+    else:
+        devices = [d for s in in_shardings for d in s.device_set]
+        device = devices[0] if devices else default_device()
+    by_type: dict[tuple[Any, Any], list[jax.sharding.Sharding]] = {}
+    for aval, sharding in zip(in_avals, in_shardings):
+        by_type.setdefault((aval.shape, aval.dtype), []).append(sharding)
+    result = []
+    for aval in out_avals:
+        kind = _memory_kind_of(aval, device)
+        abstract = getattr(aval, "sharding", None)
+        candidates = by_type.get((aval.shape, aval.dtype), [])
+        if (
+            mesh is not None
+            and isinstance(abstract, jax.sharding.NamedSharding)
+            and not abstract.mesh.empty
+            and abstract.mesh.axis_names == mesh.axis_names
+        ):
+            sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
+                mesh, abstract.spec, memory_kind=kind
+            )
+        elif candidates:
+            sharding = candidates[0].with_memory_kind(kind)
+        elif mesh is not None:
+            sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+            )
+        else:
+            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+        result.append(sharding)
+    return result
+
+
+class _Compiled:
+    """One compiled configuration: the executable and how to rebuild the output."""
+
+    def __init__(self, executable: Any, out_static: Any, out_treedef: Any) -> None:
+        self.executable = executable
+        self.out_static = out_static
+        self.out_treedef = out_treedef
+
+
+def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
+    try:
+        donate_first, donate_rest, silence = _DONATE_MODES[donate]
+    except KeyError:
+        raise ValueError(
+            f"filter_jit(donate={donate!r}): donate must be one of "
+            f"{', '.join(repr(m) for m in _DONATE_MODES)}."
+        ) from None
+    cache: dict[Any, _Compiled] = {}
+
+    def compile_for(leaves: list[Any], static: Any, treedef: Any, donated: tuple[int, ...]) -> _Compiled:
+        out_parts: list[Any] = []
+
+        def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+            args, kwargs = eqx.combine(jtu.tree_unflatten(treedef, dynamic_leaves), static)
+            out = fun(*args, **kwargs)
+            dynamic_out, static_out = eqx.partition(out, eqx.is_array)
+            flat_out, out_treedef = jtu.tree_flatten(dynamic_out)
+            out_parts[:] = [static_out, out_treedef]
+            return flat_out
+
+        in_shardings = [_input_sharding(x) for x in leaves]
+        traced = jax.jit(flat_fun).trace(*leaves)
+        in_avals = [jax.typeof(x) for x in leaves]
+        out_avals = traced.jaxpr.out_avals
+        out_shardings = _output_shardings(out_avals, in_avals, in_shardings)
+        jitted = jax.jit(
+            flat_fun,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            donate_argnums=donated,
+        )
+        executable = jitted.trace(*leaves).lower().compile()
+        return _Compiled(executable, out_parts[0], out_parts[1])
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+        leaves, treedef = jtu.tree_flatten(dynamic)
+        first = len(jtu.tree_leaves(eqx.filter(args[:1], eqx.is_array)))
+        donated = tuple(
+            i for i in range(len(leaves)) if (donate_first if i < first else donate_rest)
+        )
+        key = (
+            treedef,
+            _Static(static),
+            tuple(
+                (np.shape(x), np.result_type(x), getattr(x, "weak_type", False), _input_sharding(x))
+                for x in leaves
+            ),
+            donated,
+        )
+        with warnings.catch_warnings():
+            if silence:
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            compiled = cache.get(key)
+            if compiled is None:
+                compiled = compile_for(leaves, static, treedef, donated)
+                cache[key] = compiled
+            flat_out = compiled.executable(*leaves)
+        return eqx.combine(jtu.tree_unflatten(compiled.out_treedef, flat_out), compiled.out_static)
+
+    wrapper._cache_size = lambda: len(cache)  # type: ignore[attr-defined]  # introspection for tests, as jax.jit's
+    return wrapper
+
+
+@overload
+def filter_jit(*, donate: Donate = "none") -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
+@overload
+def filter_jit(fun: Callable[_P, _T], *, donate: Donate = "none") -> Callable[_P, _T]: ...
+
+
+def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "none") -> Any:
+    """A drop-in for `eqx.filter_jit` that is safe to donate host-resident state to.
+
+    All JAX and NumPy arrays in the arguments are traced, everything else is static
+    (as `eqx.filter_jit`). Unlike `eqx.filter_jit`, it hands `jax.jit` input *and*
+    output shardings that carry memory kinds, so JAX pairs each donated input only with
+    an output in the same memory: a `pinned_host` optimizer state can never be aliased
+    to a device output (which aborts the process, see the docs' "donation trap").
+
+    It compiles once per configuration (tree structure, static values, shapes, dtypes,
+    shardings and memory kinds): committed and uncommitted arguments of the same
+    sharding share one executable.
+
+    **Arguments:**
+
+    - `fun`: a pure function.
+    - `donate`: as `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
+        `"warn-except-first"` or `"none"` (default). `"all"` and
+        `"all-except-first"` silence JAX's warning about donated buffers it could not
+        reuse; the `"warn"` modes keep it.
+
+    **Returns:**
+
+    The compiled version of `fun`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        model = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = opt.init(eqx.filter(model, eqx.is_array))
+
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
+            grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        model, state = step(model, state, jnp.ones(4))
+        ```
+    """
+    if fun is None:
+        return functools.partial(filter_jit, donate=donate)
+    return _filter_jit(fun, donate)

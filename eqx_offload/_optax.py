@@ -1,0 +1,201 @@
+"""`offloaded`: an optax transformation whose state lives in host memory between steps."""
+
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+
+from ._errors import NotATransformationError, StateError
+from ._memory import check_host_kind
+from ._move import move
+from ._types import HostMemoryKind, Where
+from ._where import is_traced, leaf_mask, min_ndim, path_to_str, structure_divergence
+
+
+class OffloadedState(NamedTuple):
+    """The state of `offloaded(inner)`.
+
+    **Fields:**
+
+    - `inner_state`: the state of `inner`, with the leaves selected by `where` in host
+        memory between steps.
+    """
+
+    inner_state: Any
+
+
+class OffloadWarning(UserWarning):
+    """A state leaf that should be in host memory was found in device memory."""
+
+
+DEFAULT_WHERE = min_ndim(1)
+
+
+def _memory_space_of(leaf: Any) -> Optional[str]:
+    if is_traced(leaf):
+        space = jax.typeof(leaf).memory_space
+        return "host" if space == jax.memory.Space.Host else "device"
+    if isinstance(leaf, jax.Array):
+        return "host" if leaf.sharding.memory_kind in ("pinned_host", "unpinned_host") else "device"
+    return None
+
+
+def offloaded(
+    inner: optax.GradientTransformation,
+    where: Where = DEFAULT_WHERE,
+    *,
+    memory_kind: HostMemoryKind = "pinned_host",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that its state lives in host memory.
+
+    `init` creates the state directly in host memory (the full state never exists on
+    the device). `update` moves the selected state leaves to the device, runs
+    `inner.update` there, and moves the new state back; its updates and new state are
+    bitwise equal to those of `inner`.
+
+    **Arguments:**
+
+    - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a whole
+        `optax.chain(...)`.
+    - `where`: which leaves of the inner state to keep in host memory (see `to_host`;
+        paths are those of the inner state). Default `eqx_offload.min_ndim(1)`: every
+        array except 0-d scalars, so step counters stay on the device (offloading 4
+        bytes costs a transfer and saves nothing).
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is an `OffloadedState`.
+    Extra arguments to `update` are passed to `inner`.
+
+    **Composition:** `offloaded` goes anywhere in an `optax.chain`, inside `masked`,
+    `multi_transform` and `inject_hyperparams`, and around any transformation or chain.
+    Combinators that compute on the state of what they wrap (`optax.MultiSteps`,
+    `optax.apply_if_finite`) belong *inside* it: `offloaded(optax.MultiSteps(...))`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = {"w": jnp.ones((3, 3))}
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = opt.init(params)
+        assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        updates, state = opt.update(params, state, params)
+        ```
+    """
+    if not isinstance(inner, optax.GradientTransformation) and callable(
+        getattr(inner, "gradient_transformation", None)
+    ):  # e.g. `optax.MultiSteps`, which is not itself a GradientTransformation
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        hint = ""
+        if callable(inner):
+            hint = (" It is callable: if it is an optimizer factory such as "
+                    "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
+        raise NotATransformationError(
+            f"offloaded(inner=...) expects an optax.GradientTransformation, e.g. "
+            f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
+            + hint
+        )
+    check_host_kind(memory_kind, "memory_kind")
+    inner = optax.with_extra_args_support(inner)
+    shapes: dict[Any, Any] = {}
+    warned = [False]
+
+    def init_on_host(params: optax.Params) -> Any:
+        return move(inner.init(params), where, memory_kind, "memory_kind")
+
+    # Under `jit` the moment state is created it is sent to host, so XLA never holds
+    # the whole state in device memory at once. `unpinned_host` is only reachable
+    # eagerly, so for it the jitted part stops at `inner.init`.
+    jitted_init = eqx.filter_jit(init_on_host if memory_kind == "pinned_host" else inner.init)
+
+    def init_fn(params: optax.Params) -> OffloadedState:
+        if any(is_traced(x) for x in jtu.tree_leaves(params)):
+            return OffloadedState(init_on_host(params))
+        state = jitted_init(params)
+        if memory_kind != "pinned_host":
+            state = move(state, where, memory_kind, "memory_kind")
+        return OffloadedState(state)
+
+    def expected_state(updates: optax.Updates) -> Any:
+        key = jtu.tree_structure(updates), tuple(
+            (getattr(x, "shape", None), getattr(x, "dtype", None))
+            for x in jtu.tree_leaves(updates)
+        )
+        if key not in shapes:
+            shapes[key] = jax.eval_shape(inner.init, updates)
+        return shapes[key]
+
+    def check_state(state: Any, updates: optax.Updates) -> None:
+        if not isinstance(state, OffloadedState):
+            raise StateError(
+                f"offloaded(...).update(state=...) expects the OffloadedState made by "
+                f"this transformation's `init`; got {type(state).__qualname__}. Did "
+                "you pass the state of the unwrapped optimizer? Call `init` on the "
+                "`offloaded(...)` transformation and pass its result."
+            )
+        expected = expected_state(updates)
+        found = structure_divergence(expected, state.inner_state)
+        if found is not None:
+            path, what = found
+            raise StateError(
+                f"offloaded(...).update(state=...): the state does not belong to this "
+                f"optimizer: at path inner_state/{path} the expected state has {what}. "
+                "Pass the state returned by this transformation's `init` (or a "
+                "previous `update`), not one from another optimizer."
+            )
+        for (path, want), got in zip(
+            jtu.tree_flatten_with_path(expected)[0], jtu.tree_leaves(state.inner_state)
+        ):
+            if hasattr(want, "shape") and (
+                getattr(got, "shape", None) != want.shape
+                or getattr(got, "dtype", None) != want.dtype
+            ):
+                raise StateError(
+                    f"offloaded(...).update(state=...): leaf inner_state/"
+                    f"{path_to_str(path)} is {getattr(got, 'dtype', type(got))}"
+                    f"{list(getattr(got, 'shape', []))} but this optimizer expects "
+                    f"{want.dtype}{list(want.shape)} for these updates. Pass the state "
+                    "made by this transformation's `init` for these parameters."
+                )
+
+    def warn_if_on_device(inner_state: Any) -> None:
+        if warned[0]:
+            return
+        keyed = jtu.tree_flatten_with_path(inner_state)[0]
+        for (path, leaf), selected in zip(keyed, leaf_mask(inner_state, where)):
+            if selected and _memory_space_of(leaf) == "device":
+                warned[0] = True
+                warnings.warn(
+                    f"offloaded(...).update: state leaf inner_state/{path_to_str(path)} "
+                    f"is in device memory, but `where` selects it for {memory_kind!r}. "
+                    "It is used as is and the new state goes to host. This happens "
+                    "when a state was restored without host shardings (see "
+                    "`eqx_offload.host_shardings`) or made with another `where`. "
+                    "(This warning is shown once per transformation.)",
+                    OffloadWarning,
+                    stacklevel=3,
+                )
+                return
+
+    def update_fn(
+        updates: optax.Updates,
+        state: OffloadedState,
+        params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, OffloadedState]:
+        check_state(state, updates)
+        warn_if_on_device(state.inner_state)
+        inner_state = move(state.inner_state, True, None, "to_device")
+        updates, inner_state = inner.update(updates, inner_state, params, **extra_args)
+        return updates, OffloadedState(move(inner_state, where, memory_kind, "memory_kind"))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,253 @@
+"""`where` filter specs: resolving them against a tree, and the path-aware helpers."""
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._errors import WhereError
+
+
+KeyPath = tuple[Any, ...]
+
+
+def key_to_str(key: Any) -> str:
+    """One entry of a JAX key path as it appears in an `eqx_offload` path string."""
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_to_str(path: KeyPath) -> str:
+    """A key path as a `/`-separated string, e.g. `"1/0/mu/layers/0/weight"` (the form
+    that axlearn's `pattern` matches against)."""
+    return "/".join(key_to_str(k) for k in path)
+
+
+class Filter:
+    """Base class of the path-aware filters (`pattern`, `min_bytes`, `min_ndim`).
+
+    A `Filter` is a callable on a leaf, so it stands anywhere an Equinox filter callable
+    may; `eqx_offload` also passes it the leaf's path. Filters combine with `&`, `|`
+    and `~`.
+    """
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        raise NotImplementedError
+
+    def __and__(self, other: "Filter") -> "Filter":
+        return _AllOf((self, other))
+
+    def __or__(self, other: "Filter") -> "Filter":
+        return _AnyOf((self, other))
+
+    def __invert__(self) -> "Filter":
+        return _Not(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class pattern(Filter):  # noqa: N801 - lower case like a function, as axlearn's `pattern`
+    """Selects leaves whose path fully matches a regular expression.
+
+    Paths join the keys from the root with `/`: dict keys, sequence indices and
+    attribute names (NamedTuple fields, `eqx.Module` fields). The state of
+    `optax.chain(clip, adam)` has its first moments at `"1/0/mu/<param path>"`; inside
+    `offloaded` the paths are those of the inner state.
+
+    **Arguments:**
+
+    - `regex`: a regular expression, matched with `re.fullmatch` (axlearn's `pattern`
+        semantics), e.g. `".*/mu/.*"` or `".*(mu|nu)/.*"`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_offload
+        tree = {"mu": {"w": jnp.ones(3)}, "count": jnp.zeros((), "int32")}
+        out = eqx_offload.to_host(tree, where=eqx_offload.pattern("mu/.*"))
+        assert out["mu"]["w"].sharding.memory_kind == "pinned_host"
+        assert out["count"].sharding.memory_kind == "device"
+        ```
+    """
+
+    regex: str
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.regex)
+        except re.error as e:
+            raise WhereError(f"pattern(regex={self.regex!r}) is not a valid regular "
+                             f"expression: {e}.") from e
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return re.fullmatch(self.regex, path) is not None
+
+
+def nbytes(leaf: Any) -> int:
+    """Bytes of an array leaf (its global size, for a sharded array)."""
+    return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class min_bytes(Filter):  # noqa: N801
+    """Selects array leaves of at least `nbytes` bytes (torchao's `minimal_size`):
+    offloading a 4-byte step counter is pure overhead.
+
+    **Arguments:**
+
+    - `nbytes`: the smallest size, in bytes, of a leaf that is selected.
+    """
+
+    nbytes: int
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return eqx.is_array(leaf) and nbytes(leaf) >= self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class min_ndim(Filter):  # noqa: N801
+    """Selects array leaves with at least `ndim` dimensions. `min_ndim(1)` (every array
+    but 0-d scalars such as step counters) is the default of `offloaded`.
+
+    **Arguments:**
+
+    - `ndim`: the smallest number of dimensions of a leaf that is selected.
+    """
+
+    ndim: int
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return eqx.is_array(leaf) and leaf.ndim >= self.ndim
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllOf(Filter):
+    parts: tuple[Filter, ...]
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return all(p(leaf, path) for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AnyOf(Filter):
+    parts: tuple[Filter, ...]
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return any(p(leaf, path) for p in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Not(Filter):
+    part: Filter
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return not self.part(leaf, path)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return isinstance(x, bool) or (callable(x) and not isinstance(x, eqx.Module))
+
+
+def _one_level(tree: Any) -> tuple[Any, list[tuple[KeyPath, Any]]]:
+    """The node data of `tree`'s root and its children with their keys."""
+    children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    return treedef.node_data(), children
+
+
+def structure_divergence(
+    prefix: Any, tree: Any, is_leaf: Callable[[Any], bool] = lambda _: False
+) -> Optional[tuple[str, str]]:
+    """Where `prefix` stops being a pytree prefix of `tree`.
+
+    Returns `None` if it is a prefix (every `is_leaf` node of `prefix` stands on some
+    subtree of `tree`), else the path where they diverge and a description."""
+
+    def walk(a: Any, b: Any, path: KeyPath) -> Optional[tuple[str, str]]:
+        if is_leaf(a):
+            return None
+        a_data, a_children = _one_level(a)
+        b_data, b_children = _one_level(b)
+        if a_data is None and b_data is None:
+            return None
+        if a_data != b_data or len(a_children) != len(b_children):
+            return (
+                path_to_str(path) or "<root>",
+                f"{_describe(a)} where the tree has {_describe(b)}",
+            )
+        for (ka, ca), (_, cb) in zip(a_children, b_children):
+            found = walk(ca, cb, path + ka)
+            if found is not None:
+                return found
+        return None
+
+    return walk(prefix, tree, ())
+
+
+def _describe(node: Any) -> str:
+    data, children = _one_level(node)
+    if data is None:
+        return f"leaf {node!r}" if not eqx.is_array(node) else f"array {node.dtype}{list(node.shape)}"
+    kind, aux = data
+    name = getattr(kind, "__name__", str(kind))
+    if isinstance(node, dict):
+        return f"dict with keys {sorted(map(str, node))}"
+    return f"{name} with {len(children)} children"
+
+
+def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
+    """For each leaf of `jax.tree.leaves(tree)`: is it an array selected by `where`?"""
+
+    def expand(prefix: KeyPath, spec: Any, subtree: Any) -> Any:
+        if isinstance(spec, bool):
+            return jtu.tree_map(lambda x: spec and eqx.is_array(x), subtree)
+        if isinstance(spec, Filter):
+            return jtu.tree_map_with_path(
+                lambda p, x: eqx.is_array(x) and bool(spec(x, path_to_str(prefix + p))),
+                subtree,
+            )
+        if callable(spec) and not isinstance(spec, eqx.Module):
+            return jtu.tree_map(lambda x: eqx.is_array(x) and bool(spec(x)), subtree)
+        raise WhereError(
+            f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
+            "not a filter. A `where` is a bool, a callable on a leaf (such as "
+            "`eqx_offload.pattern(...)` or `eqx_offload.min_bytes(...)`), or a pytree "
+            "prefix of the tree with those at its leaves."
+        )
+
+    try:
+        mask_tree = jtu.tree_map_with_path(expand, where, tree, is_leaf=_is_spec_leaf)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, WhereError):
+            raise
+        found = structure_divergence(where, tree, _is_spec_leaf)
+        if found is None:
+            raise
+        path, what = found
+        raise WhereError(
+            f"{argument} is not a prefix of the tree: at path {path} it has {what}. "
+            "Build the spec from the tree itself (e.g. `jax.tree.map(lambda _: True, "
+            "tree)`), or use a callable such as `eqx_offload.pattern(...)`."
+        ) from e
+    return jtu.tree_leaves(mask_tree)
+
+
+def leaves_with_paths(tree: Any) -> tuple[Sequence[tuple[KeyPath, Any]], Any]:
+    """`jax.tree_util.tree_flatten_with_path`, named for this module's callers."""
+    return jtu.tree_flatten_with_path(tree)
+
+
+def is_traced(x: Any) -> bool:
+    """Whether `x` is a tracer (inside `jit`, `grad`, `vmap`, ...)."""
+    return isinstance(x, jax.core.Tracer)
