@@ -13,6 +13,7 @@ import numpy as np
 
 from ._memory import default_device
 from ._types import Donate
+from ._where import key_to_str
 
 
 _P = ParamSpec("_P")
@@ -52,10 +53,32 @@ class _Static:
         )
 
 
-def _input_sharding(leaf: Any) -> jax.sharding.Sharding:
-    if isinstance(leaf, jax.Array):
-        return leaf.sharding
-    return jax.sharding.SingleDeviceSharding(default_device())
+def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
+    """The sharding each argument leaf is compiled for.
+
+    A committed `jax.Array` keeps its own. An uncommitted one (e.g. `jnp.ones(3)`) or a
+    NumPy array goes where `jax.jit` would put it: replicated over the mesh of the
+    committed arguments, or onto their one device, in its own memory kind (a sharded
+    model called with a fresh batch must not fail with "incompatible devices")."""
+    committed = [x.sharding for x in leaves if isinstance(x, jax.Array) and x.committed]
+    meshes = [s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)]
+    devices = {d for s in committed for d in s.device_set}
+    result: list[jax.sharding.Sharding] = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and (leaf.committed or not committed):
+            result.append(leaf.sharding)
+            continue
+        kind = leaf.sharding.memory_kind if isinstance(leaf, jax.Array) else None
+        if meshes:
+            result.append(jax.sharding.NamedSharding(
+                meshes[0], jax.sharding.PartitionSpec(), memory_kind=kind))
+        elif len(devices) == 1:
+            result.append(jax.sharding.SingleDeviceSharding(next(iter(devices)), memory_kind=kind))
+        elif isinstance(leaf, jax.Array):
+            result.append(leaf.sharding)
+        else:
+            result.append(jax.sharding.SingleDeviceSharding(default_device()))
+    return result
 
 
 def _memory_kind_of(aval: Any, device: jax.Device) -> str:
@@ -64,16 +87,35 @@ def _memory_kind_of(aval: Any, device: jax.Device) -> str:
     return device.default_memory().kind
 
 
+def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _output_shardings(
-    out_avals: Sequence[Any], in_avals: Sequence[Any], in_shardings: Sequence[Any]
+    out_avals: Sequence[Any],
+    in_avals: Sequence[Any],
+    in_shardings: Sequence[Any],
+    out_paths: Optional[Sequence[tuple[str, ...]]] = None,
+    in_paths: Optional[Sequence[tuple[str, ...]]] = None,
 ) -> list[jax.sharding.Sharding]:
     """A concrete sharding with the right memory kind for every output.
 
     The memory kind comes from the traced program (`aval.memory_space`). The layout, in
     order of preference: the sharding an explicit-axes mesh gives the output; the
-    sharding of an input of the same shape and dtype (a training step returns new
-    params and state shaped like the old ones); replicated over the inputs' mesh; the
-    default device.
+    sharding of an input of the same shape (a training step returns new params and
+    state shaped like the old ones) -- of several, the one whose path in the arguments
+    ends like the output's path in the result (`(model, state)` in, `(model, state)`
+    out), then one of the same dtype; replicated over the inputs' mesh; the default
+    device.
+
+    (An `Auto`-axes mesh gives every traced value an all-`None` spec, so only an
+    explicit-axes mesh's spec is trusted: trusting the other would replicate every
+    model-parallel output.)
     """
     meshes = [s.mesh for s in in_shardings if isinstance(s, jax.sharding.NamedSharding)]
     mesh = meshes[0] if meshes else None
@@ -82,25 +124,41 @@ def _output_shardings(
     else:
         devices = [d for s in in_shardings for d in s.device_set]
         device = devices[0] if devices else default_device()
-    by_type: dict[tuple[Any, Any], list[jax.sharding.Sharding]] = {}
-    for aval, sharding in zip(in_avals, in_shardings):
-        by_type.setdefault((aval.shape, aval.dtype), []).append(sharding)
+    if in_paths is None:
+        in_paths = [()] * len(in_avals)
+    if out_paths is None:
+        out_paths = [()] * len(out_avals)
+    by_shape: dict[Any, list[tuple[Any, tuple[str, ...], jax.sharding.Sharding]]] = {}
+    for aval, path, in_sharding in zip(in_avals, in_paths, in_shardings):
+        by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
     result = []
-    for aval in out_avals:
+    for aval, out_path in zip(out_avals, out_paths):
         kind = _memory_kind_of(aval, device)
         abstract = getattr(aval, "sharding", None)
-        candidates = by_type.get((aval.shape, aval.dtype), [])
+        candidates = by_shape.get(aval.shape, [])
+        like_input = None
+        if candidates:
+            _, _, best = max(
+                candidates,  # of equal keys `max` keeps the first: the earliest input
+                key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
+            )
+            like_input = best.with_memory_kind(kind)
         if (
             mesh is not None
             and isinstance(abstract, jax.sharding.NamedSharding)
             and not abstract.mesh.empty
             and abstract.mesh.axis_names == mesh.axis_names
+            and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
         ):
             sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
                 mesh, abstract.spec, memory_kind=kind
             )
-        elif candidates:
-            sharding = candidates[0].with_memory_kind(kind)
+            # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
+            # spelling so the next call hits the cache.
+            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
+                sharding = like_input
+        elif like_input is not None:
+            sharding = like_input
         elif mesh is not None:
             sharding = jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec(), memory_kind=kind
@@ -130,22 +188,35 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
         ) from None
     cache: dict[Any, _Compiled] = {}
 
-    def compile_for(leaves: list[Any], static: Any, treedef: Any, donated: tuple[int, ...]) -> _Compiled:
+    def compile_for(
+        leaves: list[Any],
+        in_shardings: list[jax.sharding.Sharding],
+        static: Any,
+        treedef: Any,
+        donated: tuple[int, ...],
+    ) -> _Compiled:
         out_parts: list[Any] = []
+        out_paths: list[tuple[str, ...]] = []
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
             args, kwargs = eqx.combine(jtu.tree_unflatten(treedef, dynamic_leaves), static)
             out = fun(*args, **kwargs)
             dynamic_out, static_out = eqx.partition(out, eqx.is_array)
-            flat_out, out_treedef = jtu.tree_flatten(dynamic_out)
+            keyed_out, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
             out_parts[:] = [static_out, out_treedef]
-            return flat_out
+            out_paths[:] = [tuple(map(key_to_str, p)) for p, _ in keyed_out]
+            return [x for _, x in keyed_out]
 
-        in_shardings = [_input_sharding(x) for x in leaves]
         traced = jax.jit(flat_fun).trace(*leaves)
         in_avals = [jax.typeof(x) for x in leaves]
         out_avals = traced.jaxpr.out_avals
-        out_shardings = _output_shardings(out_avals, in_avals, in_shardings)
+        # An argument's path without the leading args/kwargs index: `(0, ...)` is the
+        # first positional argument, as `(0, ...)` is the first element of a tuple result.
+        in_paths = [
+            tuple(map(key_to_str, p[1:]))
+            for p, _ in jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, leaves))[0]
+        ]
+        out_shardings = _output_shardings(out_avals, in_avals, in_shardings, out_paths, in_paths)
         jitted = jax.jit(
             flat_fun,
             in_shardings=in_shardings,
@@ -163,12 +234,13 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
         donated = tuple(
             i for i in range(len(leaves)) if (donate_first if i < first else donate_rest)
         )
+        in_shardings = _input_shardings(leaves)
         key = (
             treedef,
             _Static(static),
             tuple(
-                (np.shape(x), np.result_type(x), getattr(x, "weak_type", False), _input_sharding(x))
-                for x in leaves
+                (np.shape(x), x.dtype, getattr(x, "weak_type", False), sharding)
+                for x, sharding in zip(leaves, in_shardings)
             ),
             donated,
         )
@@ -177,7 +249,7 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiled = cache.get(key)
             if compiled is None:
-                compiled = compile_for(leaves, static, treedef, donated)
+                compiled = compile_for(leaves, in_shardings, static, treedef, donated)
                 cache[key] = compiled
             flat_out = compiled.executable(*leaves)
         return eqx.combine(jtu.tree_unflatten(compiled.out_treedef, flat_out), compiled.out_static)

@@ -3,12 +3,12 @@
 import warnings
 from typing import Any, NamedTuple, Optional
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import optax
 
 from ._errors import NotATransformationError, StateError
+from ._jit import filter_jit
 from ._memory import check_host_kind
 from ._move import move
 from ._types import HostMemoryKind, Where
@@ -114,8 +114,10 @@ def offloaded(
 
     # Under `jit` the moment state is created it is sent to host, so XLA never holds
     # the whole state in device memory at once. `unpinned_host` is only reachable
-    # eagerly, so for it the jitted part stops at `inner.init`.
-    jitted_init = eqx.filter_jit(init_on_host if memory_kind == "pinned_host" else inner.init)
+    # eagerly, so for it the jitted part stops at `inner.init`. `filter_jit` (not
+    # `eqx.filter_jit`) gives each state leaf the sharding of the parameter it mirrors
+    # (same shape, matching path), so a sharded model gets a sharded state.
+    jitted_init = filter_jit(init_on_host if memory_kind == "pinned_host" else inner.init)
 
     def init_fn(params: optax.Params) -> OffloadedState:
         if any(is_traced(x) for x in jtu.tree_leaves(params)):
