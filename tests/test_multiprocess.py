@@ -1,0 +1,104 @@
+"""Offload on JAX's distributed runtime: two processes on 127.0.0.1, two CPU devices each.
+
+The processes run `tests/mp_worker.py` with an environment of their own (this test
+process has 8 CPU devices from `tests/conftest.py`; the workers must not inherit any of
+it), on a free port, and are killed if they outlive the time limit.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mp_worker
+
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+TIME_LIMIT = 180.0  # seconds for both processes together
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env() -> dict[str, str]:
+    """The parent's environment without any JAX/XLA setting (device counts, platforms,
+    flags), CPU only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_workers(tmp_path: Path, out: Path) -> None:
+    port = free_port()
+    procs, logs = [], []
+    try:
+        for i in range(2):
+            log = open(tmp_path / f"worker{i}.log", "w+b")
+            logs.append(log)
+            cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
+                   "--devices", "2", "--port", str(port)]
+            if i == 0:
+                cmd += ["--out", str(out)]
+            procs.append(subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=tmp_path))
+        deadline = time.monotonic() + TIME_LIMIT
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        timed_out = False
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                timed_out = True
+        text = []
+        for log in logs:
+            log.seek(0)
+            text.append(log.read().decode(errors="replace")[-4000:])
+            log.close()
+    report = "\n".join(f"--- worker {i} (exit {p.returncode}):\n{t}" for i, (p, t) in enumerate(zip(procs, text)))
+    assert not timed_out, f"killed after {TIME_LIMIT}s\n{report}"
+    assert all(p.returncode == 0 for p in procs), report
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "two_processes.npz"
+    run_workers(tmp_path, out)
+    two = dict(np.load(out))
+    assert int(two.pop("__num_processes__")) == 2
+    assert int(two.pop("__num_devices__")) == 4
+
+    # The same training in this process, on 4 of its 8 devices.
+    one = mp_worker.train()
+    assert int(one.pop("__num_processes__")) == 1
+    one.pop("__num_devices__")
+
+    # Between steps every moment was on host with its parameter's spec, the counter on
+    # the device, in both runs.
+    kinds = [str(k) for k in two.pop("__kinds__")]
+    assert kinds == [str(k) for k in one.pop("__kinds__")]
+    assert ".inner_state[0].count device P()" in kinds
+    assert ".inner_state[0].mu['w1'] pinned_host P(None, 'model')" in kinds
+    assert ".inner_state[0].nu['w2'] pinned_host P('model', None)" in kinds
+    assert sum("pinned_host" in k for k in kinds) == 8
+
+    assert sorted(two) == sorted(one)
+    for name in one:
+        assert two[name].dtype == one[name].dtype and two[name].shape == one[name].shape, name
+        # Bitwise: gloo's all-reduce of two 2-device halves adds in the same order here.
+        assert two[name].tobytes() == one[name].tobytes(), (name, two[name], one[name])
+    # And it trained: every parameter moved.
+    initial, _ = mp_worker.initial_values()
+    for k, v in initial.items():
+        assert not np.array_equal(one[f"[0]['{k}']"], v), k
