@@ -46,11 +46,17 @@ class Filter:
     def __call__(self, leaf: Any, path: str = "") -> bool:
         raise NotImplementedError
 
-    def __and__(self, other: "Filter") -> "Filter":
-        return _AllOf((self, other))
+    def __and__(self, other: Callable[[Any], bool]) -> "Filter":
+        return _AllOf((self, _as_filter(other))) if callable(other) else NotImplemented
 
-    def __or__(self, other: "Filter") -> "Filter":
-        return _AnyOf((self, other))
+    def __rand__(self, other: Callable[[Any], bool]) -> "Filter":
+        return _AllOf((_as_filter(other), self)) if callable(other) else NotImplemented
+
+    def __or__(self, other: Callable[[Any], bool]) -> "Filter":
+        return _AnyOf((self, _as_filter(other))) if callable(other) else NotImplemented
+
+    def __ror__(self, other: Callable[[Any], bool]) -> "Filter":
+        return _AnyOf((_as_filter(other), self)) if callable(other) else NotImplemented
 
     def __invert__(self) -> "Filter":
         return _Not(self)
@@ -133,6 +139,20 @@ class min_ndim(Filter):  # noqa: N801
 
 
 @dataclasses.dataclass(frozen=True)
+class _OnLeaf(Filter):
+    """A plain callable on a leaf (an Equinox filter) inside a combination."""
+
+    fn: Callable[[Any], Any]
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        return bool(self.fn(leaf))
+
+
+def _as_filter(f: Callable[[Any], Any]) -> Filter:
+    return f if isinstance(f, Filter) else _OnLeaf(f)
+
+
+@dataclasses.dataclass(frozen=True)
 class _AllOf(Filter):
     parts: tuple[Filter, ...]
 
@@ -199,11 +219,19 @@ def _describe(node: Any) -> str:
     data, children = _one_level(node)
     if data is None:
         return f"leaf {node!r}" if not eqx.is_array(node) else f"array {node.dtype}{list(node.shape)}"
+    if node is None:
+        return "None"
     kind, aux = data
     name = getattr(kind, "__name__", str(kind))
     if isinstance(node, dict):
         return f"dict with keys {sorted(map(str, node))}"
-    return f"{name} with {len(children)} children"
+    described = f"{name} with {len(children)} children"
+    if isinstance(node, eqx.Module):
+        static = {f.name: getattr(node, f.name, None) for f in dataclasses.fields(node)
+                  if f.metadata.get("static", False)}
+        if static:
+            described += f" and static fields {static}"
+    return described
 
 
 def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:

@@ -1,0 +1,66 @@
+"""Shared test helpers: bitwise pytree equality and memory-kind inspection.
+
+Kept small and stable; other test files import from here.
+"""
+
+from typing import Any, Optional
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from eqx_offload._where import path_to_str
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _bits(x: Any) -> bytes:
+    return np.ascontiguousarray(np.asarray(x)).tobytes()
+
+
+def tree_difference(a: Any, b: Any) -> Optional[str]:
+    """`None` if `a` and `b` are equal pytrees, else a description of the first difference.
+
+    Equal means: the same tree structure (including NamedTuple / `eqx.Module` types and
+    static fields); at every array leaf (JAX or NumPy, the two are interchangeable) the
+    same dtype, shape and bytes (so NaN payloads and -0.0 count); at every other leaf
+    the same type and `==`."""
+    leaves_a, def_a = jtu.tree_flatten_with_path(a)
+    leaves_b, def_b = jtu.tree_flatten_with_path(b)
+    if def_a != def_b:
+        return f"structures differ: {def_a} != {def_b}"
+    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+        where = path_to_str(path) or "<root>"
+        if _is_array(x) != _is_array(y):
+            return f"at {where}: {type(x).__name__} vs {type(y).__name__}"
+        if _is_array(x):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return f"at {where}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+            if _bits(x) != _bits(y):
+                return f"at {where}: values differ bitwise: {x!r} vs {y!r}"
+        elif type(x) is not type(y) or not (x is y or x == y):
+            return f"at {where}: {x!r} vs {y!r}"
+    return None
+
+
+def tree_equal(a: Any, b: Any) -> bool:
+    """Bitwise pytree equality (see `tree_difference`)."""
+    return tree_difference(a, b) is None
+
+
+def assert_tree_equal(a: Any, b: Any) -> None:
+    """Asserts bitwise pytree equality, naming the first leaf that differs."""
+    difference = tree_difference(a, b)
+    assert difference is None, difference
+
+
+def memory_kinds(tree: Any) -> dict[str, str]:
+    """`{path: memory kind}` for every `jax.Array` leaf of `tree` (paths as
+    `eqx_offload` writes them, `"<root>"` for a bare array)."""
+    return {
+        path_to_str(path) or "<root>": leaf.sharding.memory_kind
+        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
+        if isinstance(leaf, jax.Array)
+    }
