@@ -26,6 +26,8 @@ def default_device() -> jax.Device:
     configured = jax.config.jax_default_device
     if isinstance(configured, jax.Device):
         return configured
+    if isinstance(configured, str):  # a platform name: `jax.default_device("cpu")`
+        return jax.local_devices(backend=configured)[0]
     return jax.local_devices()[0]
 
 

@@ -1,8 +1,9 @@
 """`memory_report`: where the bytes of a pytree live."""
 
 import dataclasses
-from typing import Any
+from typing import Any, Union
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
@@ -32,8 +33,10 @@ class MemoryReport:
     - `by_kind`: bytes per memory kind (`"device"`, `"pinned_host"`, ...).
     - `leaves`: one `LeafMemory` per array leaf, in tree order.
 
-    `device_bytes` and `host_bytes` sum the device and host kinds. Sizes are global
-    (a sharded array counts once, at its full size). `str(report)` is a table.
+    `device_bytes` sums the device kinds and `host_bytes` the JAX host kinds
+    (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, in neither.
+    Sizes are global (a sharded array counts once, at its full size). `str(report)` is
+    a table.
     """
 
     by_kind: dict[str, int]
@@ -41,7 +44,7 @@ class MemoryReport:
 
     @property
     def device_bytes(self) -> int:
-        return sum(n for k, n in self.by_kind.items() if k not in _HOST_KINDS)
+        return sum(n for k, n in self.by_kind.items() if k not in _HOST_KINDS + ("numpy",))
 
     @property
     def host_bytes(self) -> int:
@@ -82,8 +85,9 @@ class _NullFile:
         pass
 
 
-def format_bytes(n: float) -> str:
-    """`1536` -> `"1.5 KiB"`."""
+def format_bytes(n: Union[int, float]) -> str:
+    """`1536` -> `"1.5 KiB"`. (`int` spelled out: beartype, unlike mypy, does not
+    accept an `int` for `float`.)"""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -128,7 +132,7 @@ def memory_report(tree: Any) -> MemoryReport:
     leaves = []
     by_kind: dict[str, int] = {}
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        if not eqx.is_array(leaf):  # tracers are `jax.Array`s too
             continue
         kind = _kind_of(leaf)
         size = nbytes(leaf)

@@ -1,0 +1,139 @@
+"""`memory_report`: bytes per memory kind and per leaf path, eagerly and under jit."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import eqx_offload
+from eqx_offload import LeafMemory, memory_report, MemoryReport, pattern
+from eqx_offload._report import format_bytes
+
+
+def _tree() -> dict[str, Any]:
+    return {
+        "mu": {"w": jnp.ones((64, 32)), "b": jnp.ones(32, jnp.bfloat16)},  # 8192 + 64 bytes
+        "count": jnp.zeros((), jnp.int32),  # 4 bytes
+        "np": np.ones(3, np.float32),  # 12 bytes
+        "name": "adam",
+        "none": None,
+        "lr": 1e-3,
+    }
+
+
+def test_by_kind_and_totals() -> None:
+    tree = _tree()
+    tree["unpinned"] = eqx_offload.to_host(jnp.ones(5, jnp.complex64), memory_kind="unpinned_host")
+    report = memory_report(eqx_offload.to_host(tree, where=pattern("mu/.*")))
+    assert isinstance(report, MemoryReport)
+    assert report.by_kind == {"pinned_host": 8192 + 64, "device": 4, "numpy": 12,
+                              "unpinned_host": 40}
+    assert report.device_bytes == 4
+    assert report.host_bytes == 8192 + 64 + 40
+    assert report.total_bytes == 8192 + 64 + 4 + 12 + 40
+
+
+def test_leaves() -> None:
+    report = memory_report(eqx_offload.to_host(_tree(), where=pattern("mu/w")))
+    # Tree order (dict keys sorted); non-array leaves are not listed.
+    assert report.leaves == (
+        LeafMemory("count", "device", 4, (), "int32"),
+        LeafMemory("mu/b", "device", 64, (32,), "bfloat16"),
+        LeafMemory("mu/w", "pinned_host", 8192, (64, 32), "float32"),
+        LeafMemory("np", "numpy", 12, (3,), "float32"),
+    )
+
+
+def test_optax_state_paths() -> None:
+    state = optax.chain(optax.clip(1.0), optax.adam(1e-3)).init({"layers": [{"weight": jnp.ones((4, 4))}]})
+    report = memory_report(eqx_offload.to_host(state, where=pattern(".*/(mu|nu)/.*")))
+    assert [(leaf.path, leaf.memory_kind) for leaf in report.leaves] == [
+        ("1/0/count", "device"),
+        ("1/0/mu/layers/0/weight", "pinned_host"),
+        ("1/0/nu/layers/0/weight", "pinned_host"),
+    ]
+    assert report.host_bytes == 2 * 64 and report.device_bytes == 4
+
+
+def test_bare_array_and_empty_tree() -> None:
+    report = memory_report(jnp.ones(4))
+    assert report.leaves == (LeafMemory("", "device", 16, (4,), "float32"),)
+    assert "<root>" in str(report)
+    empty = memory_report({"a": None, "b": "x"})
+    assert empty.by_kind == {} and empty.leaves == ()
+    assert empty.device_bytes == empty.host_bytes == empty.total_bytes == 0
+    assert "0 B" in str(empty)
+
+
+def test_sharded_counts_global_size() -> None:
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data", None)))
+    report = memory_report({"w": eqx_offload.to_host(x)})
+    assert report.by_kind == {"pinned_host": 128}
+    assert report.leaves[0].shape == (8, 4)
+
+
+def test_not_arrays_are_ignored() -> None:
+    """Things with a `shape` and a `dtype` that hold no memory are not counted."""
+    tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2)}
+    report = memory_report(tree)
+    assert [leaf.path for leaf in report.leaves] == ["x"]
+    assert report.total_bytes == 8
+
+
+def test_str_is_a_table() -> None:
+    tree = {"mu": jnp.ones((256, 256)), "count": jnp.zeros((), jnp.int32)}
+    text = str(memory_report(eqx_offload.to_host(tree, where=pattern("mu"))))
+    lines = text.splitlines()
+    assert "memory report" in lines[0]
+    header = next(line for line in lines if "path" in line)
+    for column in ("path", "shape", "dtype", "memory kind", "bytes"):
+        assert column in header
+    row = next(line for line in lines if " mu " in line)
+    for cell in ("[256, 256]", "float32", "pinned_host", "256.0 KiB"):
+        assert cell in row
+    row = next(line for line in lines if " count " in line)
+    for cell in ("[]", "int32", "device", "4 B"):
+        assert cell in row
+    total = next(line for line in lines if "total" in line)
+    assert "device: 4 B" in total and "pinned_host: 256.0 KiB" in total
+    assert not text.endswith("\n")
+
+
+def test_under_jit() -> None:
+    """Inside `jit` the leaves are tracers: the kind comes from their memory space."""
+    seen: list[MemoryReport] = []
+
+    @jax.jit
+    def step(tree: Any) -> Any:
+        moved = eqx_offload.to_host(tree, where=pattern("mu/.*"))
+        seen.append(memory_report(tree))
+        seen.append(memory_report(moved))
+        return moved
+
+    tree = {"mu": {"w": jnp.ones((8, 8))}, "count": jnp.zeros((), jnp.int32)}
+    out = step(tree)
+    before, after = seen
+    assert before.by_kind == {"device": 256 + 4}
+    assert after.by_kind == {"device": 4, "pinned_host": 256}
+    assert [(leaf.path, leaf.memory_kind) for leaf in after.leaves] == [
+        ("count", "device"), ("mu/w", "pinned_host")]
+    # The report made while tracing agrees with the result.
+    assert memory_report(out).by_kind == after.by_kind
+    # Host-resident inputs are seen as such while tracing.
+    seen.clear()
+    jax.jit(lambda t: seen.append(memory_report(t)) or t)(out)
+    assert seen[0].by_kind == {"device": 4, "pinned_host": 256}
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (4, "4 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+     (1 << 20, "1.0 MiB"), (5 << 30, "5.0 GiB"), (1 << 40, "1024.0 GiB")],
+)
+def test_format_bytes(n: int, text: str) -> None:
+    assert format_bytes(n) == text
