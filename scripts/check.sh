@@ -23,5 +23,8 @@ python -m mypy
 stage "pytype"
 python scripts/pytype_gate.py
 
+stage "mkdocs build --strict"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$(mktemp -d)"
+
 echo
 echo "all tests and gates passed"
