@@ -28,6 +28,11 @@ from ._report import (
     memory_report as memory_report,
     MemoryReport as MemoryReport,
 )
+from ._stream import (
+    Compute as Compute,
+    stream_plan as stream_plan,
+    StreamPlan as StreamPlan,
+)
 from ._types import (
     Donate as Donate,
     HostMemoryKind as HostMemoryKind,

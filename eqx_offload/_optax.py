@@ -11,6 +11,7 @@ from ._errors import NotATransformationError, StateError
 from ._jit import filter_jit
 from ._memory import check_host_kind
 from ._move import move
+from ._stream import Compute, check_options, host_update, streamed_update
 from ._types import HostMemoryKind, Where
 from ._where import is_traced, leaf_mask, min_ndim, path_to_str, structure_divergence
 
@@ -48,6 +49,8 @@ def offloaded(
     where: Where = DEFAULT_WHERE,
     *,
     memory_kind: HostMemoryKind = "pinned_host",
+    group_bytes: Optional[int] = None,
+    compute: Compute = "device",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that its state lives in host memory.
 
@@ -65,6 +68,17 @@ def offloaded(
         array except 0-d scalars, so step counters stay on the device (offloading 4
         bytes costs a transfer and saves nothing).
     - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
+    - `group_bytes`: stream the update (default `None`: bring the whole state to the
+        device at once). The state comes to the device one group of at most this many
+        bytes at a time, each group going back to host before the next comes in, so
+        the state's share of peak device memory is one group. A parameter's state is
+        never split; `0` streams one parameter at a time. Raises `CompositionError`
+        at the first `update` for optimizers that combine the new state of several
+        parameters (`apply_if_finite`, `MultiSteps`, a global norm after a stateful
+        transformation). See `eqx_offload.stream_plan` and the "Modes" docs page.
+    - `compute`: `"device"` (default) or `"host"`: run `inner.update` on the host CPU
+        (`jax.experimental.compute_on.compute_on("device_host")`), so the state never
+        comes to the device; gradients go to host and updates come back.
 
     **Returns:**
 
@@ -105,6 +119,7 @@ def offloaded(
             + hint
         )
     check_host_kind(memory_kind, "memory_kind")
+    check_options(group_bytes, compute)
     inner = optax.with_extra_args_support(inner)
     shapes: dict[Any, Any] = {}
     warned = [False]
@@ -196,8 +211,19 @@ def offloaded(
     ) -> tuple[optax.Updates, OffloadedState]:
         check_state(state, updates)
         warn_if_on_device(state.inner_state)
-        inner_state = move(state.inner_state, True, None, "to_device")
-        updates, inner_state = inner.update(updates, inner_state, params, **extra_args)
+        if compute == "host":
+            updates, inner_state = host_update(
+                inner, updates, state.inner_state, params, extra_args,
+                where=where, memory_kind=memory_kind,
+            )
+        elif group_bytes is not None:
+            updates, inner_state = streamed_update(
+                inner, updates, state.inner_state, params, extra_args,
+                group_bytes=int(group_bytes), memory_kind=memory_kind,
+            )
+        else:
+            inner_state = move(state.inner_state, True, None, "to_device")
+            updates, inner_state = inner.update(updates, inner_state, params, **extra_args)
         return updates, OffloadedState(move(inner_state, where, memory_kind, "memory_kind"))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
