@@ -6,7 +6,14 @@ Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 
 import importlib.metadata
 
+from ._checkpoint import (
+    abstract_init as abstract_init,
+    deserialise_filter_spec as deserialise_filter_spec,
+    host_shardings as host_shardings,
+    restore_target as restore_target,
+)
 from ._errors import (
+    CheckpointError as CheckpointError,
     CompositionError as CompositionError,
     MemoryKindError as MemoryKindError,
     NotATransformationError as NotATransformationError,

@@ -29,3 +29,8 @@ class NotATransformationError(OffloadError, TypeError):
 
 class CompositionError(OffloadError, ValueError):
     """A composition of optax combinators that cannot work with offloaded state."""
+
+
+class CheckpointError(OffloadError, ValueError):
+    """A checkpointed leaf that does not fit its restore target (another shape or dtype),
+    or a restore target that cannot be built."""

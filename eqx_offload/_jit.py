@@ -60,12 +60,17 @@ def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     NumPy array goes where `jax.jit` would put it: replicated over the mesh of the
     committed arguments, or onto their one device, in its own memory kind (a sharded
     model called with a fresh batch must not fail with "incompatible devices")."""
-    committed = [x.sharding for x in leaves if isinstance(x, jax.Array) and x.committed]
+    def is_committed(x: Any) -> bool:  # a `jax.ShapeDtypeStruct` with a sharding counts
+        return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and (
+            x.committed if isinstance(x, jax.Array) else x.sharding is not None
+        )
+
+    committed = [x.sharding for x in leaves if is_committed(x)]
     meshes = [s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)]
     devices = {d for s in committed for d in s.device_set}
     result: list[jax.sharding.Sharding] = []
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and (leaf.committed or not committed):
+        if is_committed(leaf) or (isinstance(leaf, jax.Array) and not committed):
             result.append(leaf.sharding)
             continue
         kind = leaf.sharding.memory_kind if isinstance(leaf, jax.Array) else None
