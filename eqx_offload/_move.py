@@ -71,7 +71,8 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
     if sources:
         for i, moved in zip(indices, jax.device_put(sources, destinations)):
             leaves[i] = moved
-    return jtu.tree_unflatten(treedef, leaves)
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
 
 
 def to_host(

@@ -3,7 +3,7 @@
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, cast, Optional
 
 import equinox as eqx
 import jax
@@ -103,7 +103,7 @@ class pattern(Filter):  # noqa: N801 - lower case like a function, as axlearn's 
 
 def nbytes(leaf: Any) -> int:
     """Bytes of an array leaf (its global size, for a sharded array)."""
-    return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return int(np.prod(leaf.shape, dtype=np.int64)) * int(np.dtype(leaf.dtype).itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,8 @@ def _describe(node: Any) -> str:
         return f"dict with keys {sorted(map(str, node))}"
     described = f"{name} with {len(children)} children"
     if isinstance(node, eqx.Module):
-        static = {f.name: getattr(node, f.name, None) for f in dataclasses.fields(node)
+        fields = dataclasses.fields(cast(Any, node))  # a Module is a dataclass
+        static = {f.name: getattr(node, f.name, None) for f in fields
                   if f.metadata.get("static", False)}
         if static:
             described += f" and static fields {static}"
@@ -238,15 +239,19 @@ def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
     """For each leaf of `jax.tree.leaves(tree)`: is it an array selected by `where`?"""
 
     def expand(prefix: KeyPath, spec: Any, subtree: Any) -> Any:
+        # (Each branch binds its own name: pytype does not narrow `spec` inside lambdas.)
         if isinstance(spec, bool):
-            return jtu.tree_map(lambda x: spec and eqx.is_array(x), subtree)
+            flag: bool = spec
+            return jtu.tree_map(lambda x: flag and eqx.is_array(x), subtree)
         if isinstance(spec, Filter):
+            path_filter: Filter = spec
             return jtu.tree_map_with_path(
-                lambda p, x: eqx.is_array(x) and bool(spec(x, path_to_str(prefix + p))),
+                lambda p, x: eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + p))),
                 subtree,
             )
         if callable(spec) and not isinstance(spec, eqx.Module):
-            return jtu.tree_map(lambda x: eqx.is_array(x) and bool(spec(x)), subtree)
+            leaf_filter: Callable[[Any], Any] = spec
+            return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
         raise WhereError(
             f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
             "not a filter. A `where` is a bool, a callable on a leaf (such as "

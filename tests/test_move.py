@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_equal, memory_kinds
-from hypothesis import given, Phase, settings
+from hypothesis import given, HealthCheck, Phase, settings
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
@@ -26,10 +26,11 @@ DTYPES = tuple(
     np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.bool_, jnp.complex64)
 )
 SHAPES = ((), (0,), (3,), (2, 0), (2, 3))
-SETTINGS = settings(max_examples=30, deadline=None)
+# Drawing an example puts arrays on devices: slow for Hypothesis' taste on a busy machine.
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Each example under jit compiles; shrinking a failure would take minutes, so report the
 # failing example as found.
-JIT_SETTINGS = settings(max_examples=25, deadline=None,
+JIT_SETTINGS = settings(SETTINGS, max_examples=25,
                         phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
