@@ -2,6 +2,7 @@
 host-resident state to."""
 
 import functools
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, ParamSpec, TypeVar, overload
@@ -10,7 +11,9 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.extend.core import jaxprs_in_params, Literal
 
+from ._errors import CompositionError
 from ._memory import default_device
 from ._types import Donate
 from ._where import key_to_str
@@ -174,6 +177,66 @@ def _output_shardings(
     return result
 
 
+# Primitives that may hold or pass along host-resident values without computing on them:
+# transfers, and the calls and control flow whose sub-jaxprs are checked in turn (XLA's
+# host offloader accepts these on host buffers).
+_PASS_THROUGH = frozenset({
+    "device_put", "copy", "copy_p", "jit", "pjit", "closed_call", "core_call",
+    "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "cond", "while",
+    "scan", "shard_map", "optimization_barrier",
+})
+_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jax.extend))
+
+
+def _where_in_source(eqn: Any) -> str:
+    """`" (at file:line in function)"` for the innermost frame outside JAX, or `""`."""
+    traceback = getattr(eqn.source_info, "traceback", None)
+    for frame in getattr(traceback, "frames", ()):
+        if not frame.file_name.startswith(_JAX_DIRS):
+            return f" (at {frame.file_name}:{frame.line_num} in {frame.function_name})"
+    return ""
+
+
+def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[str]:
+    """The first equation, at any depth, that computes on a host-memory value outside
+    `compute_on("device_host")`, described; `None` if there is none. (`outer_source`:
+    where the enclosing call is, for equations of a sub-jaxpr that lack their own.)"""
+    for eqn in jaxpr.eqns:
+        source = _where_in_source(eqn) or outer_source
+        if getattr(eqn.ctx, "compute_type", None) == "device_host":
+            continue
+        host = [
+            v.aval for v in (*eqn.invars, *eqn.outvars)
+            if not isinstance(v, Literal)
+            and getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+        ]
+        if host and eqn.primitive.name not in _PASS_THROUGH:
+            operands = ", ".join(dict.fromkeys(a.str_short() for a in host))
+            return f"`{eqn.primitive.name}` on {operands}{source}"
+        for sub in jaxprs_in_params(eqn.params):
+            found = _host_compute(sub, source)
+            if found is not None:
+                return found
+    return None
+
+
+def _check_no_host_compute(jaxpr: Any, fun: Callable[..., Any]) -> None:
+    found = _host_compute(jaxpr)
+    if found is None:
+        return
+    name = getattr(fun, "__qualname__", repr(fun))
+    raise CompositionError(
+        f"filter_jit({name}): the function computes on host-resident arrays: {found}. "
+        "Arrays that `offloaded` keeps in host memory may only be moved, never "
+        "computed on: on a GPU, XLA runs such an operation on the host (slowly) or "
+        "refuses to compile it. The usual cause is a combinator that computes on the "
+        "state of what it wraps, placed around `offloaded`: write "
+        "`offloaded(optax.MultiSteps(...))`, not `optax.MultiSteps(offloaded(...))` "
+        "(`offloaded` outermost is always safe). To compute on the host on purpose, "
+        "put that code under `jax.experimental.compute_on.compute_on(\"device_host\")`."
+    )
+
+
 class _Compiled:
     """One compiled configuration: the executable and how to rebuild the output."""
 
@@ -213,6 +276,7 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
             return [x for _, x in keyed_out]
 
         traced = jax.jit(flat_fun).trace(*leaves)
+        _check_no_host_compute(traced.jaxpr.jaxpr, fun)
         in_avals = [jax.typeof(x) for x in leaves]
         out_avals = traced.jaxpr.out_avals
         # An argument's path without the leading args/kwargs index: `(0, ...)` is the

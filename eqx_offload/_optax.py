@@ -1,7 +1,7 @@
 """`offloaded`: an optax transformation whose state lives in host memory between steps."""
 
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.tree_util as jtu
@@ -45,7 +45,7 @@ def _memory_space_of(leaf: Any) -> Optional[str]:
 
 
 def offloaded(
-    inner: optax.GradientTransformation,
+    inner: Union[optax.GradientTransformation, optax.MultiSteps],
     where: Where = DEFAULT_WHERE,
     *,
     memory_kind: HostMemoryKind = "pinned_host",
@@ -62,7 +62,8 @@ def offloaded(
     **Arguments:**
 
     - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a whole
-        `optax.chain(...)`.
+        `optax.chain(...)`, or an `optax.MultiSteps` (its `gradient_transformation()`
+        is used).
     - `where`: which leaves of the inner state to keep in host memory (see `to_host`;
         paths are those of the inner state). Default `eqx_offload.min_ndim(1)`: every
         array except 0-d scalars, so step counters stay on the device (offloading 4
@@ -85,10 +86,15 @@ def offloaded(
     An `optax.GradientTransformationExtraArgs` whose state is an `OffloadedState`.
     Extra arguments to `update` are passed to `inner`.
 
-    **Composition:** `offloaded` goes anywhere in an `optax.chain`, inside `masked`,
-    `multi_transform` and `inject_hyperparams`, and around any transformation or chain.
-    Combinators that compute on the state of what they wrap (`optax.MultiSteps`,
-    `optax.apply_if_finite`) belong *inside* it: `offloaded(optax.MultiSteps(...))`.
+    **Composition:** `offloaded` goes around any transformation or chain, anywhere in
+    an `optax.chain`, and inside `masked`, `multi_transform`, `inject_hyperparams`,
+    `apply_if_finite` and `optax.contrib.schedule_free` (they only pass its state
+    along). `optax.MultiSteps` computes on the state of what it wraps (a `jnp.where`
+    between the old and the new inner state), so it belongs *inside*:
+    `offloaded(optax.MultiSteps(...))`. The other order computes on host-resident
+    arrays (on a GPU, XLA runs that select on the host), and `eqx_offload.filter_jit`
+    rejects it with a `CompositionError`. Outermost is always safe, and it also
+    offloads the wrapper's own buffers (such as the `MultiSteps` accumulator).
 
     !!! Example
 
