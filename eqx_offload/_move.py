@@ -21,6 +21,15 @@ _T = TypeVar("_T")
 Destination = Union[jax.sharding.Sharding, jax.memory.Space]
 
 
+def _traced_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
+    return TracedMoveError(
+        f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
+        f"{path or '<root>'} is inside a trace): JAX's traced `device_put` only targets "
+        "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
+        "memory_kind='pinned_host' under `jit`, or call this eagerly."
+    )
+
+
 def _destination(
     leaf: Any, memory_kind: Optional[str], argument: str, path: str
 ) -> Optional[Destination]:
@@ -33,12 +42,7 @@ def _destination(
             return None if space == jax.memory.Space.Device else jax.memory.Space.Device
         if memory_kind == "pinned_host":
             return None if space == jax.memory.Space.Host else jax.memory.Space.Host
-        raise TracedMoveError(
-            f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
-            f"{path or '<root>'} is traced): JAX's traced `device_put` only targets "
-            "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
-            "memory_kind='pinned_host' under `jit`, or call this eagerly."
-        )
+        raise _traced_error(memory_kind, argument, path)
     if isinstance(leaf, jax.Array):
         sharding = leaf.sharding
         devices = sharding.addressable_devices
@@ -59,17 +63,24 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
     keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
     mask = leaf_mask(tree, where)
     leaves = [leaf for _, leaf in keyed_leaves]
-    indices, sources, destinations = [], [], []
+    indices, paths, sources, destinations = [], [], [], []
     for i, ((path, leaf), selected) in enumerate(zip(keyed_leaves, mask)):
         if not selected:
             continue
         destination = _destination(leaf, memory_kind, argument, path_to_str(path))
         if destination is not None:
             indices.append(i)
+            paths.append(path_to_str(path))
             sources.append(leaf)
             destinations.append(destination)
     if sources:
-        for i, moved in zip(indices, jax.device_put(sources, destinations)):
+        space = jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
+        for i, path, moved in zip(indices, paths, jax.device_put(sources, destinations)):
+            # A concrete array moved inside a trace (a constant closed over by a jitted
+            # function) comes back traced; JAX drops a memory kind it cannot express
+            # there ('unpinned_host') without a word, so check.
+            if is_traced(moved) and jax.typeof(moved).memory_space != space:
+                raise _traced_error(str(memory_kind), argument, path)
             leaves[i] = moved
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out

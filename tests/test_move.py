@@ -244,6 +244,20 @@ def test_unpinned_host_under_jit_raises(case: Any) -> None:
         _check_moved(tree, run(tree), selected, "unpinned_host", eager=False)
 
 
+def test_closed_over_constants_under_jit() -> None:
+    """A concrete array closed over by a jitted function is moved inside the trace too;
+    'unpinned_host', which JAX would silently drop there, raises."""
+    x = jnp.arange(3.0)
+    out = jax.jit(lambda: eqx_offload.to_host({"a": x, "n": np.ones(2, np.float32)}))()
+    assert memory_kinds(out) == {"a": "pinned_host", "n": "pinned_host"}
+    host = eqx_offload.to_host(x)
+    assert jax.jit(lambda: eqx_offload.to_device(host))().sharding.memory_kind == "device"
+    with pytest.raises(TracedMoveError, match="leaf a is inside a trace"):
+        jax.jit(lambda: eqx_offload.to_host({"a": x}, memory_kind="unpinned_host"))()
+    with pytest.raises(TracedMoveError, match="leaf <root> is inside a trace"):
+        jax.jit(lambda: eqx_offload.to_host(np.ones(2), memory_kind="unpinned_host"))()
+
+
 # --- every dtype and shape, explicitly -----------------------------------------------------
 
 
