@@ -5,21 +5,41 @@ lists and tuples (which include `NamedTuple`s such as `optax.ScaleByAdamState`) 
 """
 
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
 
 
 _T = TypeVar("_T")
 
-# A recursive alias. `tuple` covers every `NamedTuple` (optax states are NamedTuples),
-# which a dict-only nested type (axlearn's) could not express.
-Nested = Union[
-    _T,
-    dict[Any, "Nested[_T]"],
-    list["Nested[_T]"],
-    tuple["Nested[_T]", ...],
-]
+if TYPE_CHECKING:
+    # A recursive alias, for mypy and pytype. `tuple` covers every `NamedTuple` (optax
+    # states are NamedTuples), which a dict-only nested type (axlearn's) could not
+    # express.
+    Nested = Union[
+        _T,
+        dict[Any, "Nested[_T]"],
+        list["Nested[_T]"],
+        tuple["Nested[_T]", ...],
+    ]
+else:
+    # At run time (beartype through jaxtyping's import hook) the alias is the same union
+    # unrolled `_RUNTIME_DEPTH` levels deep, ending in `Any`. A string forward reference
+    # ("Nested[_T]") cannot be used here: it is resolved in the namespace of the
+    # function being checked (`eqx_offload._move`, or the user's module), where
+    # `Nested` is usually not defined, and jaxtyping then silently checks nothing
+    # (it replaces an annotation it cannot resolve by `Any`). Unrolled, `Nested[T]`
+    # substitutes `T` at every level, and beartype checks one random item per level.
+    # Two levels keep beartype's error message readable (it prints the whole union);
+    # deeper mistakes in a `where` are caught by `leaf_mask` (a `WhereError` with the
+    # path).
+    _RUNTIME_DEPTH = 2
+
+    def _unrolled(depth: int) -> Any:
+        inner = Any if depth == 1 else _unrolled(depth - 1)
+        return Union[_T, dict[Any, inner], list[inner], tuple[inner, ...]]
+
+    Nested = _unrolled(_RUNTIME_DEPTH)
 
 MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 """Every memory kind a JAX device may offer."""
@@ -33,10 +53,12 @@ Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 LeafFilter = Callable[[Any], bool]
 """A callable on one leaf, as in an Equinox filter spec."""
 
-WhereLeaf = Union[bool, LeafFilter]
-"""What may stand at a leaf of a `where` prefix tree."""
+WhereLeaf = Union[bool, LeafFilter, eqx.Module]
+"""What may stand at a leaf of a `where` prefix tree: a bool, a callable on a leaf, or an
+`eqx.Module` whose fields are those (a prefix built from a model)."""
 
-Where = Union[WhereLeaf, Nested[WhereLeaf], eqx.Module]
+Where = Nested[WhereLeaf]
 """An Equinox-style filter spec: a bool, a callable on a leaf (including the path-aware
 filters `pattern`, `min_bytes` and `min_ndim`), or a pytree prefix of the tree whose leaves
-are those. An `eqx.Module` prefix (e.g. built with `jax.tree.map` from a model) is allowed."""
+are those: dicts, lists, tuples and `eqx.Module`s (e.g. built with `jax.tree.map` from a
+model)."""
