@@ -23,6 +23,9 @@ python -m mypy
 stage "pytype"
 python scripts/pytype_gate.py
 
+stage "stub drift (typings/eqx_offload vs the package)"
+python scripts/stub_drift.py
+
 stage "mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$(mktemp -d)"
 

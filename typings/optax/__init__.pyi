@@ -71,19 +71,19 @@ class GradientTransformationExtraArgs(GradientTransformation):
 class EmptyState(NamedTuple): ...
 
 class ScaleByAdamState(NamedTuple):
-    count: ArrayLike
+    count: ArrayLike  # type: ignore[assignment]  # optax names the field `count`, shadowing tuple.count
     mu: Updates
     nu: Updates
 
 class ScaleByLionState(NamedTuple):
-    count: ArrayLike
+    count: ArrayLike  # type: ignore[assignment]  # optax names the field `count`, shadowing tuple.count
     mu: Updates
 
 class ScaleByRmsState(NamedTuple):
     nu: Updates
 
 class ScaleByScheduleState(NamedTuple):
-    count: ArrayLike
+    count: ArrayLike  # type: ignore[assignment]  # optax names the field `count`, shadowing tuple.count
 
 class TraceState(NamedTuple):
     trace: Params
@@ -101,7 +101,7 @@ class MultiTransformState(NamedTuple):
     inner_states: Mapping[Hashable, OptState]
 
 class InjectHyperparamsState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax names the field `count`, shadowing tuple.count
     hyperparams: dict[str, ArrayLike]
     inner_state: OptState
 

@@ -1,0 +1,152 @@
+# The public API of eqx_offload, for pytype users: put this repository's `typings/` on
+# pytype's `--pythonpath` (it also holds the stubs of jax, equinox, optax and jaxtyping
+# that these signatures refer to). mypy users need none of this: the package ships
+# `py.typed` (mypy reads its inline types; add `typings/mypy_path` to `mypy_path` for
+# optax).
+#
+# Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
+# check that every public name of `eqx_offload/__init__.py` is declared here).
+import dataclasses
+from collections.abc import Callable
+from typing import (
+    Any,
+    BinaryIO,
+    Literal,
+    NamedTuple,
+    Optional,
+    ParamSpec,
+    TypeVar,
+    Union,
+    overload,
+)
+
+import equinox as eqx
+import jax
+import optax
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+__version__: str
+
+# Types.
+Nested = Union[_T, dict[Any, "Nested[_T]"], list["Nested[_T]"], tuple["Nested[_T]", ...]]
+MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
+HostMemoryKind = Literal["pinned_host", "unpinned_host"]
+Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+Where = Nested[Union[bool, Callable[[Any], bool], eqx.Module]]
+Compute = Literal["device", "host"]
+
+# Errors.
+class OffloadError(Exception): ...
+class MemoryKindError(OffloadError, ValueError): ...
+class WhereError(OffloadError, ValueError): ...
+class TracedMoveError(OffloadError, ValueError): ...
+class StateError(OffloadError, TypeError): ...
+class NotATransformationError(OffloadError, TypeError): ...
+class CompositionError(OffloadError, ValueError): ...
+class CheckpointError(OffloadError, ValueError): ...
+
+# `where` filters.
+class Filter:
+    def __call__(self, leaf: Any, path: str = "") -> bool: ...
+    def __and__(self, other: Callable[[Any], bool]) -> Filter: ...
+    def __rand__(self, other: Callable[[Any], bool]) -> Filter: ...
+    def __or__(self, other: Callable[[Any], bool]) -> Filter: ...
+    def __ror__(self, other: Callable[[Any], bool]) -> Filter: ...
+    def __invert__(self) -> Filter: ...
+
+@dataclasses.dataclass(frozen=True)
+class pattern(Filter):
+    regex: str
+    def __post_init__(self) -> None: ...
+
+@dataclasses.dataclass(frozen=True)
+class min_bytes(Filter):
+    nbytes: int
+
+@dataclasses.dataclass(frozen=True)
+class min_ndim(Filter):
+    ndim: int
+
+# Moving trees.
+def to_host(tree: _T, where: Where = True, *, memory_kind: HostMemoryKind = "pinned_host") -> _T: ...
+def to_device(tree: _T, where: Where = True) -> _T: ...
+def supported_memory_kinds(device: Optional[jax.Device] = None) -> tuple[str, ...]: ...
+
+# Optax.
+class OffloadedState(NamedTuple):
+    inner_state: Any
+
+class OffloadWarning(UserWarning): ...
+
+def offloaded(
+    inner: Union[optax.GradientTransformation, optax.MultiSteps],
+    where: Where = ...,
+    *,
+    memory_kind: HostMemoryKind = "pinned_host",
+    group_bytes: Optional[int] = None,
+    compute: Compute = "device",
+) -> optax.GradientTransformationExtraArgs: ...
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    groups: tuple[tuple[str, ...], ...]
+    group_nbytes: tuple[int, ...]
+    prologue: tuple[str, ...]
+    resident: tuple[str, ...]
+    @property
+    def max_group_nbytes(self) -> int: ...
+    @property
+    def total_nbytes(self) -> int: ...
+
+def stream_plan(
+    inner: Any,
+    updates: Any,
+    inner_state: Any,
+    params: Any = None,
+    *,
+    group_bytes: int,
+    **extra_args: Any,
+) -> StreamPlan: ...
+
+# jit.
+@overload
+def filter_jit(
+    fun: None = None, *, donate: Donate = "none"
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+@overload
+def filter_jit(fun: Callable[_P, _T], *, donate: Donate = "none") -> Callable[_P, _T]: ...
+
+# Reports.
+@dataclasses.dataclass(frozen=True)
+class LeafMemory:
+    path: str
+    memory_kind: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    by_kind: dict[str, int]
+    leaves: tuple[LeafMemory, ...]
+    @property
+    def device_bytes(self) -> int: ...
+    @property
+    def host_bytes(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    def __rich__(self) -> Any: ...
+
+def memory_report(tree: Any) -> MemoryReport: ...
+
+# Checkpoints.
+def host_shardings(
+    tree: Any, where: Where = True, *, memory_kind: HostMemoryKind = "pinned_host"
+) -> Any: ...
+def restore_target(
+    tree: _T, where: Where = False, *, memory_kind: HostMemoryKind = "pinned_host"
+) -> _T: ...
+def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any: ...
+def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any: ...
