@@ -6,10 +6,12 @@ it), on a free port, and are killed if they outlive the time limit.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,17 +38,31 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_workers(tmp_path: Path, out: Path) -> None:
+def worker_commands(out: Path, port: int) -> list[list[str]]:
+    commands = []
+    for i in range(2):
+        cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
+               "--devices", "2", "--port", str(port)]
+        if i == 0:
+            cmd += ["--out", str(out)]
+        commands.append(cmd)
+    return commands
+
+
+def run_workers(tmp_path: Path, out: Path) -> list[str]:
+    return run_processes(tmp_path, lambda port: worker_commands(out, port))
+
+
+def run_processes(tmp_path: Path, commands: Callable[[int], list[list[str]]]) -> list[str]:
+    """Starts the processes (on a free port), waits for all of them at most
+    `TIME_LIMIT` seconds in total, kills what is left; asserts they all exited with 0.
+    Returns their output."""
     port = free_port()
     procs, logs = [], []
     try:
-        for i in range(2):
+        for i, cmd in enumerate(commands(port)):
             log = open(tmp_path / f"worker{i}.log", "w+b")
             logs.append(log)
-            cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
-                   "--devices", "2", "--port", str(port)]
-            if i == 0:
-                cmd += ["--out", str(out)]
             procs.append(subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
                                           cwd=tmp_path))
         deadline = time.monotonic() + TIME_LIMIT
@@ -69,6 +85,7 @@ def run_workers(tmp_path: Path, out: Path) -> None:
     report = "\n".join(f"--- worker {i} (exit {p.returncode}):\n{t}" for i, (p, t) in enumerate(zip(procs, text)))
     assert not timed_out, f"killed after {TIME_LIMIT}s\n{report}"
     assert all(p.returncode == 0 for p in procs), report
+    return text
 
 
 @pytest.mark.slow
@@ -102,3 +119,20 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     initial, _ = mp_worker.initial_values()
     for k, v in initial.items():
         assert not np.array_equal(one[f"[0]['{k}']"], v), k
+
+
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "multi-process.md"
+
+
+@pytest.mark.slow
+def test_documented_example(tmp_path: Path) -> None:
+    """The script of docs/multi-process.md (its one ```py block), as the page says to
+    run it: two processes, `python train_mp.py ID PORT`."""
+    blocks = re.findall(r"^```py\n(.*?)^```", DOCS_PAGE.read_text(), flags=re.S | re.M)
+    assert len(blocks) == 1, "docs/multi-process.md should hold exactly one ```py block"
+    script = tmp_path / "train_mp.py"
+    script.write_text(blocks[0])
+    out0, _ = run_processes(
+        tmp_path, lambda port: [[sys.executable, str(script), str(i), str(port)] for i in range(2)])
+    losses = [float(m) for m in re.findall(r"step \d: loss ([0-9.]+)", out0)]
+    assert len(losses) == 5 and losses[-1] < losses[0], out0
