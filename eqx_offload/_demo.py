@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -89,12 +89,12 @@ _lock = threading.Lock()
 _registered = [False]
 
 
-def _on_event(event: str, duration: float, **_: Any) -> None:
+def _on_event(event: str, duration_secs: float, **kwargs: Union[str, int]) -> None:
     if event not in _TRACE_EVENTS:
         return
     with _lock:
         for counter in _active:
-            counter.seconds += duration
+            counter.seconds += duration_secs
             if event == _COMPILE_EVENT:
                 counter.count += 1
 
@@ -131,7 +131,8 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     leaf (so `0.0` and `-0.0` differ and two identical NaNs are equal, unlike `==`)."""
     la, ta = jax.tree.flatten(eqx.filter(a, eqx.is_array))
     lb, tb = jax.tree.flatten(eqx.filter(b, eqx.is_array))
-    if ta != tb or len(la) != len(lb):
+    # (Structures compared by their text, which names every node type and key.)
+    if str(ta) != str(tb) or len(la) != len(lb):
         return False
     for x, y in zip(la, lb):
         x, y = np.asarray(x), np.asarray(y)
