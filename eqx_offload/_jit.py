@@ -203,7 +203,8 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[str]:
     where the enclosing call is, for equations of a sub-jaxpr that lack their own.)"""
     for eqn in jaxpr.eqns:
         source = _where_in_source(eqn) or outer_source
-        if getattr(eqn.ctx, "compute_type", None) == "device_host":
+        if "device_host" in (getattr(eqn.ctx, "compute_type", None),
+                             eqn.params.get("compute_type")):  # `compute_on`, `compute_on2`
             continue
         host = [
             v.aval for v in (*eqn.invars, *eqn.outvars)

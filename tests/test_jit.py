@@ -364,3 +364,15 @@ def test_scan_over_steps_with_host_state():
     assert_tree_equal(p_off, p_ref)
     assert_tree_equal(s_off.inner_state, s_ref)
     assert _kinds(s_off) == _expected_state_kinds(s_off)
+
+
+def test_host_compute_under_compute_on2_is_allowed():
+    from jax.experimental.compute_on import compute_on2
+
+    double = compute_on2(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+        lambda x: x * 2
+    )
+    host = jax.device_put(jnp.arange(3.0), jax.memory.Space.Host)
+    out = eqx_offload.filter_jit(double)(host)
+    assert out.sharding.memory_kind == "pinned_host"
+    assert_tree_equal(jax.device_put(out, jax.memory.Space.Device), jnp.arange(3.0) * 2)
