@@ -364,6 +364,15 @@ def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "no
 
     The compiled version of `fun`.
 
+    **Raises:**
+
+    `CompositionError` at the first call if `fun` computes on a host-resident array
+    (anything but moving it, passing it through a call, `cond`, `while` or `scan`)
+    outside `jax.experimental.compute_on.compute_on("device_host")`: on a GPU, XLA
+    would run that on the host or refuse to compile it. The usual cause is a combinator
+    that computes on the state of what it wraps placed around `offloaded`, such as
+    `optax.MultiSteps(offloaded(...))`; the message names the operation and where it is.
+
     !!! Example
 
         ```python
