@@ -62,7 +62,7 @@ Compute = Literal["device", "host"]
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def check_options(group_bytes: Optional[int], compute: object) -> None:
+def check_options(group_bytes: object, compute: object) -> None:
     """Validate the `group_bytes` and `compute` arguments of `offloaded`."""
     if compute not in ("device", "host"):
         raise ValueError(f"offloaded(compute={compute!r}): compute must be 'device' or 'host'.")
@@ -401,17 +401,21 @@ def _run(traced: _Traced, schedule: _Schedule, memory_kind: str) -> tuple[Any, A
 
     def run_stage(stage: int, barrier_with: list[int]) -> list[int]:
         js = schedule.stage_eqns[stage]
+        read = {v for j in js for v in eqns[j].invars if not isinstance(v, jex.Literal)}
         if stage > 0:
             # The barrier: this group's state (still on host) waits for every output of
             # the previous group (its new state already sent to host, its updates).
-            incoming = [v for v, g in group_invars.items() if g == stage]
+            incoming = [v for v, g in group_invars.items() if g == stage and v in read]
             carried, state = jax.lax.optimization_barrier(
                 ([out_val[k] for k in barrier_with], [env[v] for v in incoming])
             )
             out_val.update(zip(barrier_with, carried))
             env.update(zip(incoming, state))
         else:
+            # Offloaded scalars: every group may read them, so they come in first.
+            anywhere = {v for e in eqns for v in e.invars if not isinstance(v, jex.Literal)}
             incoming = [state_invars[i] for i in schedule.prologue_leaves]
+            incoming = [v for v in incoming if v in anywhere]
         env.update(zip(incoming, move([env[v] for v in incoming], True, None, "to_device")))
         for j in js:
             eqn = eqns[j]
@@ -465,11 +469,44 @@ def streamed_update(
 ) -> tuple[Any, Any]:
     """`inner.update`, with the offloaded state brought to the device one group at a
     time. Returns the updates and the new inner state (offloaded leaves in host memory).
+
+    Streaming is a property of one compiled program, so an eager call (no argument
+    traced) is compiled: op-by-op execution would bound nothing. Its results are then
+    those of `jax.jit(inner.update)`.
     """
+    leaves = jtu.tree_leaves((updates, inner_state, params, extra_args))
+    if not any(is_traced(x) for x in leaves):
+        return _streamed_jit(inner, updates, inner_state, params, extra_args, group_bytes)
+    return _streamed(inner, updates, inner_state, params, extra_args, group_bytes, memory_kind)
+
+
+def _streamed(
+    inner: Any,
+    updates: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+    group_bytes: int,
+    memory_kind: str,
+) -> tuple[Any, Any]:
     traced = _trace(inner, updates, inner_state, params, extra_args)
     _check_effects(traced)
     schedule = _schedule(traced, group_bytes)
     return _run(traced, schedule, memory_kind)
+
+
+@eqx.filter_jit
+def _streamed_jit(
+    inner: Any,
+    updates: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+    group_bytes: int,
+) -> tuple[Any, Any]:
+    # Under `jit` only pinned_host is reachable; `offloaded` moves the new state on to
+    # `unpinned_host` afterwards, eagerly, if that is its memory kind.
+    return _streamed(inner, updates, inner_state, params, extra_args, group_bytes, "pinned_host")
 
 
 def stream_plan(
@@ -584,7 +621,14 @@ def host_update(
     updates in device memory and the new inner state with the leaves selected by `where`
     in `memory_kind` and the others in device memory."""
     traced = _trace(inner, updates, inner_state, params, extra_args)
-    args = move(traced.flat_args, True, "pinned_host", "compute='host'")
+    # Only what the update reads goes to host (Adam never reads the parameters).
+    read = {v for e in traced.jaxpr.eqns for v in e.invars if not isinstance(v, jex.Literal)}
+    read |= {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    used = [i for i, v in enumerate(traced.jaxpr.invars) if v in read]
+    args = list(traced.flat_args)
+    moved = move([args[i] for i in used], True, "pinned_host", "compute='host'")
+    for i, x in zip(used, moved):
+        args[i] = x
 
     def run(*leaves: Any) -> list[Any]:
         return _eval_on_host(traced.jaxpr, traced.consts, leaves)
@@ -600,3 +644,30 @@ def host_update(
     others = jtu.tree_unflatten(treedef, [not s for s in selected])
     new_state = move(new_state, others, None, "to_device")
     return new_updates, new_state
+
+
+# ----------------------------------------------------------------------------------------
+# For the benchmark and bench/gpu_peak.py
+
+BENCH_MODES: tuple[str, ...] = ("streamed", "host_compute")
+"""The benchmark columns this module adds, next to `baseline`, `manual` and
+`eqx_offload`."""
+
+
+def bench_transformation(mode: str, optimizer: Any) -> Any:
+    """The transformation that the benchmark column `mode` measures.
+
+    - `"streamed"`: `offloaded(optimizer, group_bytes=0)`: one parameter's state on the
+        device at a time, the finest grouping, which shows the bound most clearly.
+    - `"host_compute"`: `offloaded(optimizer, compute="host")`.
+
+    Used by `eqx_offload/_bench.py` and `bench/gpu_peak.py`, so that both measure the
+    same thing.
+    """
+    from ._optax import offloaded  # here, because _optax imports this module
+
+    if mode == "streamed":
+        return offloaded(optimizer, group_bytes=0)
+    if mode == "host_compute":
+        return offloaded(optimizer, compute="host")
+    raise ValueError(f"bench_transformation: mode {mode!r} is not one of {BENCH_MODES}.")

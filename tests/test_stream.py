@@ -1,0 +1,433 @@
+"""The streamed update (`offloaded(..., group_bytes=N)`) and the host-compute update
+(`offloaded(..., compute="host")`): bitwise equality with the unwrapped optimizer, memory
+kinds, the grouped structure of the compiled program, and what is rejected."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jaxtyping import TypeCheckError
+
+import eqx_offload
+from eqx_offload._stream import bench_transformation, BENCH_MODES, check_options
+
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def committed(x: Any) -> jax.Array:
+    """On the default device, committed: then the first and later calls of a jitted
+    update share one executable (an uncommitted first argument compiles twice)."""
+    return jax.device_put(np.asarray(x, np.float32), jax.devices()[0])
+
+
+def make_params() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "embed": committed(rng.standard_normal((48, 16))),
+        "layer": {"w": committed(rng.standard_normal((16, 8))), "b": committed(rng.standard_normal(8))},
+        "scale": committed(0.5),  # a 0-d parameter: its moments are 0-d too
+    }
+
+
+def make_grads(params: Any, step: int) -> Any:
+    rng = np.random.default_rng(100 + step)
+    return jax.tree.map(lambda x: committed(rng.standard_normal(jnp.shape(x)) * 0.1), params)
+
+
+def decay_mask(params: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.ndim(x) > 1, params)
+
+
+# Per-leaf transformations (and combinations with a global statistic of the gradients,
+# which needs no state): all must stream and run on host, bitwise.
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-3),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: optax.rmsprop(1e-3),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "nadam": lambda: optax.nadam(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "clip_then_adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), optax.adamw(1e-2, mask=decay_mask)
+    ),
+    "schedule_adam": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+}
+
+MODES: dict[str, dict[str, Any]] = {
+    "streamed_per_param": {"group_bytes": 0},
+    "streamed_4KiB": {"group_bytes": 4096},
+    "host_compute": {"compute": "host"},
+}
+
+
+def raw(x: Any) -> np.ndarray:
+    """The bits of an array, wherever it lives."""
+    a = np.atleast_1d(np.asarray(jax.device_get(x)))
+    return a.view(np.uint8) if a.dtype != np.bool_ else a
+
+
+def assert_tree_bitwise(a: Any, b: Any) -> None:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        assert jnp.shape(x) == jnp.shape(y) and jnp.result_type(x) == jnp.result_type(y)
+        assert np.array_equal(raw(x), raw(y))
+
+
+def assert_offloaded_kinds(state: eqx_offload.OffloadedState) -> None:
+    """Every array leaf with at least one dimension in pinned_host, 0-d leaves on device."""
+    leaves = jax.tree.leaves(state.inner_state)
+    assert leaves
+    for leaf in leaves:
+        kind = leaf.sharding.memory_kind
+        assert kind == ("pinned_host" if leaf.ndim else "device"), (leaf.shape, kind)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bitwise_equal_to_unwrapped(name: str, mode: str) -> None:
+    params = make_params()
+    ref = OPTIMIZERS[name]()
+    opt = eqx_offload.offloaded(OPTIMIZERS[name](), **MODES[mode])
+    ref_state = jax.device_put(ref.init(params), jax.devices()[0])  # committed, as `state`
+    state = opt.init(params)
+    assert_offloaded_kinds(state)
+    ref_update = jax.jit(ref.update)
+    update = jax.jit(opt.update)
+    for step in range(2):
+        grads = make_grads(params, step)
+        ref_updates, ref_state = ref_update(grads, ref_state, params)
+        updates, state = update(grads, state, params)
+        assert_tree_bitwise(updates, ref_updates)
+        assert_tree_bitwise(state.inner_state, ref_state)
+        assert_offloaded_kinds(state)
+        assert {u.sharding.memory_kind for u in jax.tree.leaves(updates)} == {"device"}
+        params = optax.apply_updates(params, updates)
+    assert update._cache_size() == ref_update._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------- rejected
+
+REJECTED_STREAMING: dict[str, Callable[[], Any]] = {
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "clip_after_adam": lambda: optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(REJECTED_STREAMING))
+def test_streaming_rejects_coupled_state(name: str) -> None:
+    params = make_params()
+    opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), group_bytes=0)
+    state = opt.init(params)
+    with pytest.raises(eqx_offload.CompositionError, match="cannot be streamed") as info:
+        jax.jit(opt.update)(make_grads(params, 0), state, params)
+    message = str(info.value)
+    assert "couples the state of" in message and "the coupling is made by `" in message
+    # The same optimizer still works, bitwise, without streaming.
+    plain = eqx_offload.offloaded(REJECTED_STREAMING[name]())
+    jax.jit(plain.update)(make_grads(params, 0), plain.init(params), params)
+
+
+@pytest.mark.parametrize("name", ["apply_if_finite", "multi_steps"])
+def test_host_compute_rejects_control_flow_on_state(name: str) -> None:
+    params = make_params()
+    opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), compute="host")
+    state = opt.init(params)
+    with pytest.raises(eqx_offload.CompositionError, match="`cond` at"):
+        jax.jit(opt.update)(make_grads(params, 0), state, params)
+
+
+def test_streaming_rejects_side_effects() -> None:
+    def print_update(updates: Any, state: Any, params: Any = None) -> Any:
+        jax.debug.print("{}", jax.tree.leaves(updates)[0].sum())
+        return updates, state
+
+    opt = eqx_offload.offloaded(
+        optax.chain(optax.adam(1e-2), optax.GradientTransformation(lambda p: optax.EmptyState(), print_update)),
+        group_bytes=0,
+    )
+    params = make_params()
+    with pytest.raises(eqx_offload.CompositionError, match="side effects"):
+        jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"compute": "gpu"}, ValueError, "compute must be 'device' or 'host'"),
+        ({"group_bytes": -1}, ValueError, ">= 0"),
+        ({"group_bytes": 1.5}, TypeError, "must be an int"),
+        ({"group_bytes": True}, TypeError, "must be an int"),
+        ({"group_bytes": 0, "compute": "host"}, ValueError, "exclude each other"),
+    ],
+)
+def test_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
+    options = {"group_bytes": None, "compute": "device", **kwargs}
+    with pytest.raises(error, match=match):
+        check_options(options["group_bytes"], options["compute"])
+    # `offloaded` runs the same check; under the test suite's runtime type checking a
+    # value outside the annotated type is refused one step earlier, by jaxtyping.
+    with pytest.raises((error, TypeCheckError)):
+        eqx_offload.offloaded(optax.adam(1e-3), **kwargs)
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+def test_stream_plan_groups() -> None:
+    params = {f"p{i}": committed(np.ones((16, 16))) for i in range(4)}  # adam state: 2 KiB each
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0)
+    inner_state = opt.init(params).inner_state
+
+    def plan(group_bytes: int) -> eqx_offload.StreamPlan:
+        return eqx_offload.stream_plan(
+            optax.adam(1e-3), params, inner_state, params, group_bytes=group_bytes
+        )
+
+    finest = plan(0)
+    assert finest.groups == tuple((f"0/mu/p{i}", f"0/nu/p{i}") for i in range(4))
+    assert finest.group_nbytes == (2048,) * 4
+    assert finest.max_group_nbytes == 2048 and finest.total_nbytes == 8192
+    assert finest.prologue == () and finest.resident == ("0/count",)
+    pairs = plan(4096)
+    assert pairs.groups == (
+        ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"),
+        ("0/mu/p2", "0/mu/p3", "0/nu/p2", "0/nu/p3"),
+    )
+    assert plan(4095).group_nbytes == (2048,) * 4
+    assert plan(1 << 30).group_nbytes == (8192,)
+
+
+def test_plan_prologue_when_counter_is_offloaded() -> None:
+    params = make_params()
+    opt = eqx_offload.offloaded(optax.adam(1e-2), where=True, group_bytes=0)
+    state = opt.init(params)
+    assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
+    plan = eqx_offload.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
+    assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue
+    ref = optax.adam(1e-2)
+    ref_state = ref.init(params)
+    for step in range(2):
+        grads = make_grads(params, step)
+        ref_updates, ref_state = jax.jit(ref.update)(grads, ref_state)
+        updates, state = jax.jit(opt.update)(grads, state)
+        assert_tree_bitwise(updates, ref_updates)
+        assert_tree_bitwise(state.inner_state, ref_state)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
+
+
+# ---------------------------------------------------------------------------------- the structure
+
+def _events(text: str) -> list[tuple[str, str, list[str]]]:
+    """The transfers and barriers of the `main` function of a StableHLO module, in
+    program order: (kind, result, operands)."""
+    main = text[text.index("func.func public @main"):]
+    main = main[: main.index("\n  }")]
+    events = []
+    for line in main.splitlines():
+        barrier = re.match(r"\s*(%[\w]+)(?::\d+)? = stablehlo\.optimization_barrier (.*?) :", line)
+        if barrier:
+            events.append(("barrier", barrier.group(1), barrier.group(2).split(", ")))
+            continue
+        move = re.match(
+            r"\s*(%[\w]+) = stablehlo\.custom_call @annotate_device_placement\(([^)]*)\).*"
+            r'_xla_buffer_placement = "(\w+)"',
+            line,
+        )
+        if move:
+            kind = "to_device" if move.group(3) == "device" else "to_host"
+            events.append((kind, move.group(1), [move.group(2)]))
+    return events
+
+
+def _lower_for_gpu(opt: Any, params: Any) -> str:
+    """The update's StableHLO as it is lowered for a CUDA GPU (no GPU needed): on the CPU
+    backend `device_put` between memories lowers to nothing, on GPU and TPU to the
+    `annotate_device_placement` custom calls that XLA turns into transfers."""
+    state = opt.init(params)
+    grads = make_grads(params, 0)
+    traced = jax.jit(opt.update).trace(grads, state, params)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_streamed_program_moves_one_group_at_a_time() -> None:
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0)
+    events = _events(_lower_for_gpu(opt, params))
+    kinds = [kind for kind, _, _ in events]
+    # group g in (mu, nu), group g out, then the barrier that lets group g + 1 in
+    assert kinds == ["barrier", "to_device", "to_device", "to_host", "to_host"] * 4
+    barriers = [i for i, (kind, _, _) in enumerate(events) if kind == "barrier"]
+    for g, b in enumerate(barriers):
+        name, operands = events[b][1], events[b][2]
+        # what comes to the device is what passed through this group's barrier ...
+        for kind, _, (operand,) in events[b + 1 : b + 3]:
+            assert operand.startswith(name + "#"), (g, operand, name)
+        # ... and the barrier waits on the previous group's state, already on host
+        if g > 0:
+            sent_back = {result for _, result, _ in events[b - 2 : b]}
+            assert sent_back <= set(operands), (g, sent_back, operands)
+        # the group's own state enters the barrier straight from the arguments (host)
+        assert sum(op.startswith("%arg") for op in operands) == 2
+
+
+def test_default_program_moves_the_whole_state_at_once() -> None:
+    """The contrast: without `group_bytes` every state leaf comes in before any goes out."""
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
+    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(eqx_offload.offloaded(optax.adam(1e-3)), params))]
+    assert kinds == ["to_device"] * 8 + ["to_host"] * 8
+
+
+def test_grouping_follows_group_bytes_in_the_program() -> None:
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}  # 8 KiB of state each
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=16 * 1024)
+    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(opt, params))]
+    assert kinds == (["barrier"] + ["to_device"] * 4 + ["to_host"] * 4) * 2
+
+
+def test_host_compute_program_keeps_the_state_on_host() -> None:
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(2)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3), compute="host")
+    text = _lower_for_gpu(opt, params)
+    assert '_xla_compute_type = "host"' in text
+    events = _events(text)
+    # gradients (and the step counter) go to host; only the updates come back
+    to_device = [ev for ev in events if ev[0] == "to_device"]
+    to_host = [ev for ev in events if ev[0] == "to_host"]
+    assert len(to_device) == 2 and len(to_host) == 3
+    assert all(operand.startswith("%arg") for _, _, (operand,) in to_host)
+    assert not any(operand.startswith("%arg") for _, _, (operand,) in to_device)
+
+
+# ---------------------------------------------------------------------------------- use
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_training_step_with_filter_jit_donation(mode: str) -> None:
+    model = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (8,))
+
+    def make_step(opt: Any) -> Callable[..., Any]:
+        def step(model: Any, state: Any) -> Any:
+            grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        return step
+
+    ref_opt = optax.adamw(1e-2)
+    ref_model = jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)
+    ref_state = ref_opt.init(eqx.filter(ref_model, eqx.is_array))
+    ref_step = eqx.filter_jit(make_step(ref_opt))
+    opt = eqx_offload.offloaded(optax.adamw(1e-2), **MODES[mode])
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    step = eqx_offload.filter_jit(make_step(opt), donate="all")
+    for _ in range(2):
+        donated = jax.tree.leaves(state)
+        model, state = step(model, state)
+        assert all(leaf.is_deleted() for leaf in donated)
+        ref_model, ref_state = ref_step(ref_model, ref_state)
+        assert_tree_bitwise(eqx.filter(model, eqx.is_array), eqx.filter(ref_model, eqx.is_array))
+        assert_tree_bitwise(state.inner_state, ref_state)
+        assert_offloaded_kinds(state)
+    assert step._cache_size() == 1  # type: ignore[attr-defined]  # filter_jit's introspection
+
+
+@pytest.mark.parametrize("memory_kind", HOST_KINDS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_eager_update_is_the_jitted_update(mode: str, memory_kind: str) -> None:
+    """Outside `jit` the streamed update is compiled (op by op it would bound nothing),
+    so it equals `jax.jit(inner.update)`; the state lands in `memory_kind`."""
+    params = make_params()
+    grads = make_grads(params, 0)
+    ref_updates, ref_state = jax.jit(optax.nadam(1e-2).update)(grads, optax.nadam(1e-2).init(params))
+    opt = eqx_offload.offloaded(optax.nadam(1e-2), memory_kind=memory_kind, **MODES[mode])
+    updates, state = opt.update(grads, opt.init(params))
+    assert_tree_bitwise(updates, ref_updates)
+    assert_tree_bitwise(state.inner_state, ref_state)
+    for leaf in jax.tree.leaves(state.inner_state):
+        assert leaf.sharding.memory_kind == (memory_kind if leaf.ndim else "device")
+
+
+def test_sharded_state_keeps_its_sharding() -> None:
+    mesh = jax.make_mesh((4,), ("x",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    params = {
+        "a": jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 100, spec),
+        "b": jax.device_put(jnp.ones((16,)), spec),
+    }
+    ref_updates, ref_state = jax.jit(optax.adam(1e-2).update)(params, optax.adam(1e-2).init(params))
+    for mode in MODES.values():
+        opt = eqx_offload.offloaded(optax.adam(1e-2), **mode)
+        updates, state = jax.jit(opt.update)(params, opt.init(params))
+        assert_tree_bitwise(updates, ref_updates)
+        assert_tree_bitwise(state.inner_state, ref_state)
+        for leaf in (state.inner_state[0].mu["a"], state.inner_state[0].nu["b"]):
+            assert leaf.sharding.memory_kind == "pinned_host"
+            assert leaf.sharding.spec[0] == "x"
+
+
+def test_extra_args_reach_the_inner_update() -> None:
+    def scale_by_arg() -> optax.GradientTransformationExtraArgs:
+        def update(updates: Any, state: Any, params: Any = None, *, factor: Any) -> Any:
+            return jax.tree.map(lambda u: u * factor, updates), state
+
+        return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+    params = make_params()
+    grads = make_grads(params, 0)
+    ref = optax.chain(optax.adam(1e-2), scale_by_arg())
+    ref_updates, _ = jax.jit(ref.update)(grads, ref.init(params), params, factor=jnp.float32(3.0))
+    for mode in MODES.values():
+        opt = eqx_offload.offloaded(optax.chain(optax.adam(1e-2), scale_by_arg()), **mode)
+        updates, _ = jax.jit(opt.update)(grads, opt.init(params), params, factor=jnp.float32(3.0))
+        assert_tree_bitwise(updates, ref_updates)
+
+
+def test_bench_transformation() -> None:
+    assert BENCH_MODES == ("streamed", "host_compute")
+    params = make_params()
+    for mode in BENCH_MODES:
+        opt = bench_transformation(mode, optax.adam(1e-3))
+        updates, state = jax.jit(opt.update)(make_grads(params, 0), opt.init(params))
+        assert_offloaded_kinds(state)
+    with pytest.raises(ValueError, match="not one of"):
+        bench_transformation("nope", optax.adam(1e-3))
+
+
+@pytest.mark.slow
+def test_gpu_peak_script_quick_on_cpu(tmp_path: Any) -> None:
+    out = tmp_path / "peak.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "gpu_peak.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    modes = {row["mode"]: row for row in result["modes"]}
+    assert set(modes) == {"baseline", "offloaded", "streamed", "host_compute"}
+    for row in modes.values():
+        assert row["error"] is None, row
+        assert row["bitwise_equal_to_baseline"] is True
+        assert row["memory_analysis"]["argument_size_in_bytes"] > 0
+        assert row["device_memory_stats"] is None  # the CPU backend reports none
+        assert row["opt_state_host_bytes"] == (0 if row["mode"] == "baseline" else result["opt_state_bytes"])
+    assert modes["streamed"]["stream_plan"]["max_group_nbytes"] < result["opt_state_bytes"]
