@@ -1,10 +1,11 @@
 """Public type aliases of `eqx_offload`.
 
-`Nested[T]` is the recursive container type that optimizer states are made of: dicts,
-lists and tuples (which include `NamedTuple`s such as `optax.ScaleByAdamState`) of `T`.
+`Nested[T]` is the recursive container type that optimizer states are made of: dicts
+(any `Mapping`), lists and tuples (which include `NamedTuple`s such as
+`optax.ScaleByAdamState`) of `T`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
@@ -15,10 +16,12 @@ _T = TypeVar("_T")
 if TYPE_CHECKING:
     # A recursive alias, for mypy and pytype. `tuple` covers every `NamedTuple` (optax
     # states are NamedTuples), which a dict-only nested type (axlearn's) could not
-    # express.
+    # express. `Mapping` rather than `dict`: `Mapping` is covariant in its values, so
+    # a `dict[str, jax.Array]` variable is a `Nested[jax.Array]` (a `dict[...]` arm
+    # would reject it, `dict` being invariant).
     Nested = Union[
         _T,
-        dict[Any, "Nested[_T]"],
+        Mapping[Any, "Nested[_T]"],
         list["Nested[_T]"],
         tuple["Nested[_T]", ...],
     ]
@@ -37,7 +40,7 @@ else:
 
     def _unrolled(depth: int) -> Any:
         inner = Any if depth == 1 else _unrolled(depth - 1)
-        return Union[_T, dict[Any, inner], list[inner], tuple[inner, ...]]
+        return Union[_T, Mapping[Any, inner], list[inner], tuple[inner, ...]]
 
     Nested = _unrolled(_RUNTIME_DEPTH)
 

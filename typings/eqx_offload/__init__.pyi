@@ -7,14 +7,13 @@
 # Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
 # check that every public name of `eqx_offload/__init__.py` is declared here).
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import (
     Any,
     BinaryIO,
     Literal,
     NamedTuple,
     Optional,
-    ParamSpec,
     TypeVar,
     Union,
     overload,
@@ -25,12 +24,12 @@ import jax
 import optax
 
 _T = TypeVar("_T")
-_P = ParamSpec("_P")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __version__: str
 
 # Types.
-Nested = Union[_T, dict[Any, "Nested[_T]"], list["Nested[_T]"], tuple["Nested[_T]", ...]]
+Nested = Union[_T, Mapping[Any, "Nested[_T]"], list["Nested[_T]"], tuple["Nested[_T]", ...]]
 MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 HostMemoryKind = Literal["pinned_host", "unpinned_host"]
 Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
@@ -110,13 +109,12 @@ def stream_plan(
     **extra_args: Any,
 ) -> StreamPlan: ...
 
-# jit.
+# jit. (A `TypeVar` bound to `Callable`, not a `ParamSpec`: pytype then checks the calls
+# of the decorated function.)
 @overload
-def filter_jit(
-    fun: None = None, *, donate: Donate = "none"
-) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+def filter_jit(fun: None = None, *, donate: Donate = "none") -> Callable[[_F], _F]: ...
 @overload
-def filter_jit(fun: Callable[_P, _T], *, donate: Donate = "none") -> Callable[_P, _T]: ...
+def filter_jit(fun: _F, *, donate: Donate = "none") -> _F: ...
 
 # Reports.
 @dataclasses.dataclass(frozen=True)

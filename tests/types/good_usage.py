@@ -1,0 +1,143 @@
+"""A realistic Equinox + optax training script that uses every public name of
+`eqx_offload`. mypy --strict and pytype (with `typings/` on its pythonpath) must accept
+it without a single error, and it runs (tests/test_types.py does all three)."""
+
+import tempfile
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import eqx_offload
+from eqx_offload import Compute, Donate, HostMemoryKind, MemoryKind, Nested, Where
+
+
+class Model(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key: jax.Array) -> None:
+        self.mlp = eqx.nn.MLP(4, 2, 16, 2, key=key)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.mlp(x)
+
+
+def loss_fn(model: Model, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+class LargeFloat(eqx_offload.Filter):
+    """A user-defined path-aware filter: floating-point leaves of at least `n` elements."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, leaf: object, path: str = "") -> bool:
+        size = getattr(leaf, "size", 0)
+        return isinstance(size, int) and size >= self.n and "count" not in path
+
+
+def moments_where() -> Where:
+    # Filters combine with &, | and ~; a bool and a plain callable are filters too.
+    moments = eqx_offload.pattern(r".*/(mu|nu)/.*") & eqx_offload.min_bytes(64)
+    return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & (lambda leaf: False)
+
+
+def make_optimizer(
+    memory_kind: HostMemoryKind = "pinned_host", compute: Compute = "device"
+) -> optax.GradientTransformationExtraArgs:
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return eqx_offload.offloaded(inner, moments_where(), memory_kind=memory_kind, compute=compute)
+
+
+def adam_state_as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
+    """An optax NamedTuple state inside a tuple, typed as `Nested`."""
+    adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=params, nu=params)
+    nested: Nested[jax.typing.ArrayLike] = (adam, (params["w"], [params["b"]]), {"lr": 1e-3})
+    return nested
+
+
+def train(steps: int = 3) -> float:
+    model = Model(jax.random.key(0))
+    params = eqx.filter(model, eqx.is_array)
+    opt = make_optimizer()
+    state = opt.init(params)
+    assert isinstance(state, eqx_offload.OffloadedState)
+    inner_state = state.inner_state
+
+    donate: Donate = "all"
+
+    @eqx_offload.filter_jit(donate=donate)
+    def step(
+        model: Model, state: optax.OptState, x: jax.Array, y: jax.Array
+    ) -> tuple[Model, optax.OptState, jax.Array]:
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        return model, state, loss
+
+    x = jnp.ones((8, 4))
+    y = jnp.zeros((8, 2))
+    loss = jnp.zeros(())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", eqx_offload.OffloadWarning)
+        for _ in range(steps):
+            model, state, loss = step(model, state, x, y)
+
+    report: eqx_offload.MemoryReport = eqx_offload.memory_report(state)
+    largest: eqx_offload.LeafMemory = max(report.leaves, key=lambda leaf: leaf.nbytes)
+    print(f"eqx_offload {eqx_offload.__version__}: {report.host_bytes} bytes on host, "
+          f"largest leaf {largest.path} ({largest.memory_kind})")
+    print(report)
+
+    # The movers, on any pytree; `Where` accepts bools, filters and prefix trees.
+    kind: MemoryKind = "pinned_host"
+    assert kind in eqx_offload.supported_memory_kinds(jax.devices()[0])
+    host_kind: HostMemoryKind = "pinned_host"
+    prefix: Where = {"w": True, "b": eqx_offload.min_ndim(1)}
+    tree = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    on_host = eqx_offload.to_host(tree, prefix, memory_kind=host_kind)
+    back = eqx_offload.to_device(on_host, where=True)
+    assert bool(jnp.array_equal(back["w"], tree["w"]))
+    nested = adam_state_as_nested(tree)
+    nested_on_host: Nested[jax.typing.ArrayLike] = eqx_offload.to_host(nested)
+    print(eqx_offload.memory_report(nested_on_host).host_bytes)
+
+    # Streaming the update group by group; the plan says what goes together.
+    plan: eqx_offload.StreamPlan = eqx_offload.stream_plan(
+        optax.adamw(1e-3), tree, optax.adamw(1e-3).init(tree), tree, group_bytes=1 << 10
+    )
+    print(len(plan.groups), plan.max_group_nbytes)
+
+    # Checkpoints: restore straight into host memory.
+    target = eqx_offload.abstract_init(opt, params)
+    shardings = eqx_offload.host_shardings(inner_state, eqx_offload.min_ndim(1))
+    like = eqx_offload.restore_target(state)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tmp + "/state.eqx"
+        eqx.tree_serialise_leaves(path, state)
+        restored = eqx.tree_deserialise_leaves(
+            path, like, filter_spec=eqx_offload.deserialise_filter_spec
+        )
+    print(type(target).__name__, type(shardings).__name__, type(restored).__name__)
+
+    # Every error the library raises is an OffloadError and a ValueError or TypeError.
+    try:
+        eqx_offload.to_host(tree, where={"not a key of tree": True})
+    except eqx_offload.MemoryKindError as e:
+        print("memory kind:", e)
+    except (eqx_offload.WhereError, eqx_offload.TracedMoveError) as e:
+        print("where:", e)
+    except (eqx_offload.StateError, eqx_offload.NotATransformationError) as e:
+        print("state:", e)
+    except (eqx_offload.CompositionError, eqx_offload.CheckpointError) as e:
+        print("composition or checkpoint:", e)
+    except eqx_offload.OffloadError as e:
+        print("other:", e)
+    return float(loss)
+
+
+if __name__ == "__main__":
+    print(train())
