@@ -467,3 +467,20 @@ def test_offloaded_state_arrays_are_numpy_comparable():
     b = {**a, "w": a["w"].at[0, 0].set(np.nextafter(a["w"][0, 0], 1, dtype=np.float32))}
     with pytest.raises(AssertionError):
         _assert_bitwise(a, b)
+
+
+def test_offloaded_prng_key_no_false_warning_under_jit():
+    # JAX types a host-resident typed PRNG key as device memory inside `jit`
+    # (`jax.typeof(k).memory_space`), so `offloaded` must not warn that a key it put on
+    # host is "in device memory". Results stay bitwise equal.
+    plain = optax.noisy_sgd(LR, key=jax.random.key(0))
+    opt = eqx_offload.offloaded(optax.noisy_sgd(LR, key=jax.random.key(0)), where=True)
+    params = jax.device_put(_params(), jax.devices()[0])
+    state, plain_state = opt.init(params), jax.device_put(plain.init(params), jax.devices()[0])
+    update, plain_update = jax.jit(opt.update), jax.jit(plain.update)
+    for step in range(2):
+        updates, state = update(_grads(params, step), state)  # filterwarnings=error
+        plain_updates, plain_state = plain_update(_grads(params, step), plain_state)
+        _assert_bitwise(plain_updates, updates)
+        _assert_bitwise(plain_state, state.inner_state)
+        assert [x.sharding.memory_kind for x in jtu.tree_leaves(state)] == ["pinned_host"] * 2
