@@ -38,8 +38,9 @@ def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
     sharding); the default device otherwise."""
     if isinstance(leaf, jax.Array):
         return leaf.sharding
-    if _is_abstract(leaf) and leaf.sharding is not None:
-        return leaf.sharding
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+        sharding: jax.sharding.Sharding = leaf.sharding
+        return sharding
     return jax.sharding.SingleDeviceSharding(default_device())
 
 
@@ -184,7 +185,7 @@ def restore_target(
         ```
     """
     leaves, treedef, shardings = _flat_host_shardings(tree, where, memory_kind)
-    return jtu.tree_unflatten(treedef, [
+    target: _T = jtu.tree_unflatten(treedef, [
         jax.ShapeDtypeStruct(
             leaf.shape, leaf.dtype, sharding=sharding, weak_type=getattr(leaf, "weak_type", False)
         )
@@ -192,6 +193,7 @@ def restore_target(
         else leaf
         for leaf, sharding in zip(leaves, shardings)
     ])
+    return target
 
 
 def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
