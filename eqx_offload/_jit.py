@@ -238,6 +238,21 @@ def _check_no_host_compute(jaxpr: Any, fun: Callable[..., Any]) -> None:
     )
 
 
+def _mistyped_host(leaf: Any) -> bool:
+    """A `pinned_host` array whose JAX type says device memory.
+
+    JAX (0.10) types an array assembled from shards with a `SingleDeviceSharding`
+    (`jax.make_array_from_single_device_arrays`, `jax.make_array_from_callback`; orbax
+    restores that way) as device memory whatever the sharding's memory kind. Traced as it
+    is, a host-resident state would be computed on as if it were in device memory;
+    `filter_jit` copies such a leaf once, host to host, into a correctly typed array."""
+    return (
+        isinstance(leaf, jax.Array)
+        and leaf.sharding.memory_kind == "pinned_host"
+        and jax.typeof(leaf).memory_space != jax.memory.Space.Host
+    )
+
+
 class _Compiled:
     """One compiled configuration: the executable and how to rebuild the output."""
 
@@ -304,6 +319,9 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
         donated = tuple(
             i for i in range(len(leaves)) if (donate_first if i < first else donate_rest)
         )
+        retyped = {i: x for i, x in enumerate(leaves) if _mistyped_host(x)}
+        for i, x in retyped.items():
+            leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
         in_shardings = _input_shardings(leaves)
         key = (
             treedef,
@@ -322,6 +340,9 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
                 compiled = compile_for(leaves, in_shardings, static, treedef, donated)
                 cache[key] = compiled
             flat_out = compiled.executable(*leaves)
+        for i, x in retyped.items():
+            if i in donated:  # the copy was donated: consume the original as donation would
+                x.delete()
         return eqx.combine(jtu.tree_unflatten(compiled.out_treedef, flat_out), compiled.out_static)
 
     wrapper._cache_size = lambda: len(cache)  # type: ignore[attr-defined]  # introspection for tests, as jax.jit's
