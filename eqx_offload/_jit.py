@@ -185,14 +185,14 @@ _PASS_THROUGH = frozenset({
     "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "cond", "while",
     "scan", "shard_map", "optimization_barrier",
 })
-_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jax.extend))
+_JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 
 
 def _where_in_source(eqn: Any) -> str:
     """`" (at file:line in function)"` for the innermost frame outside JAX, or `""`."""
     traceback = getattr(eqn.source_info, "traceback", None)
     for frame in getattr(traceback, "frames", ()):
-        if not frame.file_name.startswith(_JAX_DIRS):
+        if not frame.file_name.startswith(_JAX_DIR):
             return f" (at {frame.file_name}:{frame.line_num} in {frame.function_name})"
     return ""
 

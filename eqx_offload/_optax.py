@@ -37,7 +37,7 @@ DEFAULT_WHERE = min_ndim(1)
 
 def _memory_space_of(leaf: Any) -> Optional[str]:
     if is_traced(leaf):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             return None  # unknown: JAX (0.10.2) types a host key array as device memory
         space = jax.typeof(leaf).memory_space
         return "host" if space == jax.memory.Space.Host else "device"
