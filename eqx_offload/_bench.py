@@ -48,9 +48,10 @@ from ._jit import filter_jit
 from ._move import to_device, to_host
 from ._optax import offloaded
 from ._report import format_bytes, memory_report
+from ._stream import bench_transformation, BENCH_MODES
 
 
-MODES = ("baseline", "manual", "eqx_offload")
+MODES = ("baseline", "manual", "eqx_offload") + BENCH_MODES
 MiB = 1 << 20
 
 
@@ -257,7 +258,26 @@ def _eqx_offload(optimizer: optax.GradientTransformation, model: Any) -> Runner:
     return Runner("eqx_offload", step, model, state, analyse)
 
 
-_MAKERS = {"baseline": _baseline, "manual": _manual, "eqx_offload": _eqx_offload}
+def _bench_mode(mode: str) -> Callable[[optax.GradientTransformation, Any], Runner]:
+    """`streamed` and `host_compute` (see `eqx_offload._stream.bench_transformation`),
+    run like `eqx_offload`."""
+
+    def make(optimizer: optax.GradientTransformation, model: Any) -> Runner:
+        wrapped = bench_transformation(mode, optimizer)
+        state = wrapped.init(eqx.filter(model, eqx.is_array))
+        step = filter_jit(make_step(wrapped), donate="all")
+
+        def analyse(model: Any, state: Any, x: Any, y: Any) -> Any:
+            executables = step._executables()  # type: ignore[attr-defined]  # filter_jit's introspection
+            return executables[-1] if executables else None
+
+        return Runner(mode, step, model, state, analyse)
+
+    return make
+
+
+_MAKERS = {"baseline": _baseline, "manual": _manual, "eqx_offload": _eqx_offload,
+           **{mode: _bench_mode(mode) for mode in BENCH_MODES}}
 
 
 def _device_bytes_nonscalar(tree: Any) -> int:
@@ -557,7 +577,8 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     m = result["machine"]
     subtitle = f"{m['device_kind']} ({m['backend']}), JAX {m['jax_version']}"
     styles = {"adam": "-", "adafactor": "--"}
-    colors = {"baseline": "tab:gray", "manual": "tab:orange", "eqx_offload": "tab:blue"}
+    colors = {"baseline": "tab:gray", "manual": "tab:orange", "eqx_offload": "tab:blue",
+              "streamed": "tab:green", "host_compute": "tab:purple"}
     written = []
     points = result["points"]
     optimizers = sorted({p["optimizer"] for p in points})

@@ -86,7 +86,7 @@ def test_bench_quick(tmp_path):
     assert result["machine"]["jax_version"]
     modes = {(p["optimizer"], p["mode"]) for p in result["points"]}
     assert modes == {(o, m) for o in ("adam", "adafactor")
-                     for m in ("baseline", "manual", "eqx_offload")}
+                     for m in ("baseline", "manual", "eqx_offload", "streamed", "host_compute")}
     for p in result["points"]:
         assert p["losses_bitwise_equal_to_baseline"], p
         assert p["compilations"] == 1, p
