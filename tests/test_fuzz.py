@@ -272,12 +272,9 @@ def test_offloaded_equals_unwrapped(data: st.DataObject) -> None:
         assert bits(state.inner_state) == bits(ref_state), (description, k)
         assert bits(p) == bits(ref_p), (description, k)
         check_placement(state, where, description)
-        # Donated inputs are consumed where an output of the same shape, dtype and memory
-        # can take their buffer: always the parameters and the state (the gradients
-        # only when the updates keep their dtype).
-        not_consumed = [jtu.keystr(path) for path, x in jtu.tree_flatten_with_path(old[:2])[0]
-                        if not x.is_deleted()]
-        assert not not_consumed, (description, not_consumed)
+        # Donation is a hint XLA may decline per buffer (adafactor's constant `v_row`,
+        # `apply_if_finite`'s scalars), but the parameters are always consumed.
+        assert all(x.is_deleted() for x in jtu.tree_leaves(old[0])), description
     assert step._cache_size() == 1, description  # type: ignore[attr-defined]  # filter_jit introspection
 
 
