@@ -12,6 +12,7 @@ import optax
 import pytest
 from helpers import memory_kinds
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import TypeCheckError
 
 import eqx_offload
 from eqx_offload import Filter, min_bytes, min_ndim, pattern, WhereError
@@ -278,12 +279,24 @@ def test_combinators_with_plain_callables() -> None:
 )
 def test_not_a_filter(where: Any, path: str) -> None:
     tree = {"a": jnp.ones(3), "b": [jnp.ones(2), jnp.zeros(())]}
-    with pytest.raises(WhereError, match=rf"at path {re.escape(path)}, which is not a filter"):
-        eqx_offload.to_host(tree, where=where)
-    with pytest.raises(WhereError, match="not a filter"):
-        eqx_offload.to_device(tree, where=where)
-    with pytest.raises(WhereError, match="not a filter"):
-        jax.jit(lambda t: eqx_offload.to_host(t, where=where))(tree)
+    # eqx_offload's own check (`leaf_mask` takes `where: Any`), what a user without
+    # runtime type checking sees: it names the path.
+    message = rf"where has .* at path {re.escape(path)}, which is not a filter"
+    with pytest.raises(WhereError, match=message):
+        leaf_mask(tree, where)
+    with pytest.raises(WhereError, match=message):
+        jax.jit(lambda t: leaf_mask(t, where) and t)(tree)
+    # Under the pytest hook the `Where` annotation catches it first, down to the depth
+    # it checks at runtime; below that, the same `WhereError`.
+    for move in (eqx_offload.to_host, eqx_offload.to_device):
+        with pytest.raises((TypeCheckError, WhereError), match="where"):
+            move(tree, where=where)
+
+
+@pytest.mark.parametrize("where", ["mu", 3, jnp.ones(3)])
+def test_not_a_filter_under_runtime_type_checking(where: Any) -> None:
+    with pytest.raises(TypeCheckError, match="parameter 'where'"):
+        eqx_offload.to_host({"a": jnp.ones(3)}, where=where)
 
 
 @pytest.mark.parametrize(
