@@ -23,7 +23,7 @@ def device_memory_kinds(device: jax.Device) -> tuple[str, ...]:
 
 def default_device() -> jax.Device:
     """The device JAX places new arrays on (honours `jax.default_device`)."""
-    configured = jax.config.jax_default_device
+    configured = getattr(jax.config, "jax_default_device")  # an option, set dynamically
     if isinstance(configured, jax.Device):
         return configured
     if isinstance(configured, str):  # a platform name: `jax.default_device("cpu")`
@@ -91,4 +91,4 @@ def check_devices_offer(
 
 def default_kind(device: jax.Device) -> str:
     """The memory kind arrays land in on `device` when no kind is asked for."""
-    return device.default_memory().kind
+    return str(device.default_memory().kind)

@@ -18,7 +18,9 @@ from ._where import is_traced, leaf_mask, path_to_str
 
 _T = TypeVar("_T")
 
-Destination = Union[jax.sharding.Sharding, jax.memory.Space]
+# A sharding (eagerly) or a `jax.memory.Space` (traced). The latter is an attribute of
+# a `SimpleNamespace` in JAX, invisible to type checkers, hence the `Any`.
+Destination = Union[jax.sharding.Sharding, Any]
 
 
 def _traced_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
@@ -70,17 +72,17 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
         destination = _destination(leaf, memory_kind, argument, path_to_str(path))
         if destination is not None:
             indices.append(i)
-            paths.append(path_to_str(path))
+            paths.append(path)
             sources.append(leaf)
             destinations.append(destination)
     if sources:
         space = jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
-        for i, path, moved in zip(indices, paths, jax.device_put(sources, destinations)):
+        for i, key_path, moved in zip(indices, paths, jax.device_put(sources, destinations)):
             # A concrete array moved inside a trace (a constant closed over by a jitted
             # function) comes back traced; JAX drops a memory kind it cannot express
             # there ('unpinned_host') without a word, so check.
             if is_traced(moved) and jax.typeof(moved).memory_space != space:
-                raise _traced_error(str(memory_kind), argument, path)
+                raise _traced_error(str(memory_kind), argument, path_to_str(key_path))
             leaves[i] = moved
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out

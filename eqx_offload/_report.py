@@ -1,6 +1,7 @@
 """`memory_report`: where the bytes of a pytree live."""
 
 import dataclasses
+import io
 from typing import Any, Union
 
 import equinox as eqx
@@ -72,17 +73,9 @@ class MemoryReport:
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=120, record=True, file=_NullFile())
+        console = Console(width=120, record=True, file=io.StringIO())
         console.print(self)
         return console.export_text().rstrip("\n")
-
-
-class _NullFile:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def format_bytes(n: Union[int, float]) -> str:

@@ -23,7 +23,7 @@ def key_to_str(key: Any) -> str:
     if isinstance(key, jtu.DictKey):
         return str(key.key)
     if isinstance(key, jtu.GetAttrKey):
-        return key.name
+        return str(key.name)
     if isinstance(key, jtu.FlattenedIndexKey):
         return str(key.key)
     return str(key)
@@ -183,7 +183,7 @@ def _is_spec_leaf(x: Any) -> bool:
 def _one_level(tree: Any) -> tuple[Any, list[tuple[KeyPath, Any]]]:
     """The node data of `tree`'s root and its children with their keys."""
     children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
-    return treedef.node_data(), children
+    return cast(Any, treedef).node_data(), children  # (not in jaxlib's type stubs)
 
 
 def structure_divergence(
