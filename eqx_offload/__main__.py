@@ -50,11 +50,19 @@ def _bench(args: argparse.Namespace) -> int:
         config = config.replace(sizes=tuple(args.sizes))
     if args.optimizers is not None:
         config = config.replace(optimizers=tuple(args.optimizers))
+    if args.modes is not None:
+        config = config.replace(modes=tuple(args.modes))
     if args.repeats is not None:
         config = config.replace(repeats=args.repeats)
     if args.batch is not None:
         config = config.replace(batch=args.batch)
     return bench_main(config, args.out, progress=not args.no_progress)
+
+
+def _bench_modes() -> list[str]:
+    from ._bench import MODES
+
+    return list(MODES)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -108,6 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bench.add_argument("--sizes", type=float, nargs="+", metavar="N",
                        help="parameter counts to sweep (e.g. 1e6 3e7)")
     bench.add_argument("--optimizers", nargs="+", choices=sorted(OPTIMIZERS))
+    bench.add_argument("--modes", nargs="+", choices=_bench_modes(),
+                       help="modes to measure (default: all; the baseline always runs)")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     bench.add_argument("--batch", type=int, help="batch size")
     bench.add_argument("--platform", choices=_PLATFORMS, default="default",

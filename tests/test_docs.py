@@ -1,5 +1,5 @@
-"""Every Python code block of the docs, the README and the public docstrings runs, so
-the examples cannot rot.
+"""Every Python code block of the docs and of the public docstrings runs, so the
+examples cannot rot. (The README's example runs in `tests/test_readme.py`.)
 
 - In a Markdown page, the fenced blocks whose language is `python` run in order, in one
   namespace per page (a page may build on its earlier blocks). Blocks in other
@@ -53,7 +53,7 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
 
 
 def _pages() -> list[pathlib.Path]:
-    return sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    return sorted((ROOT / "docs").rglob("*.md"))
 
 
 def _page_id(path: pathlib.Path) -> str:
@@ -121,7 +121,7 @@ def test_extractor_is_not_blind():
         ("py", "raise SystemExit"),
     ]
     pages = {_page_id(p) for p in _PAGES_WITH_CODE}
-    for page in ("README.md", "docs/getting-started.md", "docs/concepts.md",
+    for page in ("docs/index.md", "docs/getting-started.md", "docs/concepts.md",
                  "docs/how-to/training-loop.md", "docs/how-to/select.md",
                  "docs/how-to/gradient-accumulation.md"):
         assert page in pages, page
