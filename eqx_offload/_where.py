@@ -102,8 +102,9 @@ class pattern(Filter):  # noqa: N801 - lower case like a function, as axlearn's 
 
 
 def nbytes(leaf: Any) -> int:
-    """Bytes of an array leaf (its global size, for a sharded array)."""
-    return int(np.prod(leaf.shape, dtype=np.int64)) * int(np.dtype(leaf.dtype).itemsize)
+    """Bytes of an array leaf (its global size, for a sharded array). `dtype.itemsize`,
+    not `np.dtype(...)`: JAX's extended dtypes (typed PRNG keys) are no NumPy dtypes."""
+    return int(np.prod(leaf.shape, dtype=np.int64)) * int(leaf.dtype.itemsize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -293,6 +293,24 @@ def test_optax_state_round_trip() -> None:
     assert_tree_equal(eqx_offload.to_device(host), state)
 
 
+def test_typed_prng_keys() -> None:
+    """Optimizer states may hold typed PRNG keys (an extended dtype, no NumPy dtype)."""
+    key = jax.random.key(0)
+    tree = {"key": key, "old_key": jax.random.PRNGKey(1)}
+    for host in (eqx_offload.to_host(tree), jax.jit(eqx_offload.to_host)(tree)):
+        assert memory_kinds(host) == {"key": "pinned_host", "old_key": "pinned_host"}
+        assert host["key"].dtype == key.dtype
+        back = eqx_offload.to_device(host)
+        assert back["key"].dtype == key.dtype
+        assert_tree_equal(jax.random.key_data(back["key"]), jax.random.key_data(key))
+        assert_tree_equal(back["old_key"], tree["old_key"])
+    # 8 bytes each (two uint32 words).
+    assert memory_kinds(eqx_offload.to_host(tree, where=min_bytes(8))) == {
+        "key": "pinned_host", "old_key": "pinned_host"}
+    assert memory_kinds(eqx_offload.to_host(tree, where=min_bytes(9))) == {
+        "key": "device", "old_key": "device"}
+
+
 # --- non-array leaves, NumPy leaves -------------------------------------------------------
 
 
