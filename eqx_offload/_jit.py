@@ -56,6 +56,14 @@ class _Static:
         )
 
 
+def _is_committed(x: Any) -> bool:  # a `jax.ShapeDtypeStruct` with a sharding counts
+    # (At module level, not nested in `_input_shardings`: under jaxtyping's import hook a
+    # nested function is decorated, i.e. beartype compiles a wrapper, on every call.)
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and (
+        x.committed if isinstance(x, jax.Array) else x.sharding is not None
+    )
+
+
 def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     """The sharding each argument leaf is compiled for.
 
@@ -63,17 +71,12 @@ def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     NumPy array goes where `jax.jit` would put it: replicated over the mesh of the
     committed arguments, or onto their one device, in its own memory kind (a sharded
     model called with a fresh batch must not fail with "incompatible devices")."""
-    def is_committed(x: Any) -> bool:  # a `jax.ShapeDtypeStruct` with a sharding counts
-        return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and (
-            x.committed if isinstance(x, jax.Array) else x.sharding is not None
-        )
-
-    committed = [x.sharding for x in leaves if is_committed(x)]
+    committed = [x.sharding for x in leaves if _is_committed(x)]
     meshes = [s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)]
     devices = {d for s in committed for d in s.device_set}
     result: list[jax.sharding.Sharding] = []
     for leaf in leaves:
-        if is_committed(leaf) or (isinstance(leaf, jax.Array) and not committed):
+        if _is_committed(leaf) or (isinstance(leaf, jax.Array) and not committed):
             result.append(leaf.sharding)
             continue
         kind = leaf.sharding.memory_kind if isinstance(leaf, jax.Array) else None

@@ -56,12 +56,13 @@ Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 LeafFilter = Callable[[Any], bool]
 """A callable on one leaf, as in an Equinox filter spec."""
 
-WhereLeaf = Union[bool, LeafFilter, eqx.Module]
-"""What may stand at a leaf of a `where` prefix tree: a bool, a callable on a leaf, or an
-`eqx.Module` whose fields are those (a prefix built from a model)."""
+WhereLeaf = Union[bool, LeafFilter, eqx.Module, None]
+"""What may stand at a leaf of a `where` prefix tree: a bool, a callable on a leaf, an
+`eqx.Module` whose fields are those (a prefix built from a model), or `None` where the
+tree has `None` (an empty subtree, as in every JAX pytree)."""
 
 Where = Nested[WhereLeaf]
 """An Equinox-style filter spec: a bool, a callable on a leaf (including the path-aware
 filters `pattern`, `min_bytes` and `min_ndim`), or a pytree prefix of the tree whose leaves
 are those: dicts, lists, tuples and `eqx.Module`s (e.g. built with `jax.tree.map` from a
-model)."""
+model), with `None` where the tree has `None`."""

@@ -1,6 +1,7 @@
 """`where` filter specs: resolving them against a tree, and the path-aware helpers."""
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, cast, Optional
@@ -236,30 +237,33 @@ def _describe(node: Any) -> str:
     return described
 
 
+def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any:
+    # At module level, not nested in `leaf_mask`: under jaxtyping's import hook a
+    # nested function is decorated (beartype compiles a wrapper) on every call.
+    # (Each branch binds its own name: pytype does not narrow `spec` inside lambdas.)
+    if isinstance(spec, bool):
+        flag: bool = spec
+        return jtu.tree_map(lambda x: flag and eqx.is_array(x), subtree)
+    if isinstance(spec, Filter):
+        path_filter: Filter = spec
+        return jtu.tree_map_with_path(
+            lambda p, x: eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + p))),
+            subtree,
+        )
+    if callable(spec) and not isinstance(spec, eqx.Module):
+        leaf_filter: Callable[[Any], Any] = spec
+        return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
+    raise WhereError(
+        f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
+        "not a filter. A `where` is a bool, a callable on a leaf (such as "
+        "`eqx_offload.pattern(...)` or `eqx_offload.min_bytes(...)`), or a pytree "
+        "prefix of the tree with those at its leaves."
+    )
+
+
 def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
     """For each leaf of `jax.tree.leaves(tree)`: is it an array selected by `where`?"""
-
-    def expand(prefix: KeyPath, spec: Any, subtree: Any) -> Any:
-        # (Each branch binds its own name: pytype does not narrow `spec` inside lambdas.)
-        if isinstance(spec, bool):
-            flag: bool = spec
-            return jtu.tree_map(lambda x: flag and eqx.is_array(x), subtree)
-        if isinstance(spec, Filter):
-            path_filter: Filter = spec
-            return jtu.tree_map_with_path(
-                lambda p, x: eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + p))),
-                subtree,
-            )
-        if callable(spec) and not isinstance(spec, eqx.Module):
-            leaf_filter: Callable[[Any], Any] = spec
-            return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
-        raise WhereError(
-            f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
-            "not a filter. A `where` is a bool, a callable on a leaf (such as "
-            "`eqx_offload.pattern(...)` or `eqx_offload.min_bytes(...)`), or a pytree "
-            "prefix of the tree with those at its leaves."
-        )
-
+    expand = functools.partial(_expand_spec, argument)
     try:
         mask_tree = jtu.tree_map_with_path(expand, where, tree, is_leaf=_is_spec_leaf)
     except (ValueError, TypeError) as e:

@@ -270,6 +270,36 @@ def test_beartype_checks_nested_in_user_code() -> None:
         _select(tree, 3)
 
 
+def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The import hook decorates every function, nested ones included, when its `def`
+    # runs: a function nested in a hot path would be re-decorated (beartype compiles a
+    # wrapper, ~2 ms) on every call. An eager `to_host` and a compiled step must not.
+    import jaxtyping._decorator as decorator
+
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    state = opt.init(PARAMS)
+
+    @eqx_offload.filter_jit(donate="none")
+    def step(params: Any, state: Any) -> Any:
+        return opt.update(params, state, params)
+
+    step(PARAMS, state)
+    eqx_offload.to_host(PARAMS, where={"w": True, "b": eqx_offload.min_ndim(1)})
+    decorated: list[str] = []
+    original = decorator._apply_typechecker
+
+    def counting(typechecker: Any, fn: Any) -> Any:
+        decorated.append(getattr(fn, "__qualname__", repr(fn)))
+        return original(typechecker, fn)
+
+    monkeypatch.setattr(decorator, "_apply_typechecker", counting)
+    for _ in range(2):
+        step(PARAMS, state)
+        eqx_offload.to_host(PARAMS, where={"w": True, "b": eqx_offload.min_ndim(1)})
+        eqx_offload.to_device(PARAMS)
+    assert decorated == []
+
+
 # ----------------------------------------------------------------------------- the gates
 
 

@@ -33,7 +33,7 @@ Nested = Union[_T, Mapping[Any, "Nested[_T]"], list["Nested[_T]"], tuple["Nested
 MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 HostMemoryKind = Literal["pinned_host", "unpinned_host"]
 Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
-Where = Nested[Union[bool, Callable[[Any], bool], eqx.Module]]
+Where = Nested[Union[bool, Callable[[Any], bool], eqx.Module, None]]
 Compute = Literal["device", "host"]
 
 # Errors.
