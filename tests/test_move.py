@@ -293,6 +293,17 @@ def test_optax_state_round_trip() -> None:
     assert_tree_equal(eqx_offload.to_device(host), state)
 
 
+def test_unpinned_inputs_under_jit() -> None:
+    x = jnp.arange(3.0)
+    unpinned = eqx_offload.to_host(x, memory_kind="unpinned_host")
+    back = jax.jit(eqx_offload.to_device)(unpinned)
+    assert back.sharding.memory_kind == "device"
+    pinned = jax.jit(eqx_offload.to_host)(unpinned)
+    assert pinned.sharding.memory_kind == "pinned_host"
+    assert_tree_equal(back, x)
+    assert_tree_equal(pinned, x)
+
+
 def test_typed_prng_keys() -> None:
     """Optimizer states may hold typed PRNG keys (an extended dtype, no NumPy dtype)."""
     key = jax.random.key(0)
