@@ -162,37 +162,54 @@ def donation_child() -> dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module")
-def donation() -> dict[str, Any]:
-    return call_isolated(donation_child)
+def _donation_failures(result: dict[str, Any], reference: dict[str, Any], donate: str) -> list[str]:
+    failures = []
 
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            failures.append(what)
 
-@pytest.mark.slow
-@pytest.mark.parametrize("donate,order", DONATION_CONFIGS)
-def test_donation(donation, donate, order):
-    result, reference = donation[f"{donate}/{order}"], donation["reference"]
     # Equal results to the loop without offload or donation, bit for bit.
-    assert result["losses"] == reference["losses"]
-    assert result["model"] == reference["model"]
-    assert result["state"] == reference["state"]
+    check(result["losses"] == reference["losses"], "losses differ from the reference")
+    check(result["model"] == reference["model"], "params differ from the reference")
+    check(result["state"] == reference["state"], "state differs from the reference")
     # Donated inputs are really reused: every state leaf (host moments and the device
     # count) is deleted after each call; the model only where the first argument is
     # donated.
-    assert all(all(step) for step in result["deleted_state"])
+    check(all(all(step) for step in result["deleted_state"]),
+          f"donated state leaves not deleted: {result['deleted_state']}")
     model_donated = donate in ("all", "warn")
-    assert all(all(step) == model_donated and any(step) == model_donated
-               for step in result["deleted_model"])
+    check(all(all(step) == model_donated and any(step) == model_donated
+              for step in result["deleted_model"]),
+          f"model leaves deleted: {result['deleted_model']}, donated: {model_donated}")
     # No "donated buffers were not usable" for any state leaf: in the `warn` modes the
-    # only unusable buffer is the batch, which no output matches; the `all` modes
-    # silence the warning.
+    # only unusable buffer is the batch, which no output matches; the other modes
+    # silence the warning (and donating only the state leaves nothing unusable).
     if donate in ("warn", "warn-except-first"):
-        assert _unusable(result["warnings"]) == {"float32[4,3]"}
-        assert not set(result["state_avals"]) & _unusable(result["warnings"])
+        unusable = _unusable(result["warnings"])
+        check(unusable == {"float32[4,3]"}, f"unusable donations: {unusable}")
+        check(not set(result["state_avals"]) & unusable, f"state leaves unusable: {unusable}")
     else:
-        assert result["warnings"] == []
+        check(result["warnings"] == [], f"warnings: {result['warnings']}")
     # One compilation for all the steps (the first call's params are uncommitted).
-    assert result["compiles"] == 1
-    assert result["cache_size"] == 1
+    check(result["compiles"] == 1, f"{result['compiles']} compilations")
+    check(result["cache_size"] == 1, f"{result['cache_size']} cache entries")
+    return failures
+
+
+@pytest.mark.slow
+def test_donation():
+    # Every configuration in one fresh process (a regression would abort it): donating
+    # the state only, "all", "all-except-first" and the "warn" modes, with outputs
+    # `(model, state)` and `(state, model)`.
+    results = call_isolated(donation_child)
+    failures = {}
+    for donate, order in DONATION_CONFIGS:
+        found = _donation_failures(results[f"{donate}/{order}"], results["reference"], donate)
+        if found:
+            failures[f"{donate}/{order}"] = found
+    assert not failures, failures
+    assert len(results) == len(DONATION_CONFIGS) + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,3 +393,24 @@ def test_host_compute_under_compute_on2_is_allowed():
     out = eqx_offload.filter_jit(double)(host)
     assert out.sharding.memory_kind == "pinned_host"
     assert_tree_equal(jax.device_put(out, jax.memory.Space.Device), jnp.arange(3.0) * 2)
+
+
+def test_donation_checks_can_fail():
+    # The checks of `test_donation` see each kind of failure.
+    reference = {"losses": ["a"], "model": ["b"], "state": ["c"]}
+    good = {
+        **reference, "deleted_state": [[True, True]], "deleted_model": [[True]],
+        "warnings": [], "compiles": 1, "cache_size": 1, "state_avals": ["float32[8,3]"],
+    }
+    assert _donation_failures(good, reference, "all") == []
+    unusable = ("Some donated buffers were not usable: float32[8,3], float32[4,3].\n"
+                "See an explanation at https://docs.jax.dev/en/latest/faq.html.")
+    for bad, donate in [
+        ({"losses": ["x"]}, "all"),
+        ({"deleted_state": [[True, False]]}, "all"),
+        ({"deleted_model": [[True]]}, "all-except-first"),
+        ({"warnings": [unusable]}, "warn"),
+        ({"warnings": [unusable]}, "all"),
+        ({"compiles": 2}, "all"),
+    ]:
+        assert _donation_failures({**good, **bad}, reference, donate), (bad, donate)
