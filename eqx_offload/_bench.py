@@ -297,22 +297,45 @@ def bench_point(
     x, y = xs[0], ys[0]
     jax.block_until_ready((x, y))
     runners = []
+    # A mode that fails (to build, compile or run) is reported with its error and the
+    # others go on; the baseline must work, the ratios are to it.
+    errors: dict[str, str] = {}
     for mode in ("baseline",) + tuple(m for m in MODES if m in config.modes and m != "baseline"):
         optimizer = OPTIMIZERS[optimizer_name](1e-3)
-        runners.append(_MAKERS[mode](optimizer, make_model(width, depth, width, seed=0)))
+        try:
+            runners.append(_MAKERS[mode](optimizer, make_model(width, depth, width, seed=0)))
+        except Exception as e:  # noqa: BLE001 - reported in the results
+            if mode == "baseline":
+                raise
+            errors[mode] = _describe_error(e)
     jax.block_until_ready([(r.model, r.state) for r in runners])
     count = num_params(runners[0].model)
     for rep in range(config.warmup + config.repeats):
         shift = rep % len(runners)
         for runner in runners[shift:] + runners[:shift]:
-            elapsed = runner.run(x, y)
+            if runner.mode in errors:
+                tick()
+                continue
+            try:
+                elapsed = runner.run(x, y)
+            except Exception as e:  # noqa: BLE001 - reported in the results
+                if runner.mode == "baseline":
+                    raise
+                errors[runner.mode] = _describe_error(e)
+                tick()
+                continue
             if rep == 0:
                 runner.first_call = elapsed
             elif rep >= config.warmup:
                 runner.seconds.append(elapsed)
             tick()
     baseline = runners[0]
-    results = []
+    results: list[dict[str, Any]] = [
+        {"optimizer": optimizer_name, "target_params": n, "params": count, "width": width,
+         "depth": depth, "batch": config.batch, "mode": mode, "error": error}
+        for mode, error in errors.items()
+    ]
+    runners = [r for r in runners if r.mode not in errors]
     for runner in runners:
         compiled = runner.analyse(runner.model, runner.state, x, y)
         params_report = memory_report(runner.model)
@@ -325,6 +348,7 @@ def bench_point(
             "depth": depth,
             "batch": config.batch,
             "mode": runner.mode,
+            "error": None,
             "step_seconds": summary(runner.seconds),
             "ratio_to_baseline": paired_ratio(runner.seconds, baseline.seconds),
             "first_call_seconds": runner.first_call,
@@ -343,12 +367,22 @@ def bench_point(
             ),
         })
     manual = [r for r in runners if r.mode == "manual"]
-    for result, runner in zip(results, runners):
+    for result, runner in zip(results[len(errors):], runners):
         result["ratio_to_manual"] = (
             paired_ratio(runner.seconds, manual[0].seconds) if manual else None)
     del runners, baseline, manual
     gc.collect()
-    return results
+    order = {mode: i for i, mode in enumerate(MODES)}
+    return sorted(results, key=lambda r: order[r["mode"]])
+
+
+def _describe_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".split("\n")[0][:500]
+
+
+def measured(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points whose mode ran (not those that failed with an error)."""
+    return [p for p in points if p.get("error") is None]
 
 
 # --------------------------------------------------------------------------- movers
@@ -442,6 +476,8 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                      config: BenchConfig, backend: str) -> list[dict[str, Any]]:
     """Pass/fail per target, with the numbers behind each verdict."""
     targets: list[dict[str, Any]] = []
+    failed = [p for p in points if p.get("error") is not None]
+    points = measured(points)
     big = [p for p in points if p["params"] >= config.target_min_params]
     off = [p for p in points if p["mode"] == "eqx_offload"]
     big_off = [p for p in big if p["mode"] == "eqx_offload"]
@@ -490,6 +526,9 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                                           if p["mode"] == "manual"})))
     add("losses bitwise equal to the baseline (all modes)",
         all(p["losses_bitwise_equal_to_baseline"] for p in points), "")
+    add("every mode ran", not failed,
+        "; ".join(f"{p['mode']} ({p['optimizer']} {p['params'] / 1e6:.1f}M): {p['error']}"
+                  for p in failed))
     large = [m for m in movers if m["mib"] >= 16]
     if large:
         details = []
@@ -534,6 +573,10 @@ def markdown(result: dict[str, Any]) -> str:
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in result["points"]:
+        if p.get("error") is not None:
+            lines.append(f"| {p['optimizer']} | {p['params'] / 1e6:.1f}M | {p['mode']} | "
+                         f"failed: {p['error'].replace('|', '/')} | | | | | | |")
+            continue
         s = p["step_seconds"]
         ma = p["memory_analysis"] or {}
         temp = ma.get("temp_size_in_bytes")
@@ -583,7 +626,7 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     colors = {"baseline": "tab:gray", "manual": "tab:orange", "eqx_offload": "tab:blue",
               "streamed": "tab:green", "host_compute": "tab:purple"}
     written = []
-    points = result["points"]
+    points = measured(result["points"])
     optimizers = sorted({p["optimizer"] for p in points})
     present = {p["mode"] for p in points}
 
@@ -671,6 +714,10 @@ def render(result: dict[str, Any]) -> Any:
                 "device: params+state", "state on host", "compiles", "compile s"):
         table.add_column(col, justify="left" if col in ("optimizer", "mode") else "right")
     for p in result["points"]:
+        if p.get("error") is not None:
+            table.add_row(p["optimizer"], f"{p['params'] / 1e6:.2f}M", p["mode"],
+                          f"[bold red]failed[/bold red]: {p['error'][:60]}")
+            continue
         s = p["step_seconds"]
         table.add_row(
             p["optimizer"], f"{p['params'] / 1e6:.2f}M", p["mode"],
@@ -745,7 +792,8 @@ def run_bench(config: BenchConfig, progress: bool = True,
 def bench_main(config: BenchConfig, out: str, progress: bool = True) -> int:
     """Run the benchmark, print the tables, write `bench.json`, `bench.md` and the
     plots to `out`. Returns 1 if a mode's losses differ from the baseline's (a
-    correctness failure), else 0: missed performance targets are reported, not fatal."""
+    correctness failure) or a mode failed to run, else 0: missed performance targets
+    are reported, not fatal."""
     from rich.console import Console
 
     os.makedirs(out, exist_ok=True)
@@ -766,5 +814,6 @@ def bench_main(config: BenchConfig, out: str, progress: bool = True) -> int:
     console.print(render(result))
     console.print(f"wrote {os.path.join(out, 'bench.json')}, {os.path.join(out, 'bench.md')}, "
                   + ", ".join(written) + f" ({result['wall_seconds']:.0f} s)")
-    ok = all(p["losses_bitwise_equal_to_baseline"] for p in result["points"])
+    ok = all(p.get("error") is None and p["losses_bitwise_equal_to_baseline"]
+             for p in result["points"])
     return 0 if ok else 1

@@ -104,3 +104,33 @@ def test_bench_quick(tmp_path):
     assert all(s in ("pass", "FAIL", "n/a") for s in statuses.values())
     assert any("compilation" in t and s == "pass" for t, s in statuses.items())
     assert "| target | result | numbers |" in (out / "bench.md").read_text()
+
+
+def test_bench_reports_a_failing_mode_and_goes_on(monkeypatch):
+    # A mode that fails to compile (e.g. an API a JAX version lacks) is reported with its
+    # error; the other modes are still measured, and the run says it failed.
+    from eqx_offload import _bench
+
+    def broken(optimizer, model):
+        runner = _bench._eqx_offload(optimizer, model)
+
+        def step(*args):
+            raise TypeError("this mode cannot compile here")
+
+        runner.mode, runner.step = "manual", step
+        return runner
+
+    monkeypatch.setitem(_bench._MAKERS, "manual", broken)
+    config = _bench.BenchConfig.quick().replace(
+        repeats=2, modes=("baseline", "manual", "eqx_offload"))
+    points = _bench.bench_point("adam", 2e4, config, lambda: None)
+    assert [p["mode"] for p in points] == ["baseline", "manual", "eqx_offload"]
+    failed = points[1]
+    assert failed["error"] == "TypeError: this mode cannot compile here"
+    for p in (points[0], points[2]):
+        assert p["error"] is None and p["step_seconds"]["n"] == 2
+        assert p["losses_bitwise_equal_to_baseline"] and p["ratio_to_manual"] is None
+    targets = {t["target"]: t for t in _bench.evaluate_targets(points, [], config, "cpu")}
+    assert targets["every mode ran"]["status"] == "FAIL"
+    assert "manual (adam" in targets["every mode ran"]["detail"]
+    assert targets["exactly one compilation per configuration (eqx_offload)"]["status"] == "pass"
