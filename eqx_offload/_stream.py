@@ -182,7 +182,8 @@ def _trace(
         )(*specs)
     out_leaves, out_treedef = jtu.tree_flatten(out_shape)
     n_updates_out = len(jtu.tree_leaves(out_shape[0]))
-    if jtu.tree_structure(out_shape[1]) != jtu.tree_structure(dynamic[1]):
+    out_state_def: Any = jtu.tree_structure(out_shape[1])  # PyTreeDef: typed without __eq__
+    if out_state_def != jtu.tree_structure(dynamic[1]):
         raise CompositionError(
             "offloaded(..., group_bytes=...): the inner transformation returns a state "
             "whose array leaves do not match those of the state it was given, so new "
@@ -304,9 +305,9 @@ def _schedule(traced: _Traced, group_bytes: int) -> _Schedule:
             produces.setdefault(uf.find(dep[v]), []).append(k)
     for root, outs in produces.items():
         if len(outs) > 1:
-            members = [traced.state_paths[i] for i in streamed if uf.find(i) == root]
+            coupled = [traced.state_paths[i] for i in streamed if uf.find(i) == root]
             reason = next((eqn for eqn, roots in merges if uf.find(roots[0]) == root), None)
-            shown = ", ".join(members[:4]) + (", ..." if len(members) > 4 else "")
+            shown = ", ".join(coupled[:4]) + (", ..." if len(coupled) > 4 else "")
             raise CompositionError(
                 "offloaded(..., group_bytes=...): this optimizer's update cannot be "
                 f"streamed. It couples the state of {len(outs)} parameters (state "

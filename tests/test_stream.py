@@ -290,6 +290,21 @@ def test_streamed_program_moves_one_group_at_a_time() -> None:
         assert sum(op.startswith("%arg") for op in operands) == 2
 
 
+def test_cpu_program_has_the_same_barrier_chain() -> None:
+    """On the CPU backend the moves between memories lower to nothing (one RAM), but the
+    barriers that order the groups are there, each taking its group's host arguments."""
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0)
+    state = opt.init(params)
+    text = jax.jit(opt.update).lower(params, state, params).as_text()
+    events = _events(text)
+    assert [kind for kind, _, _ in events] == ["barrier"] * 4
+    host_args = set(re.findall(r"(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", text))
+    assert len(host_args) == 8
+    for _, _, operands in events:
+        assert len(host_args & set(operands)) == 2
+
+
 def test_default_program_moves_the_whole_state_at_once() -> None:
     """The contrast: without `group_bytes` every state leaf comes in before any goes out."""
     params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
