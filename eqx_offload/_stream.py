@@ -49,7 +49,7 @@ import jax.extend.core as jex
 import jax.extend.source_info_util as source_info_util
 import jax.tree_util as jtu
 import numpy as np
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from ._errors import CompositionError
 from ._move import move
@@ -567,6 +567,11 @@ def stream_plan(
 # Host compute
 
 
+# The function form of `compute_on`: `compute_on2` in JAX 0.10, renamed `compute_on` in
+# JAX 0.11 (where the context-manager form `compute_on("device_host")` is gone).
+_HOST_COMPUTE: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+
+
 def _has_subprogram(eqn: Any) -> bool:
     def is_program(x: Any) -> bool:
         return isinstance(x, (jex.Jaxpr, jex.ClosedJaxpr)) or (
@@ -634,7 +639,15 @@ def host_update(
     def run(*leaves: Any) -> list[Any]:
         return _eval_on_host(traced.jaxpr, traced.consts, leaves)
 
-    on_host: Callable[..., list[Any]] = compute_on("device_host")(jax.jit(run))
+    # Where each output goes: updates to the device, state leaves that `where` selects to
+    # host, the others (step counters) to the device.
+    state_leaves = jtu.tree_leaves(inner_state)
+    keep = [m for x, m in zip(state_leaves, leaf_mask(inner_state, where)) if eqx.is_array(x)]
+    device, host = jax.memory.Space.Device, jax.memory.Space.Host
+    spaces = [device] * traced.n_updates_out + [host if m else device for m in keep]
+    on_host: Callable[..., list[Any]] = _HOST_COMPUTE(
+        run, compute_type="device_host", out_memory_spaces=spaces
+    )
     flat_out = on_host(*args)
     dyn_updates, dyn_state = jtu.tree_unflatten(traced.out_treedef, flat_out)
     new_updates, new_state = eqx.combine((dyn_updates, dyn_state), traced.out_static)
