@@ -40,6 +40,9 @@ from typing import Any, Optional
 
 
 MODES = ("baseline", "offloaded", "streamed", "host_compute")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, REPO)
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -138,6 +141,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     # Let the allocator grow on demand, so that its peak is the program's peak.
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     command = [
@@ -232,14 +236,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["modes"].append(row)
         print(f"{mode}: {'ok' if row.get('error') is None else 'ERROR'} "
               f"({row['wall_seconds']:.0f} s)", file=sys.stderr, flush=True)
-    base = next((r for r in result["modes"] if r["mode"] == "baseline"), None)
-    for row in result["modes"]:
-        row["bitwise_equal_to_baseline"] = (
-            None if base is None or "checksum" not in row or "checksum" not in base
-            else row["checksum"] == base["checksum"]
-        )
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        base = next((r for r in result["modes"] if r["mode"] == "baseline"), None)
+        for r in result["modes"]:
+            r["bitwise_equal_to_baseline"] = (
+                None if base is None or "checksum" not in r or "checksum" not in base
+                else r["checksum"] == base["checksum"]
+            )
+        with open(args.out, "w") as f:  # after every mode: a cut-short run keeps what it has
+            json.dump(result, f, indent=1)
     print(markdown(result))
     return 0
 
