@@ -5,7 +5,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, ParamSpec, TypeVar, overload
+from typing import Any, cast, Optional, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -51,7 +51,8 @@ class _Static:
             return NotImplemented
         a, a_def = jtu.tree_flatten(self.value)
         b, b_def = jtu.tree_flatten(other.value)
-        return a_def == b_def and len(a) == len(b) and all(
+        same_def: bool = cast(Any, a_def) == b_def  # PyTreeDef: typed without __eq__
+        return same_def and len(a) == len(b) and all(
             type(x) is type(y) and x == y for x, y in zip(a, b)
         )
 
@@ -95,7 +96,8 @@ def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
 def _memory_kind_of(aval: Any, device: jax.Device) -> str:
     if aval.memory_space == jax.memory.Space.Host:
         return "pinned_host"
-    return device.default_memory().kind
+    kind: str = device.default_memory().kind  # `jax.Device` is untyped for mypy
+    return kind
 
 
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:

@@ -177,7 +177,7 @@ def offloaded(
                 "Pass the state returned by this transformation's `init` (or a "
                 "previous `update`), not one from another optimizer."
             )
-        for (path, want), got in zip(
+        for (key_path, want), got in zip(
             jtu.tree_flatten_with_path(expected)[0], jtu.tree_leaves(state.inner_state)
         ):
             if hasattr(want, "shape") and (
@@ -186,7 +186,7 @@ def offloaded(
             ):
                 raise StateError(
                     f"offloaded(...).update(state=...): leaf inner_state/"
-                    f"{path_to_str(path)} is {getattr(got, 'dtype', type(got))}"
+                    f"{path_to_str(key_path)} is {getattr(got, 'dtype', type(got))}"
                     f"{list(getattr(got, 'shape', []))} but this optimizer expects "
                     f"{want.dtype}{list(want.shape)} for these updates. Pass the state "
                     "made by this transformation's `init` for these parameters."
