@@ -353,3 +353,20 @@ def test_stale_state_keeps_the_other_inputs() -> None:
     assert intact(model, new_state)
     model, new_state = step(model, new_state, jnp.ones((4, 3)))
     assert bits((model, new_state)) == bits(reference(2))
+
+
+def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
+    """Regression (found by tests/test_fuzz.py): `inject_hyperparams(adam)` turns a
+    bfloat16 moment into float32 after one update when the params mix dtypes. The
+    unwrapped optimizer accepts its own state; `offloaded` used to reject it with a
+    `StateError` on the second update."""
+    p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.8)
+    opt = eqx_offload.offloaded(inner, where=True)
+    state, ref_state = opt.init(p), inner.init(p)
+    for _ in range(3):
+        updates, state = opt.update(p, state, p)
+        ref_updates, ref_state = inner.update(p, ref_state, p)
+        assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
+    assert state.inner_state.inner_state[0].mu["a"].dtype == jnp.float32
+    assert state.inner_state.inner_state[0].mu["a"].sharding.memory_kind == "pinned_host"
