@@ -64,7 +64,7 @@ class BenchConfig:
     sizes: tuple[float, ...]
     optimizers: tuple[str, ...] = ("adam", "adafactor")
     modes: tuple[str, ...] = MODES
-    repeats: int = 9
+    repeats: int = 13
     warmup: int = 2
     batch: int = 32
     mover_mib: tuple[int, ...] = (1, 4, 16, 64, 256)
@@ -192,15 +192,19 @@ class Runner:
     analyse: Callable[[Any, Any, Any, Any], Any]
     counter: CompileCounter = dataclasses.field(default_factory=CompileCounter)
     seconds: list[float] = dataclasses.field(default_factory=list)
+    cpu_seconds: list[float] = dataclasses.field(default_factory=list)
+    last_cpu: float = 0.0
     first_call: float = 0.0
     losses: list[Any] = dataclasses.field(default_factory=list)
 
     def run(self, x: Any, y: Any) -> float:
         with counting(self.counter):
+            cpu = time.process_time()
             start = time.perf_counter()
             self.model, self.state, loss = self.step(self.model, self.state, x, y)
             jax.block_until_ready((self.model, self.state, loss))
             elapsed = time.perf_counter() - start
+            self.last_cpu = time.process_time() - cpu
         self.losses.append(loss)
         return elapsed
 
@@ -328,6 +332,7 @@ def bench_point(
                 runner.first_call = elapsed
             elif rep >= config.warmup:
                 runner.seconds.append(elapsed)
+                runner.cpu_seconds.append(runner.last_cpu)
             tick()
     baseline = runners[0]
     results: list[dict[str, Any]] = [
@@ -351,6 +356,10 @@ def bench_point(
             "error": None,
             "step_seconds": summary(runner.seconds),
             "ratio_to_baseline": paired_ratio(runner.seconds, baseline.seconds),
+            # CPU time of this process (all its threads) per step: on the CPU backend,
+            # the work a step does, whatever else the machine runs at the same time.
+            "cpu_seconds": summary(runner.cpu_seconds),
+            "cpu_ratio_to_baseline": paired_ratio(runner.cpu_seconds, baseline.cpu_seconds),
             "first_call_seconds": runner.first_call,
             "compile_seconds": runner.counter.seconds,
             "compilations": runner.counter.count,
@@ -565,17 +574,18 @@ def markdown(result: dict[str, Any]) -> str:
         f"Measured {m['date']} on **{m['device_kind']}** (backend `{m['backend']}`, "
         f"{m['cpu_count']} CPU cores: {m['cpu']}), JAX {m['jax_version']}, "
         f"batch {result['config']['batch']}, {result['config']['repeats']} interleaved "
-        "repetitions per point.",
+        "repetitions per point; load average (1 min) "
+        f"{m.get('load_average_start')} at the start, {m.get('load_average_end')} at the end.",
         "",
         "| optimizer | params | mode | step ms (median [p25, p75]) | × baseline | "
-        "device bytes: params + opt state | opt state on host | compilations | "
-        "compile s | temp / peak (memory_analysis) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "× baseline, process CPU time | device bytes: params + opt state | "
+        "opt state on host | compilations | compile s | temp / peak (memory_analysis) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in result["points"]:
         if p.get("error") is not None:
             lines.append(f"| {p['optimizer']} | {p['params'] / 1e6:.1f}M | {p['mode']} | "
-                         f"failed: {p['error'].replace('|', '/')} | | | | | | |")
+                         f"failed: {p['error'].replace('|', '/')} | | | | | | | |")
             continue
         s = p["step_seconds"]
         ma = p["memory_analysis"] or {}
@@ -587,6 +597,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {p['optimizer']} | {p['params'] / 1e6:.1f}M | {p['mode']} | "
             f"{_ms(s['median'])} [{_ms(s['p25'])}, {_ms(s['p75'])}] | "
             f"{p['ratio_to_baseline']['median']:.3f} | "
+            f"{p['cpu_ratio_to_baseline']['median']:.3f} | "
             f"{format_bytes(p['params_device_bytes'] + p['opt_state_device_bytes'])} | "
             f"{format_bytes(p['opt_state_host_bytes'])} | {p['compilations']} | "
             f"{p['compile_seconds']:.2f} | {mem} |")
@@ -764,6 +775,7 @@ def run_bench(config: BenchConfig, progress: bool = True,
         config.warmup + config.repeats)
     steps += len(config.mover_mib) * (config.mover_repeats + 1)
     started = time.perf_counter()
+    load_start = _load_average()
     points: list[dict[str, Any]] = []
     with tqdm(total=steps, desc="bench", disable=not progress, unit="step",
               dynamic_ncols=True, file=sys.stderr) as bar:
@@ -779,6 +791,9 @@ def run_bench(config: BenchConfig, progress: bool = True,
         bar.set_postfix_str("movers")
         movers = bench_movers(config, tick)
     machine = machine_info()
+    # Other processes share the machine: its load says how much (1-minute averages).
+    machine["load_average_start"] = load_start
+    machine["load_average_end"] = _load_average()
     return {
         "machine": machine,
         "config": dataclasses.asdict(config),
@@ -787,6 +802,13 @@ def run_bench(config: BenchConfig, progress: bool = True,
         "targets": evaluate_targets(points, movers, config, machine["backend"]),
         "wall_seconds": time.perf_counter() - started,
     }
+
+
+def _load_average() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def bench_main(config: BenchConfig, out: str, progress: bool = True) -> int:
