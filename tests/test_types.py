@@ -100,33 +100,26 @@ def _run_pytype(paths: list[pathlib.Path]) -> dict[str, set[tuple[int, str]]]:
     return errors
 
 
-@pytest.fixture(scope="module")
-def reported() -> dict[str, dict[str, set[tuple[int, str]]]]:
-    """{checker: {file name: {(line, code)}}}, each checker run once over every file."""
+# One test per checker, each running its checker once over every file: with
+# `pytest -n 2` a fixture shared by several tests would run once per worker.
+@pytest.mark.slow
+@pytest.mark.parametrize("checker", CHECKERS)
+def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
     paths = [GOOD, *BAD]
-    return {"mypy": _run_mypy(paths), "pytype": _run_pytype(paths)}
-
-
-# ----------------------------------------------------------------------------- static
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("checker", CHECKERS)
-def test_good_usage_has_no_errors(reported: Any, checker: str) -> None:
-    assert reported[checker].get(GOOD.name, set()) == set()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("checker", CHECKERS)
-@pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
-def test_bad_usage_reports_exactly_the_expected_errors(
-    reported: Any, checker: str, path: pathlib.Path
-) -> None:
-    expected = expected_errors(path)[checker]
-    got = reported[checker].get(path.name, set())
-    assert expected, f"{path.name} expects no {checker} error: the test would be vacuous"
-    assert got - expected == set(), f"unexpected {checker} errors in {path.name}"
-    assert expected - got == set(), f"{checker} missed mistakes in {path.name}"
+    reported = _run_mypy(paths) if checker == "mypy" else _run_pytype(paths)
+    problems = []
+    good = reported.get(GOOD.name, set())
+    if good:
+        problems.append(f"{GOOD.name}: errors {sorted(good)}")
+    for path in BAD:
+        expected = expected_errors(path)[checker]
+        got = reported.get(path.name, set())
+        assert expected, f"{path.name} expects no {checker} error: the test would be vacuous"
+        if got - expected:
+            problems.append(f"{path.name}: unexpected {sorted(got - expected)}")
+        if expected - got:
+            problems.append(f"{path.name}: missed {sorted(expected - got)}")
+    assert problems == [], f"{checker}:\n" + "\n".join(problems)
 
 
 def test_bad_usage_covers_the_listed_mistakes() -> None:
