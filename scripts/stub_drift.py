@@ -112,6 +112,7 @@ def stub_literals() -> dict[str, tuple[object, ...]]:
 
 
 def literal_differences() -> list[str]:
+    sys.path.insert(0, str(ROOT))  # this checkout's package, not another installed one
     import eqx_offload
 
     problems = []
