@@ -32,31 +32,6 @@ _DONATE_MODES: dict[str, tuple[bool, bool, bool]] = {
 }
 
 
-class _Static:
-    """Holds the non-array part of the arguments, hashed by value like
-    `eqx.filter_jit` does (static parts must be hashable)."""
-
-    __slots__ = ("value", "_hash")
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-        leaves, treedef = jtu.tree_flatten(value)
-        self._hash = hash((treedef, tuple(leaves)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Static):
-            return NotImplemented
-        a, a_def = jtu.tree_flatten(self.value)
-        b, b_def = jtu.tree_flatten(other.value)
-        same_def: bool = cast(Any, a_def) == b_def  # PyTreeDef: typed without __eq__
-        return same_def and len(a) == len(b) and all(
-            type(x) is type(y) and x == y for x, y in zip(a, b)
-        )
-
-
 def _is_committed(x: Any) -> bool:  # a `jax.ShapeDtypeStruct` with a sharding counts
     # (At module level, not nested in `_input_shardings`: under jaxtyping's import hook a
     # nested function is decorated, i.e. beartype compiles a wrapper, on every call.)
@@ -259,12 +234,24 @@ def _mistyped_host(leaf: Any) -> bool:
 
 
 class _Compiled:
-    """One compiled configuration: the executable and how to rebuild the output."""
+    """One compiled configuration: the executable and how to rebuild the output.
 
-    def __init__(self, executable: Any, out_static: Any, out_treedef: Any) -> None:
+    `out_leaves` is the flat output with `None` where the executable's arrays go, in
+    the order of `out_positions`; one `tree_unflatten` rebuilds the result."""
+
+    def __init__(
+        self, executable: Any, out_treedef: Any, out_leaves: list[Any], out_positions: list[int]
+    ) -> None:
         self.executable = executable
-        self.out_static = out_static
         self.out_treedef = out_treedef
+        self.out_leaves = out_leaves
+        self.out_positions = out_positions
+
+
+def _static_key(leaves: Sequence[Any], is_array: Sequence[bool]) -> tuple[Any, ...]:
+    """The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
+    hashable: `1` and `1.0` or `True` must not share an executable)."""
+    return tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
 
 
 def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
@@ -278,23 +265,28 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
     cache: dict[Any, _Compiled] = {}
 
     def compile_for(
+        all_leaves: list[Any],
+        is_array: tuple[bool, ...],
+        treedef: Any,
         leaves: list[Any],
         in_shardings: list[jax.sharding.Sharding],
-        static: Any,
-        treedef: Any,
         donated: tuple[int, ...],
     ) -> _Compiled:
         out_parts: list[Any] = []
         out_paths: list[tuple[str, ...]] = []
+        array_positions = [i for i, a in enumerate(is_array) if a]
 
         def flat_fun(*dynamic_leaves: Any) -> list[Any]:
-            args, kwargs = eqx.combine(jtu.tree_unflatten(treedef, dynamic_leaves), static)
-            out = fun(*args, **kwargs)
-            dynamic_out, static_out = eqx.partition(out, eqx.is_array)
-            keyed_out, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
-            out_parts[:] = [static_out, out_treedef]
-            out_paths[:] = [tuple(map(key_to_str, p)) for p, _ in keyed_out]
-            return [x for _, x in keyed_out]
+            full = list(all_leaves)
+            for i, x in zip(array_positions, dynamic_leaves):
+                full[i] = x
+            args, kwargs = jtu.tree_unflatten(treedef, full)
+            keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
+            positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
+            out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
+            out_parts[:] = [out_treedef, out_leaves, positions]
+            out_paths[:] = [tuple(map(key_to_str, keyed_out[i][0])) for i in positions]
+            return [keyed_out[i][1] for i in positions]
 
         traced = jax.jit(flat_fun).trace(*leaves)
         _check_no_host_compute(traced.jaxpr.jaxpr, fun)
@@ -302,10 +294,8 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
         out_avals = traced.jaxpr.out_avals
         # An argument's path without the leading args/kwargs index: `(0, ...)` is the
         # first positional argument, as `(0, ...)` is the first element of a tuple result.
-        in_paths = [
-            tuple(map(key_to_str, p[1:]))
-            for p, _ in jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, leaves))[0]
-        ]
+        keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, all_leaves))[0]
+        in_paths = [tuple(map(key_to_str, keyed_in[i][0][1:])) for i in array_positions]
         out_shardings = _output_shardings(out_avals, in_avals, in_shardings, out_paths, in_paths)
         jitted = jax.jit(
             flat_fun,
@@ -314,41 +304,51 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
             donate_argnums=donated,
         )
         executable = jitted.trace(*leaves).lower().compile()
-        return _Compiled(executable, out_parts[0], out_parts[1])
+        return _Compiled(executable, *out_parts)
 
     @functools.wraps(fun)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-        leaves, treedef = jtu.tree_flatten(dynamic)
-        first = len(jtu.tree_leaves(eqx.filter(args[:1], eqx.is_array)))
-        donated = tuple(
-            i for i in range(len(leaves)) if (donate_first if i < first else donate_rest)
-        )
+        # One flatten of the arguments; the first argument's leaves come first.
+        all_leaves, treedef = jtu.tree_flatten((args, kwargs))
+        is_array = tuple(map(eqx.is_array, all_leaves))
+        # Which leaves are the first argument's matters only if it is donated differently.
+        n_first = jtu.tree_structure(args[:1]).num_leaves if donate_first != donate_rest else 0
+        leaves, donated_list = [], []
+        for i, (x, a) in enumerate(zip(all_leaves, is_array)):
+            if a:
+                if donate_first if i < n_first else donate_rest:
+                    donated_list.append(len(leaves))
+                leaves.append(x)
+        donated = tuple(donated_list)
         retyped = {i: x for i, x in enumerate(leaves) if _mistyped_host(x)}
         for i, x in retyped.items():
             leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
         in_shardings = _input_shardings(leaves)
         key = (
             treedef,
-            _Static(static),
+            is_array,
+            n_first,
+            _static_key(all_leaves, is_array),
             tuple(
-                (np.shape(x), x.dtype, getattr(x, "weak_type", False), sharding)
+                (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
                 for x, sharding in zip(leaves, in_shardings)
             ),
-            donated,
         )
         with warnings.catch_warnings():
             if silence:
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiled = cache.get(key)
             if compiled is None:
-                compiled = compile_for(leaves, in_shardings, static, treedef, donated)
+                compiled = compile_for(all_leaves, is_array, treedef, leaves, in_shardings, donated)
                 cache[key] = compiled
             flat_out = compiled.executable(*leaves)
         for i, x in retyped.items():
             if i in donated:  # the copy was donated: consume the original as donation would
                 x.delete()
-        return eqx.combine(jtu.tree_unflatten(compiled.out_treedef, flat_out), compiled.out_static)
+        out_leaves = list(compiled.out_leaves)
+        for i, x in zip(compiled.out_positions, flat_out):
+            out_leaves[i] = x
+        return jtu.tree_unflatten(compiled.out_treedef, out_leaves)
 
     wrapper._cache_size = lambda: len(cache)  # type: ignore[attr-defined]  # introspection for tests, as jax.jit's
     # The compiled executables, in compilation order (the benchmark reads their
