@@ -312,8 +312,10 @@ def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
         all_leaves, treedef = jtu.tree_flatten((args, kwargs))
         is_array = tuple(map(eqx.is_array, all_leaves))
         # Which leaves are the first argument's matters only if it is donated differently.
-        n_first = jtu.tree_structure(args[:1]).num_leaves if donate_first != donate_rest else 0
-        leaves, donated_list = [], []
+        first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
+        n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
+        leaves: list[Any] = []
+        donated_list: list[int] = []
         for i, (x, a) in enumerate(zip(all_leaves, is_array)):
             if a:
                 if donate_first if i < n_first else donate_rest:
