@@ -5,6 +5,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 import optax
 
 from ._errors import NotATransformationError, StateError
@@ -114,8 +115,10 @@ def offloaded(
     """
     if not isinstance(inner, optax.GradientTransformation) and callable(
         getattr(inner, "gradient_transformation", None)
-    ):  # e.g. `optax.MultiSteps`, which is not itself a GradientTransformation
-        inner = inner.gradient_transformation()
+    ):  # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
+        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
+        # arguments `with_extra_args_support` would drop; its `update` takes them.
+        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
     if not isinstance(inner, optax.GradientTransformation):
         hint = ""
         if callable(inner):
@@ -183,7 +186,8 @@ def offloaded(
         for (key_path, want), got in zip(
             jtu.tree_flatten_with_path(expected)[0], jtu.tree_leaves(state.inner_state)
         ):
-            if hasattr(want, "shape") and getattr(got, "shape", None) != want.shape:
+            # `np.shape`: a state may hold Python scalars (shape `()`).
+            if hasattr(want, "shape") and np.shape(got) != want.shape:
                 raise StateError(
                     f"offloaded(...).update(state=...): leaf inner_state/"
                     f"{path_to_str(key_path)} is {getattr(got, 'dtype', type(got))}"

@@ -5,7 +5,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -484,3 +484,74 @@ def test_offloaded_prng_key_no_false_warning_under_jit():
         _assert_bitwise(plain_updates, updates)
         _assert_bitwise(plain_state, state.inner_state)
         assert [x.sharding.memory_kind for x in jtu.tree_leaves(state)] == ["pinned_host"] * 2
+
+
+# ---------------------------------------------------------------------------------------
+# Extra arguments and Python-scalar states (issue 10, items 1 and 2)
+
+
+def _scaled_by_extra_arg() -> optax.GradientTransformationExtraArgs:
+    """A transformation whose update multiplies by an optional keyword `scale`."""
+
+    def init_fn(params: Any) -> Any:
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: Any, params: Any = None, *, scale: float = 1.0,
+                  **extra: Any) -> Any:
+        return jtu.tree_map(lambda u: u * scale, updates), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+def test_multi_steps_passes_extra_args(every_k: int) -> None:
+    """`offloaded(MultiSteps(x))` passed every keyword argument to `x` before this fix
+    only in name: `MultiSteps.gradient_transformation()` is a plain
+    `GradientTransformation`, and `with_extra_args_support` dropped `scale=5.0`."""
+    params = {"w": jnp.arange(3.0)}
+    inner = optax.MultiSteps(_scaled_by_extra_arg(), every_k)
+    opt = eqx_offload.offloaded(optax.MultiSteps(_scaled_by_extra_arg(), every_k))
+    state, ref_state = opt.init(params), inner.init(params)
+    for _ in range(3):
+        updates, state = opt.update(params, state, params, scale=5.0)
+        ref_updates, ref_state = inner.update(params, ref_state, params, scale=5.0)
+        _assert_bitwise(updates, ref_updates)
+    _assert_bitwise(state.inner_state, ref_state)
+    assert ref_state.acc_grads["w"].sharding.memory_kind == "device"
+    assert state.inner_state.acc_grads["w"].sharding.memory_kind == "pinned_host"
+
+
+class _ScalarState(NamedTuple):
+    count: int
+    scale: float
+    mu: Any
+
+
+def _python_scalar_state() -> optax.GradientTransformation:
+    """A transformation whose state holds Python scalars (as some of optax's tests do)."""
+
+    def init_fn(params: Any) -> _ScalarState:
+        return _ScalarState(0, 0.5, jtu.tree_map(jnp.zeros_like, params))
+
+    def update_fn(updates: Any, state: _ScalarState, params: Any = None) -> Any:
+        mu = jtu.tree_map(lambda m, u: state.scale * m + u, state.mu, updates)
+        return mu, _ScalarState(state.count + 1, state.scale, mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_python_scalars_in_state_not_rejected(mode: str) -> None:
+    """A state made by this optimizer's `init` or `update` is never a `StateError`, even
+    with Python scalars in it (they were compared with their abstract value)."""
+    params = {"w": jnp.arange(4.0)}
+    opt = eqx_offload.offloaded(_python_scalar_state())
+    inner = _python_scalar_state()
+    update = opt.update if mode == "eager" else eqx_offload.filter_jit(opt.update)
+    state, ref_state = opt.init(params), inner.init(params)
+    for _ in range(STEPS):
+        updates, state = update(params, state, params)
+        ref_updates, ref_state = inner.update(params, ref_state, params)
+        _assert_bitwise(updates, ref_updates)
+    _assert_bitwise(state.inner_state.mu, ref_state.mu)
+    assert state.inner_state.mu["w"].sharding.memory_kind == "pinned_host"
