@@ -274,8 +274,9 @@ def run_demo(config: DemoConfig) -> DemoResult:
     name = f"optax.{config.optimizer}"
     plain = train(name, factory(config.learning_rate), eqx.filter_jit(donate="all"), config)
     # `perturb` exists to show that the comparison can fail: it changes the offloaded
-    # run's learning rate by one part in a million.
-    lr = config.learning_rate * (1 + 1e-6) if config.perturb else config.learning_rate
+    # run's learning rate by one part in a thousand (a millionth can round away in the
+    # float32 losses of a short run: JAX 0.12 on CPU gave equal losses, unequal params).
+    lr = config.learning_rate * (1 + 1e-3) if config.perturb else config.learning_rate
     offload = train(f"offloaded({name})", offloaded(factory(lr)), filter_jit(donate="all"),
                     config)
     return DemoResult(

@@ -42,7 +42,7 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path):
 
 
 def test_demo_fails_when_trajectories_differ(tmp_path):
-    # `--perturb` changes the offloaded run's learning rate by one part in a million:
+    # `--perturb` changes the offloaded run's learning rate by one part in a thousand:
     # the check must notice and the command must fail. (With another optimizer, to
     # cover `--optimizer` too.)
     out = tmp_path / "demo.json"
