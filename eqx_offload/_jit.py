@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import jaxprs_in_params, Literal
 
+from ._compat import HOST_COMPUTE_NAME
 from ._errors import CompositionError
 from ._memory import default_device
 from ._types import Donate
@@ -214,7 +215,7 @@ def _check_no_host_compute(jaxpr: Any, fun: Callable[..., Any]) -> None:
         "state of what it wraps, placed around `offloaded`: write "
         "`offloaded(optax.MultiSteps(...))`, not `optax.MultiSteps(offloaded(...))` "
         "(`offloaded` outermost is always safe). To compute on the host on purpose, "
-        "put that code under `jax.experimental.compute_on.compute_on(\"device_host\")`."
+        f"put that code in `{HOST_COMPUTE_NAME}(f, compute_type=\"device_host\", out_memory_spaces=...)`."
     )
 
 

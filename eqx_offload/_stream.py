@@ -50,8 +50,8 @@ import jax.extend.core as jex
 import jax.extend.source_info_util as source_info_util
 import jax.tree_util as jtu
 import numpy as np
-from jax.experimental import compute_on as _compute_on
 
+from ._compat import host_compute
 from ._errors import CompositionError
 from ._move import move
 from ._where import is_traced, leaf_mask, nbytes, path_to_str
@@ -574,11 +574,6 @@ def stream_plan(
 # Host compute
 
 
-# The function form of `compute_on`: `compute_on2` in JAX 0.10, renamed `compute_on` in
-# JAX 0.11 (where the context-manager form `compute_on("device_host")` is gone).
-_HOST_COMPUTE: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
-
-
 def _has_subprogram(eqn: Any) -> bool:
     def is_program(x: Any) -> bool:
         return isinstance(x, (jex.Jaxpr, jex.ClosedJaxpr)) or (
@@ -652,7 +647,7 @@ def host_update(
     keep = [m for x, m in zip(state_leaves, leaf_mask(inner_state, where)) if eqx.is_array(x)]
     device, host = jax.memory.Space.Device, jax.memory.Space.Host
     spaces = [device] * traced.n_updates_out + [host if m else device for m in keep]
-    on_host: Callable[..., list[Any]] = _HOST_COMPUTE(
+    on_host: Callable[..., list[Any]] = host_compute(
         run, compute_type="device_host", out_memory_spaces=spaces
     )
     flat_out = on_host(*args)

@@ -1,0 +1,21 @@
+"""What differs between the supported JAX versions (0.10.2 to the newest), in one place.
+
+Every other module imports the version-dependent names from here; each shim says which
+JAX version changed what, so it can go once the oldest supported JAX has the change.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from jax.experimental import compute_on as _compute_on
+
+
+# The function form of `compute_on`, `host_compute(f, *, compute_type,
+# out_memory_spaces)` or as a decorator factory without `f`. JAX 0.10 calls it
+# `compute_on2` (its `compute_on` is the context manager `with compute_on("device_host"):`);
+# JAX 0.11 removed the context manager and renamed `compute_on2` to `compute_on`.
+# Both trace to the same `compute_on` primitive with a `compute_type` parameter.
+host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+
+# How error messages name it: `jax.experimental.compute_on.compute_on2` or `...compute_on`.
+HOST_COMPUTE_NAME: str = f"jax.experimental.compute_on.{host_compute.__name__}"
