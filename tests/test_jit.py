@@ -1,7 +1,9 @@
 """`filter_jit`: donation of host-resident state, memory kinds of the outputs, one
-compilation per configuration; and how plain `jax.jit` compiles the same step."""
+compilation per configuration. (How plain `jax.jit` compiles the same step, and which
+forms of `compute_on` JAX offers, are upstream behaviour: `tests/upstream/`.)"""
 
 import contextlib
+import importlib
 import re
 import warnings
 from collections.abc import Iterator
@@ -16,9 +18,9 @@ import optax
 import pytest
 from helpers import assert_tree_equal
 from isolated import call_isolated
-from jax.experimental.compute_on import compute_on
 
 import eqx_offload
+from eqx_offload._compat import HOST_COMPUTE_NAME, host_compute
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,43 +251,6 @@ def test_filter_jit_compiles_once_with_committed_params():
     assert _offloaded_loop(eqx_offload.filter_jit, params_committed=True) == [1, 0, 0, 0, 0]
 
 
-def test_jax_jit_compiles_once_with_committed_params():
-    # The workaround for plain `jax.jit`: commit the params to the device first.
-    assert _offloaded_loop(jax.jit, params_committed=True) == [1, 0, 0, 0, 0]
-
-
-def test_jax_jit_compiles_twice_with_uncommitted_params():
-    # Upstream behaviour, pinned so that we notice when JAX changes it: the first call
-    # has uncommitted params (`in_shardings` UNSPECIFIED) and a committed host state;
-    # every output of a program with a committed input (or a memory-kind transfer) is
-    # committed, so the second call has committed params and compiles again.
-    assert _offloaded_loop(jax.jit, params_committed=False) == [1, 1, 0, 0, 0]
-
-
-def test_jax_jit_double_compile_is_not_offload_specific():
-    # The same double compile without any offload: uncommitted params with a state
-    # committed to the device. So `offloaded` cannot avoid it: its host state is
-    # necessarily committed (a `pinned_host` array always is).
-    model = _model()
-    opt = optax.adamw(1e-2)
-    state = jax.device_put(opt.init(eqx.filter(model, eqx.is_array)), jax.devices()[0])
-    assert jax.device_put(jnp.ones(2), jax.memory.Space.Host).committed
-    params, static = eqx.partition(model, eqx.is_array)
-
-    @jax.jit
-    def step(params, state, x):
-        model, state, loss = _make_step(opt)(eqx.combine(params, static), state, x)
-        return eqx.filter(model, eqx.is_array), state, loss
-
-    x = _batch()
-    per_call = []
-    for _ in range(4):
-        with count_compiles() as compiles:
-            params, state, _ = step(params, state, x)
-        per_call.append(compiles[0])
-    assert per_call == [1, 1, 0, 0]
-
-
 def test_cache_one_entry_per_configuration():
     @eqx_offload.filter_jit
     def f(x, n, *, scale):
@@ -339,20 +304,23 @@ def test_output_memory_kinds_follow_the_program():
 def test_host_compute_is_rejected_with_a_clear_error():
     host = jax.device_put(jnp.ones(3), jax.memory.Space.Host)
     f = eqx_offload.filter_jit(lambda x: x * 2)
-    with pytest.raises(eqx_offload.CompositionError, match=r"`mul` on float32<host>\[3\]"):
+    with pytest.raises(eqx_offload.CompositionError, match=r"`mul` on float32<host>\[3\]") as error:
         f(host)
+    # The fix it names exists in the installed JAX.
+    assert f"`{HOST_COMPUTE_NAME}(f, compute_type=" in str(error.value)
+    module, _, name = HOST_COMPUTE_NAME.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is host_compute
     assert f._cache_size() == 0
 
 
 def test_host_compute_under_compute_on_is_allowed():
-    @eqx_offload.filter_jit
-    def f(x):
-        with compute_on("device_host"):
-            y = x * 2
-        return y
-
+    # The function form of `compute_on` (`compute_on2` in JAX 0.10, `compute_on` from
+    # 0.11), as the error above names it.
+    double = host_compute(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+        lambda x: x * 2
+    )
     host = jax.device_put(jnp.arange(3.0), jax.memory.Space.Host)
-    out = f(host)
+    out = eqx_offload.filter_jit(double)(host)
     assert out.sharding.memory_kind == "pinned_host"
     assert_tree_equal(jax.device_put(out, jax.memory.Space.Device), jnp.arange(3.0) * 2)
 
@@ -381,18 +349,6 @@ def test_scan_over_steps_with_host_state():
     assert_tree_equal(p_off, p_ref)
     assert_tree_equal(s_off.inner_state, s_ref)
     assert _kinds(s_off) == _expected_state_kinds(s_off)
-
-
-def test_host_compute_under_compute_on2_is_allowed():
-    from jax.experimental.compute_on import compute_on2
-
-    double = compute_on2(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
-        lambda x: x * 2
-    )
-    host = jax.device_put(jnp.arange(3.0), jax.memory.Space.Host)
-    out = eqx_offload.filter_jit(double)(host)
-    assert out.sharding.memory_kind == "pinned_host"
-    assert_tree_equal(jax.device_put(out, jax.memory.Space.Device), jnp.arange(3.0) * 2)
 
 
 def test_donation_checks_can_fail():
