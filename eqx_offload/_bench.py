@@ -146,8 +146,8 @@ def summary(seconds: Sequence[float]) -> dict[str, Any]:
         "median": float(np.median(xs)),
         "p25": float(np.percentile(xs, 25)),
         "p75": float(np.percentile(xs, 75)),
-        "min": float(xs.min()),
-        "max": float(xs.max()),
+        "min": float(np.min(xs)),
+        "max": float(np.max(xs)),
         "n": int(xs.size),
         "all": [float(x) for x in xs],
     }

@@ -7,6 +7,7 @@ JAX version changed what, so it can go once the oldest supported JAX has the cha
 from collections.abc import Callable
 from typing import Any
 
+import jax.extend.core as _jex
 from jax.experimental import compute_on as _compute_on
 
 
@@ -19,3 +20,9 @@ host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or 
 
 # How error messages name it: `jax.experimental.compute_on.compute_on2` or `...compute_on`.
 HOST_COMPUTE_NAME: str = f"jax.experimental.compute_on.{host_compute.__name__}"
+
+
+# The types of the jaxprs that a primitive's parameters hold. JAX 0.10 has `Jaxpr` and
+# `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
+# and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.
+JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _jex.Jaxpr))

@@ -51,7 +51,7 @@ import jax.extend.source_info_util as source_info_util
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compat import host_compute
+from ._compat import host_compute, JAXPR_TYPES
 from ._errors import CompositionError
 from ._move import move
 from ._where import is_traced, leaf_mask, nbytes, path_to_str
@@ -576,7 +576,7 @@ def stream_plan(
 
 def _has_subprogram(eqn: Any) -> bool:
     def is_program(x: Any) -> bool:
-        return isinstance(x, (jex.Jaxpr, jex.ClosedJaxpr)) or (
+        return isinstance(x, JAXPR_TYPES) or (
             isinstance(x, (tuple, list)) and any(is_program(y) for y in x)
         )
 
