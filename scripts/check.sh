@@ -1,33 +1,214 @@
 #!/usr/bin/env bash
-# Installs eqx_offload with its dev extra into ./.venv and runs every test and gate:
-# pytest (with jaxtyping+beartype runtime checks), mypy --strict, pytype over the
-# package with the stubs in typings/, the stub-drift check and the docs build.
+# Every test and gate, in the two environments the package supports at its ends:
+#
+#   oldest  .venv      Python 3.11, jax == jaxlib == 0.10.2 (.ci/constraints-oldest.txt)
+#   newest  .venv-new  Python 3.12, the newest jax and jaxlib pip resolves
+#
+# In each: install eqx_offload with its dev extra (venvs are created if missing, deps
+# installed every run; the pip cache makes that fast), the whole pytest suite (with the
+# jaxtyping+beartype runtime checks) and the static gates (`scripts/gates.sh` if it
+# exists, else mypy --strict, the pytype gate and the stub-drift check). Then
+# `mkdocs build --strict` once. A per-stage time summary closes the output, failed or not.
+#
+#   bash scripts/check.sh                  # both environments (what .ci/run runs)
+#   bash scripts/check.sh newest           # one environment: oldest or newest
+#   bash scripts/check.sh --pythons        # print the interpreters it would use, and stop
+#
+# Interpreters: $PYTHON_OLDEST / $PYTHON_NEWEST if set; else `python3.11` / `python3.12`
+# on PATH; else $(pyenv root)/versions/3.1x.*/bin/python; else
+# ~/.pyenv/versions/3.1x*/bin/python. A missing one fails the run, naming what it tried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+ROOT=$PWD
+
+# ------------------------------------------------------------------ stages and timing
+STAGE_NAMES=()
+STAGE_SECONDS=()
+STAGE_STATUS=()
+CURRENT=""
+CURRENT_START=0
+RUN_START=$SECONDS
+PASSED=0
+FAILED=0
+
+begin() {
+  CURRENT=$1
+  CURRENT_START=$SECONDS
+  printf '\n=== %s (%s)\n' "$CURRENT" "$(date +%T)"
+}
+
+end() {
+  STAGE_NAMES+=("$CURRENT")
+  STAGE_SECONDS+=($((SECONDS - CURRENT_START)))
+  STAGE_STATUS+=("${1:-ok}")
+  CURRENT=""
+}
+
+summary() {
+  local rc=$?
+  if [ -n "$CURRENT" ]; then
+    end FAILED
+  fi
+  printf '\n=== time per stage\n'
+  local i
+  for i in "${!STAGE_NAMES[@]}"; do
+    printf '  %-52s %6s  %5d s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}"
+  done
+  printf '  %-52s %6s  %5d s\n' "total" "" $((SECONDS - RUN_START))
+  echo
+  if [ "$rc" -eq 0 ]; then
+    echo "all tests and gates passed"
+  else
+    echo "check FAILED (exit status $rc)"
+  fi
+  # The closing line: the tests of every environment that ran, added up.
+  echo "check: $PASSED passed, $FAILED failed"
+  exit "$rc"
+}
+trap summary EXIT
+
+fail() {
+  echo "check.sh: $*" >&2
+  exit 1
+}
+
+# ------------------------------------------------------------------ interpreters
+# find_python 3.12: the first interpreter that really is Python 3.12 (a pyenv shim on
+# PATH may exist without the version behind it).
+find_python() {
+  local want=$1 override=$2 candidate
+  local -a candidates=()
+  if [ -n "$override" ]; then
+    candidates=("$override")
+  else
+    candidates+=("$(command -v "python$want" || true)")
+    if command -v pyenv >/dev/null 2>&1; then
+      candidates+=("$(pyenv root)"/versions/"$want".*/bin/python)
+    fi
+    candidates+=("$HOME"/.pyenv/versions/"$want"*/bin/python)
+  fi
+  for candidate in "${candidates[@]}"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] \
+        && [ "$("$candidate" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$want" ]; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "check.sh: Python $want not found (tried: ${override:-python$want on PATH, \$(pyenv root)/versions/$want.*/bin/python, ~/.pyenv/versions/$want*/bin/python}); install it (e.g. pyenv install $want) or set PYTHON_$3 to its path" >&2
+  return 1
+}
+
+PY_OLDEST=$(find_python 3.11 "${PYTHON_OLDEST:-}" OLDEST) || exit 1
+PY_NEWEST=$(find_python 3.12 "${PYTHON_NEWEST:-}" NEWEST) || exit 1
+
+ENVS=("$@")
+if [ "${ENVS[*]:-}" = "--pythons" ]; then
+  trap - EXIT
+  echo "oldest: $PY_OLDEST"
+  echo "newest: $PY_NEWEST"
+  exit 0
 fi
-. .venv/bin/activate
-python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e ".[dev]"
+if [ ${#ENVS[@]} -eq 0 ]; then
+  ENVS=(oldest newest)
+fi
+for env in "${ENVS[@]}"; do
+  case "$env" in
+    oldest | newest) ;;
+    *) fail "unknown environment '$env' (oldest, newest, or --pythons)" ;;
+  esac
+done
 
-stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+# ------------------------------------------------------------------ one environment
+jax_version() {
+  "$1" -c 'import importlib.metadata as m; print(m.version("jax"), m.version("jaxlib"))'
+}
 
-stage "pytest"
-python -m pytest -n 2 -q
+# make_venv DIR PYTHON: DIR is a venv of PYTHON's version (recreated if not).
+make_venv() {
+  local dir=$1 python=$2 want have
+  want=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ -x "$dir/bin/python" ]; then
+    have=$("$dir/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)
+    if [ "$have" != "$want" ]; then
+      echo "$dir is Python ${have:-?}, not $want: recreating it"
+      rm -rf "$dir"
+    fi
+  fi
+  if [ ! -x "$dir/bin/python" ]; then
+    "$python" -m venv "$dir"
+  fi
+}
 
-stage "mypy --strict"
-python -m mypy
+# install ENV: the package with its dev extra, JAX per ENV.
+install() {
+  local env=$1 py=$2 before after
+  "$py" -m pip install --quiet --upgrade pip
+  if [ "$env" = oldest ]; then
+    "$py" -m pip install --quiet -e ".[dev]" -c .ci/constraints-oldest.txt
+    [ "$(jax_version "$py")" = "0.10.2 0.10.2" ] \
+      || fail "oldest: expected jax and jaxlib 0.10.2, got $(jax_version "$py")"
+  else
+    # The newest JAX first; then installing the package must leave it as it is.
+    "$py" -m pip install --quiet --upgrade jax jaxlib
+    before=$(jax_version "$py")
+    "$py" -m pip install --quiet -e ".[dev]"
+    after=$(jax_version "$py")
+    [ "$before" = "$after" ] \
+      || fail "newest: installing eqx_offload changed jax/jaxlib from $before to $after"
+  fi
+}
 
-stage "pytype"
-python scripts/pytype_gate.py
+# run_pytest ENV: the whole suite; a run that collects no test fails.
+run_pytest() {
+  local env=$1 log rc=0 passed failed
+  log=$(mktemp)
+  python -m pytest -n 2 -q 2>&1 | tee "$log" || rc=$?
+  passed=$(tail -n 5 "$log" | grep -Eo '[0-9]+ passed' | tail -n 1 | grep -Eo '[0-9]+' || true)
+  failed=$(tail -n 5 "$log" | grep -Eo '[0-9]+ (failed|errors?)' | awk '{s += $1} END {print s + 0}')
+  rm -f "$log"
+  PASSED=$((PASSED + ${passed:-0}))
+  FAILED=$((FAILED + failed))
+  if [ "$rc" -eq 5 ] || [ "${passed:-0}" -eq 0 ]; then
+    fail "$env: pytest ran no test (exit status $rc)"
+  fi
+  [ "$rc" -eq 0 ] || fail "$env: pytest failed (exit status $rc)"
+}
 
-stage "stub drift (typings/eqx_offload vs the package)"
-python scripts/stub_drift.py
+gates() {
+  if [ -f scripts/gates.sh ]; then
+    bash scripts/gates.sh
+  else
+    python -m mypy
+    python scripts/pytype_gate.py
+    python scripts/stub_drift.py
+  fi
+}
 
-stage "mkdocs build --strict"
-NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$(mktemp -d)"
+ORIG_PATH=$PATH
+for env in "${ENVS[@]}"; do
+  if [ "$env" = oldest ]; then
+    dir=.venv python=$PY_OLDEST
+  else
+    dir=.venv-new python=$PY_NEWEST
+  fi
+  begin "$env: venv and install ($dir, $("$python" --version 2>&1))"
+  make_venv "$dir" "$python"
+  install "$env" "$ROOT/$dir/bin/python"
+  echo "$env: $("$dir/bin/python" --version 2>&1), jax/jaxlib $(jax_version "$dir/bin/python")"
+  end
+  # What `activate` does: `python`, `mkdocs`, ... are this environment's.
+  export VIRTUAL_ENV=$ROOT/$dir PATH=$ROOT/$dir/bin:$ORIG_PATH
+  hash -r
+  begin "$env: pytest"
+  run_pytest "$env"
+  end
+  begin "$env: static gates"
+  gates
+  end
+done
 
-echo
-echo "all tests and gates passed"
+begin "mkdocs build --strict ($dir)"
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
+rm -rf "$site"
+end
