@@ -163,12 +163,13 @@ run_pytest() {
   local env=$1 log rc=0 passed failed
   log=$(mktemp)
   python -m pytest -n 2 -q 2>&1 | tee "$log" || rc=$?
-  passed=$(tail -n 5 "$log" | grep -Eo '[0-9]+ passed' | tail -n 1 | grep -Eo '[0-9]+' || true)
-  failed=$(tail -n 5 "$log" | grep -Eo '[0-9]+ (failed|errors?)' | awk '{s += $1} END {print s + 0}')
+  # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
+  passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
+  failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
   rm -f "$log"
-  PASSED=$((PASSED + ${passed:-0}))
+  PASSED=$((PASSED + passed))
   FAILED=$((FAILED + failed))
-  if [ "$rc" -eq 5 ] || [ "${passed:-0}" -eq 0 ]; then
+  if [ "$rc" -eq 5 ] || [ "$passed" -eq 0 ]; then
     fail "$env: pytest ran no test (exit status $rc)"
   fi
   [ "$rc" -eq 0 ] || fail "$env: pytest failed (exit status $rc)"
