@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._memory import supported_memory_kinds as supported_memory_kinds
-from ._move import to_device as to_device, to_host as to_host
+from ._move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
 from ._optax import offloaded as offloaded
 from ._options import Compute as Compute
 from ._report import (

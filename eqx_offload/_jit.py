@@ -23,7 +23,7 @@ import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
 from ._errors import CompositionError, OptionError, SignatureError
-from ._jaxpr import evaluate
+from ._jaxpr import evaluate, is_var
 from ._leaves import path_parts
 from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
 from ._types import Donate
@@ -218,9 +218,13 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outpu
     # first positional argument, as `(0, ...)` is the first element of a tuple result.
     keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
     in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
+    constraints = {
+        eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
+    }
     out_shardings = output_shardings(
         closed.out_avals, out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
-        call.in_shardings,
+        call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
     )
 
     def replay(*dynamic_leaves: Any) -> list[Any]:

@@ -1,15 +1,17 @@
-"""`to_host` and `to_device`: one `jax.device_put` for the selected array leaves."""
+"""`to_host`, `to_device` and `filter_shard`: one `jax.device_put` for the selected
+array leaves."""
 
 from collections.abc import Iterator
 from typing import Optional, TypeVar
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._errors import TreeError
+from ._errors import OptionError, TreeError
 from ._leaves import is_traced, path_to_str
-from ._memory import check_host_kind
-from ._placement import destination, space_of, traced_move_error
+from ._memory import check_host_kind, default_kind
+from ._placement import destination, memory_kind_of, space_of, traced_move_error
 from ._types import HostMemoryKind, Where
 from ._where import leaf_mask
 
@@ -111,3 +113,60 @@ def to_device(tree: _T, where: Where = True) -> _T:
     A pytree of the same structure.
     """
     return move(tree, where, None, "to_device")
+
+
+def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:
+    """`eqx.filter_shard` that keeps every array leaf in its memory.
+
+    Each array leaf gets `sharding`'s devices and layout in the memory kind it already
+    has: an offloaded state stays in host memory, on the new devices. Eagerly this is
+    a `jax.device_put`, which (unlike `eqx.filter_shard` outside `jit`) also moves a
+    committed array to other devices; JAX commits every host array, so an offloaded
+    state made on one device is committed to it. Under `jit` it is
+    `jax.lax.with_sharding_constraint`, as `eqx.filter_shard` (which keeps memory kinds
+    there too).
+
+    **Arguments:**
+
+    - `tree`: any pytree; non-array leaves are returned as they are.
+    - `sharding`: a `jax.sharding.Sharding` (its memory kind is ignored).
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_offload
+
+        mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        state = opt.init({"w": jnp.ones((4, 4))})  # on one device
+        state = eqx_offload.filter_shard(state, NamedSharding(mesh, P()))
+        assert state.inner_state[0].mu["w"].sharding.mesh == mesh
+        assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise OptionError(
+            f"filter_shard(sharding={sharding!r}): sharding must be a "
+            "`jax.sharding.Sharding`, e.g. `NamedSharding(mesh, PartitionSpec())`."
+        )
+    leaves, treedef = jtu.tree_flatten(tree)
+    indices = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+    targets = [sharding.with_memory_kind(memory_kind_of(leaves[i]) or default_kind(
+        next(iter(sharding.device_set)))) for i in indices]
+    arrays = [leaves[i] for i in indices]
+    if any(map(is_traced, arrays)):
+        moved = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(arrays, targets, strict=True)]
+    else:
+        moved = jax.device_put(arrays, targets)
+    for i, x in zip(indices, moved, strict=True):
+        leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out

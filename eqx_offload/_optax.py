@@ -29,7 +29,7 @@ import jax
 import jax.tree_util as jtu
 import optax
 
-from ._errors import NotATransformationError
+from ._errors import CompositionError, NotATransformationError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
@@ -251,6 +251,7 @@ class _Offloaded:
     ) -> tuple[optax.Updates, OffloadedState]:
         # (`state: Any`: `check_state` names a wrong state better than a type hint.)
         check_state(state, self._abstract_state(updates, None))
+        _check_not_pmapped(updates)
         inner_state = state.inner_state
         mask = leaf_mask(inner_state, self.options.where)
         if not self.warned:
@@ -274,6 +275,30 @@ class _Offloaded:
             return [None] * len(leaves)
         abstract = self._abstract_state(updates, params)
         return [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
+
+
+# JAX (0.8+) runs `pmap` as a `shard_map` over a mesh axis of this name.
+_PMAP_AXIS = "_internal_pmap_axis_name"
+
+
+def _check_not_pmapped(updates: Any) -> None:
+    """`pmap` places every argument in device memory (its shardings carry no memory
+    kind), so a host-resident state cannot pass through it; JAX would fail later with
+    "Sharding passed to jit does not match ..."."""
+    for leaf in jtu.tree_leaves(updates):
+        if is_traced(leaf):
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+            if _PMAP_AXIS in getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+                raise CompositionError(
+                    "offloaded(...).update inside `pmap` (e.g. `eqx.filter_pmap`): pmap "
+                    "places every argument in device memory, so a state kept in host "
+                    "memory cannot pass through it. Use `eqx_offload.filter_jit` with "
+                    "sharded arguments instead (`eqx.filter_shard`, or "
+                    "`jax.device_put(x, NamedSharding(mesh, P('data')))` for the batch), "
+                    "or `jax.shard_map` inside it: see the \"Multi-device\" docs page. "
+                    "(JAX itself recommends jit with shardings over pmap.)"
+                )
+            return
 
 
 def _pinned(options: Options) -> Options:

@@ -211,11 +211,14 @@ def output_shardings(
     in_avals: Sequence[Any],
     in_paths: Sequence[tuple[str, ...]],
     in_shardings: Sequence[jax.sharding.Sharding],
+    constrained: Optional[Sequence[Optional[jax.sharding.Sharding]]] = None,
 ) -> list[jax.sharding.Sharding]:
     """A concrete sharding with the right memory kind for every output.
 
     The memory kind comes from the traced program (`aval.memory_space`). The layout, in
-    order of preference: the sharding an explicit-axes mesh gives the output; the
+    order of preference: the sharding the program constrains the output to
+    (`constrained`: `jax.lax.with_sharding_constraint`, `eqx.filter_shard`); the
+    sharding an explicit-axes mesh gives the output; the
     sharding of an input of the same shape (a training step returns new params and
     state shaped like the old ones) -- of several, the one whose path in the arguments
     ends like the output's path in the result (`(model, state)` in, `(model, state)`
@@ -237,7 +240,9 @@ def output_shardings(
     for aval, path, in_sharding in zip(in_avals, in_paths, in_shardings, strict=True):
         by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
     result = []
-    for aval, out_path in zip(out_avals, out_paths, strict=True):
+    if constrained is None:
+        constrained = [None] * len(out_avals)
+    for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True):
         kind = _kind_of_aval(aval, device)
         abstract = getattr(aval, "sharding", None)
         candidates = by_shape.get(aval.shape, [])
@@ -248,16 +253,20 @@ def output_shardings(
                 key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
             )
             like_input = best.with_memory_kind(kind)
-        if (
+        if isinstance(constraint, jax.sharding.NamedSharding) and isinstance(
+            constraint.mesh, jax.sharding.Mesh
+        ):
+            sharding: jax.sharding.Sharding = constraint.with_memory_kind(kind)
+            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
+                sharding = like_input
+        elif (
             mesh is not None
             and isinstance(abstract, jax.sharding.NamedSharding)
             and not abstract.mesh.empty
             and abstract.mesh.axis_names == mesh.axis_names
             and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
         ):
-            sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
-                mesh, abstract.spec, memory_kind=kind
-            )
+            sharding = jax.sharding.NamedSharding(mesh, abstract.spec, memory_kind=kind)
             # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
             # spelling so the next call hits the cache.
             if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
