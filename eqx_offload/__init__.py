@@ -6,6 +6,7 @@ Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 
 import importlib.metadata
 
+from ._budget import prefetch_options as prefetch_options, within_budget as within_budget
 from ._checkpoint import (
     abstract_init as abstract_init,
     deserialise_filter_spec as deserialise_filter_spec,
