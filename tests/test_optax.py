@@ -53,7 +53,6 @@ def _assert_bitwise(a: Any, b: Any) -> None:
 def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min_ndim(1)) -> None:
     """Every leaf inside an `OffloadedState` that `where` selects is in `pinned_host`;
     every other array leaf of the whole state is in device memory."""
-    expected: list[tuple[str, str]] = []
 
     def visit(tree: Any, offloaded: bool) -> None:
         for path, leaf in jtu.tree_flatten_with_path(
@@ -63,7 +62,6 @@ def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min
                 visit(leaf.inner_state, True)
             elif isinstance(leaf, jax.Array):
                 want = "pinned_host" if offloaded and where(leaf) else "device"
-                expected.append((jtu.keystr(path), want))
                 assert leaf.sharding.memory_kind == want, (jtu.keystr(path), leaf.sharding)
 
     visit(state, False)

@@ -146,8 +146,11 @@ def test_streaming_rejects_coupled_state(name: str) -> None:
     message = str(info.value)
     assert "couples the state of" in message and "the coupling is made by `" in message
     # The same optimizer still works, bitwise, without streaming.
-    plain = eqx_offload.offloaded(REJECTED_STREAMING[name]())
-    jax.jit(plain.update)(make_grads(params, 0), plain.init(params), params)
+    plain, ref = eqx_offload.offloaded(REJECTED_STREAMING[name]()), REJECTED_STREAMING[name]()
+    updates, state = jax.jit(plain.update)(make_grads(params, 0), plain.init(params), params)
+    ref_updates, ref_state = jax.jit(ref.update)(make_grads(params, 0), ref.init(params), params)
+    assert_tree_bitwise((updates, state.inner_state), (ref_updates, ref_state))
+    assert_offloaded_kinds(state)
 
 
 @pytest.mark.parametrize("name", ["apply_if_finite", "multi_steps"])
