@@ -425,6 +425,7 @@ def test_gpu_run_script_on_the_cpu(tmp_path):
     assert files == sorted(["bench.json", "bench.md", "gpu_run.log", *_PNGS])
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["config"]["workloads"] == ["transformer", "mlp"]
-    assert {(p["workload"], p["optimizer"]) for p in result["points"]} == {
-        ("transformer", "adam"), ("mlp", "adam"), ("mlp", "adafactor")}
+    assert [(p["workload"], p["optimizer"], p["mode"]) for p in result["points"]] == [
+        (w, "adam", m) for w in ("transformer", "mlp")
+        for m in ("baseline", "manual", "eqx_offload")]
     assert "eqx_offload" in (tmp_path / "gpu_run.log").read_text()
