@@ -3,7 +3,6 @@ run in subprocesses (as a user runs them); `import eqx_offload` does not load th
 demo's bitwise check really compares; the benchmark's floor arithmetic, mode table, time
 limit and workloads; `bench/gpu_run.sh` on the CPU."""
 
-import inspect
 import json
 import os
 import subprocess
@@ -302,15 +301,17 @@ def test_a_new_mode_is_one_entry_and_a_failing_mode_is_reported(monkeypatch):
     monkeypatch.setitem(modes.MODES, "streamed_64k", modes.offload_mode(
         "offloaded(optimizer, group_bytes=65536)", group_bytes=65536))
     config = bench.BenchConfig.quick().replace(
-        repeats=2, modes=("baseline", "manual", "eqx_offload", "streamed_64k"))
+        repeats=2, modes=("baseline", "manual", "eqx_offload", "prefetch", "streamed_64k"))
     points = bench.bench_point(mlp_workload(2e4, 8), "adam", config, lambda: None)
-    assert [p["mode"] for p in points] == ["baseline", "manual", "eqx_offload", "streamed_64k"]
+    assert [p["mode"] for p in points] == ["baseline", "manual", "eqx_offload", "prefetch",
+                                           "streamed_64k"]
     failed = points[1]
     assert failed["error"] == "TypeError: this mode cannot compile here"
-    for p in (points[0], points[2], points[3]):
+    for p in (points[0], *points[2:]):
         assert p["error"] is None and p["step_seconds"]["n"] == 2
         assert p["losses_bitwise_equal_to_baseline"] and p["ratio_to_manual"] is None
-    assert points[3]["opt_state_host_bytes"] == points[2]["opt_state_host_bytes"] > 0
+        assert p["compilations"] == 1
+    assert points[4]["opt_state_host_bytes"] == points[2]["opt_state_host_bytes"] > 0
     targets = {t["target"]: t for t in bench.evaluate_targets(points, [], [], 30e6, "cpu")}
     assert targets["every mode ran"]["status"] == "FAIL"
     assert "manual (mlp adam" in targets["every mode ran"]["detail"]
@@ -323,6 +324,7 @@ def test_a_new_mode_is_one_entry_and_a_failing_mode_is_reported(monkeypatch):
 def test_mode_table():
     assert list(modes.MODES)[0] == "baseline"
     assert "host_bf16" in modes.MODES and "host_bf16" not in modes.DEFAULT_MODES
+    assert "prefetch" in modes.MODES and "prefetch" not in modes.DEFAULT_MODES
     assert not modes.MODES["host_bf16"].bitwise
     assert modes.MODES["host_bf16"].options == {"host_dtype": jnp.bfloat16}
     assert modes.MODES["streamed"].options == {"group_bytes": 0}
@@ -335,9 +337,6 @@ def test_mode_table():
 def test_offload_modes_keep_the_state_in_host_memory(name):
     # (Moved from test_stream.py's test_bench_transformation.) The `offloaded` options
     # of every offload mode: `bench/gpu_peak.py` builds its transformations from them.
-    if name == "host_bf16" and "host_dtype" not in inspect.signature(
-            eqx_offload.offloaded).parameters:
-        pytest.xfail("offloaded(host_dtype=...) is not on this branch yet")
     params = {"w": jnp.ones((16, 8)), "b": jnp.ones(8)}
     opt = eqx_offload.offloaded(optax.adam(1e-3), **modes.MODES[name].options)
     _, state = jax.jit(opt.update)(params, opt.init(params), params)

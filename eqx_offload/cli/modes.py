@@ -170,6 +170,10 @@ MODES: dict[str, Mode] = {
     "host_compute": offload_mode(
         "offloaded(optimizer, compute='host'): the update runs on the host CPU",
         compute="host"),
+    "prefetch": offload_mode(
+        "offloaded(optimizer) under filter_jit(compiler_options=prefetch_options()): the "
+        "state's copies to the device may overlap the forward and backward passes (GPU)",
+        default=False, jit_options={"compiler_options": eqx_offload.prefetch_options()}),
     "host_bf16": offload_mode(
         "offloaded(optimizer, host_dtype=jnp.bfloat16): floating state kept in host memory "
         "as bfloat16, half the bytes (not bitwise)",
