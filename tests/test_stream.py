@@ -2,11 +2,7 @@
 (`offloaded(..., compute="host")`): bitwise equality with the unwrapped optimizer, memory
 kinds, the grouped structure of the compiled program, and what is rejected."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +20,6 @@ from eqx_offload._options import normalise
 
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def committed(x: Any) -> jax.Array:
@@ -467,23 +462,3 @@ def test_extra_args_reach_the_inner_update() -> None:
         opt = eqx_offload.offloaded(optax.chain(optax.adam(1e-2), scale_by_arg()), **mode)
         updates, _ = jax.jit(opt.update)(grads, opt.init(params), params, factor=jnp.float32(3.0))
         assert_tree_bitwise(updates, ref_updates)
-
-
-@pytest.mark.slow
-def test_gpu_peak_script_quick_on_cpu(tmp_path: Any) -> None:
-    out = tmp_path / "peak.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "gpu_peak.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
-    modes = {row["mode"]: row for row in result["modes"]}
-    assert set(modes) == {"baseline", "offloaded", "streamed", "host_compute"}
-    for row in modes.values():
-        assert row["error"] is None, row
-        assert row["bitwise_equal_to_baseline"] is True
-        assert row["memory_analysis"]["argument_size_in_bytes"] > 0
-        assert row["device_memory_stats"] is None  # the CPU backend reports none
-        assert row["opt_state_host_bytes"] == (0 if row["mode"] == "baseline" else result["opt_state_bytes"])
-    assert modes["streamed"]["stream_plan"]["max_group_nbytes"] < result["opt_state_bytes"]
