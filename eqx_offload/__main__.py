@@ -2,6 +2,8 @@
 
     python -m eqx_offload demo    train a model with and without offload, compare bit for bit
     python -m eqx_offload bench   measure step time, memory and mover throughput side by side
+    python -m eqx_offload typings print the stub folder for pytype's --pythonpath
+                                  (--mypy: the folder for mypy's mypy_path)
 
 (also installed as the `eqx-offload` console script)."""
 
@@ -65,6 +67,13 @@ def _bench_modes() -> list[str]:
     return list(MODES)
 
 
+def _typings(args: argparse.Namespace) -> int:
+    from ._stubs import mypy_path, pytype_path
+
+    print(mypy_path() if args.mypy else pytype_path())
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ._demo import OPTIMIZERS
 
@@ -124,6 +133,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        help="JAX platform (default: JAX's choice)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(run=_bench)
+
+    typings = sub.add_parser(
+        "typings",
+        help="print where the shipped .pyi stubs are, for pytype or (--mypy) mypy",
+        description="Prints the value for `pytype-single --pythonpath=...` (stubs of jax, "
+                    "equinox, jaxtyping, optax and eqx_offload; two folders joined by "
+                    "the path separator), or with --mypy the folder for mypy's "
+                    "`mypy_path` (the optax stub only). pyright and pyrefly need neither.")
+    typings.add_argument("--mypy", action="store_true",
+                         help="print the folder for mypy's mypy_path instead")
+    typings.set_defaults(run=_typings)
 
     args = parser.parse_args(argv)
     result: int = args.run(args)

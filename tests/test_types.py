@@ -297,7 +297,7 @@ def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch)
 
 
 def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
-    for name in ("eqx_offload", "typings", "scripts"):
+    for name in ("eqx_offload", "scripts"):
         shutil.copytree(ROOT / name, tmp_path / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path

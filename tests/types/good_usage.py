@@ -1,5 +1,5 @@
 """A realistic Equinox + optax training script that uses every public name of
-`eqx_offload`. mypy --strict and pytype (with `typings/` on its pythonpath) must accept
+`eqx_offload`. mypy --strict, pytype (with the shipped stubs), pyright and pyrefly must accept
 it without a single error, and it runs (tests/test_types.py does all three)."""
 
 import tempfile

@@ -1,5 +1,5 @@
 # Stubs for optax 0.2.x, which ships no `py.typed`: read by pytype
-# (`--pythonpath=typings`) and by mypy (`mypy_path`). The core types follow
+# (`--pythonpath=$(python -m eqx_offload typings)`) and by mypy (`mypy_path`). The core types follow
 # `optax/_src/base.py`; the optimizers, combinators, schedules and losses that training
 # scripts use are declared precisely, every other name is `Any` (`__getattr__` below).
 #

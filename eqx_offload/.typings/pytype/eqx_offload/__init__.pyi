@@ -1,8 +1,8 @@
-# The public API of eqx_offload, for pytype users: put this repository's `typings/` on
-# pytype's `--pythonpath` (it also holds the stubs of jax, equinox, optax and jaxtyping
-# that these signatures refer to). mypy users need none of this: the package ships
-# `py.typed` (mypy reads its inline types; add `typings/mypy_path` to `mypy_path` for
-# optax).
+# The public API of eqx_offload, for pytype users: `pytype-single
+# --pythonpath=$(python -m eqx_offload typings) ...` reads it, with the stubs of jax,
+# equinox, optax and jaxtyping that these signatures refer to. mypy, pyright and pyrefly
+# users need none of this: the package ships `py.typed` (mypy users add
+# `python -m eqx_offload typings --mypy` to `mypy_path`, for optax).
 #
 # Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
 # check that every public name of `eqx_offload/__init__.py` is declared here).
