@@ -35,6 +35,7 @@ from ._report import (
     memory_report as memory_report,
     MemoryReport as MemoryReport,
 )
+from ._runtime import install_runtime_checks as install_runtime_checks
 from ._stream import (
     Compute as Compute,
     stream_plan as stream_plan,

@@ -4,11 +4,13 @@ it without a single error, and it runs (tests/test_types.py does all three)."""
 
 import tempfile
 import warnings
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import Float
 
 import eqx_offload
 from eqx_offload import Compute, Donate, HostMemoryKind, MemoryKind, Nested, Where
@@ -42,7 +44,8 @@ class LargeFloat(eqx_offload.Filter):
 def moments_where() -> Where:
     # Filters combine with &, | and ~; a bool and a plain callable are filters too.
     moments = eqx_offload.pattern(r".*/(mu|nu)/.*") & eqx_offload.min_bytes(64)
-    return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & (lambda leaf: False)
+    never: Callable[[object], bool] = lambda leaf: False
+    return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & never
 
 
 def make_optimizer(
@@ -52,11 +55,17 @@ def make_optimizer(
     return eqx_offload.offloaded(inner, moments_where(), memory_kind=memory_kind, compute=compute)
 
 
-def adam_state_as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
-    """An optax NamedTuple state inside a tuple, typed as `Nested`."""
-    adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=params, nu=params)
-    nested: Nested[jax.typing.ArrayLike] = (adam, (params["w"], [params["b"]]), {"lr": 1e-3})
+def as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
+    """Arrays in tuples, lists and dicts, typed as `Nested`. (Not an optax state: optax
+    declares its fields as `ArrayTree`, a union with `Iterable`, which pyright and pyrefly
+    rightly refuse as a `Nested`; pass optax states to the movers as they are.)"""
+    nested: Nested[jax.typing.ArrayLike] = ((params["w"], [params["b"]]), {"lr": 1e-3})
     return nested
+
+
+def scaled(x: Float[jax.Array, "n 4"], scale: float) -> Float[jax.Array, "n 4"]:
+    """A jaxtyping annotation: `Array` to mypy, pyright and pyrefly, `Any` to pytype."""
+    return x * scale
 
 
 def train(steps: int = 3) -> float:
@@ -101,9 +110,12 @@ def train(steps: int = 3) -> float:
     on_host = eqx_offload.to_host(tree, prefix, memory_kind=host_kind)
     back = eqx_offload.to_device(on_host, where=True)
     assert bool(jnp.array_equal(back["w"], tree["w"]))
-    nested = adam_state_as_nested(tree)
+    nested = as_nested(tree)
     nested_on_host: Nested[jax.typing.ArrayLike] = eqx_offload.to_host(nested)
-    print(eqx_offload.memory_report(nested_on_host).host_bytes)
+    adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=tree, nu=tree)
+    adam_on_host: optax.ScaleByAdamState = eqx_offload.to_host((adam,))[0]
+    print(eqx_offload.memory_report((nested_on_host, adam_on_host)).host_bytes)
+    print(scaled(jnp.ones((2, 4)), 0.5).shape)
 
     # Streaming the update group by group; the plan says what goes together.
     plan: eqx_offload.StreamPlan = eqx_offload.stream_plan(
@@ -140,4 +152,7 @@ def train(steps: int = 3) -> float:
 
 
 if __name__ == "__main__":
+    # Run time checks on eqx_offload's own functions (name your modules to check them
+    # too; they must be imported after this call).
+    eqx_offload.install_runtime_checks()
     print(train())

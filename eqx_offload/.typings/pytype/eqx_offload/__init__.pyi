@@ -14,6 +14,7 @@ from typing import (
     Literal,
     NamedTuple,
     Optional,
+    Protocol,
     TypeVar,
     Union,
     overload,
@@ -79,6 +80,25 @@ class OffloadedState(NamedTuple):
 
 class OffloadWarning(UserWarning): ...
 
+# What `offloaded` returns is a plain `optax.GradientTransformationExtraArgs` at run time
+# (and in the inline annotations that mypy, pyright and pyrefly read). For pytype it is
+# this subclass, whose `init` returns an `OffloadedState` and whose `update` takes one:
+# pytype cannot narrow `optax.OptState` (`Any`) with `isinstance`, so without it every use
+# of the state after `assert isinstance(state, OffloadedState)` would go unchecked.
+class _OffloadedInit(Protocol):
+    def __call__(self, params: Any) -> OffloadedState: ...
+
+class _OffloadedUpdate(Protocol):
+    def __call__(
+        self, updates: Any, state: OffloadedState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, OffloadedState]: ...
+
+class _OffloadedTransformation(optax.GradientTransformationExtraArgs):
+    @property
+    def init(self) -> _OffloadedInit: ...
+    @property
+    def update(self) -> _OffloadedUpdate: ...
+
 def offloaded(
     inner: Union[optax.GradientTransformation, optax.MultiSteps],
     where: Where = ...,
@@ -86,7 +106,7 @@ def offloaded(
     memory_kind: HostMemoryKind = "pinned_host",
     group_bytes: Optional[int] = None,
     compute: Compute = "device",
-) -> optax.GradientTransformationExtraArgs: ...
+) -> _OffloadedTransformation: ...
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
@@ -138,6 +158,9 @@ class MemoryReport:
     def __rich__(self) -> Any: ...
 
 def memory_report(tree: Any) -> MemoryReport: ...
+
+# Runtime checks.
+def install_runtime_checks(*modules: str) -> None: ...
 
 # Checkpoints.
 def host_shardings(
