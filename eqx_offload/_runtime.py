@@ -114,7 +114,7 @@ def _axes(message: str) -> str:
 
 
 def _fix(fn: Callable[..., Any], parameter: Optional[str], annotation: Any, axes: str) -> str:
-    if fn.__module__.startswith(_PACKAGE + ".") and parameter in _FIXES:
+    if parameter is not None and parameter in _FIXES and fn.__module__.startswith(_PACKAGE + "."):
         return _FIXES[parameter]
     if axes:
         return ("make the shapes agree with the annotation: an axis name stands for one "

@@ -97,6 +97,25 @@ def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.
             assert stray == set(), (checker, path.name, stray)
 
 
+def test_typings_command_prints_the_stub_folders() -> None:
+    def typings(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "eqx_offload", "typings", *extra],
+                              capture_output=True, text=True, check=True, timeout=300)
+        return proc.stdout.strip()
+
+    pytype_path, mypy_path = typings().split(os.pathsep), typings("--mypy")
+    package = pathlib.Path(eqx_offload.__file__).parent
+    assert pytype_path == [str(package / ".typings" / "pytype"), mypy_path]
+    assert mypy_path == str(package / ".typings" / "mypy")
+    # mypy's folder holds optax only: a stub of jax, equinox or jaxtyping there would
+    # shadow their real inline types.
+    assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
+    assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
+        "eqx_offload", "equinox", "jax", "jaxtyping"]
+    # Nothing at the root of the repository for pyright to take as its stub path.
+    assert not (ROOT / "typings").exists()
+
+
 def test_docs_table_is_generated_from_the_markers() -> None:
     # The markers are what the slow test above holds each checker to, so a table equal
     # to the markers' is the checkers' real result.
@@ -502,17 +521,28 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     # this environment through a .pth line rather than a second download.
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    deps = _site_packages(pathlib.Path(sys.prefix))
-    (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
     tools = ["mypy==2.4.1", "pyright==1.1.414", "pyrefly==1.5.0"]
     tools += ["pytype==2024.10.11"] if TABLE.PYTYPE_RUNS else []
     subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "-q",
                     str(wheel), *tools], check=True, capture_output=True, text=True, timeout=600)
+    # (After the install: with the .pth in place pip would find the tools "already
+    # installed" and write no console scripts.)
+    deps = _site_packages(pathlib.Path(sys.prefix))
+    (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
-           "VIRTUAL_ENV": str(venv)}
+           "VIRTUAL_ENV": str(venv), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     where = subprocess.run(["python", "-c", "import eqx_offload; print(eqx_offload.__file__)"],
-                           capture_output=True, text=True, env=env, check=True).stdout
+                           capture_output=True, text=True, env=env, check=True,
+                           cwd=tmp_path).stdout
     assert where.startswith(str(_site_packages(venv))), where  # the wheel, not the checkout
+    # mypy refuses a mypy_path inside site-packages: the folder printed for it is a copy
+    # in the cache, the same on every call.
+    printed = [subprocess.run(["python", "-m", "eqx_offload", "typings", "--mypy"],
+                              capture_output=True, text=True, env=env, check=True,
+                              cwd=tmp_path).stdout.strip() for _ in range(2)]
+    assert printed[0] == printed[1] and printed[0].startswith(str(tmp_path / "cache")), printed
+    assert (pathlib.Path(printed[0]) / "optax" / "__init__.pyi").read_bytes() == (
+        stubs / "mypy" / "optax" / "__init__.pyi").read_bytes()
 
     project = tmp_path / "project"
     project.mkdir()
