@@ -5,8 +5,9 @@ stub (everything `Any`), so it checks nothing about calls into them. This gate r
 `pytype-single` on each module with `--pythonpath=<generated>:<stubs>`: the stubs the
 wheel ships (`eqx_offload/.typings/`, what `python -m eqx_offload typings` prints) stand
 for the third-party packages, `scripts/pytype_gate_stubs/` for the few that only the
-command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users' code is not checked against
-them), and the `.pyi` that pytype infers for each module of the package stands for it
+command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users'
+code is not checked against them), and the `.pyi` that pytype infers for each module of
+the package stands for it
 when later modules import it (modules run in dependency order, those whose dependencies
 are done in parallel).
 
