@@ -82,15 +82,16 @@ class OffloadWarning(UserWarning): ...
 
 # What `offloaded` returns is a plain `optax.GradientTransformationExtraArgs` at run time
 # (and in the inline annotations that mypy, pyright and pyrefly read). For pytype it is
-# this subclass, whose `init` returns an `OffloadedState` and whose `update` takes one:
-# pytype cannot narrow `optax.OptState` (`Any`) with `isinstance`, so without it every use
-# of the state after `assert isinstance(state, OffloadedState)` would go unchecked.
+# this subclass, whose `init` and `update` return an `OffloadedState`: pytype cannot
+# narrow `optax.OptState` (`Any`) with `isinstance`, so without it every use of the state
+# after `assert isinstance(state, OffloadedState)` would go unchecked. (`update` takes
+# what optax's does, an `ArrayTree`: a narrower parameter would break the override.)
 class _OffloadedInit(Protocol):
     def __call__(self, params: Any) -> OffloadedState: ...
 
 class _OffloadedUpdate(Protocol):
     def __call__(
-        self, updates: Any, state: OffloadedState, params: Any = None, **extra_args: Any
+        self, updates: Any, state: optax.ArrayTree, params: Any = None, **extra_args: Any
     ) -> tuple[Any, OffloadedState]: ...
 
 class _OffloadedTransformation(optax.GradientTransformationExtraArgs):
