@@ -99,10 +99,10 @@ def _describe_type(annotation: Any) -> str:
         text = repr(annotation)
     text = _TYPING_PREFIX.sub("", text)
     text = _PRIVATE_PATH.sub(r"\1.\2", text).replace("jaxlib.Array", "jax.Array")
-    union = re.fullmatch(r"(?:Union|Optional)\[(.*)\]", text)
-    if union is not None and "[" not in union[1]:
-        text = " | ".join(part.strip() for part in union[1].split(","))
-        text += " | None" if text.startswith("Optional") else ""
+    union = re.fullmatch(r"(Union|Optional)\[([^\[\]]*)\]", text)
+    if union is not None:
+        parts = [part.strip() for part in union[2].split(",")]
+        text = " | ".join(parts + (["None"] if union[1] == "Optional" else []))
     return _short(text, 120)
 
 

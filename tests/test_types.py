@@ -111,7 +111,7 @@ def test_typings_command_prints_the_stub_folders() -> None:
     # shadow their real inline types.
     assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
     assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
-        "eqx_offload", "equinox", "jax", "jaxtyping"]
+        "equinox", "eqx_offload", "jax", "jaxtyping"]
     # Nothing at the root of the repository for pyright to take as its stub path.
     assert not (ROOT / "typings").exists()
 
