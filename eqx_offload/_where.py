@@ -3,37 +3,14 @@
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast, Optional
 
 import equinox as eqx
-import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from ._errors import WhereError
-
-
-KeyPath = tuple[Any, ...]
-
-
-def key_to_str(key: Any) -> str:
-    """One entry of a JAX key path as it appears in an `eqx_offload` path string."""
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.GetAttrKey):
-        return str(key.name)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def path_to_str(path: KeyPath) -> str:
-    """A key path as a `/`-separated string, e.g. `"1/0/mu/layers/0/weight"` (the form
-    that axlearn's `pattern` matches against)."""
-    return "/".join(key_to_str(k) for k in path)
+from ._leaves import KeyPath, nbytes, path_to_str, shown
 
 
 class Filter:
@@ -100,12 +77,6 @@ class pattern(Filter):  # noqa: N801 - lower case like a function, as axlearn's 
 
     def __call__(self, leaf: Any, path: str = "") -> bool:
         return re.fullmatch(self.regex, path) is not None
-
-
-def nbytes(leaf: Any) -> int:
-    """Bytes of an array leaf (its global size, for a sharded array). `dtype.itemsize`,
-    not `np.dtype(...)`: JAX's extended dtypes (typed PRNG keys) are no NumPy dtypes."""
-    return int(np.prod(leaf.shape, dtype=np.int64)) * int(leaf.dtype.itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +176,7 @@ def structure_divergence(
             return None
         if a_data != b_data or len(a_children) != len(b_children):
             return (
-                path_to_str(path) or "<root>",
+                shown(path_to_str(path)),
                 f"{_describe(a)} where the tree has {_describe(b)}",
             )
         for (ka, ca), (_, cb) in zip(a_children, b_children):
@@ -254,7 +225,7 @@ def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any
         leaf_filter: Callable[[Any], Any] = spec
         return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
     raise WhereError(
-        f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
+        f"{argument} has {spec!r} at path {shown(path_to_str(prefix))}, which is "
         "not a filter. A `where` is a bool, a callable on a leaf (such as "
         "`eqx_offload.pattern(...)` or `eqx_offload.min_bytes(...)`), or a pytree "
         "prefix of the tree with those at its leaves."
@@ -279,13 +250,3 @@ def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
             "tree)`), or use a callable such as `eqx_offload.pattern(...)`."
         ) from e
     return jtu.tree_leaves(mask_tree)
-
-
-def leaves_with_paths(tree: Any) -> tuple[Sequence[tuple[KeyPath, Any]], Any]:
-    """`jax.tree_util.tree_flatten_with_path`, named for this module's callers."""
-    return jtu.tree_flatten_with_path(tree)
-
-
-def is_traced(x: Any) -> bool:
-    """Whether `x` is a tracer (inside `jit`, `grad`, `vmap`, ...)."""
-    return isinstance(x, jax.core.Tracer)
