@@ -67,6 +67,21 @@ def _bench_modes() -> list[str]:
     return list(MODES)
 
 
+_TYPINGS_HELP = "print where the shipped .pyi stubs are, for pytype or (--mypy) mypy"
+_TYPINGS_DESCRIPTION = (
+    "Prints the value for `pytype-single --pythonpath=...` (stubs of jax, equinox, "
+    "jaxtyping, optax and eqx_offload; two folders joined by the path separator), or "
+    "with --mypy the folder for mypy's `mypy_path` (the optax stub only; for an installed "
+    "wheel a copy in the user's cache folder, since mypy refuses a path inside "
+    "site-packages). pyright and pyrefly need neither.")
+
+
+def _typings_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mypy", action="store_true",
+                        help="print the folder for mypy's mypy_path instead")
+    parser.set_defaults(run=_typings)
+
+
 def _typings(args: argparse.Namespace) -> int:
     from ._stubs import mypy_path, pytype_path
 
@@ -75,6 +90,13 @@ def _typings(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["typings"]:
+        # Self-contained: it needs none of the demo's and benchmark's imports.
+        parser = argparse.ArgumentParser(prog="eqx_offload typings",
+                                         description=_TYPINGS_DESCRIPTION)
+        _typings_arguments(parser)
+        return _typings(parser.parse_args(argv[1:]))
     from ._demo import OPTIMIZERS
 
     parser = argparse.ArgumentParser(
@@ -134,16 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(run=_bench)
 
-    typings = sub.add_parser(
-        "typings",
-        help="print where the shipped .pyi stubs are, for pytype or (--mypy) mypy",
-        description="Prints the value for `pytype-single --pythonpath=...` (stubs of jax, "
-                    "equinox, jaxtyping, optax and eqx_offload; two folders joined by "
-                    "the path separator), or with --mypy the folder for mypy's "
-                    "`mypy_path` (the optax stub only). pyright and pyrefly need neither.")
-    typings.add_argument("--mypy", action="store_true",
-                         help="print the folder for mypy's mypy_path instead")
-    typings.set_defaults(run=_typings)
+    _typings_arguments(sub.add_parser("typings", help=_TYPINGS_HELP,
+                                      description=_TYPINGS_DESCRIPTION))
 
     args = parser.parse_args(argv)
     result: int = args.run(args)
