@@ -27,6 +27,8 @@ import beartype
 import jax
 import jaxtyping
 
+from ._errors import OptionError
+
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _PACKAGE = __name__.rpartition(".")[0]  # "eqx_offload"
@@ -327,15 +329,16 @@ def install_runtime_checks(*modules: str) -> None:
 
     **Raises:**
 
-    `ValueError` if a module is already imported; `TypeError` if a name is not a string.
+    `OptionError` (a `ValueError` and `TypeError`) if a module is already imported or a
+    name is not a string.
     """
     for name in modules:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"install_runtime_checks: module names are strings, got {name!r}")
+            raise OptionError(f"install_runtime_checks: module names are strings, got {name!r}")
     already = sorted(m for m in sys.modules if any(m == n or m.startswith(n + ".")
                                                    for n in modules) and not _FINDER.covers(m))
     if already:
-        raise ValueError(
+        raise OptionError(
             f"install_runtime_checks: {', '.join(already)} is already imported, so its "
             "functions would stay unchecked. Call install_runtime_checks first and import "
             "your modules after it (the script you run as `python script.py` is never "

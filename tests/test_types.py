@@ -463,7 +463,7 @@ def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.P
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=user_project, timeout=300)
     assert proc.returncode == 1
-    assert "ValueError: install_runtime_checks: my_training, my_training.model is already " \
+    assert "OptionError: install_runtime_checks: my_training, my_training.model is already " \
            "imported" in proc.stderr
 
 
