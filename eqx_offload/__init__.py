@@ -36,6 +36,7 @@ from ._report import (
     memory_report as memory_report,
     MemoryReport as MemoryReport,
 )
+from ._runtime import install_runtime_checks as install_runtime_checks
 from ._state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
 from ._stream import stream_plan as stream_plan, StreamPlan as StreamPlan
 from ._types import (

@@ -69,7 +69,8 @@ COMMANDS: list[Command] = [
                     "bench.md and PNG plots to --out, and states pass/fail per target. "
                     "Runs on whatever backend JAX picks (use --platform cpu to force CPU).",
         module=".bench", needs=("rich", "tqdm", "matplotlib"), platform="default"),
-    # Further commands (e.g. `typings`) are one more `Command(...)` entry here.
+    # Further commands are one more `Command(...)` entry here. (`typings`, which reports
+    # where the package keeps its own stubs, is handled by `eqx_offload.__main__`.)
 ]
 """The subcommands, in the order `--help` lists them."""
 
