@@ -14,6 +14,7 @@ The streamed update runs equations stage by stage with `run` on one `Env`.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -155,8 +156,7 @@ def trace_update(
         specs[state_offset + i] = jax.ShapeDtypeStruct(spec.shape, dtype, weak_type=spec.weak_type)
     closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*specs)
     if any(_inlinable(e) for e in closed.jaxpr.eqns):
-        nested = closed
-        closed = jax.make_jaxpr(lambda *a: evaluate(nested.jaxpr, nested.consts, a, inline))(*specs)
+        closed = jax.make_jaxpr(functools.partial(_evaluate_inlined, closed))(*specs)
     return TracedUpdate(
         jaxpr=closed.jaxpr,
         consts=list(closed.consts),
@@ -167,6 +167,10 @@ def trace_update(
         out_treedef=jtu.tree_structure(out_shape),
         out_static=out_static[0],
     )
+
+
+def _evaluate_inlined(closed: Any, *args: Any) -> list[Any]:
+    return evaluate(closed.jaxpr, closed.consts, args, inline)
 
 
 def where_made(eqn: Any) -> str:

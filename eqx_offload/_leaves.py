@@ -9,6 +9,7 @@ as a tuple, which `filter_jit` compares from the end to pair outputs with inputs
 from typing import Any
 
 import jax
+import jax.core
 import jax.tree_util as jtu
 import numpy as np
 

@@ -2,7 +2,7 @@
 array leaves."""
 
 from collections.abc import Iterator
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import equinox as eqx
 import jax
@@ -30,7 +30,9 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
         )
     keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in keyed_leaves]
-    indices, paths, destinations = [], [], []
+    indices: list[int] = []
+    paths: list[Any] = []
+    destinations: list[Any] = []
     for i, ((path, leaf), selected) in enumerate(
         zip(keyed_leaves, leaf_mask(tree, where), strict=True)
     ):

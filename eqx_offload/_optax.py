@@ -201,7 +201,7 @@ class _Offloaded:
 
         def update_fn(
             updates: optax.Updates,
-            state: OffloadedState,
+            state: optax.OptState,  # an `OffloadedState`, checked by `update`
             params: Optional[optax.Params] = None,
             **extra_args: Any,
         ) -> tuple[optax.Updates, OffloadedState]:

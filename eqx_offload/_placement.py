@@ -20,6 +20,7 @@ import numpy as np
 from ._errors import TracedMoveError
 from ._leaves import is_traced, shown
 from ._memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
+from ._types import Device
 
 
 # ----------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     return result
 
 
-def _kind_of_aval(aval: Any, device: jax.Device) -> str:
+def _kind_of_aval(aval: Any, device: Device) -> str:
     if aval.memory_space == jax.memory.Space.Host:
         return "pinned_host"
     return default_kind(device)
@@ -232,7 +233,7 @@ def output_shardings(
     meshes = [s.mesh for s in in_shardings if isinstance(s, jax.sharding.NamedSharding)]
     mesh = meshes[0] if meshes else None
     if mesh is not None:
-        device = mesh.devices.flat[0]
+        device = np.asarray(mesh.devices).flat[0]
     else:
         devices = [d for s in in_shardings for d in s.device_set]
         device = devices[0] if devices else default_device()

@@ -153,9 +153,13 @@ def _is_spec_leaf(x: Any) -> bool:
     return isinstance(x, bool) or (callable(x) and not isinstance(x, eqx.Module))
 
 
+def _is_not(tree: Any, x: Any) -> bool:
+    return x is not tree
+
+
 def _one_level(tree: Any) -> tuple[Any, list[tuple[KeyPath, Any]]]:
     """The node data of `tree`'s root and its children with their keys."""
-    children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=functools.partial(_is_not, tree))
     return cast(Any, treedef).node_data(), children  # (not in jaxlib's type stubs)
 
 
@@ -208,22 +212,27 @@ def _describe(node: Any) -> str:
     return described
 
 
+def _select_if(flag: bool, x: Any) -> bool:
+    return flag and eqx.is_array(x)
+
+
+def _select_by_path(path_filter: "Filter", prefix: KeyPath, path: KeyPath, x: Any) -> bool:
+    return eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + path)))
+
+
+def _select_by_leaf(leaf_filter: Callable[[Any], Any], x: Any) -> bool:
+    return eqx.is_array(x) and bool(leaf_filter(x))
+
+
 def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any:
     # At module level, not nested in `leaf_mask`: under jaxtyping's import hook a
     # nested function is decorated (beartype compiles a wrapper) on every call.
-    # (Each branch binds its own name: pytype does not narrow `spec` inside lambdas.)
     if isinstance(spec, bool):
-        flag: bool = spec
-        return jtu.tree_map(lambda x: flag and eqx.is_array(x), subtree)
+        return jtu.tree_map(functools.partial(_select_if, spec), subtree)
     if isinstance(spec, Filter):
-        path_filter: Filter = spec
-        return jtu.tree_map_with_path(
-            lambda p, x: eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + p))),
-            subtree,
-        )
+        return jtu.tree_map_with_path(functools.partial(_select_by_path, spec, prefix), subtree)
     if callable(spec) and not isinstance(spec, eqx.Module):
-        leaf_filter: Callable[[Any], Any] = spec
-        return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
+        return jtu.tree_map(functools.partial(_select_by_leaf, spec), subtree)
     raise WhereError(
         f"{argument} has {spec!r} at path {shown(path_to_str(prefix))}, which is "
         "not a filter. A `where` is a bool, a callable on a leaf (such as "

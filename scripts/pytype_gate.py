@@ -78,7 +78,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def package_modules() -> list[pathlib.Path]:
-    return sorted((ROOT / PACKAGE).glob("*.py"))
+    return sorted((ROOT / PACKAGE).rglob("*.py"))
 
 
 def local_imports(path: pathlib.Path) -> set[str]:

@@ -90,7 +90,7 @@ class BenchConfig:
 
     def workload_list(self) -> list[Workload]:
         """The benchmark's workloads in the order of `workloads`: every MLP size, the LM."""
-        points = []
+        points: list[Any] = []
         for name in self.workloads:
             if name == "mlp":
                 points += [mlp_workload(n, self.batch) for n in self.sizes]

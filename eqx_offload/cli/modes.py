@@ -3,6 +3,7 @@ training step, with a one-line description. Adding a mode is one entry; a varian
 `offloaded` is `offload_mode("description", option=value)`."""
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -88,6 +89,10 @@ def _baseline(mode: str, optimizer: optax.GradientTransformation, model: Any,
     return Runner(mode, step, model, state, compile)
 
 
+def _constant(value: Any, _: Any) -> Any:
+    return value
+
+
 def _manual(mode: str, optimizer: optax.GradientTransformation, model: Any,
             loss: Loss) -> Runner:
     """JAX's host-offloading tutorial, on the array part of an Equinox model: the whole
@@ -108,8 +113,8 @@ def _manual(mode: str, optimizer: optax.GradientTransformation, model: Any,
         state = jax.device_put(state, on_host)
         return eqx.filter(new_model, eqx.is_array), state, value
 
-    params_shardings = jax.tree.map(lambda _: on_device, params)
-    state_shardings = jax.tree.map(lambda _: on_host, state)
+    params_shardings = jax.tree.map(functools.partial(_constant, on_device), params)
+    state_shardings = jax.tree.map(functools.partial(_constant, on_host), state)
     jitted = jax.jit(
         step,
         in_shardings=(params_shardings, state_shardings, on_device),
