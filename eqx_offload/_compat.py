@@ -18,10 +18,6 @@ from jax.experimental import compute_on as _compute_on
 # Both trace to the same `compute_on` primitive with a `compute_type` parameter.
 host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
 
-# How error messages name it: `jax.experimental.compute_on.compute_on2` or `...compute_on`.
-HOST_COMPUTE_NAME: str = f"jax.experimental.compute_on.{host_compute.__name__}"
-
-
 # The types of the jaxprs that a primitive's parameters hold. JAX 0.10 has `Jaxpr` and
 # `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
 # and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.

@@ -6,9 +6,9 @@
 #
 # In each: install eqx_offload with its dev extra (venvs are created if missing, deps
 # installed every run; the pip cache makes that fast), the whole pytest suite (with the
-# jaxtyping+beartype runtime checks) and the static gates (`scripts/gates.sh` if it
-# exists, else mypy --strict, the pytype gate and the stub-drift check). Then
-# `mkdocs build --strict` once. A per-stage time summary closes the output, failed or not.
+# jaxtyping+beartype runtime checks) and the static gates (`scripts/gates.sh`: mypy
+# --strict, pytype with the shipped stubs, pyright, pyrefly, stub drift, the docs' checker
+# table; without it, mypy, pytype and stub drift). Then `mkdocs build --strict` once. A per-stage time summary closes the output, failed or not.
 #
 #   bash scripts/check.sh                  # both environments (what .ci/run runs)
 #   bash scripts/check.sh newest           # one environment: oldest or newest

@@ -11,33 +11,14 @@ Measured on JAX 0.10.2 and 0.12.0.1. If this canary fails after a JAX upgrade, u
 that section of the docs and this file.
 """
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
+from helpers import count_compiles
 
 import eqx_offload
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[list[int]]:
-    """Counts XLA backend compilations while active (`counter[0]`)."""
-    counter = [0]
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            counter[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counter
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _compiles_per_call(opt: optax.GradientTransformation, params_committed: bool,
@@ -63,7 +44,7 @@ def _compiles_per_call(opt: optax.GradientTransformation, params_committed: bool
     for _ in range(steps):
         with count_compiles() as compiles:
             params, state = step(params, state, x)
-        per_call.append(compiles[0])
+        per_call.append(len(compiles))
     return per_call
 
 
