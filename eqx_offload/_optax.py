@@ -33,7 +33,6 @@ from ._errors import CompositionError, NotATransformationError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
-from ._move import move
 from ._options import Compute, normalise, Options
 from ._state import check_state, OffloadedState, warn_if_on_device
 from ._stream import streamed_update

@@ -1,10 +1,14 @@
-"""Shared test helpers: bitwise pytree equality and memory-kind inspection.
+"""The test suite's one vocabulary, imported by every test module that needs it:
 
-Kept small and stable; other test files import from here.
+- bitwise comparison: `assert_tree_equal`, `tree_difference`, `tree_bits`;
+- where leaves live: `memory_kinds`;
+- calling past the runtime type checks: `unchecked`;
+- counting compilations: `count_compiles`;
+- walking programs: `walk_eqns`.
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import jax
@@ -19,7 +23,38 @@ def _is_array(x: Any) -> bool:
 
 
 def _bits(x: Any) -> bytes:
+    """The raw bytes of an array (read on the host: no arithmetic on host-resident
+    arrays); typed PRNG keys by their key data."""
+    if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
     return np.ascontiguousarray(np.asarray(x)).tobytes()
+
+
+def tree_bits(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """Path, dtype, shape and raw bytes of every array leaf: compare two of these with
+    `==` for bitwise equality (NaN payloads and -0.0 count)."""
+    return [
+        (jtu.keystr(p), str(x.dtype), tuple(x.shape), _bits(x))
+        for p, x in jtu.tree_flatten_with_path(tree)[0]
+        if _is_array(x)
+    ]
+
+
+def unchecked(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f` without the jaxtyping/beartype wrapper that the pytest hook adds, to reach the
+    library's own checks with values the type hints forbid (as a user without the hook
+    would)."""
+    return getattr(f, "__wrapped__", f)
+
+
+def walk_eqns(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of a jaxpr (a `Jaxpr` or `ClosedJaxpr`), at any depth."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from walk_eqns(sub)
 
 
 def tree_difference(a: Any, b: Any) -> Optional[str]:

@@ -47,7 +47,6 @@ def train() -> dict[str, np.ndarray]:
     """Trains on a 2x2 ("data", "model") mesh over `jax.devices()` (all processes'), and
     returns every leaf of the final params and optimizer state, the losses, and where the
     state lived, as full NumPy arrays."""
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import optax

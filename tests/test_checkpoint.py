@@ -25,7 +25,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, tree_bits as bits, unchecked
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_offload
@@ -101,15 +101,6 @@ def run(params: Any, state: Any, step: Callable[..., Any], data: list[Any],
 
 # ---------------------------------------------------------------------------------------
 # Helpers.
-
-
-def bits(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
-    """Path, dtype, shape and raw bytes of every array leaf (read on the host: no
-    arithmetic on host-resident arrays)."""
-    return [
-        (jtu.keystr(p), str(x.dtype), tuple(x.shape), np.asarray(x).tobytes())
-        for p, x in jtu.tree_flatten_with_path(tree)[0]
-    ]
 
 
 def placements(tree: Any) -> list[tuple[str, Optional[str], Any, Any]]:
@@ -228,13 +219,6 @@ def test_host_shardings_and_restore_target() -> None:
     assert target[0].mu["w1"].sharding.is_fully_replicated
     # Non-array leaves pass through.
     assert eqx_offload.restore_target({"a": 1.5, "b": None, "c": "x"}) == {"a": 1.5, "b": None, "c": "x"}
-
-
-def unchecked(f: Callable[..., Any]) -> Callable[..., Any]:
-    """`f` without the jaxtyping/beartype wrapper the pytest hook adds, to reach the
-    library's own checks with values the type hints forbid (as a user without the hook
-    would)."""
-    return getattr(f, "__wrapped__", f)
 
 
 def test_helpers_reject_bad_memory_kind(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,21 +19,13 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
+from helpers import tree_bits as bits, unchecked
 
 import eqx_offload
 
 
-def unchecked(f: Callable[..., Any]) -> Callable[..., Any]:
-    """`f` without the jaxtyping/beartype wrapper that the pytest hook adds."""
-    return getattr(f, "__wrapped__", f)
-
-
 def params() -> dict[str, jax.Array]:
     return {"w": jnp.arange(6.0).reshape(2, 3) / 7 + 0.5, "b": jnp.arange(3.0) / 5 - 0.2}
-
-
-def bits(tree: Any) -> list[tuple[str, bytes]]:
-    return [(jtu.keystr(p), np.asarray(x).tobytes()) for p, x in jtu.tree_flatten_with_path(tree)[0]]
 
 
 def kinds(tree: Any) -> dict[str, str]:

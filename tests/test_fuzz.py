@@ -31,7 +31,7 @@ import optax
 from hypothesis import given, HealthCheck, Phase, settings
 
 import eqx_offload
-from helpers import count_compiles
+from helpers import count_compiles, tree_bits as bits
 
 
 settings.register_profile(
@@ -228,11 +228,6 @@ def expected_selection(inner_state: Any, where: Any) -> list[bool]:
 
 # ---------------------------------------------------------------------------------------
 # The properties.
-
-
-def bits(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
-    return [(jtu.keystr(p), str(x.dtype), tuple(x.shape), np.asarray(x).tobytes())
-            for p, x in jtu.tree_flatten_with_path(tree)[0]]
 
 
 def gradients(params: Any, k: int) -> Any:

@@ -118,15 +118,6 @@ def unsharded_reference() -> tuple[Model, Any, list[jax.Array]]:
     return train(make_model(), optax.adamw(1e-2), eqx.filter_jit, batches())
 
 
-def tree_bitwise_equal(a: Any, b: Any) -> bool:
-    la, ta = jtu.tree_flatten(a)
-    lb, tb = jtu.tree_flatten(b)
-    return ta == tb and all(
-        x.dtype == y.dtype and x.shape == y.shape and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(la, lb)
-    )
-
-
 def param_sharding_of_state_leaf(model: Model, path: tuple[Any, ...]) -> NamedSharding:
     """The sharding of the parameter that the adam moment at `path` mirrors."""
     return getattr(model, path[-1].name).sharding
@@ -165,7 +156,7 @@ def test_init_keeps_param_sharding(axis_type: AxisType, layout: str) -> None:
     check_placement(model, state, mesh)
     # The values equal the unwrapped optimizer's.
     reference = optax.adamw(1e-2).init(eqx.filter(make_model(), eqx.is_array))
-    assert tree_bitwise_equal(state.inner_state, reference)
+    assert_tree_equal(state.inner_state, reference)
 
 
 @AXIS_TYPES
@@ -195,9 +186,9 @@ def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) ->
     # moves bytes, it does not change arithmetic).
     ref_model, ref_state, ref_losses = train(
         shard_model(make_model(), mesh, layout), optax.adamw(1e-2), eqx.filter_jit, data, out_sharding)
-    assert tree_bitwise_equal(model, ref_model)
-    assert tree_bitwise_equal(state.inner_state, ref_state)
-    assert tree_bitwise_equal(losses, ref_losses)
+    assert_tree_equal(model, ref_model)
+    assert_tree_equal(state.inner_state, ref_state)
+    assert_tree_equal(losses, ref_losses)
 
     # Against one device: the cross-device sums of the gradients may add in another
     # order, so to float tolerance.
@@ -264,7 +255,7 @@ def test_uncommitted_batch_with_sharded_model(axis_type: AxisType) -> None:
                             [(jax.device_put(x, replicated), jax.device_put(y, replicated)),
                              (jax.device_put(x2, replicated), jax.device_put(y2, replicated))],
                             replicated if axis_type == AxisType.Explicit else None)
-    assert tree_bitwise_equal(model, ref_model)
+    assert_tree_equal(model, ref_model)
 
 
 @AXIS_TYPES
@@ -311,8 +302,8 @@ def test_sharded_update_is_bitwise_one_device(axis_type: AxisType, layout: str) 
         sharded, state = update(sharded_grads, state, sharded)
         ref_params, ref_state = ref_update(grads, ref_state, ref_params)
     check_placement(shard_model(make_model(), mesh, layout), state, mesh)
-    assert tree_bitwise_equal(state.inner_state, ref_state)
-    assert tree_bitwise_equal(sharded, ref_params)
+    assert_tree_equal(state.inner_state, ref_state)
+    assert_tree_equal(sharded, ref_params)
 
 
 # ---------------------------------------------------------------------------------------
@@ -361,7 +352,7 @@ def test_filter_shard_idiom_bitwise_and_state_stays_on_host() -> None:
         x, y = eqx.filter_shard((x, y), data)
         ref_model, ref_state, ref_value = ref_step(ref_model, ref_state, x, y)
         model, state, value = step(model, state, x, y)
-        assert tree_bitwise_equal((model, state.inner_state, value), (ref_model, ref_state, ref_value))
+        assert_tree_equal((model, state.inner_state, value), (ref_model, ref_state, ref_value))
         for leaf in jax.tree.leaves(state):
             want = "pinned_host" if leaf.ndim else "device"
             assert leaf.sharding.memory_kind == want and leaf.sharding.mesh == mesh

@@ -22,7 +22,6 @@ across modules; the pytype gate fails on a module with a type error, and the stu
 check fails when a public signature changes without its stub.
 """
 
-import collections
 import importlib.util
 import os
 import pathlib
@@ -31,9 +30,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 import zipfile
-from typing import Any, Optional
+from typing import Any
 
 import equinox as eqx
 import jax
