@@ -35,7 +35,7 @@ import pytest
 from helpers import assert_tree_equal
 from isolated import call_isolated
 from ports import batchnorm, data_parallel, frozen, nonarray, rnn
-from ports.common import compilations, expected_placement, Run, unwrap
+from ports.common import compilations, expected_placement, placement, Run, unwrap
 
 import eqx_offload
 
@@ -445,3 +445,206 @@ def test_state_made_by_this_optimizer_accepted(name: str, mode: str) -> None:
         assert "pinned_host" in expected_placement(state).values()
         assert jtu.tree_map(lambda x: x.sharding.memory_kind, state) == jtu.tree_map(
             lambda x: "pinned_host" if x.ndim else "device", state)
+
+
+# ---------------------------------------------------------------------------------------
+# Extra `update` arguments reach every transformation that takes them (issue 10, item 1)
+
+# Values for the required arguments of optax's factories, by name.
+_FACTORY_ARGS: dict[str, Any] = {
+    "learning_rate": 0.05,
+    "max_backtracking_steps": 6,
+    "max_linesearch_steps": 6,
+}
+# The extra `update` arguments optax's transformations ask for, by name (given the
+# params, the loss and its gradient).
+_EXTRA_VALUES: dict[str, Callable[[Any, Any, Callable[[Any], Any]], Any]] = {
+    "value": lambda params, grads, loss: loss(params),
+    "grad": lambda params, grads, loss: grads,
+    "value_fn": lambda params, grads, loss: loss,
+    "obj_fn": lambda params, grads, loss: loss,
+}
+
+
+def _extra_params() -> dict[str, jax.Array]:
+    return {"w": jnp.arange(6.0).reshape(2, 3) / 4 - 0.5, "b": jnp.array([0.3, -0.2, 0.9])}
+
+
+def _extra_loss(params: Any) -> jax.Array:
+    return jnp.sum((params["w"] - 1.0) ** 2) + jnp.sum(jnp.cos(params["b"])) + 3.0
+
+
+def _required_args(factory: Callable[..., Any]) -> Optional[dict[str, Any]]:
+    """Arguments to build `factory` with, or None if it needs one we cannot give."""
+    kwargs = {}
+    for p in inspect.signature(factory).parameters.values():
+        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        if p.name not in _FACTORY_ARGS:
+            return None
+        kwargs[p.name] = _FACTORY_ARGS[p.name]
+    return kwargs
+
+
+def _asked_for(error: Exception) -> list[str]:
+    """The extra arguments an `update` error says are missing."""
+    text = str(error)
+    missing = re.search(r"missing \d+ required keyword-only arguments?: (.*)", text)
+    if missing:
+        return re.findall(r"'(\w+)'", missing.group(1))
+    return re.findall(r"(\w+) must be provided", text)
+
+
+@functools.cache
+def extra_args_transformations() -> dict[str, tuple[Callable[..., Any], dict[str, Any], tuple[str, ...]]]:
+    """Every public factory of `optax` and `optax.contrib` whose transformation's
+    `update` fails without extra arguments, with what it asks for: name ->
+    (factory, its arguments, the extra argument names)."""
+    params = _extra_params()
+    grads = jax.grad(_extra_loss)(params)
+    found = {}
+    for prefix, namespace in (("optax", optax), ("optax.contrib", optax.contrib)):
+        for name in sorted(dir(namespace)):
+            factory = getattr(namespace, name)
+            if name.startswith("_") or not inspect.isfunction(factory):
+                continue
+            kwargs = _required_args(factory)
+            if kwargs is None:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated aliases
+                try:
+                    transformation = factory(**kwargs)
+                except Exception:  # not a transformation factory
+                    continue
+                if not isinstance(transformation, optax.GradientTransformation):
+                    continue
+                try:  # traced only: nothing is compiled or run
+                    jax.eval_shape(
+                        lambda g, p: transformation.update(g, transformation.init(p), p),
+                        grads, params,
+                    )
+                except (TypeError, ValueError) as error:
+                    asked = _asked_for(error)
+                    if asked:
+                        found[f"{prefix}.{name}"] = (factory, kwargs, tuple(asked))
+    return found
+
+
+def test_extra_args_discovery() -> None:
+    # The discovery finds the ones the issue names (and more), and every argument they
+    # ask for has a value here: a new one in a future optax fails this test.
+    found = extra_args_transformations()
+    assert {
+        "optax.polyak_sgd", "optax.scale_by_polyak", "optax.lbfgs",
+        "optax.scale_by_backtracking_linesearch", "optax.scale_by_zoom_linesearch",
+        "optax.contrib.momo", "optax.contrib.momo_adam", "optax.contrib.reduce_on_plateau",
+        "optax.contrib.sophia",
+    } <= set(found)
+    asked = {name for _, _, names in found.values() for name in names}
+    assert asked <= set(_EXTRA_VALUES), asked - set(_EXTRA_VALUES)
+
+
+_MASK = {"w": True, "b": False}
+_LABELS = {"w": "inner", "b": "sgd"}
+
+
+def _inject(factory: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    return optax.inject_hyperparams(factory)(**kwargs)
+
+
+# composition -> how to build it around the transformation (factory, kwargs)
+COMPOSE_EXTRA: dict[str, Callable[[Callable[..., Any], dict[str, Any]], Any]] = {
+    "bare": lambda f, kw: f(**kw),
+    "MultiSteps": lambda f, kw: optax.MultiSteps(f(**kw), every_k_schedule=2),
+    "chain": lambda f, kw: optax.chain(optax.clip_by_global_norm(10.0), f(**kw)),
+    "inject_hyperparams": _inject,
+    "masked": lambda f, kw: optax.masked(f(**kw), _MASK),
+    "multi_transform": lambda f, kw: optax.multi_transform(
+        {"inner": f(**kw), "sgd": optax.sgd(0.1, momentum=0.5)}, _LABELS),
+    "apply_if_finite": lambda f, kw: optax.apply_if_finite(f(**kw), 3),
+}
+# The modes: `offloaded`'s options, and the compositions they run.
+MODES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "default": ({}, tuple(COMPOSE_EXTRA)),
+    "streamed": ({"group_bytes": 0}, ("bare", "chain")),
+    "host": ({"compute": "host"}, ("bare", "chain")),
+}
+# What each non-default mode runs today (the rest it refuses with a CompositionError:
+# `while`/`scan`/`cond` in the update for host compute, coupled state for streaming).
+# A refusal of one of these is a failure.
+MODE_RUNS: dict[str, set[str]] = {
+    "streamed": {"optax.polyak_sgd", "optax.scale_by_polyak", "optax.contrib.reduce_on_plateau",
+                 "optax.scale_by_backtracking_linesearch", "optax.scale_by_zoom_linesearch"},
+    "host": {"optax.polyak_sgd", "optax.scale_by_polyak", "optax.contrib.reduce_on_plateau",
+             "optax.contrib.momo", "optax.contrib.momo_adam",
+             "optax.contrib.hutchinson_estimator_diag_hessian"},
+}
+
+
+def _extra_args_cases() -> list[Any]:
+    return [
+        pytest.param(name, composition, mode, id=f"{name}-{composition}-{mode}")
+        for name in sorted(extra_args_transformations())
+        for mode, (_, compositions) in MODES.items()
+        for composition in compositions
+    ]
+
+
+def _run_extra(opt: Any, update: Callable[..., Any], names: tuple[str, ...], steps: int = 3) -> Any:
+    params = _extra_params()
+    state = opt.init(params)
+    out = []
+    for _ in range(steps):
+        grads = jax.grad(_extra_loss)(params)
+        extra = {n: _EXTRA_VALUES[n](params, grads, _extra_loss) for n in names}
+        updates, state = update(grads, state, params, **extra)
+        params = optax.apply_updates(params, updates)
+        out.append((updates, state))
+    return out, params
+
+
+@functools.cache
+def _plain_extra(name: str, composition: str) -> Any:
+    """The unwrapped composition's run (shared by the modes), or the error it raises."""
+    factory, kwargs, names = extra_args_transformations()[name]
+    plain = COMPOSE_EXTRA[composition](factory, kwargs)
+    try:
+        return _run_extra(plain, eqx.filter_jit(plain.update), names)
+    except Exception as error:
+        return error
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
+
+
+@pytest.mark.parametrize("name,composition,mode", _extra_args_cases())
+def test_extra_args_reach_the_inner_transformation(name: str, composition: str, mode: str) -> None:
+    # offloaded(composition(T)) with T's extra arguments is bitwise equal to the
+    # unwrapped composition (updates, state, params over 3 steps), under
+    # `eqx_offload.filter_jit` (functions such as `value_fn` are static), with the state
+    # in host memory. Where the unwrapped composition fails (reduce_on_plateau is not
+    # injectable), the offloaded one fails the same way; where the streamed or host
+    # mode cannot run a composition it must say so with a CompositionError.
+    factory, kwargs, names = extra_args_transformations()[name]
+    options, _ = MODES[mode]
+    ported = eqx_offload.offloaded(COMPOSE_EXTRA[composition](factory, kwargs), **options)
+    expected = _plain_extra(name, composition)
+    if isinstance(expected, Exception):
+        with pytest.raises(type(expected)) as ported_error:
+            _run_extra(ported, eqx_offload.filter_jit(ported.update), names)
+        assert _first_line(ported_error.value) == _first_line(expected)
+        return
+    try:
+        got = _run_extra(ported, eqx_offload.filter_jit(ported.update), names)
+    except eqx_offload.CompositionError as error:
+        assert mode != "default" and name not in MODE_RUNS[mode], error
+        assert re.search(r"group_bytes|compute", str(error)), error
+        return
+    (expected_steps, expected_params), (steps, params) = expected, got
+    for (plain_updates, plain_state), (updates, state) in zip(expected_steps, steps):
+        _assert_bitwise(plain_updates, updates)
+        _assert_bitwise(unwrap(plain_state), unwrap(state))
+        assert placement(state) == expected_placement(state)
+    _assert_bitwise(expected_params, params)
