@@ -333,15 +333,21 @@ def _crash_message(report: pytest.TestReport) -> str:
     return crash.message if crash is not None else str(report.longrepr)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> Any:
     """Expected failures (`adaptations.XFAIL`), per test or per unittest subtest: a
     failure whose message matches becomes an xfail; a pass, or a failure with another
-    message, is a failure that says so (strict)."""
+    message, is a failure that says so (strict). A wrapper, so that the report is
+    rewritten before any other plugin (the session's failure count, the terminal) sees
+    it."""
+    if report.when == "call":
+        _expect(report)
+    return (yield)
+
+
+def _expect(report: pytest.TestReport) -> None:
     from adaptations import expected_failure
 
-    if report.when != "call":
-        return
     key = _keys.get(report.nodeid, report.nodeid)
     context = getattr(report, "context", None)
     if context is not None:  # a subtest
