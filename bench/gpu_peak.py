@@ -11,8 +11,11 @@ which JAX cannot reset, belongs to that mode alone):
 - `offloaded`: `eqx_offload.offloaded(optax.adam)`: state on host between steps, the
   whole state on the device during the update.
 - `streamed`: `offloaded(..., group_bytes=0)`: one parameter's state on the device at a
-  time (`eqx_offload._stream.bench_transformation("streamed", ...)`).
+  time.
 - `host_compute`: `offloaded(..., compute="host")`: the update runs on the host CPU.
+
+(`streamed` and `host_compute` take their `offloaded` options from the benchmark's mode
+table, `eqx_offload.cli.modes.MODES`, so that both measure the same thing.)
 
 The step is the optimizer step alone, `params, state <- apply(update(grads, state,
 params))`, jitted with `eqx_offload.filter_jit(donate="all-except-first")` (gradients are
@@ -20,8 +23,10 @@ kept for the next step, params and state are donated). The state is created on t
 CPU backend and placed straight into its memory kinds, so no mode ever held the whole
 state on the device before its step runs.
 
-For every mode it records: `compiled.memory_analysis()` (argument, output, alias, temp,
-host_* and peak sizes: XLA's own plan); `device.memory_stats()` (bytes in use before the
+For every mode it records: `compiled.memory_analysis()` of
+`eqx_offload.filter_jit(step).lower(...).compile()` (argument, output, alias, temp,
+host_* and peak sizes: XLA's own plan); the compilations the steps caused (counted
+through `jax.monitoring`); `device.memory_stats()` (bytes in use before the
 first step, and the allocator's peak over the steps: what the device really held); step
 times; a checksum of the final params and state, compared with the baseline's (the
 CPU computes `host_compute`, so on a GPU its results may differ from the GPU's in the
@@ -53,7 +58,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     import optax
 
     import eqx_offload
-    from eqx_offload._stream import bench_transformation
+    from eqx_offload.cli.measure import CompileCounter, counting, memory_analysis_dict
+    from eqx_offload.cli.modes import MODES as BENCH_MODES
 
     result: dict[str, Any] = {"mode": args.child, "error": None}
     device = jax.devices()[0]
@@ -64,7 +70,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     elif args.child == "offloaded":
         opt = eqx_offload.offloaded(inner)
     else:
-        opt = bench_transformation(args.child, inner)
+        opt = eqx_offload.offloaded(inner, **(BENCH_MODES[args.child].options or {}))
 
     rng = np.random.default_rng(0)
     shape = (args.width, args.width)
@@ -104,21 +110,19 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     jitted = eqx_offload.filter_jit(step, donate="all-except-first")
     stats_before = device.memory_stats()
     seconds = []
-    for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        params, state = jitted(grads, params, state)
-        jax.block_until_ready((params, state))
-        if i >= args.warmup:
-            seconds.append(time.perf_counter() - start)
+    counter = CompileCounter()
+    with counting(counter):
+        for i in range(args.warmup + args.steps):
+            start = time.perf_counter()
+            params, state = jitted(grads, params, state)
+            jax.block_until_ready((params, state))
+            if i >= args.warmup:
+                seconds.append(time.perf_counter() - start)
     stats_after = device.memory_stats()
-    executables = jitted._executables()  # introspection of eqx_offload.filter_jit
-    analysis = executables[-1].memory_analysis() if executables else None
-    result["memory_analysis"] = None if analysis is None else {
-        name: int(getattr(analysis, name))
-        for name in dir(analysis)
-        if name.endswith("_in_bytes") and isinstance(getattr(analysis, name), int)
-    }
-    result["compilations"] = len(executables)
+    # (After the peak is read: this compiles the step once more, outside the count.)
+    result["memory_analysis"] = memory_analysis_dict(
+        jitted.lower(grads, params, state).compile())
+    result["compilations"] = counter.count
     if stats_before is None or stats_after is None:
         result["device_memory_stats"] = None
     else:

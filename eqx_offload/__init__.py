@@ -6,6 +6,7 @@ Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 
 import importlib.metadata
 
+from ._budget import prefetch_options as prefetch_options, within_budget as within_budget
 from ._checkpoint import (
     abstract_init as abstract_init,
     deserialise_filter_spec as deserialise_filter_spec,
@@ -18,28 +19,26 @@ from ._errors import (
     MemoryKindError as MemoryKindError,
     NotATransformationError as NotATransformationError,
     OffloadError as OffloadError,
+    OptionError as OptionError,
+    SignatureError as SignatureError,
     StateError as StateError,
     TracedMoveError as TracedMoveError,
+    TreeError as TreeError,
     WhereError as WhereError,
 )
-from ._jit import filter_jit as filter_jit
+from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._memory import supported_memory_kinds as supported_memory_kinds
-from ._move import to_device as to_device, to_host as to_host
-from ._optax import (
-    OffloadedState as OffloadedState,
-    OffloadWarning as OffloadWarning,
-    offloaded as offloaded,
-)
+from ._move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
+from ._optax import offloaded as offloaded
+from ._options import Compute as Compute
 from ._report import (
     LeafMemory as LeafMemory,
     memory_report as memory_report,
     MemoryReport as MemoryReport,
 )
-from ._stream import (
-    Compute as Compute,
-    stream_plan as stream_plan,
-    StreamPlan as StreamPlan,
-)
+from ._runtime import install_runtime_checks as install_runtime_checks
+from ._state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
+from ._stream import stream_plan as stream_plan, StreamPlan as StreamPlan
 from ._types import (
     Donate as Donate,
     HostMemoryKind as HostMemoryKind,

@@ -16,10 +16,11 @@ import numpy as np
 import optax
 
 from ._errors import CheckpointError
-from ._jit import _input_shardings, _output_shardings
-from ._memory import HOST_MEMORY_KINDS, check_devices_offer, check_host_kind, default_device
+from ._leaves import path_parts, path_to_str
+from ._memory import check_devices_offer, check_host_kind, default_device
+from ._placement import input_shardings, output_shardings, typed_sharding
 from ._types import HostMemoryKind, Where
-from ._where import key_to_str, leaf_mask, path_to_str
+from ._where import leaf_mask
 
 
 _T = TypeVar("_T")
@@ -42,29 +43,6 @@ def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
         sharding: jax.sharding.Sharding = leaf.sharding
         return sharding
     return jax.sharding.SingleDeviceSharding(default_device())
-
-
-def _typed_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """`sharding`, or for one device in host memory the same placement as a
-    `NamedSharding` over a one-device mesh.
-
-    JAX (0.10) gives an array assembled from shards (`jax.make_array_from_single_device_arrays`,
-    which orbax restores with) the type of device memory when its sharding is a
-    `SingleDeviceSharding`, whatever that sharding's memory kind: `jax.jit` then treats
-    the host-resident state as device memory. A `NamedSharding` carries its memory kind
-    into the type."""
-    if (
-        isinstance(sharding, jax.sharding.SingleDeviceSharding)
-        and sharding.memory_kind in HOST_MEMORY_KINDS
-    ):
-        (device,) = sharding.device_set
-        mesh = jax.sharding.Mesh(
-            np.array([device]), ("device",), axis_types=(jax.sharding.AxisType.Auto,)
-        )
-        return jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
-        )
-    return sharding
 
 
 def _stand_in(leaf: Any) -> Any:
@@ -142,7 +120,7 @@ def _flat_host_shardings(
                 sharding.addressable_devices, memory_kind, "memory_kind", path_to_str(path)
             )
             sharding = sharding.with_memory_kind(memory_kind)
-        shardings.append(_typed_sharding(sharding))
+        shardings.append(typed_sharding(sharding))
     return [x for _, x in keyed], treedef, shardings
 
 
@@ -232,7 +210,7 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
     """
     dynamic, static = eqx.partition(params, _is_arraylike, is_leaf=_is_abstract)
     leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=_is_abstract)
-    in_shardings = _input_shardings(leaves)
+    in_shardings = input_shardings(leaves)
     abstract_in = [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
         for x, s in zip(leaves, in_shardings)
@@ -243,20 +221,20 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
         state = optimizer.init(eqx.combine(jtu.tree_unflatten(treedef, flat), static))
         dynamic_out, static_out = eqx.partition(state, eqx.is_array)
         keyed, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
-        out_parts[:] = [static_out, out_treedef, [tuple(map(key_to_str, p)) for p, _ in keyed]]
+        out_parts[:] = [static_out, out_treedef, [path_parts(p) for p, _ in keyed]]
         return [x for _, x in keyed]
 
     out_avals = jax.jit(flat_init).trace(*abstract_in).jaxpr.out_avals
     static_out, out_treedef, out_paths = out_parts
     # The paths as `filter_jit` sees them (`(0, ...)`: the first argument), so that the
     # layouts chosen here are those `offloaded`'s jitted `init` chooses.
-    in_paths = [("0",) + tuple(map(key_to_str, p)) for p, _ in jtu.tree_flatten_with_path(
+    in_paths = [("0",) + path_parts(p) for p, _ in jtu.tree_flatten_with_path(
         jtu.tree_unflatten(treedef, leaves), is_leaf=_is_abstract)[0]]
-    out_shardings = _output_shardings(
-        out_avals, [jax.typeof(x) for x in abstract_in], in_shardings, out_paths, in_paths
+    out_shardings = output_shardings(
+        out_avals, out_paths, [jax.typeof(x) for x in abstract_in], in_paths, in_shardings
     )
     abstract_out = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_typed_sharding(s), weak_type=a.weak_type)
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=typed_sharding(s), weak_type=a.weak_type)
         for a, s in zip(out_avals, out_shardings)
     ]
     return eqx.combine(jtu.tree_unflatten(out_treedef, abstract_out), static_out)

@@ -1,9 +1,19 @@
-"""Exceptions raised by `eqx_offload`. Each subclasses `ValueError` or `TypeError`, so a
-caller can catch them with the built-in types too."""
+"""Exceptions raised by `eqx_offload`.
+
+Every one is an `OffloadError`, so one `except eqx_offload.OffloadError` catches them
+all. Each also subclasses the built-in exception a caller would expect from the same
+mistake elsewhere (`ValueError` for a bad value, `TypeError` for a wrong kind of
+object), so existing `except ValueError` / `except TypeError` code keeps working.
+"""
 
 
 class OffloadError(Exception):
     """Base class of every error raised by `eqx_offload`."""
+
+
+class OptionError(OffloadError, ValueError, TypeError):
+    """A bad option of `offloaded`, `filter_jit` or another function: a value out of
+    range or of the wrong type (hence both `ValueError` and `TypeError`)."""
 
 
 class MemoryKindError(OffloadError, ValueError):
@@ -13,6 +23,16 @@ class MemoryKindError(OffloadError, ValueError):
 class WhereError(OffloadError, ValueError):
     """A `where` filter spec that is not a filter, or whose structure does not match the
     tree it is applied to."""
+
+
+class TreeError(OffloadError, TypeError):
+    """Something passed where a pytree is expected that cannot be one (e.g. a generator,
+    which JAX would treat as a single opaque leaf and which a move would skip)."""
+
+
+class SignatureError(OffloadError, TypeError):
+    """Arguments to `filter_jit(f).lower(...).compile()` whose structure, static
+    values, shapes, dtypes or shardings differ from those it was lowered for."""
 
 
 class TracedMoveError(OffloadError, ValueError):
@@ -28,7 +48,9 @@ class NotATransformationError(OffloadError, TypeError):
 
 
 class CompositionError(OffloadError, ValueError):
-    """A composition of optax combinators that cannot work with offloaded state."""
+    """A composition that cannot work with offloaded state: a computation on
+    host-resident arrays, an update that cannot be streamed, a transformation of the
+    step (such as `pmap`) that JAX cannot combine with memory kinds."""
 
 
 class CheckpointError(OffloadError, ValueError):

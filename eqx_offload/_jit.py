@@ -1,22 +1,32 @@
 """`filter_jit`: `eqx.filter_jit` with memory-kind-aware shardings, safe to donate
-host-resident state to."""
+host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
 
+One call: flatten the arguments once (`_flatten_call`: array leaves are traced,
+everything else is static), look the configuration up in the cache, run the
+executable, rebuild the output. One compilation (`_lower`): trace the function once
+with the arguments' shardings, check it computes on no host-resident array, read each
+output's memory space from the traced program, and compile a replay of that program
+with input *and* output shardings that carry memory kinds (so JAX pairs a donated input
+only with an output in the same memory). The user's function runs once per compilation.
+"""
+
+import dataclasses
 import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, cast, Optional, overload, ParamSpec, TypeVar
+from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jax.extend.core import jaxprs_in_params, Literal
 
-from ._errors import CompositionError
-from ._memory import default_device
+from ._errors import CompositionError, OptionError, SignatureError
+from ._jaxpr import evaluate, is_var
+from ._leaves import path_parts
+from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
 from ._types import Donate
-from ._where import key_to_str
 
 
 _P = ParamSpec("_P")
@@ -30,141 +40,35 @@ _DONATE_MODES: dict[str, tuple[bool, bool, bool]] = {
     "warn-except-first": (False, True, False),
     "none": (False, False, False),
 }
+_UNUSABLE_DONATION = "Some donated buffers were not usable"
 
 
-def _is_committed(x: Any) -> bool:  # a `jax.ShapeDtypeStruct` with a sharding counts
-    # (At module level, not nested in `_input_shardings`: under jaxtyping's import hook a
-    # nested function is decorated, i.e. beartype compiles a wrapper, on every call.)
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and (
-        x.committed if isinstance(x, jax.Array) else x.sharding is not None
-    )
-
-
-def _input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
-    """The sharding each argument leaf is compiled for.
-
-    A committed `jax.Array` keeps its own. An uncommitted one (e.g. `jnp.ones(3)`) or a
-    NumPy array goes where `jax.jit` would put it: replicated over the mesh of the
-    committed arguments, or onto their one device, in its own memory kind (a sharded
-    model called with a fresh batch must not fail with "incompatible devices")."""
-    committed = [x.sharding for x in leaves if _is_committed(x)]
-    meshes = [s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)]
-    devices = {d for s in committed for d in s.device_set}
-    result: list[jax.sharding.Sharding] = []
-    for leaf in leaves:
-        if _is_committed(leaf) or (isinstance(leaf, jax.Array) and not committed):
-            result.append(leaf.sharding)
-            continue
-        kind = leaf.sharding.memory_kind if isinstance(leaf, jax.Array) else None
-        if meshes:
-            result.append(jax.sharding.NamedSharding(
-                meshes[0], jax.sharding.PartitionSpec(), memory_kind=kind))
-        elif len(devices) == 1:
-            result.append(jax.sharding.SingleDeviceSharding(next(iter(devices)), memory_kind=kind))
-        elif isinstance(leaf, jax.Array):
-            result.append(leaf.sharding)
-        else:
-            result.append(jax.sharding.SingleDeviceSharding(default_device()))
-    return result
-
-
-def _memory_kind_of(aval: Any, device: jax.Device) -> str:
-    if aval.memory_space == jax.memory.Space.Host:
-        return "pinned_host"
-    kind: str = device.default_memory().kind  # `jax.Device` is untyped for mypy
-    return kind
-
-
-def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
-    n = 0
-    for x, y in zip(reversed(a), reversed(b)):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _output_shardings(
-    out_avals: Sequence[Any],
-    in_avals: Sequence[Any],
-    in_shardings: Sequence[Any],
-    out_paths: Optional[Sequence[tuple[str, ...]]] = None,
-    in_paths: Optional[Sequence[tuple[str, ...]]] = None,
-) -> list[jax.sharding.Sharding]:
-    """A concrete sharding with the right memory kind for every output.
-
-    The memory kind comes from the traced program (`aval.memory_space`). The layout, in
-    order of preference: the sharding an explicit-axes mesh gives the output; the
-    sharding of an input of the same shape (a training step returns new params and
-    state shaped like the old ones) -- of several, the one whose path in the arguments
-    ends like the output's path in the result (`(model, state)` in, `(model, state)`
-    out), then one of the same dtype; replicated over the inputs' mesh; the default
-    device.
-
-    (An `Auto`-axes mesh gives every traced value an all-`None` spec, so only an
-    explicit-axes mesh's spec is trusted: trusting the other would replicate every
-    model-parallel output.)
-    """
-    meshes = [s.mesh for s in in_shardings if isinstance(s, jax.sharding.NamedSharding)]
-    mesh = meshes[0] if meshes else None
-    if mesh is not None:
-        device = mesh.devices.flat[0]
-    else:
-        devices = [d for s in in_shardings for d in s.device_set]
-        device = devices[0] if devices else default_device()
-    if in_paths is None:
-        in_paths = [()] * len(in_avals)
-    if out_paths is None:
-        out_paths = [()] * len(out_avals)
-    by_shape: dict[Any, list[tuple[Any, tuple[str, ...], jax.sharding.Sharding]]] = {}
-    for aval, path, in_sharding in zip(in_avals, in_paths, in_shardings):
-        by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
-    result = []
-    for aval, out_path in zip(out_avals, out_paths):
-        kind = _memory_kind_of(aval, device)
-        abstract = getattr(aval, "sharding", None)
-        candidates = by_shape.get(aval.shape, [])
-        like_input = None
-        if candidates:
-            _, _, best = max(
-                candidates,  # of equal keys `max` keeps the first: the earliest input
-                key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
-            )
-            like_input = best.with_memory_kind(kind)
-        if (
-            mesh is not None
-            and isinstance(abstract, jax.sharding.NamedSharding)
-            and not abstract.mesh.empty
-            and abstract.mesh.axis_names == mesh.axis_names
-            and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
-        ):
-            sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
-                mesh, abstract.spec, memory_kind=kind
-            )
-            # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
-            # spelling so the next call hits the cache.
-            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
-                sharding = like_input
-        elif like_input is not None:
-            sharding = like_input
-        elif mesh is not None:
-            sharding = jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(), memory_kind=kind
-            )
-        else:
-            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-        result.append(sharding)
-    return result
-
+# ----------------------------------------------------------------------------------------
+# The host-compute check
 
 # Primitives that may hold or pass along host-resident values without computing on them:
-# transfers, and the calls and control flow whose sub-jaxprs are checked in turn (XLA's
-# host offloader accepts these on host buffers).
+# transfers and placements (a sharding constraint, such as `eqx.filter_shard` inside
+# the step, only says where a value lives), and the calls and control flow whose
+# sub-jaxprs are checked in turn (XLA's host offloader accepts these on host buffers).
 _PASS_THROUGH = frozenset({
-    "device_put", "copy", "copy_p", "jit", "pjit", "closed_call", "core_call",
-    "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "cond", "while",
-    "scan", "shard_map", "optimization_barrier",
+    "device_put", "copy", "copy_p", "sharding_constraint", "mesh_cast", "reshard",
+    "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+    "custom_vjp_call", "cond", "while", "scan", "shard_map", "optimization_barrier",
 })
+# What usually puts each kind of operation on host-resident state, and the fix.
+_SELECT_HINT = (
+    "The usual cause is a combinator that chooses between the old and the new state of "
+    "what it wraps, placed around `offloaded`: write `offloaded(optax.MultiSteps(...))`, "
+    "not `optax.MultiSteps(offloaded(...))` (`offloaded` outermost is always safe)."
+)
+_GENERIC_HINT = (
+    "The usual cause is code outside `offloaded` that reads the optimizer state (a "
+    "combinator around `offloaded` that computes on its state, or reading a state leaf "
+    "in the step): put that transformation inside `offloaded(...)` (outermost is always "
+    "safe), or bring what you read to the device first with `eqx_offload.to_device(...)` "
+    "(attributes read through an `OffloadedState` come to the device by themselves)."
+)
+_HINTS = {"select_n": _SELECT_HINT, "select_and_scatter_add": _SELECT_HINT}
 _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 
 
@@ -177,10 +81,11 @@ def _where_in_source(eqn: Any) -> str:
     return ""
 
 
-def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[str]:
+def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
     """The first equation, at any depth, that computes on a host-memory value outside
-    `compute_on("device_host")`, described; `None` if there is none. (`outer_source`:
-    where the enclosing call is, for equations of a sub-jaxpr that lack their own.)"""
+    `compute_on("device_host")`: its primitive's name and a description; `None` if there
+    is none. (`outer_source`: where the enclosing call is, for equations of a sub-jaxpr
+    that lack their own.)"""
     for eqn in jaxpr.eqns:
         source = _where_in_source(eqn) or outer_source
         if "device_host" in (getattr(eqn.ctx, "compute_type", None),
@@ -193,7 +98,7 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[str]:
         ]
         if host and eqn.primitive.name not in _PASS_THROUGH:
             operands = ", ".join(dict.fromkeys(a.str_short() for a in host))
-            return f"`{eqn.primitive.name}` on {operands}{source}"
+            return eqn.primitive.name, f"`{eqn.primitive.name}` on {operands}{source}"
         for sub in jaxprs_in_params(eqn.params):
             found = _host_compute(sub, source)
             if found is not None:
@@ -201,173 +106,275 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[str]:
     return None
 
 
-def _check_no_host_compute(jaxpr: Any, fun: Callable[..., Any]) -> None:
+def _check_no_host_compute(jaxpr: Any, name: str) -> None:
     found = _host_compute(jaxpr)
     if found is None:
         return
-    name = getattr(fun, "__qualname__", repr(fun))
+    primitive, described = found
     raise CompositionError(
-        f"filter_jit({name}): the function computes on host-resident arrays: {found}. "
-        "Arrays that `offloaded` keeps in host memory may only be moved, never "
-        "computed on: on a GPU, XLA runs such an operation on the host (slowly) or "
-        "refuses to compile it. The usual cause is a combinator that computes on the "
-        "state of what it wraps, placed around `offloaded`: write "
-        "`offloaded(optax.MultiSteps(...))`, not `optax.MultiSteps(offloaded(...))` "
-        "(`offloaded` outermost is always safe). To compute on the host on purpose, "
-        "put that code under `jax.experimental.compute_on.compute_on(\"device_host\")`."
+        f"filter_jit({name}): the function computes on host-resident arrays: "
+        f"{described}. Arrays that `offloaded` keeps in host memory may only be moved, "
+        "never computed on: on a GPU, XLA runs such an operation on the host (slowly) or "
+        f"refuses to compile it. {_HINTS.get(primitive, _GENERIC_HINT)} To compute on "
+        "the host on purpose, use `jax.experimental.compute_on.compute_on` with "
+        "compute_type='device_host'."
     )
 
 
-def _mistyped_host(leaf: Any) -> bool:
-    """A `pinned_host` array whose JAX type says device memory.
+# ----------------------------------------------------------------------------------------
+# One call's arguments
 
-    JAX (0.10) types an array assembled from shards with a `SingleDeviceSharding`
-    (`jax.make_array_from_single_device_arrays`, `jax.make_array_from_callback`; orbax
-    restores that way) as device memory whatever the sharding's memory kind. Traced as it
-    is, a host-resident state would be computed on as if it were in device memory;
-    `filter_jit` copies such a leaf once, host to host, into a correctly typed array."""
-    return (
-        isinstance(leaf, jax.Array)
-        and leaf.sharding.memory_kind == "pinned_host"
-        and jax.typeof(leaf).memory_space != jax.memory.Space.Host
+
+@dataclasses.dataclass
+class _Call:
+    """The arguments of one call, flattened once."""
+
+    all_leaves: list[Any]
+    treedef: Any
+    is_array: tuple[bool, ...]
+    leaves: list[Any]  # the array leaves, in order: what the executable takes
+    donated: tuple[int, ...]  # indices into `leaves`
+    retyped: dict[int, jax.Array]  # index into `leaves` -> the mistyped original
+    in_shardings: list[jax.sharding.Sharding]
+    key: tuple[Any, ...]  # what selects the executable
+
+
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) -> _Call:
+    donate_first, donate_rest, _ = _DONATE_MODES[donate]
+    all_leaves, treedef = jtu.tree_flatten((args, kwargs))
+    is_array = tuple(map(eqx.is_array, all_leaves))
+    # Which leaves are the first argument's matters only if it is donated differently.
+    first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
+    n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
+    leaves: list[Any] = []
+    donated: list[int] = []
+    for i, (x, a) in enumerate(zip(all_leaves, is_array, strict=True)):
+        if a:
+            if donate_first if i < n_first else donate_rest:
+                donated.append(len(leaves))
+            leaves.append(x)
+    retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
+    for i, x in retyped.items():
+        leaves[i] = retype_host(x)
+    shardings = input_shardings(leaves)
+    key = (
+        treedef,
+        is_array,
+        n_first,
+        # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
+        # hashable: `1` and `1.0` or `True` must not share an executable).
+        tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
+        tuple(
+            (x.shape, x.dtype, getattr(x, "weak_type", False), s)
+            for x, s in zip(leaves, shardings, strict=True)
+        ),
+    )
+    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings, key)
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering, compiling, running
+
+
+@dataclasses.dataclass
+class _Output:
+    """How to rebuild a result: the flat output with `None` where the executable's
+    arrays go, in the order of `positions`."""
+
+    treedef: Any
+    leaves: list[Any]
+    positions: list[int]
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        leaves = list(self.leaves)
+        for i, x in zip(self.positions, arrays, strict=True):
+            leaves[i] = x
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
+    """Trace `fun` once for `call`, check it, and lower a replay of the traced program
+    with memory-kind-aware input and output shardings."""
+    array_positions = [i for i, a in enumerate(call.is_array) if a]
+    outputs: list[Any] = []
+
+    def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+        full = list(call.all_leaves)
+        for i, x in zip(array_positions, dynamic_leaves, strict=True):
+            full[i] = x
+        args, kwargs = jtu.tree_unflatten(call.treedef, full)
+        keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
+        positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
+        out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
+        outputs[:] = [_Output(out_treedef, out_leaves, positions),
+                      [path_parts(keyed_out[i][0]) for i in positions]]
+        return [keyed_out[i][1] for i in positions]
+
+    traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
+    closed = traced.jaxpr
+    _check_no_host_compute(closed.jaxpr, name)
+    output, out_paths = outputs
+    # An argument's path without the leading args/kwargs index: `(0, ...)` is the
+    # first positional argument, as `(0, ...)` is the first element of a tuple result.
+    keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
+    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
+    constraints = {
+        eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
+    }
+    out_shardings = output_shardings(
+        closed.out_avals, out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
+        call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
     )
 
+    def replay(*dynamic_leaves: Any) -> list[Any]:
+        return evaluate(closed.jaxpr, closed.consts, dynamic_leaves)
 
-class _Compiled:
-    """One compiled configuration: the executable and how to rebuild the output.
+    # JAX names the executable (and its compile events, `jax.monitoring`) after this.
+    replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
 
-    `out_leaves` is the flat output with `None` where the executable's arrays go, in
-    the order of `out_positions`; one `tree_unflatten` rebuilds the result."""
-
-    def __init__(
-        self, executable: Any, out_treedef: Any, out_leaves: list[Any], out_positions: list[int]
-    ) -> None:
-        self.executable = executable
-        self.out_treedef = out_treedef
-        self.out_leaves = out_leaves
-        self.out_positions = out_positions
+    jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
+                     donate_argnums=call.donated)
+    return jitted.trace(*call.leaves).lower(), output
 
 
-def _static_key(leaves: Sequence[Any], is_array: Sequence[bool]) -> tuple[Any, ...]:
-    """The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
-    hashable: `1` and `1.0` or `True` must not share an executable)."""
-    return tuple((type(x), x) for x, a in zip(leaves, is_array) if not a)
+def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+        flat_out = executable(*call.leaves)
+    for i, x in call.retyped.items():
+        if i in call.donated:  # the copy was donated: consume the original as donation would
+            x.delete()
+    return output.rebuild(flat_out)
 
 
-def _filter_jit(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
-    try:
-        donate_first, donate_rest, silence = _DONATE_MODES[donate]
-    except KeyError:
-        raise ValueError(
-            f"filter_jit(donate={donate!r}): donate must be one of "
-            f"{', '.join(repr(m) for m in _DONATE_MODES)}."
-        ) from None
-    cache: dict[Any, _Compiled] = {}
+class Compiled:
+    """A compiled `filter_jit` function for one configuration of arguments (returned by
+    `filter_jit(f).lower(...).compile()`). Call it with arguments of the same structure,
+    static values, shapes, dtypes and shardings as those it was lowered for."""
 
-    def compile_for(
-        all_leaves: list[Any],
-        is_array: tuple[bool, ...],
-        treedef: Any,
-        leaves: list[Any],
-        in_shardings: list[jax.sharding.Sharding],
-        donated: tuple[int, ...],
-    ) -> _Compiled:
-        out_parts: list[Any] = []
-        out_paths: list[tuple[str, ...]] = []
-        array_positions = [i for i, a in enumerate(is_array) if a]
+    def __init__(self, executable: Any, output: _Output, key: Any, donate: str, name: str) -> None:
+        self._executable = executable
+        self._output = output
+        self._key = key
+        self._donate = donate
+        self._name = name
 
-        def flat_fun(*dynamic_leaves: Any) -> list[Any]:
-            full = list(all_leaves)
-            for i, x in zip(array_positions, dynamic_leaves):
-                full[i] = x
-            args, kwargs = jtu.tree_unflatten(treedef, full)
-            keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
-            positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
-            out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
-            out_parts[:] = [out_treedef, out_leaves, positions]
-            out_paths[:] = [tuple(map(key_to_str, keyed_out[i][0])) for i in positions]
-            return [keyed_out[i][1] for i in positions]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = _flatten_call(args, kwargs, self._donate)
+        if call.key != self._key:
+            raise SignatureError(
+                f"filter_jit({self._name}).lower(...).compile(): called with arguments "
+                "that differ from those it was lowered for (tree structure, static "
+                "values, shapes, dtypes or shardings). Lower it again for these "
+                "arguments, or call the `filter_jit` function itself (it compiles once "
+                "per configuration)."
+            )
+        return _run(self._executable, self._output, call, _DONATE_MODES[self._donate][2])
 
-        traced = jax.jit(flat_fun).trace(*leaves)
-        _check_no_host_compute(traced.jaxpr.jaxpr, fun)
-        in_avals = [jax.typeof(x) for x in leaves]
-        out_avals = traced.jaxpr.out_avals
-        # An argument's path without the leading args/kwargs index: `(0, ...)` is the
-        # first positional argument, as `(0, ...)` is the first element of a tuple result.
-        keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(treedef, all_leaves))[0]
-        in_paths = [tuple(map(key_to_str, keyed_in[i][0][1:])) for i in array_positions]
-        out_shardings = _output_shardings(out_avals, in_avals, in_shardings, out_paths, in_paths)
-        jitted = jax.jit(
-            flat_fun,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            donate_argnums=donated,
-        )
-        executable = jitted.trace(*leaves).lower().compile()
-        return _Compiled(executable, *out_parts)
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis of the executable (`jax.stages.Compiled.memory_analysis`)."""
+        return self._executable.memory_analysis()
 
-    @functools.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        # One flatten of the arguments; the first argument's leaves come first.
-        all_leaves, treedef = jtu.tree_flatten((args, kwargs))
-        is_array = tuple(map(eqx.is_array, all_leaves))
-        # Which leaves are the first argument's matters only if it is donated differently.
-        first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
-        n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
-        leaves: list[Any] = []
-        donated_list: list[int] = []
-        for i, (x, a) in enumerate(zip(all_leaves, is_array)):
-            if a:
-                if donate_first if i < n_first else donate_rest:
-                    donated_list.append(len(leaves))
-                leaves.append(x)
-        donated = tuple(donated_list)
-        retyped = {i: x for i, x in enumerate(leaves) if _mistyped_host(x)}
-        for i, x in retyped.items():
-            leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
-        in_shardings = _input_shardings(leaves)
-        key = (
-            treedef,
-            is_array,
-            n_first,
-            _static_key(all_leaves, is_array),
-            tuple(
-                (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
-                for x, sharding in zip(leaves, in_shardings)
-            ),
-        )
+    def cost_analysis(self) -> Any:
+        """XLA's cost analysis of the executable (`jax.stages.Compiled.cost_analysis`)."""
+        return self._executable.cost_analysis()
+
+    def as_text(self) -> Optional[str]:
+        """The compiled program as text (`jax.stages.Compiled.as_text`)."""
+        text: Optional[str] = self._executable.as_text()
+        return text
+
+
+class Lowered:
+    """A `filter_jit` function lowered for one configuration of arguments (returned by
+    `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`."""
+
+    def __init__(self, lowered: Any, output: _Output, key: Any, donate: str, name: str) -> None:
+        self._lowered = lowered
+        self._output = output
+        self._key = key
+        self._donate = donate
+        self._name = name
+
+    def compile(self, compiler_options: Optional[dict[str, Any]] = None) -> Compiled:
+        """Compiles it, with XLA `compiler_options` for this executable alone (e.g. the
+        GPU scheduler's settings; see the "Modes" docs page)."""
         with warnings.catch_warnings():
-            if silence:
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            compiled = cache.get(key)
-            if compiled is None:
-                compiled = compile_for(all_leaves, is_array, treedef, leaves, in_shardings, donated)
-                cache[key] = compiled
-            flat_out = compiled.executable(*leaves)
-        for i, x in retyped.items():
-            if i in donated:  # the copy was donated: consume the original as donation would
-                x.delete()
-        out_leaves = list(compiled.out_leaves)
-        for i, x in zip(compiled.out_positions, flat_out):
-            out_leaves[i] = x
-        return jtu.tree_unflatten(compiled.out_treedef, out_leaves)
+            if _DONATE_MODES[self._donate][2]:
+                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+            executable = self._lowered.compile(compiler_options)
+        return Compiled(executable, self._output, self._key, self._donate, self._name)
 
-    wrapper._cache_size = lambda: len(cache)  # type: ignore[attr-defined]  # introspection for tests, as jax.jit's
-    # The compiled executables, in compilation order (the benchmark reads their
-    # `memory_analysis()`).
-    wrapper._executables = lambda: [c.executable for c in cache.values()]  # type: ignore[attr-defined]  # introspection for the benchmark
-    return wrapper
+    def as_text(self) -> str:
+        """The lowered program (StableHLO) as text."""
+        text: str = self._lowered.as_text()
+        return text
+
+
+class _FilterJit(Generic[_P, _T]):
+    """What `filter_jit` returns: call it, or `.lower(...)` it."""
+
+    def __init__(self, fun: Callable[_P, _T], donate: str,
+                 compiler_options: Optional[dict[str, Any]]) -> None:
+        self._fun = fun
+        self._donate = donate
+        self._compiler_options = compiler_options
+        self._name = getattr(fun, "__qualname__", repr(fun))
+        self._cache: dict[Any, Compiled] = {}
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        call = _flatten_call(args, kwargs, self._donate)
+        compiled = self._cache.get(call.key)
+        if compiled is None:
+            compiled = self._lower_call(call).compile(self._compiler_options)
+            self._cache[call.key] = compiled
+        out: _T = _run(compiled._executable, compiled._output, call,
+                       _DONATE_MODES[self._donate][2])
+        return out
+
+    def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
+        """Lowers the function for these arguments without running it (ahead-of-time
+        compilation). `.compile()` on the result gives a callable `Compiled` with
+        `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
+        cache is not touched."""
+        return self._lower_call(_flatten_call(args, kwargs, self._donate))
+
+    def _lower_call(self, call: _Call) -> Lowered:
+        with warnings.catch_warnings():
+            if _DONATE_MODES[self._donate][2]:
+                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+            lowered, output = _lower(self._fun, self._name, call)
+        return Lowered(lowered, output, call.key, self._donate, self._name)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        # As a method: bind the instance like a function would.
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
 
 
 @overload
-def filter_jit(*, donate: Donate = "none") -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+def filter_jit(
+    *, donate: Donate = "none", compiler_options: Optional[dict[str, Any]] = None
+) -> Callable[[Callable[_P, _T]], _FilterJit[_P, _T]]: ...
 
 
 @overload
-def filter_jit(fun: Callable[_P, _T], *, donate: Donate = "none") -> Callable[_P, _T]: ...
+def filter_jit(
+    fun: Callable[_P, _T], *, donate: Donate = "none",
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> _FilterJit[_P, _T]: ...
 
 
-def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "none") -> Any:
+def filter_jit(
+    fun: Optional[Callable[..., Any]] = None,
+    *,
+    donate: Donate = "none",
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> Any:
     """A drop-in for `eqx.filter_jit` that is safe to donate host-resident state to.
 
     All JAX and NumPy arrays in the arguments are traced, everything else is static
@@ -378,7 +385,9 @@ def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "no
 
     It compiles once per configuration (tree structure, static values, shapes, dtypes,
     shardings and memory kinds): committed and uncommitted arguments of the same
-    sharding share one executable.
+    sharding share one executable. `f.lower(*args, **kwargs)` lowers ahead of time, as
+    `eqx.filter_jit(f).lower(...)`: `.compile()` returns a callable with
+    `memory_analysis()`.
 
     **Arguments:**
 
@@ -387,19 +396,23 @@ def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "no
         `"warn-except-first"` or `"none"` (default). `"all"` and
         `"all-except-first"` silence JAX's warning about donated buffers it could not
         reuse; the `"warn"` modes keep it.
+    - `compiler_options`: XLA options for this function's executables alone (as
+        `jax.jit(f).lower(...).compile(compiler_options=...)`), e.g. the GPU
+        latency-hiding scheduler's (see the "Modes" docs page). Default `None`.
 
     **Returns:**
 
-    The compiled version of `fun`.
+    The compiled version of `fun` (with `.lower`).
 
     **Raises:**
 
-    `CompositionError` at the first call if `fun` computes on a host-resident array
-    (anything but moving it, passing it through a call, `cond`, `while` or `scan`)
-    outside `jax.experimental.compute_on.compute_on("device_host")`: on a GPU, XLA
-    would run that on the host or refuse to compile it. The usual cause is a combinator
-    that computes on the state of what it wraps placed around `offloaded`, such as
-    `optax.MultiSteps(offloaded(...))`; the message names the operation and where it is.
+    `OptionError` for an unknown `donate`. `CompositionError` at the first call if
+    `fun` computes on a host-resident array (anything but moving it, placing it, or
+    passing it through a call, `cond`, `while` or `scan`) outside
+    `compute_on("device_host")`: on a GPU, XLA would run that on the host or refuse to
+    compile it. The usual cause is a combinator that computes on the state of what it
+    wraps placed around `offloaded`, such as `optax.MultiSteps(offloaded(...))`; the
+    message names the operation, where it is, and the fix for that kind of operation.
 
     !!! Example
 
@@ -420,9 +433,21 @@ def filter_jit(fun: Optional[Callable[..., Any]] = None, *, donate: Donate = "no
             updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
             return eqx.apply_updates(model, updates), state
 
+        compiled = step.lower(model, state, jnp.ones(4)).compile()
+        print(compiled.memory_analysis())
         model, state = step(model, state, jnp.ones(4))
         ```
     """
+    if donate not in _DONATE_MODES:
+        raise OptionError(
+            f"filter_jit(donate={donate!r}): donate must be one of "
+            f"{', '.join(repr(m) for m in _DONATE_MODES)}."
+        )
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise OptionError(
+            f"filter_jit(compiler_options={compiler_options!r}): compiler_options must be "
+            "a dict of XLA option names to values, or None."
+        )
     if fun is None:
-        return functools.partial(filter_jit, donate=donate)
-    return _filter_jit(fun, donate)
+        return functools.partial(filter_jit, donate=donate, compiler_options=compiler_options)
+    return _FilterJit(fun, donate, compiler_options)

@@ -6,14 +6,14 @@ from typing import Optional, get_args
 import jax
 
 from ._errors import MemoryKindError
-from ._types import HostMemoryKind, MemoryKind
+from ._types import Device, HostMemoryKind, MemoryKind
 
 
 KNOWN_MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKind)
 HOST_MEMORY_KINDS: tuple[str, ...] = get_args(HostMemoryKind)
 
 
-def device_memory_kinds(device: jax.Device) -> tuple[str, ...]:
+def device_memory_kinds(device: Device) -> tuple[str, ...]:
     """The memory kinds `device` offers, in the order the backend lists them.
 
     (Tests replace this function to simulate a device that lacks a kind.)
@@ -21,7 +21,7 @@ def device_memory_kinds(device: jax.Device) -> tuple[str, ...]:
     return tuple(memory.kind for memory in device.addressable_memories())
 
 
-def default_device() -> jax.Device:
+def default_device() -> Device:
     """The device JAX places new arrays on (honours `jax.default_device`)."""
     configured = getattr(jax.config, "jax_default_device")  # an option, set dynamically
     if isinstance(configured, jax.Device):
@@ -31,7 +31,7 @@ def default_device() -> jax.Device:
     return jax.local_devices()[0]
 
 
-def supported_memory_kinds(device: Optional[jax.Device] = None) -> tuple[str, ...]:
+def supported_memory_kinds(device: Optional[Device] = None) -> tuple[str, ...]:
     """The memory kinds a device offers.
 
     **Arguments:**
@@ -74,7 +74,7 @@ def check_host_kind(memory_kind: object, argument: str) -> None:
 
 
 def check_devices_offer(
-    devices: Iterable[jax.Device], memory_kind: str, argument: str, path: str
+    devices: Iterable[Device], memory_kind: str, argument: str, path: str
 ) -> None:
     """Raise a `MemoryKindError` naming the device, the kind and the kinds available
     unless every device in `devices` offers `memory_kind`."""
@@ -89,6 +89,6 @@ def check_devices_offer(
             )
 
 
-def default_kind(device: jax.Device) -> str:
+def default_kind(device: Device) -> str:
     """The memory kind arrays land in on `device` when no kind is asked for."""
     return str(device.default_memory().kind)

@@ -1,89 +1,55 @@
-"""`to_host` and `to_device`: one `jax.device_put` for the selected array leaves."""
+"""`to_host`, `to_device` and `filter_shard`: one `jax.device_put` for the selected
+array leaves."""
 
-from typing import Any, Optional, TypeVar, Union
+from collections.abc import Iterator
+from typing import Any, Optional, TypeVar
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._errors import TracedMoveError
-from ._memory import (
-    check_devices_offer,
-    check_host_kind,
-    default_device,
-    default_kind,
-)
+from ._errors import OptionError, TreeError
+from ._leaves import is_traced, path_to_str
+from ._memory import check_host_kind, default_kind
+from ._placement import destination, memory_kind_of, space_of, traced_move_error
 from ._types import HostMemoryKind, Where
-from ._where import is_traced, leaf_mask, path_to_str
+from ._where import leaf_mask
 
 
 _T = TypeVar("_T")
-
-# A sharding (eagerly) or a `jax.memory.Space` (traced). The latter is an attribute of
-# a `SimpleNamespace` in JAX, invisible to type checkers, hence the `Any`.
-Destination = Union[jax.sharding.Sharding, Any]
-
-
-def _traced_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
-    return TracedMoveError(
-        f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
-        f"{path or '<root>'} is inside a trace): JAX's traced `device_put` only targets "
-        "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
-        "memory_kind='pinned_host' under `jit`, or call this eagerly."
-    )
-
-
-def _destination(
-    leaf: Any, memory_kind: Optional[str], argument: str, path: str
-) -> Optional[Destination]:
-    """Where `leaf` goes, or `None` if it is there already.
-
-    `memory_kind=None` means the device's default memory (`to_device`)."""
-    if is_traced(leaf):
-        space = jax.typeof(leaf).memory_space
-        if memory_kind is None:
-            return None if space == jax.memory.Space.Device else jax.memory.Space.Device
-        if memory_kind == "pinned_host":
-            return None if space == jax.memory.Space.Host else jax.memory.Space.Host
-        raise _traced_error(memory_kind, argument, path)
-    if isinstance(leaf, jax.Array):
-        sharding = leaf.sharding
-        devices = sharding.addressable_devices
-    else:  # a NumPy array: it goes where JAX would put it
-        device = default_device()
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        devices = {device}
-    target = memory_kind if memory_kind is not None else default_kind(next(iter(devices)))
-    check_devices_offer(devices, target, argument, path)
-    if isinstance(leaf, jax.Array) and sharding.memory_kind == target:
-        return None
-    return sharding.with_memory_kind(target)
 
 
 def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _T:
     """Move the array leaves of `tree` selected by `where` to `memory_kind` (`None`: the
     device's default memory) with one `jax.device_put`; return everything else as is."""
+    if isinstance(tree, Iterator):
+        raise TreeError(
+            f"tree=<{type(tree).__name__}>: an iterator is not a pytree; JAX "
+            "treats as one opaque leaf, so nothing in it would move. Pass a pytree "
+            "(e.g. `list(...)` or `tuple(...)` of it)."
+        )
     keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
-    mask = leaf_mask(tree, where)
     leaves = [leaf for _, leaf in keyed_leaves]
-    indices, paths, sources, destinations = [], [], [], []
-    for i, ((path, leaf), selected) in enumerate(zip(keyed_leaves, mask)):
-        if not selected:
-            continue
-        destination = _destination(leaf, memory_kind, argument, path_to_str(path))
-        if destination is not None:
+    indices: list[int] = []
+    paths: list[Any] = []
+    destinations: list[Any] = []
+    for i, ((path, leaf), selected) in enumerate(
+        zip(keyed_leaves, leaf_mask(tree, where), strict=True)
+    ):
+        target = destination(leaf, memory_kind, argument, path_to_str(path)) if selected else None
+        if target is not None:
             indices.append(i)
             paths.append(path)
-            sources.append(leaf)
-            destinations.append(destination)
-    if sources:
-        space = jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
-        for i, key_path, moved in zip(indices, paths, jax.device_put(sources, destinations)):
+            destinations.append(target)
+    if indices:
+        moved = jax.device_put([leaves[i] for i in indices], destinations)
+        for i, key_path, leaf in zip(indices, paths, moved, strict=True):
             # A concrete array moved inside a trace (a constant closed over by a jitted
             # function) comes back traced; JAX drops a memory kind it cannot express
             # there ('unpinned_host') without a word, so check.
-            if is_traced(moved) and jax.typeof(moved).memory_space != space:
-                raise _traced_error(str(memory_kind), argument, path_to_str(key_path))
-            leaves[i] = moved
+            if is_traced(leaf) and jax.typeof(leaf).memory_space != space_of(memory_kind):
+                raise traced_move_error(str(memory_kind), argument, path_to_str(key_path))
+            leaves[i] = leaf
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 
@@ -114,7 +80,8 @@ def to_host(
     **Raises:**
 
     `MemoryKindError` if the device lacks `memory_kind`; `WhereError` for a bad `where`;
-    `TracedMoveError` for `"unpinned_host"` under `jit`.
+    `TracedMoveError` for `"unpinned_host"` under `jit`; `TreeError` for an iterator
+    (such as a generator) in place of a pytree.
 
     !!! Example
 
@@ -148,3 +115,60 @@ def to_device(tree: _T, where: Where = True) -> _T:
     A pytree of the same structure.
     """
     return move(tree, where, None, "to_device")
+
+
+def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:
+    """`eqx.filter_shard` that keeps every array leaf in its memory.
+
+    Each array leaf gets `sharding`'s devices and layout in the memory kind it already
+    has: an offloaded state stays in host memory, on the new devices. Eagerly this is
+    a `jax.device_put`, which (unlike `eqx.filter_shard` outside `jit`) also moves a
+    committed array to other devices; JAX commits every host array, so an offloaded
+    state made on one device is committed to it. Under `jit` it is
+    `jax.lax.with_sharding_constraint`, as `eqx.filter_shard` (which keeps memory kinds
+    there too).
+
+    **Arguments:**
+
+    - `tree`: any pytree; non-array leaves are returned as they are.
+    - `sharding`: a `jax.sharding.Sharding` (its memory kind is ignored).
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_offload
+
+        mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        state = opt.init({"w": jnp.ones((4, 4))})  # on one device
+        state = eqx_offload.filter_shard(state, NamedSharding(mesh, P()))
+        assert state.inner_state[0].mu["w"].sharding.mesh == mesh
+        assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise OptionError(
+            f"filter_shard(sharding={sharding!r}): sharding must be a "
+            "`jax.sharding.Sharding`, e.g. `NamedSharding(mesh, PartitionSpec())`."
+        )
+    leaves, treedef = jtu.tree_flatten(tree)
+    indices = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+    targets = [sharding.with_memory_kind(memory_kind_of(leaves[i]) or default_kind(
+        next(iter(sharding.device_set)))) for i in indices]
+    arrays = [leaves[i] for i in indices]
+    if any(map(is_traced, arrays)):
+        moved = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(arrays, targets, strict=True)]
+    else:
+        moved = jax.device_put(arrays, targets)
+    for i, x in zip(indices, moved, strict=True):
+        leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out

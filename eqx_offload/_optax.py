@@ -1,50 +1,88 @@
-"""`offloaded`: an optax transformation whose state lives in host memory between steps."""
+"""`offloaded`: an optax transformation whose state lives in host memory between steps.
 
-import warnings
-from typing import Any, NamedTuple, Optional, Union
+`offloaded` normalises its inputs once (`_options.normalise`) and chooses its update
+strategy once. A strategy is a module-level function with one signature,
+
+    strategy(inner, options, updates, inner_state, params, extra_args, init_dtypes)
+        -> (updates, new_inner_state)
+
+that brings the state it needs to the device (`options.fetch`), runs `inner.update`,
+and returns the new inner state; `update` then sends the selected leaves to host
+(`options.store`). The strategies: `update_on_device` (default, below),
+`_stream.streamed_update` (`group_bytes=N`) and `_host_compute.host_update`
+(`compute="host"`).
+
+Eager semantics: called outside `jit`, the default update runs op by op, like the
+unwrapped optimizer, so its results are bitwise those of `inner.update` called eagerly.
+The streamed and host-compute updates are properties of one compiled program (op by op
+they would bound nothing, and `compute_on` only exists compiled), so eagerly they run
+compiled, through `eqx_offload.filter_jit`; their results are those of
+`jax.jit(inner.update)`.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 import optax
 
-from ._errors import NotATransformationError, StateError
+from ._errors import CompositionError, NotATransformationError
+from ._host_compute import host_update
 from ._jit import filter_jit
-from ._memory import check_host_kind
+from ._leaves import is_traced
 from ._move import move
-from ._stream import Compute, check_options, host_update, streamed_update
+from ._options import Compute, normalise, Options
+from ._state import check_state, OffloadedState, warn_if_on_device
+from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
-from ._where import is_traced, leaf_mask, min_ndim, path_to_str, structure_divergence
-
-
-class OffloadedState(NamedTuple):
-    """The state of `offloaded(inner)`.
-
-    **Fields:**
-
-    - `inner_state`: the state of `inner`, with the leaves selected by `where` in host
-        memory between steps.
-    """
-
-    inner_state: Any
-
-
-class OffloadWarning(UserWarning):
-    """A state leaf that should be in host memory was found in device memory."""
+from ._where import leaf_mask, min_ndim
 
 
 DEFAULT_WHERE = min_ndim(1)
 
+Strategy = Callable[..., tuple[Any, Any]]
 
-def _memory_space_of(leaf: Any) -> Optional[str]:
-    if is_traced(leaf):
-        if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            return None  # unknown: JAX (0.10.2) types a host key array as device memory
-        space = jax.typeof(leaf).memory_space
-        return "host" if space == jax.memory.Space.Host else "device"
-    if isinstance(leaf, jax.Array):
-        return "host" if leaf.sharding.memory_kind in ("pinned_host", "unpinned_host") else "device"
-    return None
+
+def update_on_device(
+    inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
+    inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+) -> tuple[Any, Any]:
+    """The default strategy: the whole state to the device, then `inner.update`."""
+    leaves, treedef = jtu.tree_flatten(inner_state)
+    state = jtu.tree_unflatten(treedef, options.fetch(leaves, init_dtypes))
+    return inner.update(updates, state, params, **extra_args)
+
+
+def _choose(options: Options) -> Strategy:
+    if options.compute == "host":
+        return host_update
+    if options.group_bytes is not None:
+        return streamed_update
+    return update_on_device
+
+
+def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+        return inner
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    if callable(getattr(inner, "gradient_transformation", None)):
+        # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
+        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
+        # arguments `with_extra_args_support` would drop; its `update` takes them.
+        return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+    hint = ""
+    if callable(inner):
+        hint = (" It is callable: if it is an optimizer factory such as "
+                "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
+    raise NotATransformationError(
+        f"offloaded(inner=...) expects an optax.GradientTransformation, e.g. "
+        f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
+        + hint
+    )
 
 
 def offloaded(
@@ -53,41 +91,58 @@ def offloaded(
     *,
     memory_kind: HostMemoryKind = "pinned_host",
     group_bytes: Optional[int] = None,
+    lookahead: int = 1,
     compute: Compute = "device",
+    host_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that its state lives in host memory.
 
     `init` creates the state directly in host memory (the full state never exists on
     the device). `update` moves the selected state leaves to the device, runs
     `inner.update` there, and moves the new state back; its updates and new state are
-    bitwise equal to those of `inner`.
+    bitwise equal to those of `inner` (unless `host_dtype` is set).
 
     **Arguments:**
 
     - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a whole
-        `optax.chain(...)`, or an `optax.MultiSteps` (its `gradient_transformation()`
-        is used).
+        `optax.chain(...)`, or an `optax.MultiSteps`.
     - `where`: which leaves of the inner state to keep in host memory (see `to_host`;
         paths are those of the inner state). Default `eqx_offload.min_ndim(1)`: every
         array except 0-d scalars, so step counters stay on the device (offloading 4
-        bytes costs a transfer and saves nothing).
+        bytes costs a transfer and saves nothing). `eqx_offload.within_budget` computes
+        one that keeps as much state on the device as a budget allows.
     - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
     - `group_bytes`: stream the update (default `None`: bring the whole state to the
         device at once). The state comes to the device one group of at most this many
-        bytes at a time, each group going back to host before the next comes in, so
-        the state's share of peak device memory is one group. A parameter's state is
-        never split; `0` streams one parameter at a time. Raises `CompositionError`
-        at the first `update` for optimizers that combine the new state of several
-        parameters (`apply_if_finite`, `MultiSteps`, a global norm after a stateful
-        transformation). See `eqx_offload.stream_plan` and the "Modes" docs page.
+        bytes at a time, so the state's share of peak device memory is a few groups.
+        A parameter's state is never split; `0` streams one parameter at a time.
+        Raises `CompositionError` at the first `update` for optimizers that combine
+        the new state of several parameters (`apply_if_finite`, `MultiSteps`, a global
+        norm after a stateful transformation). See `eqx_offload.stream_plan` and the
+        "Modes" docs page.
+    - `lookahead`: with `group_bytes`, how many groups come to the device ahead of
+        the one being updated (default 1: double buffering, so copies in both
+        directions overlap the update; 0: one group at a time, the smallest peak).
     - `compute`: `"device"` (default) or `"host"`: run `inner.update` on the host CPU
-        (`jax.experimental.compute_on.compute_on("device_host")`), so the state never
-        comes to the device; gradients go to host and updates come back.
+        (`compute_on("device_host")`), so the state never comes to the device;
+        gradients go to host and updates come back.
+    - `host_dtype`: keep floating state leaves in host memory in this narrower dtype
+        (e.g. `jnp.bfloat16`): narrowed on the device before each copy to host and
+        widened back to the dtype `inner.init` gives them after each copy to the
+        device, halving the bytes that cross for float32 state. **Not bitwise**: the
+        state loses precision between steps (see the "Modes" docs page for its
+        measured effect on the loss). Default `None`.
 
     **Returns:**
 
     An `optax.GradientTransformationExtraArgs` whose state is an `OffloadedState`.
     Extra arguments to `update` are passed to `inner`.
+
+    **Raises:**
+
+    `OptionError` (an `OffloadError`) for a bad option, `MemoryKindError` for a memory
+    kind the device lacks, `NotATransformationError` for an `inner` that is not a
+    transformation.
 
     **Composition:** `offloaded` goes around any transformation or chain, anywhere in
     an `optax.chain`, and inside `masked`, `multi_transform`, `inject_hyperparams`,
@@ -113,129 +168,139 @@ def offloaded(
         updates, state = opt.update(params, state, params)
         ```
     """
-    if not isinstance(inner, optax.GradientTransformation) and callable(
-        getattr(inner, "gradient_transformation", None)
-    ):  # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
-        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
-        # arguments `with_extra_args_support` would drop; its `update` takes them.
-        inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
-    if not isinstance(inner, optax.GradientTransformation):
-        hint = ""
-        if callable(inner):
-            hint = (" It is callable: if it is an optimizer factory such as "
-                    "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
-        raise NotATransformationError(
-            f"offloaded(inner=...) expects an optax.GradientTransformation, e.g. "
-            f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
-            + hint
-        )
-    check_host_kind(memory_kind, "memory_kind")
-    check_options(group_bytes, compute)
-    inner = optax.with_extra_args_support(inner)
-    shapes: dict[Any, Any] = {}
-    warned = [False]
+    transformation = _as_transformation(inner)
+    options = normalise(where, memory_kind, group_bytes, lookahead, compute, host_dtype)
+    return _Offloaded(transformation, options).as_transformation()
 
-    def init_on_host(params: optax.Params) -> Any:
-        return move(inner.init(params), where, memory_kind, "memory_kind")
 
-    # Under `jit` the moment state is created it is sent to host, so XLA never holds
-    # the whole state in device memory at once. `unpinned_host` is only reachable
-    # eagerly, so for it the jitted part stops at `inner.init`. `filter_jit` (not
-    # `eqx.filter_jit`) gives each state leaf the sharding of the parameter it mirrors
-    # (same shape, matching path), so a sharded model gets a sharded state.
-    jitted_init = filter_jit(init_on_host if memory_kind == "pinned_host" else inner.init)
+class _Offloaded:
+    """One `offloaded(...)` transformation: its inner transformation, its normalised
+    options, its strategy, and what it remembers between calls (the abstract initial
+    state per argument shapes; whether it has warned)."""
 
-    def init_fn(params: optax.Params) -> OffloadedState:
+    def __init__(self, inner: optax.GradientTransformationExtraArgs, options: Options) -> None:
+        self.inner = inner
+        self.options = options
+        self.strategy = _choose(options)
+        self.abstract_states: dict[Any, Any] = {}
+        self.warned = False
+        # Under `jit` the moment state is created it is sent to host, so XLA never holds
+        # the whole state in device memory at once; `filter_jit` gives each state leaf
+        # the sharding of the parameter it mirrors. `unpinned_host` is only reachable
+        # eagerly, so for it the jitted part ends at `pinned_host`.
+        self.jitted_init = filter_jit(self._init_to_host)
+        # Eagerly, the streamed and host-compute strategies run compiled (see the
+        # module docstring); under `jit` they only store to `pinned_host`.
+        pinned = self.options if options.memory_kind == "pinned_host" else _pinned(options)
+        self.jitted_update = filter_jit(functools.partial(self._run_update, pinned))
+
+    def as_transformation(self) -> optax.GradientTransformationExtraArgs:
+        # Plain functions, as optax's own transformations have (not bound methods).
+        def init_fn(params: optax.Params) -> OffloadedState:
+            return self.init(params)
+
+        def update_fn(
+            updates: optax.Updates,
+            state: optax.OptState,  # an `OffloadedState`, checked by `update`
+            params: Optional[optax.Params] = None,
+            **extra_args: Any,
+        ) -> tuple[optax.Updates, OffloadedState]:
+            return self.update(updates, state, params, **extra_args)
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    def _init_to_host(self, params: Any) -> Any:
+        state = self.inner.init(params)
+        mask = leaf_mask(state, self.options.where)
+        return self._store(state, mask, "pinned_host")
+
+    def init(self, params: optax.Params) -> OffloadedState:
         if any(is_traced(x) for x in jtu.tree_leaves(params)):
-            return OffloadedState(init_on_host(params))
-        state = jitted_init(params)
-        if memory_kind != "pinned_host":
-            state = move(state, where, memory_kind, "memory_kind")
+            state = self._init_to_host(params)
+        else:
+            state = self.jitted_init(params)
+        if self.options.memory_kind != "pinned_host":
+            state = self._store(state, leaf_mask(state, self.options.where))
         return OffloadedState(state)
 
-    def expected_state(updates: optax.Updates) -> Any:
-        key = jtu.tree_structure(updates), tuple(
-            (getattr(x, "shape", None), getattr(x, "dtype", None))
-            for x in jtu.tree_leaves(updates)
+    def _abstract_state(self, updates: Any, params: Any) -> Any:
+        """What `inner.init` makes for these arguments (shapes, dtypes), cached."""
+        like = updates if params is None else params
+        key = jtu.tree_structure(like), tuple(
+            (getattr(x, "shape", None), getattr(x, "dtype", None)) for x in jtu.tree_leaves(like)
         )
-        if key not in shapes:
-            shapes[key] = jax.eval_shape(inner.init, updates)
-        return shapes[key]
+        if key not in self.abstract_states:
+            self.abstract_states[key] = jax.eval_shape(self.inner.init, like)
+        return self.abstract_states[key]
 
-    def check_state(state: Any, updates: optax.Updates) -> None:
-        if not isinstance(state, OffloadedState):
-            raise StateError(
-                f"offloaded(...).update(state=...) expects the OffloadedState made by "
-                f"this transformation's `init`; got {type(state).__qualname__}. Did "
-                "you pass the state of the unwrapped optimizer? Call `init` on the "
-                "`offloaded(...)` transformation and pass its result."
-            )
-        expected = expected_state(updates)
-        found = structure_divergence(expected, state.inner_state)
-        if found is not None:
-            path, what = found
-            raise StateError(
-                f"offloaded(...).update(state=...): the state does not belong to this "
-                f"optimizer: at path inner_state/{path} the expected state has {what}. "
-                "Pass the state returned by this transformation's `init` (or a "
-                "previous `update`), not one from another optimizer."
-            )
-        # Shapes only: a dtype may legitimately change after `init` (optax's
-        # `inject_hyperparams(adam)` promotes a bfloat16 moment to float32 when the
-        # params mix dtypes) or differ from the updates' (mixed precision).
-        for (key_path, want), got in zip(
-            jtu.tree_flatten_with_path(expected)[0], jtu.tree_leaves(state.inner_state)
-        ):
-            # `np.shape`: a state may hold Python scalars (shape `()`).
-            if hasattr(want, "shape") and np.shape(got) != want.shape:
-                raise StateError(
-                    f"offloaded(...).update(state=...): leaf inner_state/"
-                    f"{path_to_str(key_path)} is {getattr(got, 'dtype', type(got))}"
-                    f"{list(getattr(got, 'shape', []))} but this optimizer expects "
-                    f"{want.dtype}{list(want.shape)} for these updates. Pass the state "
-                    "made by this transformation's `init` for these parameters."
-                )
+    def _store(self, state: Any, mask: list[bool], memory_kind: Optional[str] = None) -> Any:
+        """The leaves of `state` that `mask` selects, narrowed and sent to host."""
+        where = jtu.tree_unflatten(jtu.tree_structure(state), mask)
+        return self.options.store(state, where, memory_kind)
 
-    def warn_if_on_device(inner_state: Any) -> None:
-        if warned[0]:
-            return
-        keyed = jtu.tree_flatten_with_path(inner_state)[0]
-        for (path, leaf), selected in zip(keyed, leaf_mask(inner_state, where)):
-            if selected and _memory_space_of(leaf) == "device":
-                warned[0] = True
-                warnings.warn(
-                    f"offloaded(...).update: state leaf inner_state/{path_to_str(path)} "
-                    f"is in device memory, but `where` selects it for {memory_kind!r}. "
-                    "It is used as is and the new state goes to host. This happens "
-                    "when a state was restored without host shardings (see "
-                    "`eqx_offload.host_shardings`) or made with another `where`. "
-                    "(This warning is shown once per transformation.)",
-                    OffloadWarning,
-                    stacklevel=3,
-                )
-                return
+    def _run_update(
+        self, options: Options, updates: Any, inner_state: Any, params: Any,
+        extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+    ) -> tuple[Any, Any]:
+        return self.strategy(self.inner, options, updates, inner_state, params, extra_args,
+                             init_dtypes)
 
-    def update_fn(
-        updates: optax.Updates,
-        state: OffloadedState,
-        params: Optional[optax.Params] = None,
+    def update(
+        self, updates: optax.Updates, state: Any, params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, OffloadedState]:
-        check_state(state, updates)
-        warn_if_on_device(state.inner_state)
-        if compute == "host":
-            updates, inner_state = host_update(
-                inner, updates, state.inner_state, params, extra_args,
-                where=where, memory_kind=memory_kind,
-            )
-        elif group_bytes is not None:
-            updates, inner_state = streamed_update(
-                inner, updates, state.inner_state, params, extra_args,
-                group_bytes=int(group_bytes), memory_kind=memory_kind,
-            )
+        # (`state: Any`: `check_state` names a wrong state better than a type hint.)
+        check_state(state, self._abstract_state(updates, None))
+        _check_not_pmapped(updates)
+        inner_state = state.inner_state
+        mask = leaf_mask(inner_state, self.options.where)
+        if not self.warned:
+            self.warned = warn_if_on_device(inner_state, mask, self.options.memory_kind)
+        init_dtypes = self._init_dtypes(inner_state, updates, params)
+        arguments = (updates, inner_state, params, extra_args)
+        if self.strategy is update_on_device or any(map(is_traced, jtu.tree_leaves(arguments))):
+            updates, new_state = self._run_update(self.options, *arguments, init_dtypes)
         else:
-            inner_state = move(state.inner_state, True, None, "to_device")
-            updates, inner_state = inner.update(updates, inner_state, params, **extra_args)
-        return updates, OffloadedState(move(inner_state, where, memory_kind, "memory_kind"))
+            updates, new_state = self.jitted_update(*arguments, init_dtypes)
+        new_def: Any = jtu.tree_structure(new_state)  # PyTreeDef: typed without __eq__
+        same_tree = new_def == jtu.tree_structure(inner_state)
+        new_mask = mask if same_tree else leaf_mask(new_state, self.options.where)
+        return updates, OffloadedState(self._store(new_state, new_mask))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def _init_dtypes(self, inner_state: Any, updates: Any, params: Any) -> list[Any]:
+        """Per leaf of the inner state: the dtype `inner.init` gives it (only needed to
+        widen what `host_dtype` narrowed; `None` otherwise)."""
+        leaves = jtu.tree_leaves(inner_state)
+        if self.options.host_dtype is None:
+            return [None] * len(leaves)
+        abstract = self._abstract_state(updates, params)
+        return [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
+
+
+# JAX (0.8+) runs `pmap` as a `shard_map` over a mesh axis of this name.
+_PMAP_AXIS = "_internal_pmap_axis_name"
+
+
+def _check_not_pmapped(updates: Any) -> None:
+    """`pmap` places every argument in device memory (its shardings carry no memory
+    kind), so a host-resident state cannot pass through it; JAX would fail later with
+    "Sharding passed to jit does not match ..."."""
+    for leaf in jtu.tree_leaves(updates):
+        if is_traced(leaf):
+            sharding = getattr(jax.typeof(leaf), "sharding", None)
+            if _PMAP_AXIS in getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+                raise CompositionError(
+                    "offloaded(...).update inside `pmap` (e.g. `eqx.filter_pmap`): pmap "
+                    "places every argument in device memory, so a state kept in host "
+                    "memory cannot pass through it. Use `eqx_offload.filter_jit` with "
+                    "sharded arguments instead (`eqx.filter_shard`, or "
+                    "`jax.device_put(x, NamedSharding(mesh, P('data')))` for the batch), "
+                    "or `jax.shard_map` inside it: see the \"Multi-device\" docs page. "
+                    "(JAX itself recommends jit with shardings over pmap.)"
+                )
+            return
+
+
+def _pinned(options: Options) -> Options:
+    """`options` storing to `pinned_host`, the only host memory reachable under `jit`."""
+    return dataclasses.replace(options, memory_kind="pinned_host")

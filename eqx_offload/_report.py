@@ -1,17 +1,15 @@
 """`memory_report`: where the bytes of a pytree live."""
 
 import dataclasses
-import io
 from typing import Any, Union
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._where import is_traced, nbytes, path_to_str
-
-
-_HOST_KINDS = ("pinned_host", "unpinned_host")
+from ._leaves import nbytes, path_to_str, shown
+from ._memory import HOST_MEMORY_KINDS
+from ._placement import memory_kind_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +33,10 @@ class MemoryReport:
     - `leaves`: one `LeafMemory` per array leaf, in tree order.
 
     `device_bytes` sums the device kinds and `host_bytes` the JAX host kinds
-    (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, in neither.
+    (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, and traced
+    PRNG keys (whose memory JAX's type does not tell) under `"unknown"`, in neither.
     Sizes are global (a sharded array counts once, at its full size). `str(report)` is
-    a table.
+    a plain-text table; with `rich` installed, `rich.print(report)` draws one.
     """
 
     by_kind: dict[str, int]
@@ -45,37 +44,54 @@ class MemoryReport:
 
     @property
     def device_bytes(self) -> int:
-        return sum(n for k, n in self.by_kind.items() if k not in _HOST_KINDS + ("numpy",))
+        return sum(
+            n for k, n in self.by_kind.items() if k not in HOST_MEMORY_KINDS + _UNPLACED
+        )
 
     @property
     def host_bytes(self) -> int:
-        return sum(n for k, n in self.by_kind.items() if k in _HOST_KINDS)
+        return sum(n for k, n in self.by_kind.items() if k in HOST_MEMORY_KINDS)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.by_kind.values())
 
-    def __rich__(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title="memory report", show_footer=True)
-        table.add_column("path", footer="total")
-        table.add_column("shape")
-        table.add_column("dtype")
-        table.add_column("memory kind", footer=", ".join(
-            f"{k}: {format_bytes(n)}" for k, n in sorted(self.by_kind.items())))
-        table.add_column("bytes", justify="right", footer=format_bytes(self.total_bytes))
-        for leaf in self.leaves:
-            table.add_row(leaf.path or "<root>", str(list(leaf.shape)), leaf.dtype,
-                          leaf.memory_kind, format_bytes(leaf.nbytes))
-        return table
+    def _rows(self) -> tuple[list[str], list[list[str]], list[str]]:
+        header = ["path", "shape", "dtype", "memory kind", "bytes"]
+        rows = [
+            [shown(leaf.path), str(list(leaf.shape)), leaf.dtype, leaf.memory_kind,
+             format_bytes(leaf.nbytes)]
+            for leaf in self.leaves
+        ]
+        kinds = ", ".join(f"{k}: {format_bytes(n)}" for k, n in sorted(self.by_kind.items()))
+        footer = ["total", "", "", kinds, format_bytes(self.total_bytes)]
+        return header, rows, footer
 
     def __str__(self) -> str:
-        from rich.console import Console
+        header, rows, footer = self._rows()
+        table = [header, *rows, footer]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
 
-        console = Console(width=120, record=True, file=io.StringIO())
-        console.print(self)
-        return console.export_text().rstrip("\n")
+        def line(row: list[str]) -> str:
+            cells = [c.rjust(w) if i == len(row) - 1 else c.ljust(w)
+                     for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+            return "  ".join(cells).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join(
+            ["memory report", line(header), rule, *map(line, rows), rule, line(footer)]
+        )
+
+    def __rich__(self) -> Any:
+        from rich.table import Table  # optional: only for `rich.print(report)`
+
+        header, rows, footer = self._rows()
+        table = Table(title="memory report", show_footer=True)
+        for name, foot in zip(header, footer, strict=True):
+            table.add_column(name, footer=foot, justify="right" if name == "bytes" else "left")
+        for row in rows:
+            table.add_row(*row)
+        return table
 
 
 def format_bytes(n: Union[int, float]) -> str:
@@ -88,14 +104,14 @@ def format_bytes(n: Union[int, float]) -> str:
     raise AssertionError("unreachable")
 
 
+_UNPLACED = ("numpy", "unknown")
+
+
 def _kind_of(leaf: Any) -> str:
-    if is_traced(leaf):
-        space = jax.typeof(leaf).memory_space
-        return "pinned_host" if space == jax.memory.Space.Host else "device"
-    if isinstance(leaf, jax.Array):
-        kind = leaf.sharding.memory_kind
-        return kind if kind is not None else "device"
-    return "numpy"
+    kind = memory_kind_of(leaf)
+    if kind is not None:
+        return kind
+    return "unknown" if isinstance(leaf, jax.Array) else "numpy"
 
 
 def memory_report(tree: Any) -> MemoryReport:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
+import jax
 
 
 _T = TypeVar("_T")
@@ -43,6 +44,13 @@ else:
         return Union[_T, Mapping[Any, inner], list[inner], tuple[inner, ...]]
 
     Nested = _unrolled(_RUNTIME_DEPTH)
+
+if TYPE_CHECKING:
+    # `jax.Device` is a variable (an alias of jaxlib's class), which pyright refuses in
+    # annotations; the checkers see `Any` here, the runtime checks the real class.
+    Device = Any
+else:
+    Device = jax.Device
 
 MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 """Every memory kind a JAX device may offer."""

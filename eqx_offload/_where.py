@@ -3,37 +3,14 @@
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast, Optional
 
 import equinox as eqx
-import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from ._errors import WhereError
-
-
-KeyPath = tuple[Any, ...]
-
-
-def key_to_str(key: Any) -> str:
-    """One entry of a JAX key path as it appears in an `eqx_offload` path string."""
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.GetAttrKey):
-        return str(key.name)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def path_to_str(path: KeyPath) -> str:
-    """A key path as a `/`-separated string, e.g. `"1/0/mu/layers/0/weight"` (the form
-    that axlearn's `pattern` matches against)."""
-    return "/".join(key_to_str(k) for k in path)
+from ._leaves import KeyPath, nbytes, path_to_str, shown
 
 
 class Filter:
@@ -100,12 +77,6 @@ class pattern(Filter):  # noqa: N801 - lower case like a function, as axlearn's 
 
     def __call__(self, leaf: Any, path: str = "") -> bool:
         return re.fullmatch(self.regex, path) is not None
-
-
-def nbytes(leaf: Any) -> int:
-    """Bytes of an array leaf (its global size, for a sharded array). `dtype.itemsize`,
-    not `np.dtype(...)`: JAX's extended dtypes (typed PRNG keys) are no NumPy dtypes."""
-    return int(np.prod(leaf.shape, dtype=np.int64)) * int(leaf.dtype.itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +153,13 @@ def _is_spec_leaf(x: Any) -> bool:
     return isinstance(x, bool) or (callable(x) and not isinstance(x, eqx.Module))
 
 
+def _is_not(tree: Any, x: Any) -> bool:
+    return x is not tree
+
+
 def _one_level(tree: Any) -> tuple[Any, list[tuple[KeyPath, Any]]]:
     """The node data of `tree`'s root and its children with their keys."""
-    children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    children, treedef = jtu.tree_flatten_with_path(tree, is_leaf=functools.partial(_is_not, tree))
     return cast(Any, treedef).node_data(), children  # (not in jaxlib's type stubs)
 
 
@@ -205,7 +180,7 @@ def structure_divergence(
             return None
         if a_data != b_data or len(a_children) != len(b_children):
             return (
-                path_to_str(path) or "<root>",
+                shown(path_to_str(path)),
                 f"{_describe(a)} where the tree has {_describe(b)}",
             )
         for (ka, ca), (_, cb) in zip(a_children, b_children):
@@ -237,24 +212,29 @@ def _describe(node: Any) -> str:
     return described
 
 
+def _select_if(flag: bool, x: Any) -> bool:
+    return flag and eqx.is_array(x)
+
+
+def _select_by_path(path_filter: "Filter", prefix: KeyPath, path: KeyPath, x: Any) -> bool:
+    return eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + path)))
+
+
+def _select_by_leaf(leaf_filter: Callable[[Any], Any], x: Any) -> bool:
+    return eqx.is_array(x) and bool(leaf_filter(x))
+
+
 def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any:
     # At module level, not nested in `leaf_mask`: under jaxtyping's import hook a
     # nested function is decorated (beartype compiles a wrapper) on every call.
-    # (Each branch binds its own name: pytype does not narrow `spec` inside lambdas.)
     if isinstance(spec, bool):
-        flag: bool = spec
-        return jtu.tree_map(lambda x: flag and eqx.is_array(x), subtree)
+        return jtu.tree_map(functools.partial(_select_if, spec), subtree)
     if isinstance(spec, Filter):
-        path_filter: Filter = spec
-        return jtu.tree_map_with_path(
-            lambda p, x: eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + p))),
-            subtree,
-        )
+        return jtu.tree_map_with_path(functools.partial(_select_by_path, spec, prefix), subtree)
     if callable(spec) and not isinstance(spec, eqx.Module):
-        leaf_filter: Callable[[Any], Any] = spec
-        return jtu.tree_map(lambda x: eqx.is_array(x) and bool(leaf_filter(x)), subtree)
+        return jtu.tree_map(functools.partial(_select_by_leaf, spec), subtree)
     raise WhereError(
-        f"{argument} has {spec!r} at path {path_to_str(prefix) or '<root>'}, which is "
+        f"{argument} has {spec!r} at path {shown(path_to_str(prefix))}, which is "
         "not a filter. A `where` is a bool, a callable on a leaf (such as "
         "`eqx_offload.pattern(...)` or `eqx_offload.min_bytes(...)`), or a pytree "
         "prefix of the tree with those at its leaves."
@@ -279,13 +259,3 @@ def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
             "tree)`), or use a callable such as `eqx_offload.pattern(...)`."
         ) from e
     return jtu.tree_leaves(mask_tree)
-
-
-def leaves_with_paths(tree: Any) -> tuple[Sequence[tuple[KeyPath, Any]], Any]:
-    """`jax.tree_util.tree_flatten_with_path`, named for this module's callers."""
-    return jtu.tree_flatten_with_path(tree)
-
-
-def is_traced(x: Any) -> bool:
-    """Whether `x` is a tracer (inside `jit`, `grad`, `vmap`, ...)."""
-    return isinstance(x, jax.core.Tracer)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs eqx_offload with its dev extra into ./.venv and runs every test and gate:
-# pytest (with jaxtyping+beartype runtime checks), mypy --strict, pytype over the
-# package with the stubs in typings/, the stub-drift check and the docs build.
+# pytest (with jaxtyping+beartype runtime checks), the static gates (scripts/gates.sh:
+# mypy --strict, pytype with the shipped stubs, pyright, pyrefly, stub drift, the docs'
+# checker table) and the docs build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,14 +18,8 @@ stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 stage "pytest"
 python -m pytest -n 2 -q
 
-stage "mypy --strict"
-python -m mypy
-
-stage "pytype"
-python scripts/pytype_gate.py
-
-stage "stub drift (typings/eqx_offload vs the package)"
-python scripts/stub_drift.py
+stage "static gates: mypy, pytype, pyright, pyrefly, stub drift, checker table"
+bash scripts/gates.sh
 
 stage "mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$(mktemp -d)"

@@ -1,18 +1,22 @@
-"""The pytype gate: pytype over every module of `eqx_offload`, with the stubs in `typings/`.
+"""The pytype gate: pytype over every module of `eqx_offload`, with the shipped stubs.
 
 A plain `pytype eqx_offload` maps `jax`, `equinox`, `optax` and `jaxtyping` to an empty
 stub (everything `Any`), so it checks nothing about calls into them. This gate runs
-`pytype-single` on each module with `--pythonpath=<generated>:typings`: the stubs in
-`typings/` stand for the third-party packages, and the `.pyi` that pytype infers for each
-module of the package stands for it when later modules import it (modules run in
-dependency order, those whose dependencies are done in parallel).
+`pytype-single` on each module with `--pythonpath=<generated>:<stubs>`: the stubs the
+wheel ships (`eqx_offload/.typings/`, what `python -m eqx_offload typings` prints) stand
+for the third-party packages, `scripts/pytype_gate_stubs/` for the few that only the
+command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users'
+code is not checked against them), and the `.pyi` that pytype infers for each module of
+the package stands for it
+when later modules import it (modules run in dependency order, those whose dependencies
+are done in parallel).
 
     python scripts/pytype_gate.py            # every module of eqx_offload
     python scripts/pytype_gate.py -j 1 eqx_offload/_move.py
     python scripts/pytype_gate.py --check-file tests/types/good_usage.py
 
-`--check-file` checks a user script against the *public stubs* (`typings/`, which holds
-`typings/eqx_offload/`), as a downstream project would. Exit status 1 on any error.
+`--check-file` checks a user script against the *shipped stubs* only (which hold the
+stub of `eqx_offload` itself), as a downstream project would. Exit status 1 on any error.
 """
 
 import argparse
@@ -32,7 +36,11 @@ from typing import NamedTuple, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "eqx_offload"
-TYPINGS = ROOT / "typings"
+# The stubs the wheel ships (the folders `eqx_offload._stubs.pytype_path()` names) and
+# the gate-only ones, relative to this checkout (not to an installed eqx_offload: the
+# gate's own tests run it on a modified copy of the repository).
+SHIPPED_STUBS = [ROOT / PACKAGE / ".typings" / "pytype", ROOT / PACKAGE / ".typings" / "mypy"]
+GATE_STUBS = ROOT / "scripts" / "pytype_gate_stubs"
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 # pytype's opt-in strictness features that are stable enough to gate on.
@@ -70,7 +78,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def package_modules() -> list[pathlib.Path]:
-    return sorted((ROOT / PACKAGE).glob("*.py"))
+    return sorted((ROOT / PACKAGE).rglob("*.py"))
 
 
 def local_imports(path: pathlib.Path) -> set[str]:
@@ -185,7 +193,7 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
         generated = pathlib.Path(tmp)
-        pythonpath = [generated, TYPINGS]
+        pythonpath = [generated, *SHIPPED_STUBS, GATE_STUBS]
         def output(p: pathlib.Path) -> pathlib.Path:
             return generated / pathlib.Path(*module_name(p).split(".")).with_suffix(".pyi")
 
@@ -235,9 +243,9 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
 
 
 def check_files(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
-    """pytype over user scripts, against the public stubs in `typings/`."""
+    """pytype over user scripts, against the shipped stubs only."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda p: run_one(p, [TYPINGS], None), paths))
+        return list(pool.map(lambda p: run_one(p, SHIPPED_STUBS, None), paths))
 
 
 def report(results: Sequence[Result], total_seconds: float) -> int:

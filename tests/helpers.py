@@ -3,13 +3,15 @@
 Kept small and stable; other test files import from here.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from eqx_offload._where import path_to_str
+from eqx_offload._leaves import path_to_str
 
 
 def _is_array(x: Any) -> bool:
@@ -64,3 +66,25 @@ def memory_kinds(tree: Any) -> dict[str, str]:
         for path, leaf in jtu.tree_flatten_with_path(tree)[0]
         if isinstance(leaf, jax.Array)
     }
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles(fun_name: Optional[str] = None) -> Iterator[list[str]]:
+    """The names of the XLA compilations inside the block, from JAX's public monitoring
+    events (`jax.monitoring`); with `fun_name`, only those of functions of that name
+    (`eqx_offload.filter_jit` names its executables after the function it wraps)."""
+    names: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        name = str(kwargs.get("fun_name"))  # JAX (0.10) says "jit(f)" for a function f
+        if event == BACKEND_COMPILE_EVENT and fun_name in (None, name, name[4:-1]):
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -535,3 +535,14 @@ def test_runtime_type_checking_is_on() -> None:
     x = jnp.ones(2)
     for kind in HOST_KINDS:
         assert eqx_offload.to_host(x, memory_kind=kind).sharding.memory_kind == kind
+
+
+@pytest.mark.parametrize("make", [lambda: (x for x in [jnp.ones(3)]), lambda: iter([jnp.ones(3)]),
+                                  lambda: map(jnp.asarray, [1.0])])
+def test_iterator_is_not_a_tree(make: Any) -> None:
+    """A generator (or any iterator) is one opaque leaf to JAX: a move would silently do
+    nothing, so it is a `TreeError` (a `TypeError`) that says what to pass instead."""
+    for move in (eqx_offload.to_host, eqx_offload.to_device):
+        with pytest.raises(eqx_offload.TreeError, match="an iterator is not a pytree.*list"):
+            getattr(move, "__wrapped__", move)(make())
+    assert issubclass(eqx_offload.TreeError, TypeError)

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from helpers import assert_tree_equal
+from helpers import assert_tree_equal, count_compiles
 from jax.extend.core import jaxprs_in_params, Literal
 
 import eqx_offload
@@ -53,7 +53,6 @@ def _assert_bitwise(a: Any, b: Any) -> None:
 def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min_ndim(1)) -> None:
     """Every leaf inside an `OffloadedState` that `where` selects is in `pinned_host`;
     every other array leaf of the whole state is in device memory."""
-    expected: list[tuple[str, str]] = []
 
     def visit(tree: Any, offloaded: bool) -> None:
         for path, leaf in jtu.tree_flatten_with_path(
@@ -63,7 +62,6 @@ def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min
                 visit(leaf.inner_state, True)
             elif isinstance(leaf, jax.Array):
                 want = "pinned_host" if offloaded and where(leaf) else "device"
-                expected.append((jtu.keystr(path), want))
                 assert leaf.sharding.memory_kind == want, (jtu.keystr(path), leaf.sharding)
 
     visit(state, False)
@@ -452,13 +450,14 @@ def test_working_orders_pass_filter_jit(name):
     params = _params(jnp.float32)
     step = eqx_offload.filter_jit(lambda g, s, p: opt.update(g, s, p))
     plain_state, state = plain.init(params), opt.init(params)
-    for i in range(3):
-        plain_updates, plain_state = plain.update(_grads(params, i), plain_state, params)
-        updates, state = step(_grads(params, i), state, params)
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, _unwrap(state))
-        _assert_placement(state)
-    assert step._cache_size() == 1
+    with count_compiles("<lambda>") as compiles:
+        for i in range(3):
+            plain_updates, plain_state = plain.update(_grads(params, i), plain_state, params)
+            updates, state = step(_grads(params, i), state, params)
+            _assert_bitwise(plain_updates, updates)
+            _assert_bitwise(plain_state, _unwrap(state))
+            _assert_placement(state)
+    assert len(compiles) == 1
 
 
 def test_offloaded_state_arrays_are_numpy_comparable():
@@ -555,3 +554,92 @@ def test_python_scalars_in_state_not_rejected(mode: str) -> None:
         _assert_bitwise(updates, ref_updates)
     _assert_bitwise(state.inner_state.mu, ref_state.mu)
     assert state.inner_state.mu["w"].sharding.memory_kind == "pinned_host"
+
+
+# ---------------------------------------------------------------------------------------
+# Reading an offloaded state the optax ways (issue 10, item 5)
+
+
+def test_hyperparams_read_through_the_state() -> None:
+    params = _params(jnp.float32)
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    opt = eqx_offload.offloaded(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+    state, ref_state = opt.init(params), inner.init(params)
+    assert_tree_equal(state.hyperparams, ref_state.hyperparams)
+    assert_tree_equal(optax.tree.get(state, "learning_rate"), optax.tree.get(ref_state, "learning_rate"))
+    assert_tree_equal(optax.tree_utils.tree_get(state, "learning_rate"), jnp.asarray(0.1))
+    # Set it the optax way, through the inner state: the next update uses it.
+    state = OffloadedState(optax.tree.set(state.inner_state, learning_rate=0.5))
+    ref_state = optax.tree.set(ref_state, learning_rate=0.5)
+    updates, state = opt.update(_grads(params, 0), state, params)
+    ref_updates, ref_state = inner.update(_grads(params, 0), ref_state, params)
+    _assert_bitwise(updates, ref_updates)
+    assert float(state.hyperparams["learning_rate"]) == 0.5
+
+
+def test_reading_brings_leaves_to_the_device_and_keeps_the_host_copy() -> None:
+    params = _params(jnp.float32)
+    opt = eqx_offload.offloaded(optax.adam(0.1))
+    state = opt.init(params)
+    mu = state.inner_state[0].mu  # the host copy
+    read = OffloadedState(state.inner_state[0]).mu  # an attribute of the inner state
+    assert {x.sharding.memory_kind for x in jtu.tree_leaves(read)} == {"device"}
+    assert {x.sharding.memory_kind for x in jtu.tree_leaves(mu) if x.ndim} == {"pinned_host"}
+    _assert_bitwise(read, mu)
+    with pytest.raises(AttributeError, match="nor has its inner_state"):
+        state.no_such_field  # noqa: B018
+    assert not hasattr(state, "__jax_array__")  # private names are never forwarded
+
+
+@pytest.mark.parametrize("every_k", [1, 3])
+def test_multi_steps_has_updated(every_k: int) -> None:
+    params = _params(jnp.float32)
+    inner = optax.MultiSteps(optax.adam(0.1), every_k)
+    opt = eqx_offload.offloaded(inner)
+    state, ref_state = opt.init(params), inner.init(params)
+    for i in range(4):
+        _, state = opt.update(_grads(params, i), state, params)
+        _, ref_state = inner.update(_grads(params, i), ref_state, params)
+        assert bool(inner.has_updated(state)) == bool(inner.has_updated(ref_state))
+    update = eqx_offload.filter_jit(lambda g, s, p: (opt.update(g, s, p)[1], inner.has_updated(s)))
+    _, flag = update(_grads(params, 0), state, params)
+    assert bool(flag) == bool(inner.has_updated(ref_state))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_schedule_free_eval_params(mode: str) -> None:
+    params = _params(jnp.float32)
+    inner = optax.contrib.schedule_free_adamw(0.1)
+    opt = eqx_offload.offloaded(optax.contrib.schedule_free_adamw(0.1))
+    state, ref_state = opt.init(params), inner.init(params)
+    for i in range(3):
+        updates, state = opt.update(_grads(params, i), state, params)
+        ref_updates, ref_state = inner.update(_grads(params, i), ref_state, params)
+        params = optax.apply_updates(params, updates)
+    assert state.inner_state.z["w"].sharding.memory_kind == "pinned_host"
+    eval_params = ref_eval_params = optax.contrib.schedule_free_eval_params
+    if mode == "jit":  # compiled, compared with compiled (eager and jit differ in bits)
+        eval_params = eqx_offload.filter_jit(eval_params)
+        ref_eval_params = jax.jit(ref_eval_params)
+    _assert_bitwise(eval_params(state, params), ref_eval_params(ref_state, params))
+
+
+# ---------------------------------------------------------------------------------------
+# pmap (issue 10, item 3)
+
+
+def test_pmap_gets_a_clear_error() -> None:
+    import equinox as eqx
+
+    params = _params(jnp.float32)
+    opt = eqx_offload.offloaded(optax.adam(0.1))
+    state = opt.init(params)
+
+    def step(p: Any, s: Any) -> Any:
+        updates, s = opt.update(_grads(p, 0), s, p)
+        return optax.apply_updates(p, updates), s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", eqx_offload.OffloadWarning)  # pmap's first trace
+        with pytest.raises(eqx_offload.CompositionError, match="inside `pmap`.*filter_jit"):
+            eqx.filter_pmap(step, in_axes=(None, None), axis_size=2)(params, state)

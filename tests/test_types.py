@@ -1,28 +1,38 @@
 """The type checkers really check, statically and at run time.
 
-Static: mypy --strict (reading the package's inline types, as a downstream mypy user
-does) and pytype (reading `typings/`, as a downstream pytype user does) run over
-`tests/types/`. `good_usage.py` must pass both without an error; in each `bad_*.py`
-every line marked `# expect: mypy=CODE pytype=CODE` must be reported by that checker with
-that code, and nothing else may be reported. So a stub that decays to `Any`, a checker
-that stops reading the stubs, or a signature that loosens makes these tests fail.
+Static: mypy --strict, pytype, pyright and pyrefly run over `tests/types/` as a user of
+the wheel runs them (`scripts/checker_table.py` holds the runners and the commands:
+mypy with the optax stub, pytype with the shipped stubs, pyright and pyrefly with
+nothing). `good_usage.py` must pass all four without an error; in each `bad_*.py` every
+line marked `# expect: mypy=CODE pytype=CODE pyright=CODE pyrefly=CODE` must be reported
+by exactly the named checkers with the named codes, and nothing else may be reported.
+So a stub that decays to `Any`, a checker that stops reading the stubs, or a signature
+that loosens makes these tests fail; the table in the docs is generated from the same
+markers (`docs/typing-checkers.txt`, checked up to date here).
 
 Run time: with beartype through jaxtyping's import hook (pytest installs it for the
 package, see `--jaxtyping-packages` in pyproject.toml), the same mistakes made at run time
-raise errors that name the argument and what was expected.
+raise errors that name the argument and what was expected; and
+`eqx_offload.install_runtime_checks` (tested in subprocesses) checks a user's own
+modules too, with short errors.
 
-Also here, as slow tests: the pytype gate fails on a module with a type error, and the
-stub-drift check fails when a public signature changes without its stub.
+Also here, as slow tests: the wheel ships the stubs and a fresh environment that installs
+it follows docs/typing.md; the documented multi-module pytype loop catches a mistake
+across modules; the pytype gate fails on a module with a type error, and the stub-drift
+check fails when a public signature changes without its stub.
 """
 
 import collections
 import importlib.util
+import os
 import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
+import zipfile
 from typing import Any, Optional
 
 import equinox as eqx
@@ -41,10 +51,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TYPES = ROOT / "tests" / "types"
 GOOD = TYPES / "good_usage.py"
 BAD = sorted(TYPES.glob("bad_*.py"))
-CHECKERS = ("mypy", "pytype")
-
-_EXPECT = re.compile(r"#\s*expect:\s*(?P<spec>((mypy|pytype)=[a-z-]+\s*)+)$")
-_MYPY_ERROR = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
+DOCS = ROOT / "docs" / "typing.md"
 
 
 def _load_script(name: str) -> Any:
@@ -55,71 +62,66 @@ def _load_script(name: str) -> Any:
     return module
 
 
-def expected_errors(path: pathlib.Path) -> dict[str, set[tuple[int, str]]]:
-    """{checker: {(line, code)}} from the `# expect:` comments of `path`."""
-    found: dict[str, set[tuple[int, str]]] = {c: set() for c in CHECKERS}
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
-        match = _EXPECT.search(text)
-        if match is None:
-            continue
-        for item in match["spec"].split():
-            checker, _, code = item.partition("=")
-            assert checker in CHECKERS and code, f"{path.name}:{number}: bad expect {item!r}"
-            found[checker].add((number, code))
-    return found
-
-
-def _run_mypy(paths: list[pathlib.Path]) -> dict[str, set[tuple[int, str]]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"),
-         "--cache-dir", str(ROOT / ".mypy_cache" / "types-tests"),
-         "--no-error-summary", "--hide-error-context", "--no-pretty",
-         *map(str, paths)],
-        capture_output=True, text=True, cwd=ROOT,
-    )
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    errors: dict[str, set[tuple[int, str]]] = collections.defaultdict(set)
-    for line in proc.stdout.splitlines():
-        match = _MYPY_ERROR.match(line)
-        if match is not None:
-            errors[pathlib.Path(match["file"]).name].add((int(match["line"]), match["code"]))
-        else:
-            assert ": note: " in line or not line.strip(), f"unparsed mypy output: {line}"
-    return errors
-
-
-def _run_pytype(paths: list[pathlib.Path]) -> dict[str, set[tuple[int, str]]]:
-    gate = _load_script("pytype_gate")
-    errors: dict[str, set[tuple[int, str]]] = collections.defaultdict(set)
-    for result in gate.check_files(paths, jobs=2):
-        assert result.returncode in (0, 1), result.output
-        found = gate.errors_of(result.output)
-        if result.returncode == 1:
-            assert found, f"pytype failed without reporting an error:\n{result.output}"
-        errors[pathlib.Path(result.target).name] = set(found)
-    return errors
+TABLE = _load_script("checker_table")
+CHECKERS = TABLE.CHECKERS
+needs_pytype = pytest.mark.skipif(
+    not TABLE.PYTYPE_RUNS, reason="pytype's last release runs on Python <= 3.12")
 
 
 # One test per checker, each running its checker once over every file: with
 # `pytest -n 2` a fixture shared by several tests would run once per worker.
 @pytest.mark.slow
-@pytest.mark.parametrize("checker", CHECKERS)
+@pytest.mark.parametrize(
+    "checker", [pytest.param(c, marks=needs_pytype) if c == "pytype" else c for c in CHECKERS])
 def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
-    paths = [GOOD, *BAD]
-    reported = _run_mypy(paths) if checker == "mypy" else _run_pytype(paths)
-    problems = []
-    good = reported.get(GOOD.name, set())
-    if good:
-        problems.append(f"{GOOD.name}: errors {sorted(good)}")
-    for path in BAD:
-        expected = expected_errors(path)[checker]
-        got = reported.get(path.name, set())
-        assert expected, f"{path.name} expects no {checker} error: the test would be vacuous"
-        if got - expected:
-            problems.append(f"{path.name}: unexpected {sorted(got - expected)}")
-        if expected - got:
-            problems.append(f"{path.name}: missed {sorted(expected - got)}")
-    assert problems == [], f"{checker}:\n" + "\n".join(problems)
+    results = TABLE.run_checkers([GOOD, *BAD], [checker])
+    assert TABLE.problems_of(results) == []
+
+
+@pytest.mark.slow
+def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.Path) -> None:
+    # pyrefly imports a project's mypy.ini, `mypy_path` included, so a mypy user's
+    # pyrefly reads the optax stub; a pyright user may add it as `stubPath`. Neither may
+    # then reject correct code, nor report anything on a line that is not a mistake.
+    _, mypy_path = TABLE.stub_paths()
+    files = [GOOD, *BAD]
+    results = {
+        "pyright": TABLE.run_pyright(files, tmp_path, f'{{"stubPath": "{mypy_path}"}}'),
+        "pyrefly": TABLE.run_pyrefly(files, tmp_path, f'search-path = ["{mypy_path}"]\n'),
+    }
+    for checker, errors in results.items():
+        assert errors.get(GOOD.name, set()) == set(), checker
+        for path in BAD:
+            marked = {line for c in CHECKERS for line, _ in TABLE.expected_errors(path)[c]}
+            stray = {e for e in errors.get(path.name, set()) if e[0] not in marked}
+            assert stray == set(), (checker, path.name, stray)
+
+
+def test_typings_command_prints_the_stub_folders() -> None:
+    def typings(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "eqx_offload", "typings", *extra],
+                              capture_output=True, text=True, check=True, timeout=300)
+        return proc.stdout.strip()
+
+    pytype_path, mypy_path = typings().split(os.pathsep), typings("--mypy")
+    package = pathlib.Path(eqx_offload.__file__).parent
+    assert pytype_path == [str(package / ".typings" / "pytype"), mypy_path]
+    assert mypy_path == str(package / ".typings" / "mypy")
+    # mypy's folder holds optax only: a stub of jax, equinox or jaxtyping there would
+    # shadow their real inline types.
+    assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
+    assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
+        "equinox", "eqx_offload", "jax", "jaxtyping"]
+    # Nothing at the root of the repository for pyright to take as its stub path.
+    assert not (ROOT / "typings").exists()
+
+
+def test_docs_table_is_generated_from_the_markers() -> None:
+    # The markers are what the slow test above holds each checker to, so a table equal
+    # to the markers' is the checkers' real result.
+    assert TABLE.TABLE.read_text() == TABLE.table_from_markers(), (
+        "docs/typing-checkers.txt is stale: python scripts/checker_table.py")
+    assert '--8<-- "typing-checkers.txt"' in DOCS.read_text()
 
 
 def test_bad_usage_covers_the_listed_mistakes() -> None:
@@ -127,19 +129,37 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
         (path.name, line)
         for path in BAD
         for checker in CHECKERS
-        for line, _ in expected_errors(path)[checker]
+        for line, _ in TABLE.expected_errors(path)[checker]
     }
     assert len(mistakes) >= 8
     text = "\n".join(p.read_text() for p in BAD)
     for needle in ('memory_kind="gpu"', "offloaded(optax.adam)", "offloaded(model)",
                    "opt.update(grads, opt, params)", 'donate="everything"', 'where=".*/w"',
-                   "where=1024", 'return "mu"'):
+                   "where=1024", 'return "mu"', "assert isinstance(state, eqx_offload.Offloaded",
+                   "if isinstance(state, eqx_offload.OffloadedState)"):
         assert needle in text, needle
-    # Both checkers catch all but a handful (mypy: jax.Device is untyped for it; pytype:
-    # it does not look inside a dict literal passed to a union).
+    for path in BAD:
+        for checker in CHECKERS:
+            # Every file holds mistakes that each checker catches: none is vacuous.
+            assert TABLE.expected_errors(path)[checker], (path.name, checker)
+    # Each checker catches all but a handful (mypy: jax.Device is untyped for it;
+    # pytype: it does not look inside a dict literal passed to a union, nor narrow an
+    # `Any`-typed state with isinstance).
     for checker in CHECKERS:
-        caught = {(p.name, line) for p in BAD for line, _ in expected_errors(p)[checker]}
-        assert len(caught) >= len(mistakes) - 2, checker
+        caught = {(p.name, line) for p in BAD for line, _ in TABLE.expected_errors(p)[checker]}
+        assert len(caught) >= len(mistakes) - 3, checker
+
+
+def test_pytype_narrowing_is_checked() -> None:
+    # What used to go silent: everything after `assert isinstance(state, OffloadedState)`.
+    narrowing = TYPES / "bad_narrowing.py"
+    pytype_lines = {line for line, _ in TABLE.expected_errors(narrowing)["pytype"]}
+    assert len(pytype_lines) >= 3
+    text = narrowing.read_text().splitlines()
+    assert_line = next(i for i, t in enumerate(text, 1) if t.startswith("assert isinstance"))
+    branch_line = next(i for i, t in enumerate(text, 1) if "if isinstance(state" in t)
+    assert {n for n in pytype_lines if n > assert_line}
+    assert {n for n in pytype_lines if n > branch_line}
 
 
 def test_good_usage_uses_every_public_name() -> None:
@@ -297,7 +317,7 @@ def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch)
 
 
 def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
-    for name in ("eqx_offload", "typings", "scripts"):
+    for name in ("eqx_offload", "scripts"):
         shutil.copytree(ROOT / name, tmp_path / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
@@ -338,3 +358,262 @@ def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> No
     assert proc.returncode == 1, out
     assert "[names] FAILED" in out and "public but not in the stub: move" in out
     assert "[stubtest] FAILED" in out and "eqx_offload.to_device" in out and "donate" in out
+
+
+# ------------------------------------------------------------------ install_runtime_checks
+
+
+USER_MODULE = '''
+"""A user's training code, checked by install_runtime_checks."""
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def predict(w: Float[Array, "d 1"], x: Float[Array, "n d"]) -> Float[Array, "n 1"]:
+    return x @ w
+
+
+def loss(w: Float[Array, "d 1"], x: Float[Array, "n d"], y: Float[Array, "n 1"]) -> Float[Array, ""]:
+    return jnp.mean((predict(w, x) - y) ** 2)
+
+
+def wrong_result(x: Float[Array, "n d"]) -> Float[Array, "n"]:
+    return x
+'''
+
+ENTRY_POINT = '''
+import sys
+
+import jax.numpy as jnp
+import optax
+
+import eqx_offload
+
+eqx_offload.install_runtime_checks("my_training")
+import my_training.model as model
+
+w, x = jnp.ones((3, 1)), jnp.ones((8, 3))
+print("correct call:", float(model.loss(w, x, jnp.ones((8, 1)))))
+calls = {
+    "shape": lambda: model.loss(w, x, jnp.ones((8, 3))),
+    "result": lambda: model.wrong_result(x),
+    "factory": lambda: eqx_offload.offloaded(optax.adam),
+    "where": lambda: eqx_offload.to_host({"w": w}, where=".*/w"),
+    "memory_kind": lambda: eqx_offload.to_host({"w": w}, memory_kind="gpu"),
+    "pattern": lambda: eqx_offload.pattern(0),
+}
+calls[sys.argv[1]]()
+'''
+
+# (what the call gets wrong, lines the error must contain)
+SHORT_ERRORS = {
+    "shape": ["my_training.model.loss(): argument `y` has the wrong type.",
+              "expected: jaxtyping.Float[jax.Array, 'n 1']", "given:    jax.Array float32[8, 3]",
+              "axis sizes bound in this call: d=3, n=8", "fix: make the shapes agree"],
+    "result": ["my_training.model.wrong_result(): the return value has the wrong type.",
+               "expected: jaxtyping.Float[jax.Array, 'n']", "fix: make the shapes agree"],
+    "factory": ["eqx_offload.offloaded(): argument `inner` has the wrong type.",
+                "expected: optax.GradientTransformation | optax.MultiSteps",
+                "given:    the function adam", "fix: pass a transformation, e.g. `optax.adam(1e-3)`"],
+    "where": ["eqx_offload.to_host(): argument `where` has the wrong type.", "expected: Where",
+              "given:    '.*/w'", "`eqx_offload.pattern(regex)`"],
+    "memory_kind": ["eqx_offload.to_host(): argument `memory_kind` has the wrong type.",
+                    "expected: HostMemoryKind (one of 'pinned_host', 'unpinned_host')",
+                    "given:    'gpu'", "fix: use 'pinned_host' or 'unpinned_host'"],
+    "pattern": ["eqx_offload.pattern(): argument `regex` has the wrong type.", "given:    0",
+                "fix: pass a regular expression string"],
+}
+
+
+@pytest.fixture(scope="module")
+def user_project(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    project = tmp_path_factory.mktemp("user")
+    (project / "my_training").mkdir()
+    (project / "my_training" / "__init__.py").write_text("")
+    (project / "my_training" / "model.py").write_text(USER_MODULE)
+    (project / "train.py").write_text(ENTRY_POINT)
+    return project
+
+
+def _run_user(project: pathlib.Path, case: str) -> subprocess.CompletedProcess[str]:
+    # A fresh interpreter without pytest's jaxtyping hook: only install_runtime_checks.
+    return subprocess.run([sys.executable, "train.py", case], capture_output=True, text=True,
+                          cwd=project, timeout=300,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+@pytest.mark.parametrize("case", sorted(SHORT_ERRORS))
+def test_install_runtime_checks_short_errors(user_project: pathlib.Path, case: str) -> None:
+    proc = _run_user(user_project, case)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "correct call: 4.0" in proc.stdout  # the checked module runs correct code
+    # The error is the last thing printed: everything after the traceback's last line.
+    message = proc.stderr[proc.stderr.rindex("jaxtyping.TypeCheckError: "):]
+    lines = message.strip().splitlines()
+    assert len(lines) <= 15, message
+    for needle in SHORT_ERRORS[case]:
+        assert needle in message, f"{needle!r} not in:\n{message}"
+    # No pytree dump, no unrolled union, no chained beartype report.
+    assert len(proc.stderr) < 4000 and "Called with parameters" not in proc.stderr
+
+
+def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.Path) -> None:
+    script = ("import my_training.model, eqx_offload\n"
+              "eqx_offload.install_runtime_checks('my_training')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=user_project, timeout=300)
+    assert proc.returncode == 1
+    assert "OptionError: install_runtime_checks: my_training, my_training.model is already " \
+           "imported" in proc.stderr
+
+
+def test_checked_keeps_errors_of_inner_calls() -> None:
+    # A checked function that calls another checked function with a wrong argument: the
+    # short error names the inner function (it is not rewritten as the outer one's).
+    from eqx_offload._runtime import checked
+
+    @checked
+    def inner(x: int) -> int:
+        return x
+
+    @checked
+    def outer(x: str) -> int:
+        return inner(x)  # type: ignore[arg-type]  # the mistake under test
+
+    with pytest.raises(jaxtyping.TypeCheckError) as info:
+        outer("a")
+    assert str(info.value).startswith(
+        f"{__name__}.test_checked_keeps_errors_of_inner_calls.<locals>.inner(): "
+        "argument `x` has the wrong type.")
+    assert "Type-check error" in info.value.full_message  # type: ignore[attr-defined]  # set by checked
+    assert outer.__name__ == "outer" and inner(3) == 3
+
+
+# ------------------------------------------------------------------ wheel users
+
+
+def _docs_block(containing: str) -> str:
+    """The fenced code block of docs/typing.md that contains `containing`."""
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", DOCS.read_text(), flags=re.S)
+    found = [b for b in blocks if containing in b]
+    assert len(found) == 1, f"docs/typing.md: {len(found)} blocks contain {containing!r}"
+    return found[0]
+
+
+def _site_packages(prefix: pathlib.Path) -> pathlib.Path:
+    return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
+                    str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
+    (wheel,) = dist.glob("eqx_offload-*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".pyi")}
+    stubs = ROOT / "eqx_offload" / ".typings"
+    assert shipped == {str(p.relative_to(ROOT)) for p in stubs.rglob("*.pyi")}
+    assert "eqx_offload/.typings/mypy/optax/__init__.pyi" in shipped
+    assert "eqx_offload/.typings/pytype/jax/__init__.pyi" in shipped
+
+    # A fresh venv (no system site-packages) with the wheel and the checkers' console
+    # scripts installed in it; their dependencies (jax, equinox, optax, ...) come from
+    # this environment through a .pth line rather than a second download.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    tools = ["mypy==2.4.1", "pyright==1.1.414", "pyrefly==1.5.0"]
+    tools += ["pytype==2024.10.11"] if TABLE.PYTYPE_RUNS else []
+    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "-q",
+                    str(wheel), *tools], check=True, capture_output=True, text=True, timeout=600)
+    # (After the install: with the .pth in place pip would find the tools "already
+    # installed" and write no console scripts.)
+    deps = _site_packages(pathlib.Path(sys.prefix))
+    (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "VIRTUAL_ENV": str(venv), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    where = subprocess.run(["python", "-c", "import eqx_offload; print(eqx_offload.__file__)"],
+                           capture_output=True, text=True, env=env, check=True,
+                           cwd=tmp_path).stdout
+    assert where.startswith(str(_site_packages(venv))), where  # the wheel, not the checkout
+    # mypy refuses a mypy_path inside site-packages: the folder printed for it is a copy
+    # in the cache, the same on every call.
+    printed = [subprocess.run(["python", "-m", "eqx_offload", "typings", "--mypy"],
+                              capture_output=True, text=True, env=env, check=True,
+                              cwd=tmp_path).stdout.strip() for _ in range(2)]
+    assert printed[0] == printed[1] and printed[0].startswith(str(tmp_path / "cache")), printed
+    assert (pathlib.Path(printed[0]) / "optax" / "__init__.pyi").read_bytes() == (
+        stubs / "mypy" / "optax" / "__init__.pyi").read_bytes()
+
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(GOOD, project / "train.py")
+    shutil.copy(TYPES / "bad_narrowing.py", project / "bad_narrowing.py")
+    expected = TABLE.expected_errors(TYPES / "bad_narrowing.py")
+
+    def run(command: str, file: str) -> str:
+        proc = subprocess.run(["bash", "-c", command.replace("train.py", file)],
+                              capture_output=True, text=True, env=env, cwd=project, timeout=600)
+        return TABLE._ANSI.sub("", proc.stdout + proc.stderr)
+
+    mypy = _docs_block("mypy --strict").strip().splitlines()[-1]
+    pytype = _docs_block("pytype-single --pythonpath=$(python -m eqx_offload typings) train.py")
+    pytype = pytype.strip().splitlines()[-1]
+    assert run(mypy, "train.py").strip().endswith("Success: no issues found in 1 source file")
+    found = {(int(m[1]), m[2]) for m in re.finditer(r"bad_narrowing.py:(\d+): error: .*\[([a-z-]+)\]",
+                                                     run(mypy, "bad_narrowing.py"))}
+    assert found == expected["mypy"]
+    if TABLE.PYTYPE_RUNS:
+        assert "error" not in run(pytype, "train.py")
+        found = {(int(m[1]), m[2]) for m in re.finditer(
+            r"bad_narrowing.py:(\d+):\d+: .*\[([a-z-]+)\]", run(pytype, "bad_narrowing.py"))}
+        assert found == expected["pytype"]
+    # pyright and pyrefly need no stub, and the hidden stub folder in site-packages does
+    # not bother them.
+    assert "0 errors" in run("pyright train.py", "train.py")
+    (project / "pyrefly.toml").write_text("")
+    assert "INFO 0 errors" in run("pyrefly check train.py", "train.py")
+
+
+TWO_MODULES = {
+    "__init__.py": "",
+    "model.py": textwrap.dedent('''\
+        import optax
+
+        import eqx_offload
+
+
+        def make_optimizer(learning_rate: float) -> optax.GradientTransformationExtraArgs:
+            return eqx_offload.offloaded(optax.adam(learning_rate))
+        '''),
+    "train.py": textwrap.dedent('''\
+        import jax.numpy as jnp
+
+        import eqx_offload
+        from my_project.model import make_optimizer
+
+        params = {"w": jnp.ones(3)}
+        opt = make_optimizer("fast")  # a str where model.py wants a float
+        state = opt.init(params)
+        assert isinstance(state, eqx_offload.OffloadedState)
+        eqx_offload.to_device(state, memory_kind="device")
+        '''),
+}
+
+
+@pytest.mark.slow
+@needs_pytype
+def test_documented_pytype_loop_checks_across_modules(tmp_path: pathlib.Path) -> None:
+    package = tmp_path / "my_project"
+    package.mkdir()
+    for name, text in TWO_MODULES.items():
+        (package / name).write_text(text)
+    loop = _docs_block("for pass in 1 2")
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", loop], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=600)
+    output = TABLE._ANSI.sub("", proc.stdout + proc.stderr)
+    assert proc.returncode == 1, output
+    errors = sorted(re.findall(r"^(my_project/\w+\.py):(\d+):\d+: .*\[([a-z-]+)\]$", output, re.M))
+    assert errors == [("my_project/train.py", "10", "wrong-keyword-args"),
+                      ("my_project/train.py", "7", "wrong-arg-types")], output
+    assert "pkg.model.make_optimizer" not in output and "my_project.model.make_optimizer" in output

@@ -1,14 +1,17 @@
 """A realistic Equinox + optax training script that uses every public name of
-`eqx_offload`. mypy --strict and pytype (with `typings/` on its pythonpath) must accept
+`eqx_offload`. mypy --strict, pytype (with the shipped stubs), pyright and pyrefly must accept
 it without a single error, and it runs (tests/test_types.py does all three)."""
 
 import tempfile
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import Float
 
 import eqx_offload
 from eqx_offload import Compute, Donate, HostMemoryKind, MemoryKind, Nested, Where
@@ -42,7 +45,8 @@ class LargeFloat(eqx_offload.Filter):
 def moments_where() -> Where:
     # Filters combine with &, | and ~; a bool and a plain callable are filters too.
     moments = eqx_offload.pattern(r".*/(mu|nu)/.*") & eqx_offload.min_bytes(64)
-    return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & (lambda leaf: False)
+    never: Callable[[object], bool] = lambda leaf: False
+    return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & never
 
 
 def make_optimizer(
@@ -52,11 +56,17 @@ def make_optimizer(
     return eqx_offload.offloaded(inner, moments_where(), memory_kind=memory_kind, compute=compute)
 
 
-def adam_state_as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
-    """An optax NamedTuple state inside a tuple, typed as `Nested`."""
-    adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=params, nu=params)
-    nested: Nested[jax.typing.ArrayLike] = (adam, (params["w"], [params["b"]]), {"lr": 1e-3})
+def as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
+    """Arrays in tuples, lists and dicts, typed as `Nested`. (Not an optax state: optax
+    declares its fields as `ArrayTree`, a union with `Iterable`, which pyright and pyrefly
+    rightly refuse as a `Nested`; pass optax states to the movers as they are.)"""
+    nested: Nested[jax.typing.ArrayLike] = ((params["w"], [params["b"]]), {"lr": 1e-3})
     return nested
+
+
+def scaled(x: Float[jax.Array, "n 4"], scale: float) -> Float[jax.Array, "n 4"]:
+    """A jaxtyping annotation: `Array` to mypy, pyright and pyrefly, `Any` to pytype."""
+    return x * scale
 
 
 def train(steps: int = 3) -> float:
@@ -86,6 +96,13 @@ def train(steps: int = 3) -> float:
         for _ in range(steps):
             model, state, loss = step(model, state, x, y)
 
+    # Ahead of time: lower, compile, inspect; GPU scheduler options per executable.
+    lowered: eqx_offload.Lowered = step.lower(model, state, x, y)
+    compiled: eqx_offload.Compiled = lowered.compile()
+    print(compiled.memory_analysis() is not None, len(lowered.as_text()) > 0)
+    step_options: dict[str, Any] = eqx_offload.prefetch_options(device_bytes=None)
+    print(sorted(step_options))
+
     report: eqx_offload.MemoryReport = eqx_offload.memory_report(state)
     largest: eqx_offload.LeafMemory = max(report.leaves, key=lambda leaf: leaf.nbytes)
     print(f"eqx_offload {eqx_offload.__version__}: {report.host_bytes} bytes on host, "
@@ -99,11 +116,20 @@ def train(steps: int = 3) -> float:
     prefix: Where = {"w": True, "b": eqx_offload.min_ndim(1)}
     tree = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     on_host = eqx_offload.to_host(tree, prefix, memory_kind=host_kind)
-    back = eqx_offload.to_device(on_host, where=True)
+    placed = eqx_offload.filter_shard(on_host, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    back = eqx_offload.to_device(placed, where=True)
     assert bool(jnp.array_equal(back["w"], tree["w"]))
-    nested = adam_state_as_nested(tree)
+    nested = as_nested(tree)
     nested_on_host: Nested[jax.typing.ArrayLike] = eqx_offload.to_host(nested)
-    print(eqx_offload.memory_report(nested_on_host).host_bytes)
+    adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=tree, nu=tree)
+    adam_on_host: optax.ScaleByAdamState = eqx_offload.to_host((adam,))[0]
+    print(eqx_offload.memory_report((nested_on_host, adam_on_host)).host_bytes)
+    print(scaled(jnp.ones((2, 4)), 0.5).shape)
+
+    # Offload only what does not fit in a device budget.
+    budget_where = eqx_offload.within_budget(optax.adamw(1e-3), tree, device_bytes=64)
+    budget_state = eqx_offload.offloaded(optax.adamw(1e-3), budget_where).init(tree)
+    print(eqx_offload.memory_report(budget_state).device_bytes)
 
     # Streaming the update group by group; the plan says what goes together.
     plan: eqx_offload.StreamPlan = eqx_offload.stream_plan(
@@ -128,8 +154,10 @@ def train(steps: int = 3) -> float:
         eqx_offload.to_host(tree, where={"not a key of tree": True})
     except eqx_offload.MemoryKindError as e:
         print("memory kind:", e)
-    except (eqx_offload.WhereError, eqx_offload.TracedMoveError) as e:
+    except (eqx_offload.WhereError, eqx_offload.TracedMoveError, eqx_offload.TreeError) as e:
         print("where:", e)
+    except (eqx_offload.OptionError, eqx_offload.SignatureError) as e:
+        print("option or signature:", e)
     except (eqx_offload.StateError, eqx_offload.NotATransformationError) as e:
         print("state:", e)
     except (eqx_offload.CompositionError, eqx_offload.CheckpointError) as e:
@@ -140,4 +168,7 @@ def train(steps: int = 3) -> float:
 
 
 if __name__ == "__main__":
+    # Run time checks on eqx_offload's own functions (name your modules to check them
+    # too; they must be imported after this call).
+    eqx_offload.install_runtime_checks()
     print(train())

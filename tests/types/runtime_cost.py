@@ -2,8 +2,11 @@
 
     python tests/types/runtime_cost.py [--runs 5]
 
-Each measurement runs in a fresh interpreter, once with `eqx_offload` imported under
-`jaxtyping.install_import_hook("eqx_offload", "beartype.beartype")` and once without:
+Each measurement runs in a fresh interpreter, in three modes: `eqx_offload` imported
+under `jaxtyping.install_import_hook("eqx_offload", "beartype.beartype")` (every function
+of the package checked, what the test suite does), after
+`eqx_offload.install_runtime_checks()` (its public functions checked), and without
+checks:
 
 - `trace_ms`: the fastest of 10 traces of the step's body (`eqx.filter_make_jaxpr`):
   what the checks cost a jitted step, once per compilation.
@@ -32,6 +35,9 @@ if sys.argv[1] == "hook":
     import jaxtyping
     with jaxtyping.install_import_hook("eqx_offload", "beartype.beartype"):
         import eqx_offload
+elif sys.argv[1] == "install":
+    import eqx_offload
+    eqx_offload.install_runtime_checks()
 else:
     import eqx_offload
 import equinox as eqx, jax, jax.numpy as jnp, optax
@@ -86,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {"plain": [], "hook": []}
+    results: dict[str, list[dict[str, float]]] = {"plain": [], "hook": [], "install": []}
     for _ in range(args.runs):
         for mode in results:  # interleaved, so that machine load hits both alike
             results[mode].append(measure(mode))
@@ -95,9 +101,10 @@ def main() -> None:
         for mode, runs in results.items()
     }
     for key in medians["plain"]:
-        plain, hook = medians["plain"][key], medians["hook"][key]
-        print(f"{key:>14}: without checks {plain:10.3f}   with checks {hook:10.3f}   "
-              f"difference {hook - plain:+10.3f}")
+        plain, hook, install = (medians[m][key] for m in ("plain", "hook", "install"))
+        print(f"{key:>16}: without checks {plain:10.3f}   hook on the package {hook:10.3f} "
+              f"({hook - plain:+.3f})   install_runtime_checks() {install:10.3f} "
+              f"({install - plain:+.3f})")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
 # Stubs for optax 0.2.x, which ships no `py.typed`: read by pytype
-# (`--pythonpath=typings`) and by mypy (`mypy_path`). The core types follow
+# (`--pythonpath=$(python -m eqx_offload typings)`) and by mypy (`mypy_path`). The core types follow
 # `optax/_src/base.py`; the optimizers, combinators, schedules and losses that training
 # scripts use are declared precisely, every other name is `Any` (`__getattr__` below).
 #
-# One deliberate difference from optax's own annotations: `Params` and `Updates` are
-# `Any`, since a parameter pytree may be any pytree (an `equinox.Module` is neither an
-# `Iterable` nor a `Mapping`, so optax's `ArrayTree` would reject every Equinox model).
-# `OptState` keeps optax's recursive `ArrayTree` shape, so passing a transformation (a
-# NamedTuple of functions) where a state is expected is an error.
+# Two deliberate differences from optax's own annotations:
+#
+# - `Params` and `Updates` are `Any`, since a parameter pytree may be any pytree (an
+#   `equinox.Module` is neither an `Iterable` nor a `Mapping`, so optax's `ArrayTree`
+#   would reject every Equinox model).
+# - `OptState`, the state a user holds (what `init` and `update` return), is `Any`; where
+#   a transformation *takes* a state, the parameter keeps optax's recursive `ArrayTree`,
+#   so passing a transformation (a NamedTuple of functions) as a state is still an
+#   error. Why: pytype evaluates `isinstance(x, C)` on instances of x's declared types,
+#   so narrowing a value declared as `ArrayTree` (a union of `ArrayLike`, `Iterable` and
+#   `Mapping`, none of them a subclass of `C`) to an optax or eqx_offload state class is
+#   "always false" to it, and it silently skips every line after
+#   `assert isinstance(state, eqx_offload.OffloadedState)`. `Any` is the one declared
+#   type that pytype narrows as "may be `C`". (mypy, pyright and pyrefly narrow either
+#   way; mypy loses nothing it checked: a union of `Iterable` and `Mapping` accepted
+#   almost any value.)
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple, Optional, Protocol, Self, Union
 
@@ -20,7 +31,7 @@ PyTree = Any
 Shape = Sequence[int]
 PRNGKey = jax.Array
 ArrayTree = Union[ArrayLike, Iterable["ArrayTree"], Mapping[Any, "ArrayTree"]]
-OptState = ArrayTree
+OptState = Any  # see above: optax says `ArrayTree`
 Params = Any
 Updates = Any
 Schedule = Callable[[ArrayLike], ArrayLike]
@@ -33,14 +44,14 @@ class TransformInitFn(Protocol):
 
 class TransformUpdateFn(Protocol):
     def __call__(
-        self, updates: Updates, state: OptState, params: Optional[Params] = None
+        self, updates: Updates, state: ArrayTree, params: Optional[Params] = None
     ) -> tuple[Updates, OptState]: ...
 
 class TransformUpdateExtraArgsFn(Protocol):
     def __call__(
         self,
         updates: Updates,
-        state: OptState,
+        state: ArrayTree,
         params: Optional[Params] = None,
         **extra_args: Any,
     ) -> tuple[Updates, OptState]: ...

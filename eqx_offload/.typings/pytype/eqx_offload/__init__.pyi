@@ -1,8 +1,8 @@
-# The public API of eqx_offload, for pytype users: put this repository's `typings/` on
-# pytype's `--pythonpath` (it also holds the stubs of jax, equinox, optax and jaxtyping
-# that these signatures refer to). mypy users need none of this: the package ships
-# `py.typed` (mypy reads its inline types; add `typings/mypy_path` to `mypy_path` for
-# optax).
+# The public API of eqx_offload, for pytype users: `pytype-single
+# --pythonpath=$(python -m eqx_offload typings) ...` reads it, with the stubs of jax,
+# equinox, optax and jaxtyping that these signatures refer to. mypy, pyright and pyrefly
+# users need none of this: the package ships `py.typed` (mypy users add
+# `python -m eqx_offload typings --mypy` to `mypy_path`, for optax).
 #
 # Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
 # check that every public name of `eqx_offload/__init__.py` is declared here).
@@ -11,9 +11,11 @@ from collections.abc import Callable, Mapping
 from typing import (
     Any,
     BinaryIO,
+    Generic,
     Literal,
     NamedTuple,
     Optional,
+    Protocol,
     TypeVar,
     Union,
     overload,
@@ -38,8 +40,11 @@ Compute = Literal["device", "host"]
 
 # Errors.
 class OffloadError(Exception): ...
+class OptionError(OffloadError, ValueError, TypeError): ...
 class MemoryKindError(OffloadError, ValueError): ...
 class WhereError(OffloadError, ValueError): ...
+class TreeError(OffloadError, TypeError): ...
+class SignatureError(OffloadError, TypeError): ...
 class TracedMoveError(OffloadError, ValueError): ...
 class StateError(OffloadError, TypeError): ...
 class NotATransformationError(OffloadError, TypeError): ...
@@ -71,13 +76,36 @@ class min_ndim(Filter):
 # Moving trees.
 def to_host(tree: _T, where: Where = True, *, memory_kind: HostMemoryKind = "pinned_host") -> _T: ...
 def to_device(tree: _T, where: Where = True) -> _T: ...
+def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T: ...
 def supported_memory_kinds(device: Optional[jax.Device] = None) -> tuple[str, ...]: ...
 
 # Optax.
 class OffloadedState(NamedTuple):
     inner_state: Any
+    # Reads of the inner state's attributes (`state.hyperparams`, `.count`, ...).
+    def __getattr__(self, name: str) -> Any: ...
 
 class OffloadWarning(UserWarning): ...
+
+# What `offloaded` returns is a plain `optax.GradientTransformationExtraArgs` at run time
+# (and in the inline annotations that mypy, pyright and pyrefly read). For pytype it is
+# this subclass, whose `init` and `update` return an `OffloadedState`: pytype cannot
+# narrow `optax.OptState` (`Any`) with `isinstance`, so without it every use of the state
+# after `assert isinstance(state, OffloadedState)` would go unchecked. (`update` takes
+# what optax's does, an `ArrayTree`: a narrower parameter would break the override.)
+class _OffloadedInit(Protocol):
+    def __call__(self, params: Any) -> OffloadedState: ...
+
+class _OffloadedUpdate(Protocol):
+    def __call__(
+        self, updates: Any, state: optax.ArrayTree, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, OffloadedState]: ...
+
+class _OffloadedTransformation(optax.GradientTransformationExtraArgs):
+    @property
+    def init(self) -> _OffloadedInit: ...
+    @property
+    def update(self) -> _OffloadedUpdate: ...
 
 def offloaded(
     inner: Union[optax.GradientTransformation, optax.MultiSteps],
@@ -85,8 +113,16 @@ def offloaded(
     *,
     memory_kind: HostMemoryKind = "pinned_host",
     group_bytes: Optional[int] = None,
+    lookahead: int = 1,
     compute: Compute = "device",
-) -> optax.GradientTransformationExtraArgs: ...
+    host_dtype: Any = None,
+) -> _OffloadedTransformation: ...
+
+# Budgets.
+def within_budget(
+    inner: optax.GradientTransformation, params: Any, device_bytes: int
+) -> Any: ...  # a pytree of bools shaped like `inner.init(params)`: a `where`
+def prefetch_options(device_bytes: Optional[int] = None) -> dict[str, Any]: ...
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
@@ -109,12 +145,36 @@ def stream_plan(
     **extra_args: Any,
 ) -> StreamPlan: ...
 
-# jit. (A `TypeVar` bound to `Callable`, not a `ParamSpec`: pytype then checks the calls
-# of the decorated function.)
+# jit. What `filter_jit` returns is generic in the function's type (a `TypeVar` bound to
+# `Callable`, not a `ParamSpec`): pytype then checks the arguments of each call through
+# `__call__`, and `.lower(...)` is there too.
+class Compiled:
+    def __init__(self, executable: Any, output: Any, key: Any, donate: str, name: str) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def memory_analysis(self) -> Any: ...
+    def cost_analysis(self) -> Any: ...
+    def as_text(self) -> Optional[str]: ...
+
+class Lowered:
+    def __init__(self, lowered: Any, output: Any, key: Any, donate: str, name: str) -> None: ...
+    def compile(self, compiler_options: Optional[dict[str, Any]] = None) -> Compiled: ...
+    def as_text(self) -> str: ...
+
+class _FilterJit(Generic[_F]):
+    __call__: _F
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered: ...
+
 @overload
-def filter_jit(fun: None = None, *, donate: Donate = "none") -> Callable[[_F], _F]: ...
+def filter_jit(
+    fun: None = None,
+    *,
+    donate: Donate = "none",
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> Callable[[_F], _FilterJit[_F]]: ...
 @overload
-def filter_jit(fun: _F, *, donate: Donate = "none") -> _F: ...
+def filter_jit(
+    fun: _F, *, donate: Donate = "none", compiler_options: Optional[dict[str, Any]] = None
+) -> _FilterJit[_F]: ...
 
 # Reports.
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +198,9 @@ class MemoryReport:
     def __rich__(self) -> Any: ...
 
 def memory_report(tree: Any) -> MemoryReport: ...
+
+# Runtime checks.
+def install_runtime_checks(*modules: str) -> None: ...
 
 # Checkpoints.
 def host_shardings(

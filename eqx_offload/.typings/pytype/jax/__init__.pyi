@@ -1,5 +1,5 @@
 # Stubs for the part of `jax` that eqx_offload and a typical Equinox training script
-# use. Read by pytype (`--pythonpath=typings`); mypy reads jax's own inline types.
+# use. Read by pytype (`--pythonpath=$(python -m eqx_offload typings)`); mypy reads jax's own inline types.
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Literal, Optional, ParamSpec, TypeVar, Union, overload

@@ -1,0 +1,57 @@
+"""How `eqx_offload` names and measures the leaves of a pytree.
+
+One path convention for the whole package: a leaf's key path as `/`-joined keys from the
+root (`"1/0/mu/layers/0/weight"`: dict keys, sequence indices, attribute names), the form
+`pattern` matches, errors print and `memory_report` lists. `path_parts` is the same path
+as a tuple, which `filter_jit` compares from the end to pair outputs with inputs.
+"""
+
+from typing import Any
+
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+
+
+KeyPath = tuple[Any, ...]
+
+
+def key_to_str(key: Any) -> str:
+    """One entry of a JAX key path as it appears in a path string."""
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.GetAttrKey):
+        return str(key.name)
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_parts(path: KeyPath) -> tuple[str, ...]:
+    """A key path as a tuple of strings, e.g. `("1", "0", "mu", "weight")`."""
+    return tuple(key_to_str(k) for k in path)
+
+
+def path_to_str(path: KeyPath) -> str:
+    """A key path as a `/`-separated string, e.g. `"1/0/mu/layers/0/weight"` (the form
+    that axlearn's `pattern` matches against)."""
+    return "/".join(path_parts(path))
+
+
+def shown(path: str) -> str:
+    """A path string as errors print it (`<root>` for the root itself)."""
+    return path or "<root>"
+
+
+def nbytes(leaf: Any) -> int:
+    """Bytes of an array leaf (its global size, for a sharded array). `dtype.itemsize`,
+    not `np.dtype(...)`: JAX's extended dtypes (typed PRNG keys) are no NumPy dtypes."""
+    return int(np.prod(leaf.shape, dtype=np.int64)) * int(leaf.dtype.itemsize)
+
+
+def is_traced(x: Any) -> bool:
+    """Whether `x` is a tracer (inside `jit`, `grad`, `vmap`, ...)."""
+    return isinstance(x, jax.core.Tracer)

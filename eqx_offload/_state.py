@@ -1,0 +1,129 @@
+"""The state of `offloaded`: its type, reading it, and checking what `update` is given."""
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._errors import StateError
+from ._leaves import path_to_str
+from ._move import move
+from ._placement import memory_kind_of
+from ._where import structure_divergence
+
+
+class OffloadedState(NamedTuple):
+    """The state of `offloaded(inner)`.
+
+    **Fields:**
+
+    - `inner_state`: the state of `inner`, with the leaves selected by `where` in host
+        memory between steps.
+
+    Reading an attribute the inner state has (`opt_state.hyperparams`, `.count`,
+    `.mini_step`, ...) returns it with its array leaves brought to the device, so the
+    optax ways of reading a state work as they do on the unwrapped one:
+    `opt_state.hyperparams["learning_rate"]` (`inject_hyperparams`),
+    `optax.MultiSteps(...).has_updated(opt_state)`,
+    `optax.contrib.schedule_free_eval_params(opt_state, params)`. (The host copy is not
+    changed; under `jit` the move is part of the traced program.) `optax.tree.get` and
+    `optax.tree_utils.tree_get` search the whole state, so they find a hyperparameter
+    through `inner_state` as they are.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = {"w": jnp.ones((3, 3))}
+        opt = eqx_offload.offloaded(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+        state = opt.init(params)
+        assert state.hyperparams["learning_rate"] == 0.1
+        assert optax.tree.get(state, "learning_rate") == 0.1
+        ```
+    """
+
+    inner_state: Any
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails, so `inner_state`, the tuple methods and
+        # the NamedTuple machinery are untouched. Private names are never forwarded
+        # (copy, pickle and JAX probe for `__jax_array__`, `_fields`, ...).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        inner = tuple.__getitem__(self, 0)
+        try:
+            value = getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'OffloadedState' object has no attribute {name!r}, nor has its "
+                f"inner_state ({type(inner).__qualname__})"
+            ) from None
+        return move(value, True, None, "to_device")
+
+
+class OffloadWarning(UserWarning):
+    """A state leaf that should be in host memory was found in device memory."""
+
+
+def check_state(state: Any, expected: Any) -> None:
+    """Raise a `StateError` unless `state` is an `OffloadedState` whose inner state has
+    the structure and shapes of `expected` (the abstract state `inner.init` makes).
+
+    Shapes only: a dtype may legitimately change after `init` (optax's
+    `inject_hyperparams(adam)` promotes a bfloat16 moment to float32 when the params mix
+    dtypes) or differ from the updates' (mixed precision); and a state may hold Python
+    scalars, whose shape is `()`."""
+    if not isinstance(state, OffloadedState):
+        raise StateError(
+            f"offloaded(...).update(state=...) expects the OffloadedState made by "
+            f"this transformation's `init`; got {type(state).__qualname__}. Did "
+            "you pass the state of the unwrapped optimizer? Call `init` on the "
+            "`offloaded(...)` transformation and pass its result."
+        )
+    found = structure_divergence(expected, state.inner_state)
+    if found is not None:
+        path, what = found
+        raise StateError(
+            f"offloaded(...).update(state=...): the state does not belong to this "
+            f"optimizer: at path inner_state/{path} the expected state has {what}. "
+            "Pass the state returned by this transformation's `init` (or a "
+            "previous `update`), not one from another optimizer."
+        )
+    for (key_path, want), got in zip(
+        jtu.tree_flatten_with_path(expected)[0], jtu.tree_leaves(state.inner_state), strict=True
+    ):
+        if hasattr(want, "shape") and np.shape(got) != want.shape:
+            raise StateError(
+                f"offloaded(...).update(state=...): leaf inner_state/"
+                f"{path_to_str(key_path)} is {getattr(got, 'dtype', type(got).__name__)}"
+                f"{list(np.shape(got))} but this optimizer expects "
+                f"{want.dtype}{list(want.shape)} for these updates. Pass the state "
+                "made by this transformation's `init` for these parameters."
+            )
+
+
+def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> bool:
+    """Warn (and return `True`) if a leaf selected for host memory is in device memory."""
+    for (path, leaf), selected in zip(
+        jtu.tree_flatten_with_path(inner_state)[0], mask, strict=True
+    ):
+        if selected and isinstance(leaf, jax.Array) and memory_kind_of(leaf) == "device":
+            warnings.warn(
+                f"offloaded(...).update: state leaf inner_state/{path_to_str(path)} "
+                f"is in device memory, but `where` selects it for {memory_kind!r}. "
+                "It is used as is and the new state goes to host. This happens "
+                "when a state was restored without host shardings (see "
+                "`eqx_offload.host_shardings`), placed with a device sharding (e.g. "
+                "`eqx.filter_shard(opt_state, sharding)` outside `jit`: use "
+                "`sharding.with_memory_kind('pinned_host')` for the state), or made "
+                "with another `where`. (This warning is shown once per transformation.)",
+                OffloadWarning,
+                stacklevel=4,
+            )
+            return True
+    return False

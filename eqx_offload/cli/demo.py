@@ -1,0 +1,246 @@
+"""`python -m eqx_offload demo`: train the same model twice, with and without offload,
+and show where the bytes live, what a step costs and that the losses are bitwise equal."""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_offload
+
+from .measure import bitwise_equal, CompileCounter, counting
+from .models import make_mlp, make_step, mse_loss, num_params, OPTIMIZERS, regression_batches
+from .tables import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Options of `python -m eqx_offload demo`."""
+
+    width: int = 512
+    depth: int = 4
+    features: int = 32
+    batch: int = 64
+    steps: int = 200
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    progress: bool = True
+    perturb: bool = False
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run of the demo."""
+
+    label: str
+    losses: np.ndarray
+    step_seconds: list[float]
+    params: eqx_offload.MemoryReport
+    opt_state: eqx_offload.MemoryReport
+    compilations: int
+    final_params: Any = dataclasses.field(repr=False)
+
+    @property
+    def median_step_seconds(self) -> float:
+        # The first step compiles; it is not a step time.
+        timed = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(timed)
+
+
+def train(
+    label: str,
+    optimizer: optax.GradientTransformation,
+    jit: Callable[[Callable[..., Any]], Callable[..., Any]],
+    config: DemoConfig,
+) -> RunResult:
+    """Train a fresh model for `config.steps` steps and record what the demo shows."""
+    from tqdm.auto import tqdm
+
+    model = make_mlp(config.width, config.depth, config.features, config.seed)
+    batches = regression_batches(config.features, config.batch, 8, config.seed)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step = jit(make_step(optimizer, mse_loss))
+    losses: list[jax.Array] = []
+    seconds: list[float] = []
+    counter = CompileCounter()
+    with counting(counter):
+        for i in tqdm(range(config.steps), desc=label, disable=not config.progress,
+                      leave=True, unit="step", dynamic_ncols=True):
+            start = time.perf_counter()
+            model, opt_state, loss = step(model, opt_state, batches[i % len(batches)])
+            jax.block_until_ready((model, opt_state, loss))
+            seconds.append(time.perf_counter() - start)
+            losses.append(loss)
+    return RunResult(
+        label=label,
+        losses=np.asarray(jnp.stack(losses)),
+        step_seconds=seconds,
+        params=eqx_offload.memory_report(model),
+        opt_state=eqx_offload.memory_report(opt_state),
+        compilations=counter.count,
+        final_params=jax.tree.map(np.asarray, eqx.filter(model, eqx.is_array)),
+    )
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """Both runs and the verdict."""
+
+    config: DemoConfig
+    plain: RunResult
+    offload: RunResult
+    losses_equal: bool
+    params_equal: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.losses_equal and self.params_equal
+
+    def to_json(self) -> dict[str, Any]:
+        def run(r: RunResult) -> dict[str, Any]:
+            return {
+                "label": r.label,
+                "params_device_bytes": r.params.device_bytes,
+                "params_host_bytes": r.params.host_bytes,
+                "opt_state_device_bytes": r.opt_state.device_bytes,
+                "opt_state_host_bytes": r.opt_state.host_bytes,
+                "opt_state_by_kind": r.opt_state.by_kind,
+                "median_step_seconds": r.median_step_seconds,
+                "compilations": r.compilations,
+                "final_loss": float(r.losses[-1]),
+                "losses": [float(v) for v in r.losses],
+            }
+
+        return {
+            "config": dataclasses.asdict(self.config),
+            "backend": jax.default_backend(),
+            "device": str(jax.devices()[0].device_kind),
+            "jax_version": jax.__version__,
+            "plain": run(self.plain),
+            "offloaded": run(self.offload),
+            "losses_bitwise_equal": self.losses_equal,
+            "final_params_bitwise_equal": self.params_equal,
+        }
+
+
+def run_demo(config: DemoConfig) -> DemoResult:
+    """Train plain `optax.<optimizer>` under `eqx.filter_jit(donate="all")` and
+    `offloaded(optax.<optimizer>)` under `eqx_offload.filter_jit(donate="all")` on the
+    same model and data, and compare them bit for bit."""
+    try:
+        factory = OPTIMIZERS[config.optimizer]
+    except KeyError:
+        raise ValueError(f"optimizer={config.optimizer!r}: choose one of "
+                         f"{', '.join(OPTIMIZERS)}.") from None
+    name = f"optax.{config.optimizer}"
+    plain = train(name, factory(config.learning_rate), eqx.filter_jit(donate="all"), config)
+    # `perturb` exists to show that the comparison can fail: it changes the offloaded
+    # run's learning rate by one part in a million.
+    lr = config.learning_rate * (1 + 1e-6) if config.perturb else config.learning_rate
+    offload = train(f"offloaded({name})", eqx_offload.offloaded(factory(lr)),
+                    eqx_offload.filter_jit(donate="all"), config)
+    return DemoResult(
+        config=config,
+        plain=plain,
+        offload=offload,
+        losses_equal=bitwise_equal(plain.losses, offload.losses),
+        params_equal=bitwise_equal(plain.final_params, offload.final_params),
+    )
+
+
+def render(result: DemoResult) -> Any:
+    """The side-by-side table, as a `rich` renderable."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    plain, off = result.plain, result.offload
+    table = Table(title=f"{num_params(plain.final_params):,} parameters, "
+                        f"{result.config.steps} steps, backend {jax.default_backend()}")
+    table.add_column("between steps")
+    table.add_column(plain.label, justify="right")
+    table.add_column(off.label, justify="right")
+    table.add_row("params: device bytes", format_bytes(plain.params.device_bytes),
+                  format_bytes(off.params.device_bytes))
+    table.add_row("opt state: device bytes", format_bytes(plain.opt_state.device_bytes),
+                  format_bytes(off.opt_state.device_bytes))
+    table.add_row("opt state: host bytes", format_bytes(plain.opt_state.host_bytes),
+                  format_bytes(off.opt_state.host_bytes))
+    table.add_row("device bytes, params + opt state",
+                  format_bytes(plain.params.device_bytes + plain.opt_state.device_bytes),
+                  format_bytes(off.params.device_bytes + off.opt_state.device_bytes))
+    table.add_row("median step time", f"{plain.median_step_seconds * 1e3:.2f} ms",
+                  f"{off.median_step_seconds * 1e3:.2f} ms")
+    table.add_row("compilations", str(plain.compilations), str(off.compilations))
+    table.add_row("final loss", f"{plain.losses[-1]:.8g}", f"{off.losses[-1]:.8g}")
+
+    saved = plain.opt_state.device_bytes - off.opt_state.device_bytes
+    total = plain.params.device_bytes + plain.opt_state.device_bytes
+    lines = [
+        Text(f"device memory saved between steps: {format_bytes(saved)} "
+             f"({100 * saved / max(total, 1):.0f}% of params + opt state)"),
+        _verdict("loss trajectories", result.losses_equal, len(plain.losses)),
+        _verdict("final parameters", result.params_equal, None),
+    ]
+    return Group(table, *lines)
+
+
+def _verdict(what: str, ok: bool, steps: Optional[int]) -> Any:
+    from rich.text import Text
+
+    count = f" ({steps} steps)" if steps is not None else ""
+    if ok:
+        return Text(f"{what}{count}: bitwise equal", style="bold green")
+    return Text(f"{what}{count}: NOT bitwise equal", style="bold red")
+
+
+def demo_main(config: DemoConfig, json_path: Optional[str] = None) -> int:
+    """Run the demo, print the table, write JSON if asked; 0 if bitwise equal, else 1."""
+    from rich.console import Console
+
+    result = run_demo(config)
+    Console().print(render(result))
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+    return 0 if result.ok else 1
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m eqx_offload demo`."""
+    parser.add_argument("--width", type=int, default=512, help="hidden width (default 512)")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
+    parser.add_argument("--features", type=int, default=32,
+                        help="input and output features (default 32)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                        help="optax optimizer (default adamw)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    # For the test suite: makes the offloaded run differ, to show that the check fails.
+    parser.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`python -m eqx_offload demo`."""
+    config = DemoConfig(
+        width=args.width, depth=args.depth, features=args.features, batch=args.batch,
+        steps=args.steps, optimizer=args.optimizer, learning_rate=args.lr, seed=args.seed,
+        progress=not args.no_progress, perturb=args.perturb,
+    )
+    return demo_main(config, args.json)

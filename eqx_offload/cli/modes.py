@@ -1,0 +1,190 @@
+"""The benchmark's modes: one table, `MODES`, from a mode's name to how to build its
+training step, with a one-line description. Adding a mode is one entry; a variant of
+`offloaded` is `offload_mode("description", option=value)`."""
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import eqx_offload
+
+from .measure import CompileCounter, counting
+from .models import Loss, make_step
+
+
+@dataclasses.dataclass
+class Runner:
+    """One mode of one benchmark point: its jitted step, its live model and state, and
+    what its steps measured.
+
+    `compile()` returns the step's compiled executable for the current arguments (for
+    its `memory_analysis()`)."""
+
+    mode: str
+    step: Callable[..., Any]
+    model: Any
+    state: Any
+    compile: Callable[[Any, Any, Any], Any]
+    counter: CompileCounter = dataclasses.field(default_factory=CompileCounter)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    cpu_seconds: list[float] = dataclasses.field(default_factory=list)
+    losses: list[Any] = dataclasses.field(default_factory=list)
+    first_call: float = 0.0
+
+    def run(self, batch: Any) -> tuple[float, float]:
+        """One step; returns its wall-clock and process CPU seconds."""
+        with counting(self.counter):
+            cpu = time.process_time()
+            start = time.perf_counter()
+            self.model, self.state, loss = self.step(self.model, self.state, batch)
+            jax.block_until_ready((self.model, self.state, loss))
+            elapsed = time.perf_counter() - start
+            cpu = time.process_time() - cpu
+        self.losses.append(loss)
+        return elapsed, cpu
+
+
+Build = Callable[[str, optax.GradientTransformation, Any, Loss], Runner]
+"""`(mode name, optimizer, fresh model, loss) -> Runner`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One column of the benchmark.
+
+    **Fields:**
+
+    - `description`: one line, for `--help` and the docs.
+    - `build`: makes the mode's `Runner`.
+    - `bitwise`: whether its losses must equal the baseline's bit for bit (a
+        correctness check: the run fails if they do not).
+    - `default`: measured when `--modes` is not given.
+    - `options`: for a mode of `offloaded`, its keyword arguments (so that other
+        scripts, such as `bench/gpu_peak.py`, measure the same transformation).
+    """
+
+    description: str
+    build: Build
+    bitwise: bool = True
+    default: bool = True
+    options: Optional[dict[str, Any]] = None
+
+
+def _baseline(mode: str, optimizer: optax.GradientTransformation, model: Any,
+              loss: Loss) -> Runner:
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    # (Any: the stubs type `eqx.filter_jit`'s result as a plain callable, without `lower`.)
+    step: Any = eqx.filter_jit(make_step(optimizer, loss), donate="all")
+
+    def compile(model: Any, state: Any, batch: Any) -> Any:
+        return step.lower(model, state, batch).compile().compiled
+
+    return Runner(mode, step, model, state, compile)
+
+
+def _constant(value: Any, _: Any) -> Any:
+    return value
+
+
+def _manual(mode: str, optimizer: optax.GradientTransformation, model: Any,
+            loss: Loss) -> Runner:
+    """JAX's host-offloading tutorial, on the array part of an Equinox model: the whole
+    state in `pinned_host`; inside a plain `jax.jit` the step `device_put`s it to the
+    device, updates, and puts it back. The jit gets `in_shardings` and `out_shardings`
+    with every leaf's memory kind and donates params and state: with both shardings
+    given, JAX pairs donated inputs only with outputs in the same memory."""
+    params, static = eqx.partition(model, eqx.is_array)
+    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_host = on_device.with_memory_kind("pinned_host")
+    state = jax.device_put(optimizer.init(params), on_host)
+    params = jax.device_put(params, on_device)
+    inner = make_step(optimizer, loss)
+
+    def step(params: Any, state: Any, batch: Any) -> Any:
+        state = jax.device_put(state, on_device)
+        new_model, state, value = inner(eqx.combine(params, static), state, batch)
+        state = jax.device_put(state, on_host)
+        return eqx.filter(new_model, eqx.is_array), state, value
+
+    params_shardings = jax.tree.map(functools.partial(_constant, on_device), params)
+    state_shardings = jax.tree.map(functools.partial(_constant, on_host), state)
+    jitted = jax.jit(
+        step,
+        in_shardings=(params_shardings, state_shardings, on_device),
+        out_shardings=(params_shardings, state_shardings, on_device),
+        donate_argnums=(0, 1),
+    )
+
+    def compile(params: Any, state: Any, batch: Any) -> Any:
+        return jitted.lower(params, state, batch).compile()
+
+    return Runner(mode, jitted, params, state, compile)
+
+
+def offload_mode(description: str, *, bitwise: bool = True, default: bool = True,
+             jit_options: Optional[dict[str, Any]] = None, **options: Any) -> Mode:
+    """A mode of `offloaded`, for the table `MODES`.
+
+    **Arguments:**
+
+    - `description`, `bitwise`, `default`: as `Mode`'s fields.
+    - `jit_options`: extra keyword arguments of `eqx_offload.filter_jit` (e.g.
+        `compiler_options`).
+    - `options`: keyword arguments of `eqx_offload.offloaded`.
+
+    **Returns:**
+
+    A `Mode` that trains with `eqx_offload.offloaded(optimizer, **options)` under
+    `eqx_offload.filter_jit(step, donate="all", **jit_options)`.
+    """
+
+    def build(mode: str, optimizer: optax.GradientTransformation, model: Any,
+              loss: Loss) -> Runner:
+        wrapped = eqx_offload.offloaded(optimizer, **options)
+        state = wrapped.init(eqx.filter(model, eqx.is_array))
+        step: Any = eqx_offload.filter_jit(make_step(wrapped, loss), donate="all",
+                                           **(jit_options or {}))
+
+        def compile(model: Any, state: Any, batch: Any) -> Any:
+            return step.lower(model, state, batch).compile()
+
+        return Runner(mode, step, model, state, compile)
+
+    return Mode(description, build, bitwise, default, options)
+
+
+MODES: dict[str, Mode] = {
+    "baseline": Mode(
+        "no offload: the optimizer state on the device, eqx.filter_jit(donate='all')",
+        _baseline),
+    "manual": Mode(
+        "JAX's host-offloading tutorial: the state in pinned_host, device_put in and out "
+        "inside jax.jit with full in/out shardings", _manual),
+    "eqx_offload": offload_mode(
+        "offloaded(optimizer) under eqx_offload.filter_jit(donate='all')"),
+    "streamed": offload_mode(
+        "offloaded(optimizer, group_bytes=0): one parameter's state on the device at a time",
+        group_bytes=0),
+    "host_compute": offload_mode(
+        "offloaded(optimizer, compute='host'): the update runs on the host CPU",
+        compute="host"),
+    "prefetch": offload_mode(
+        "offloaded(optimizer) under filter_jit(compiler_options=prefetch_options()): the "
+        "state's copies to the device may overlap the forward and backward passes (GPU)",
+        default=False, jit_options={"compiler_options": eqx_offload.prefetch_options()}),
+    "host_bf16": offload_mode(
+        "offloaded(optimizer, host_dtype=jnp.bfloat16): floating state kept in host memory "
+        "as bfloat16, half the bytes (not bitwise)",
+        bitwise=False, default=False, host_dtype=jnp.bfloat16),
+}
+"""Every mode the benchmark can measure, in the order of its tables. The ratios are to
+`baseline`, which always runs."""
+
+DEFAULT_MODES: tuple[str, ...] = tuple(name for name, mode in MODES.items() if mode.default)

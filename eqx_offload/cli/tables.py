@@ -1,0 +1,201 @@
+"""The benchmark's results as Markdown (for the docs) and as console tables (rich)."""
+
+from typing import Any, Optional, Union
+
+
+def format_bytes(n: Union[int, float]) -> str:
+    """`1536` -> `"1.5 KiB"`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}" if s >= 0.01 else f"{s * 1e3:.2f}"
+
+
+def _ratio(r: Optional[dict[str, float]]) -> str:
+    return "–" if r is None else f"{r['median']:.3f}"
+
+
+def _gbps(v: Optional[float]) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
+def _params(p: dict[str, Any]) -> str:
+    return f"{p['params'] / 1e6:.1f}M" if p["params"] >= 1e5 else f"{p['params'] / 1e3:.1f}k"
+
+
+def floors(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One baseline point per (workload, optimizer, size): the point's transfer floor."""
+    return [p for p in points if p["mode"] == "baseline" and p.get("error") is None]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results as Markdown tables (for the README and the docs)."""
+    m = result["machine"]
+    config = result["config"]
+    lines = [
+        f"Measured {m['date']} on **{m['device_kind']}** (backend `{m['backend']}`, "
+        f"{m['cpu_count']} CPU cores: {m['cpu']}), JAX {m['jax_version']}, "
+        f"MLP batch {config['batch']}, transformer "
+        f"{config['lm']['layers']}×{config['lm']['width']} (batch {config['lm']['batch']} × "
+        f"{config['lm']['seq']} tokens), {config['repeats']} interleaved repetitions per "
+        f"point; load average (1 min) {m.get('load_average_start')} at the start, "
+        f"{m.get('load_average_end')} at the end.",
+        "",
+        "| workload | optimizer | params | mode | step ms (median [p25, p75]) | × baseline | "
+        "× floor | × baseline, process CPU time | device bytes: params + opt state | "
+        "opt state on host | compilations | compile s | temp / peak (memory_analysis) |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in result["points"]:
+        head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} |"
+        if p.get("error") is not None:
+            lines.append(f"{head} failed: {p['error'].replace('|', '/')} "
+                         "| | | | | | | | |")
+            continue
+        s = p["step_seconds"]
+        ma = p["memory_analysis"] or {}
+        temp, peak = ma.get("temp_size_in_bytes"), ma.get("peak_memory_in_bytes")
+        mem = (f"{format_bytes(temp) if temp is not None else '–'} / "
+               f"{format_bytes(peak) if peak is not None else '–'}")
+        lines.append(
+            f"{head} {_ms(s['median'])} [{_ms(s['p25'])}, {_ms(s['p75'])}] | "
+            f"{_ratio(p['ratio_to_baseline'])} | {_ratio(p['ratio_to_floor'])} | "
+            f"{_ratio(p['cpu_ratio_to_baseline'])} | "
+            f"{format_bytes(p['params_device_bytes'] + p['opt_state_device_bytes'])} | "
+            f"{format_bytes(p['opt_state_host_bytes'])} | {p['compilations']} | "
+            f"{p['compile_seconds']:.2f} | {mem} |")
+    lines += [
+        "",
+        "× floor: the step over the full-duplex floor `max(baseline step, one-way copy)` "
+        "of the same repetition (median of the per-repetition ratios).",
+        "",
+        "Transfer floor per point: one bare copy of the optimizer state's offloaded "
+        "leaves each way (`jax.device_put`, pinned_host ↔ device), interleaved with the "
+        "steps:",
+        "",
+        "| workload | optimizer | params | state bytes | to device ms (GB/s) | "
+        "to host ms (GB/s) | baseline ms | floor: full duplex ms | no overlap ms | "
+        "serial ms | baseline / one-way copy |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in floors(result["points"]):
+        f = p["floor"]
+        lines.append(
+            f"| {p['workload']} | {p['optimizer']} | {_params(p)} | "
+            f"{format_bytes(f['state_bytes'])} | "
+            f"{_ms(f['to_device_seconds']['median'])} ({_gbps(f['to_device_gbps'])}) | "
+            f"{_ms(f['to_host_seconds']['median'])} ({_gbps(f['to_host_gbps'])}) | "
+            f"{_ms(p['step_seconds']['median'])} | {_ms(f['full_duplex_seconds']['median'])} | "
+            f"{_ms(f['no_overlap_seconds']['median'])} | {_ms(f['serial_seconds']['median'])} | "
+            f"{f['baseline_over_one_way']:.2f} |")
+    if result["movers"]:
+        lines += [
+            "",
+            f"Eager movers, GB/s (best of {config['mover_repeats']} interleaved "
+            "repetitions):",
+            "",
+            "| array | to_host | to_device | to_host, 8 leaves | NumPy copy | "
+            "NumPy copy, no huge pages | NumPy copyto (preallocated) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for mv in result["movers"]:
+            def g(key: str) -> str:
+                v = mv.get(key + "_gbps")
+                return "–" if v is None else f"{v:.2f}"
+            lines.append(f"| {mv['mib']} MiB | {g('to_host')} | {g('to_device')} | "
+                         f"{g('to_host_8_leaves')} | {g('numpy_copy')} | "
+                         f"{g('numpy_copy_no_hugepages')} | {g('numpy_copyto')} |")
+    if result["loss_curves"]:
+        lines += [
+            "",
+            "Loss curves against the baseline (same model, data and initialisation):",
+            "",
+            "| workload | optimizer | mode | steps | final loss, baseline | final loss, mode | "
+            "relative difference | max abs difference | bitwise equal |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for c in result["loss_curves"]:
+            if c.get("error") is not None:
+                lines.append(f"| {c['workload']} | {c['optimizer']} | {c['mode']} | "
+                             f"failed: {c['error'].replace('|', '/')} | | | | | |")
+                continue
+            lines.append(
+                f"| {c['workload']} | {c['optimizer']} | {c['mode']} | {c['steps']} | "
+                f"{c['baseline_final']:.6g} | {c['final']:.6g} | "
+                f"{c['final_relative_difference']:+.3%} | {c['max_abs_difference']:.3g} | "
+                f"{c['bitwise_equal']} |")
+    if result.get("skipped"):
+        lines += ["", "Skipped (time limit): " + "; ".join(result["skipped"]) + "."]
+    lines += ["", "| target | result | numbers |", "| --- | --- | --- |"]
+    for t in result["targets"]:
+        lines.append(f"| {t['target']} | **{t['status']}** | {t['detail']} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(result: dict[str, Any]) -> Any:
+    """The main tables for the console, as a `rich` renderable."""
+    from rich.console import Group
+    from rich.table import Table
+
+    table = Table(title=f"step time and memory ({result['machine']['device_kind']}, "
+                        f"{result['machine']['backend']})")
+    for col in ("workload", "optimizer", "params", "mode", "step ms", "× baseline",
+                "× manual", "× floor", "device: params+state", "state on host", "compiles",
+                "compile s"):
+        table.add_column(col, justify="left" if col in ("workload", "optimizer", "mode")
+                         else "right")
+    for p in result["points"]:
+        head = (p["workload"], p["optimizer"], _params(p), p["mode"])
+        if p.get("error") is not None:
+            table.add_row(*head, f"[bold red]failed[/bold red]: {p['error'][:60]}")
+            continue
+        s = p["step_seconds"]
+        table.add_row(
+            *head, f"{_ms(s['median'])} [{_ms(s['p25'])}, {_ms(s['p75'])}]",
+            _ratio(p["ratio_to_baseline"]), _ratio(p["ratio_to_manual"]),
+            _ratio(p["ratio_to_floor"]),
+            format_bytes(p["params_device_bytes"] + p["opt_state_device_bytes"]),
+            format_bytes(p["opt_state_host_bytes"]), str(p["compilations"]),
+            f"{p['compile_seconds']:.2f}")
+    parts: list[Any] = [table]
+    floor_table = Table(title="transfer floor: one bare copy of the state each way")
+    for col in ("workload", "optimizer", "params", "state", "to device ms",
+                "to host ms", "baseline ms", "full duplex ms", "no overlap ms",
+                "baseline / copy"):
+        floor_table.add_column(col, justify="left" if col in ("workload", "optimizer")
+                               else "right")
+    for p in floors(result["points"]):
+        f = p["floor"]
+        floor_table.add_row(
+            p["workload"], p["optimizer"], _params(p), format_bytes(f["state_bytes"]),
+            _ms(f["to_device_seconds"]["median"]), _ms(f["to_host_seconds"]["median"]),
+            _ms(p["step_seconds"]["median"]), _ms(f["full_duplex_seconds"]["median"]),
+            _ms(f["no_overlap_seconds"]["median"]), f"{f['baseline_over_one_way']:.2f}")
+    parts.append(floor_table)
+    if result["loss_curves"]:
+        curves = Table(title="loss curves against the baseline")
+        for col in ("workload", "mode", "steps", "final, baseline", "final, mode",
+                    "relative difference", "bitwise"):
+            curves.add_column(col)
+        for c in result["loss_curves"]:
+            if c.get("error") is not None:
+                curves.add_row(c["workload"], c["mode"], f"[bold red]failed[/bold red]: "
+                               f"{c['error'][:60]}")
+                continue
+            curves.add_row(c["workload"], c["mode"], str(c["steps"]),
+                           f"{c['baseline_final']:.6g}", f"{c['final']:.6g}",
+                           f"{c['final_relative_difference']:+.3%}", str(c["bitwise_equal"]))
+        parts.append(curves)
+    targets = Table(title="targets")
+    for col in ("target", "result", "numbers"):
+        targets.add_column(col)
+    for t in result["targets"]:
+        style = {"pass": "green", "FAIL": "bold red"}.get(t["status"], "yellow")
+        targets.add_row(t["target"], f"[{style}]{t['status']}[/{style}]", t["detail"])
+    parts.append(targets)
+    return Group(*parts)

@@ -1,0 +1,119 @@
+"""`filter_jit`'s ahead-of-time API (`.lower(...).compile()`, as `eqx.filter_jit`), its
+per-executable compiler options, and one trace of the user's function per compilation."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optax
+import pytest
+from helpers import assert_tree_equal, count_compiles
+
+import eqx_offload
+
+
+def _setup() -> tuple[Any, Any, Any, Any]:
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    opt = eqx_offload.offloaded(optax.adamw(1e-2))
+    state = opt.init(eqx.filter(model, eqx.is_array))
+
+    def step(model: Any, state: Any, x: jax.Array) -> Any:
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, loss
+
+    return model, state, step, jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+
+def test_lower_compile_call_equals_the_call() -> None:
+    model, state, step, x = _setup()
+    jitted = eqx_offload.filter_jit(step, donate="all")
+    ref = eqx_offload.filter_jit(step)(model, state, x)
+    lowered = jitted.lower(model, state, x)
+    assert isinstance(lowered, eqx_offload.Lowered)
+    assert "pinned_host" in lowered.as_text()
+    compiled = lowered.compile()
+    assert isinstance(compiled, eqx_offload.Compiled)
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert compiled.cost_analysis() is not None
+    assert "HloModule" in (compiled.as_text() or "")
+    donated = jtu.tree_leaves(state)
+    out = compiled(model, state, x)
+    assert all(leaf.is_deleted() for leaf in donated)  # the compiled call donates too
+    assert_tree_equal(eqx.filter(out, eqx.is_array), eqx.filter(ref, eqx.is_array))
+    mu = out[1].inner_state[0].mu.layers[0].weight
+    assert mu.sharding.memory_kind == "pinned_host"
+
+
+def test_lower_does_not_fill_the_call_cache() -> None:
+    model, state, step, x = _setup()
+    jitted = eqx_offload.filter_jit(step)
+    jitted.lower(model, state, x).compile()
+    with count_compiles("step") as compiles:
+        jitted(model, state, x)
+        jitted(model, state, x)
+    assert len(compiles) == 1
+
+
+def test_compiled_rejects_other_arguments() -> None:
+    model, state, step, x = _setup()
+    compiled = eqx_offload.filter_jit(step).lower(model, state, x).compile()
+    with pytest.raises(eqx_offload.SignatureError, match="differ from those it was lowered for"):
+        compiled(model, state, jnp.ones((5, 3)))
+    with pytest.raises(TypeError):  # a SignatureError is a TypeError too
+        compiled(model, state, x.astype(jnp.float16))
+
+
+def test_user_function_traced_once_per_compilation() -> None:
+    """The step runs once per compilation (the compiled program is a replay of that
+    trace), so `offloaded`'s update path and its `where` resolution run once too."""
+    model, state, step, x = _setup()
+    calls = []
+
+    def counted(model: Any, state: Any, x: jax.Array) -> Any:
+        calls.append(1)
+        return step(model, state, x)
+
+    jitted = eqx_offload.filter_jit(counted)
+    for _ in range(3):
+        model, state, _ = jitted(model, state, x)
+    assert len(calls) == 1
+    jitted.lower(model, state, x)
+    assert len(calls) == 2
+
+
+def test_compiler_options_reach_the_executable() -> None:
+    """Options are per executable: a valid one compiles, an unknown one is XLA's error
+    (so they really are passed), both at `filter_jit(...)` and at `.compile(...)`."""
+    model, state, step, x = _setup()
+    good = {"xla_cpu_enable_fast_math": False}
+    eqx_offload.filter_jit(step, compiler_options=good)(model, state, x)
+    eqx_offload.filter_jit(step).lower(model, state, x).compile(good)
+    bad = {"xla_no_such_option_for_eqx_offload": True}
+    with pytest.raises(Exception, match="xla_no_such_option_for_eqx_offload"):
+        eqx_offload.filter_jit(step, compiler_options=bad)(model, state, x)
+    with pytest.raises(Exception, match="xla_no_such_option_for_eqx_offload"):
+        eqx_offload.filter_jit(step).lower(model, state, x).compile(bad)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"donate": "some"}, "donate must be one of"),
+    ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict"),
+])
+def test_bad_options_are_option_errors(kwargs: dict[str, Any], match: str) -> None:
+    unchecked = getattr(eqx_offload.filter_jit, "__wrapped__", eqx_offload.filter_jit)
+    with pytest.raises(eqx_offload.OptionError, match=match):
+        unchecked(lambda x: x, **kwargs)
+
+
+def test_methods() -> None:
+    class Scaler(eqx.Module):
+        factor: float
+
+        @eqx_offload.filter_jit
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x * self.factor
+
+    assert_tree_equal(Scaler(2.0)(jnp.ones(3)), jnp.full(3, 2.0))
