@@ -10,7 +10,9 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from .common import compilations, params, placement, Run
+from helpers import count_compiles
+
+from .common import params, placement, Run
 
 
 STEPS = 5
@@ -68,9 +70,9 @@ def train(port: bool, donate: str = "none") -> Run:
     losses, placements, compiles = [], [], []
     batches = data(jr.key(1))
     for x, y in batches:
-        before = compilations()
-        model, state, opt_state, loss = make_step(model, state, opt_state, x, y)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            model, state, opt_state, loss = make_step(model, state, opt_state, x, y)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_state))

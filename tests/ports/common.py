@@ -25,7 +25,7 @@ class Run(NamedTuple):
     - `opt_state`: the final optimizer state (an `OffloadedState` when ported).
     - `placements`: for a ported run, after every step, `{path: memory kind}` of every
         array leaf of the inner state; empty for a plain run.
-    - `compiles`: how many XLA compilations each step triggered.
+    - `compiles`: how many XLA compilations each step triggered (`helpers.count_compiles`).
     - `extra`: anything else the program wants compared (e.g. an `eqx.nn.State`).
     """
 
@@ -35,23 +35,6 @@ class Run(NamedTuple):
     placements: list[dict[str, str]]
     compiles: list[int]
     extra: Any = None
-
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch
-_compilations = [0]
-
-
-def _count(event: str, duration: float, **kwargs: Any) -> None:
-    if event == _BACKEND_COMPILE:
-        _compilations[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count)
-
-
-def compilations() -> int:
-    """How many XLA backend compilations this process has run so far."""
-    return _compilations[0]
 
 
 def placement(opt_state: Any) -> dict[str, str]:

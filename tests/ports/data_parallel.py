@@ -18,7 +18,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_offload  # (1) the import
 
-from .common import compilations, params, placement, Run
+from helpers import count_compiles
+
+from .common import params, placement, Run
 
 
 STEPS = 4
@@ -80,9 +82,9 @@ def train(
     losses, placements, compiles = [], [], []
     for x, y in dataloader(STEPS):
         x, y = eqx.filter_shard((jnp.asarray(x), jnp.asarray(y)), data_sharding)
-        before = compilations()
-        model, opt_state, loss = train_step(model, opt_state, x, y)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            model, opt_state, loss = train_step(model, opt_state, x, y)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_state))
@@ -118,9 +120,9 @@ def train_pmap(port: bool, donate: str = "none") -> Run:
     for x, y in dataloader(STEPS):
         x = x.reshape(DEVICES, BATCH // DEVICES, CHANNELS)
         y = y.reshape(DEVICES, BATCH // DEVICES, CHANNELS)
-        before = compilations()
-        models, opt_states, loss = train_step(models, opt_states, x, y)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            models, opt_states, loss = train_step(models, opt_states, x, y)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_states))

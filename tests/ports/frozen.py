@@ -16,7 +16,9 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from .common import compilations, placement, Run
+from helpers import count_compiles
+
+from .common import placement, Run
 
 
 STEPS = 5
@@ -70,9 +72,9 @@ def train_partition(port: bool, donate: str = "none") -> Run:
 
     losses, placements, compiles = [], [], []
     for x, y in data(jr.key(1)):
-        before = compilations()
-        loss, model, opt_state = make_step(model, x, y, opt_state)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            loss, model, opt_state = make_step(model, x, y, opt_state)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_state))
@@ -105,9 +107,9 @@ def train_multi_transform(port: bool, donate: str = "none") -> Run:
 
     losses, placements, compiles = [], [], []
     for x, y in data(jr.key(1)):
-        before = compilations()
-        loss, model, opt_state = make_step(model, x, y, opt_state)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            loss, model, opt_state = make_step(model, x, y, opt_state)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_state))

@@ -13,7 +13,9 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from .common import compilations, placement, Run
+from helpers import count_compiles
+
+from .common import placement, Run
 
 
 STEPS = 5
@@ -94,9 +96,9 @@ def train(port: bool, donate: str = "none") -> Run:
 
     losses, placements, compiles = [], [], []
     for x, y in data(jr.key(1)):
-        before = compilations()
-        model, opt_state, loss = make_step(model, opt_state, x, y)
-        compiles.append(compilations() - before)
+        with count_compiles() as compiled:
+            model, opt_state, loss = make_step(model, opt_state, x, y)
+        compiles.append(len(compiled))
         losses.append(loss)
         if port:
             placements.append(placement(opt_state))
