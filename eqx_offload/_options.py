@@ -89,8 +89,8 @@ class Options:
 def normalise(
     where: Where,
     memory_kind: object,
-    group_bytes: object,
-    lookahead: object,
+    group_bytes: Any,
+    lookahead: Any,
     compute: object,
     host_dtype: object,
 ) -> Options:

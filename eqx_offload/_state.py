@@ -28,7 +28,10 @@ class OffloadedState(NamedTuple):
     `opt_state.hyperparams["learning_rate"]` (`inject_hyperparams`),
     `optax.MultiSteps(...).has_updated(opt_state)`,
     `optax.contrib.schedule_free_eval_params(opt_state, params)`. (The host copy is not
-    changed; under `jit` the move is part of the traced program.) `optax.tree.get` and
+    changed; under `jit` the move is part of the traced program.) An attribute none of
+    whose leaves is in host memory comes back as the inner state's own object, so
+    `opt_state.hyperparams["learning_rate"] = 0.1` changes the state, as optax
+    documents. `optax.tree.get` and
     `optax.tree_utils.tree_get` search the whole state, so they find a hyperparameter
     through `inner_state` as they are.
 
@@ -63,7 +66,14 @@ class OffloadedState(NamedTuple):
                 f"'OffloadedState' object has no attribute {name!r}, nor has its "
                 f"inner_state ({type(inner).__qualname__})"
             ) from None
-        return move(value, True, None, "to_device")
+        moved = move(value, True, None, "to_device")
+        # Nothing moved (e.g. `inject_hyperparams`'s 0-d hyperparameters, which stay on
+        # the device): the inner state's own object, so that writing into it in place,
+        # as optax documents (`opt_state.hyperparams["learning_rate"] = 0.1`), changes
+        # the state.
+        if all(a is b for a, b in zip(jtu.tree_leaves(moved), jtu.tree_leaves(value), strict=True)):
+            return value
+        return moved
 
 
 class OffloadWarning(UserWarning):

@@ -643,3 +643,22 @@ def test_pmap_gets_a_clear_error() -> None:
         warnings.simplefilter("ignore", eqx_offload.OffloadWarning)  # pmap's first trace
         with pytest.raises(eqx_offload.CompositionError, match="inside `pmap`.*filter_jit"):
             eqx.filter_pmap(step, in_axes=(None, None), axis_size=2)(params, state)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_hyperparams_written_in_place(mode: str) -> None:
+    """optax documents `opt_state.hyperparams["learning_rate"] = lr`: through an
+    offloaded state that write must reach the state (it once changed a copy: silently
+    ignored)."""
+    params = _params(jnp.float32)
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    opt = eqx_offload.offloaded(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    update = opt.update if mode == "eager" else eqx_offload.filter_jit(opt.update)
+    ref_update = inner.update if mode == "eager" else jax.jit(inner.update)
+    state, ref_state = opt.init(params), inner.init(params)
+    state.hyperparams["learning_rate"] = jnp.asarray(0.5)
+    ref_state.hyperparams["learning_rate"] = jnp.asarray(0.5)
+    updates, state = update(_grads(params, 0), state, params)
+    ref_updates, _ = ref_update(_grads(params, 0), ref_state, params)
+    _assert_bitwise(updates, ref_updates)
+    assert float(state.hyperparams["learning_rate"]) == 0.5
