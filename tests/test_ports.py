@@ -276,11 +276,7 @@ READING_IDIOMS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], An
 
 @pytest.mark.parametrize("idiom", [
     "hyperparams_read",
-    pytest.param("hyperparams_write_in_place", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="issue 10 item 5: `opt_state.hyperparams` on an OffloadedState is a copy "
-        "brought to the device, so optax's documented `state.hyperparams['learning_rate'] "
-        "= x` is silently lost (the next update uses the old value)")),
+    "hyperparams_write_in_place",
     "tree_get",
     "tree_set",
     "schedule_free_eval_params",

@@ -68,10 +68,6 @@ ADAPT: dict[str, tuple[str, str]] = {
 # ` [message]` names unittest subtests (a test whose subtests fail still passes as a
 # whole, so those must be listed by subtest).
 
-_ITEM5_WRITE = (
-    "issue 10 item 5: `state.hyperparams` of an OffloadedState is a copy brought to the "
-    "device, so optax's documented `state.hyperparams[name] = value` is silently lost"
-)
 _ITEM5_GRAD = (
     "issue 10 item 5: optax.value_and_grad_from_state reads the stored value and grad "
     "with optax.tree.get; the grad is in host memory, and its lax.cond mixes it with "
@@ -93,10 +89,6 @@ _RECOMPILE = (
 _BASELINE = "fails without eqx_offload too (optax 0.2.8 with jax 0.10.2)"
 
 XFAIL: dict[str, tuple[str, str]] = {
-    # `state.hyperparams["max_norm"] = i`: the forwarded dict is a copy, so the write
-    # is lost and the next update uses the old value (a silent wrong result)
-    "schedules/_inject_test.py::InjectHyperparamsTest::test_overriding_hyperparam":
-        (_ITEM5_WRITE, r"assert np\.False_"),
     # `value_and_grad_from_state`
     "_src/linesearch_test.py::BacktrackingLinesearchTest::test_recycling_value_and_grad":
         (_ITEM5_GRAD, r"cond branches must have equal output types"),
