@@ -1,0 +1,84 @@
+"""A stateful model: `eqx.nn.BatchNorm` with `eqx.nn.State`, built with
+`eqx.nn.make_with_state` (Equinox's stateful-layers style), then evaluated in
+inference mode."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+
+import eqx_offload  # (1) the import
+
+from helpers import count_compiles
+
+from .common import params, placement, Run
+
+
+STEPS = 5
+IN, WIDTH, OUT, BATCH = 4, 16, 2, 32
+
+
+class Model(eqx.Module):
+    linear1: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        key1, key2 = jr.split(key)
+        self.linear1 = eqx.nn.Linear(IN, WIDTH, key=key1)
+        self.norm = eqx.nn.BatchNorm(input_size=WIDTH, axis_name="batch", mode="batch")
+        self.linear2 = eqx.nn.Linear(WIDTH, OUT, key=key2)
+
+    def __call__(self, x: jax.Array, state: eqx.nn.State) -> tuple[jax.Array, eqx.nn.State]:
+        x = self.linear1(x)
+        x, state = self.norm(x, state)
+        x = jax.nn.relu(x)
+        return self.linear2(x), state
+
+
+def compute_loss(model, state, x, y):
+    batch_model = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    pred, state = batch_model(x, state)
+    return jnp.mean((pred - y) ** 2), state
+
+
+def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    out = []
+    for k in jr.split(key, STEPS):
+        x = 3.0 * jr.normal(k, (BATCH, IN)) + 1.0
+        out.append((x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)))
+    return out
+
+
+def train(port: bool, donate: str = "none") -> Run:
+    model, state = eqx.nn.make_with_state(Model)(jr.key(0))
+    optim = optax.adamw(1e-2, weight_decay=1e-3)
+    if port:
+        optim = eqx_offload.offloaded(optim)  # (2)
+    jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
+    opt_state = optim.init(params(model))
+
+    @jit(donate=donate)
+    def make_step(model, state, opt_state, x, y):
+        grad_fn = eqx.filter_value_and_grad(compute_loss, has_aux=True)
+        (loss, state), grads = grad_fn(model, state, x, y)
+        updates, opt_state = optim.update(grads, opt_state, params(model))
+        model = eqx.apply_updates(model, updates)
+        return model, state, opt_state, loss
+
+    losses, placements, compiles = [], [], []
+    batches = data(jr.key(1))
+    for x, y in batches:
+        with count_compiles() as compiled:
+            model, state, opt_state, loss = make_step(model, state, opt_state, x, y)
+        compiles.append(len(compiled))
+        losses.append(loss)
+        if port:
+            placements.append(placement(opt_state))
+
+    # Evaluation: running statistics, no state update.
+    inference_model = eqx.nn.inference_mode(model)
+    x, y = batches[0]
+    eval_loss, _ = jit(compute_loss)(inference_model, state, x, y)
+    return Run(losses, model, opt_state, placements, compiles, extra=(state, eval_loss))

@@ -1,0 +1,92 @@
+"""What every ported program returns, and the checks `tests/test_ports.py` runs on it.
+
+Each program in this folder is a small Equinox training script written the way users
+write them, with one switch, `port`: `False` runs it as written (`eqx.filter_jit`,
+plain optax); `True` applies the README's three-line change (`import eqx_offload`,
+`eqx_offload.offloaded(...)` around the optimizer, `eqx_offload.filter_jit` around the
+step). Nothing else differs between the two runs.
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+import eqx_offload
+
+
+class Run(NamedTuple):
+    """The result of one training run.
+
+    - `losses`: the loss of every step (device arrays, compared bitwise).
+    - `model`: the final model (arrays and static fields).
+    - `opt_state`: the final optimizer state (an `OffloadedState` when ported).
+    - `placements`: for a ported run, after every step, `{path: memory kind}` of every
+        array leaf of the inner state; empty for a plain run.
+    - `compiles`: how many XLA compilations each step triggered (`helpers.count_compiles`).
+    - `extra`: anything else the program wants compared (e.g. an `eqx.nn.State`).
+    """
+
+    losses: list[Any]
+    model: Any
+    opt_state: Any
+    placements: list[dict[str, str]]
+    compiles: list[int]
+    extra: Any = None
+
+
+def placement(opt_state: Any) -> dict[str, str]:
+    """`{path: memory kind}` of every array leaf inside the `OffloadedState`s of
+    `opt_state` (`offloaded` may sit anywhere in it)."""
+    found: dict[str, str] = {}
+
+    def visit(tree: Any, prefix: str) -> None:
+        leaves = jtu.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState)
+        )[0]
+        for path, leaf in leaves:
+            name = prefix + jtu.keystr(path)
+            if isinstance(leaf, eqx_offload.OffloadedState):
+                visit(leaf.inner_state, name + ".inner_state")
+            elif isinstance(leaf, jax.Array):
+                found[name] = leaf.sharding.memory_kind
+
+    visit(opt_state, "")
+    return found
+
+
+def expected_placement(opt_state: Any) -> dict[str, str]:
+    """What `placement` must be with `offloaded`'s default `where=min_ndim(1)`: every
+    leaf with at least one dimension in `pinned_host`, 0-d leaves (step counters) on
+    the device; leaves outside any `OffloadedState` on the device."""
+    kinds: dict[str, str] = {}
+
+    def visit(tree: Any, prefix: str, inside: bool) -> None:
+        leaves = jtu.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState)
+        )[0]
+        for path, leaf in leaves:
+            name = prefix + jtu.keystr(path)
+            if isinstance(leaf, eqx_offload.OffloadedState):
+                visit(leaf.inner_state, name + ".inner_state", True)
+            elif isinstance(leaf, jax.Array):
+                kinds[name] = "pinned_host" if inside and np.ndim(leaf) >= 1 else "device"
+
+    visit(opt_state, "", False)
+    return kinds
+
+
+def unwrap(tree: Any) -> Any:
+    """`tree` with every `OffloadedState(x)` replaced by `x`."""
+    return jtu.tree_map(
+        lambda x: unwrap(x.inner_state) if isinstance(x, eqx_offload.OffloadedState) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState),
+    )
+
+
+def params(model: Any) -> Any:
+    """The arrays of a model (what the optimizer sees)."""
+    return eqx.filter(model, eqx.is_array)

@@ -1,0 +1,104 @@
+"""Optax's own test files, run with every optimizer they build wrapped in
+`eqx_offload.offloaded` (issue 10).
+
+Each group of `tests/optax_suite/selection.py` runs in a child pytest over the test
+files shipped in the installed optax wheel, with `tests/optax_suite/plugin.py` loaded
+(so the patching cannot leak into this process). Every test must pass, except the
+adapted and expected failures listed, with their reasons, in
+`tests/optax_suite/adaptations.py` (and in `docs/optax-tests.md`). A child that fails
+prints each failing test with its message.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import optax
+import pytest
+
+
+SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optax_suite")
+OPTAX = os.path.dirname(os.path.abspath(optax.__file__))
+sys.path.insert(0, SUITE)
+from adaptations import ADAPT, XFAIL  # noqa: E402
+from selection import glob, GROUPS  # noqa: E402
+
+
+sys.path.remove(SUITE)
+
+
+def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, dict[str, Any]]:
+    """Runs the plugin over `paths` (relative to `rootdir`) in a fresh pytest; returns
+    its exit code, output and report."""
+    report = tmp_path / "report.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
+        "EQX_OFFLOAD_SUITE_REPORT": str(report),
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop("EQX_OFFLOAD_SUITE_ADAPT_ALL", None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    process = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", os.path.join(SUITE, "pytest.ini"),
+         "--rootdir", rootdir, "-p", "plugin", "-q", "-n", "0", "-rfE", "--tb=short",
+         *paths],
+        cwd=rootdir, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    data = json.loads(report.read_text()) if report.exists() else {}
+    return process.returncode, process.stdout + process.stderr, data
+
+
+def _failures(report: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in report.get("outcomes", {}).items() if v.startswith("failed")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_optax_suite(group: str, tmp_path: Any) -> None:
+    rc, output, report = run_child(tmp_path, OPTAX, GROUPS[group])
+    failures = _failures(report)
+    assert rc == 0 and not failures, (
+        f"optax's tests with offloaded optimizers failed (exit {rc}):\n"
+        + "\n".join(f"{k}\n    {v}" for k, v in failures.items())
+        + f"\n--- output ---\n{output[-6000:]}"
+    )
+    outcomes = report["outcomes"]
+    assert report["patched_functions"] >= 150  # optax's factories were really patched
+    counts = report["counts"]
+    assert len(counts) >= 40, f"only {len(counts)} tests ran"
+    # Most tests built an optimizer (and got an offloaded one); eager calls checked the
+    # state's placement.
+    built = [k for k, c in counts.items() if c["wrapped"]]
+    assert len(built) >= 0.6 * len(counts), (len(built), len(counts))
+    assert sum(c["checked"] for c in counts.values()) >= 50
+    # Every adaptation and expected failure written for this group's files still
+    # names a test that ran (a renamed optax test cannot leave a stale entry).
+    ran = set(outcomes) | set(counts)
+    for table in (ADAPT, XFAIL):
+        for pattern in table:
+            if any(pattern.startswith(path) for path in GROUPS[group]):
+                assert any(glob(pattern, key) for key in ran), f"stale entry: {pattern}"
+    xfailed = [k for k, v in outcomes.items() if v == "xfailed"]
+    print(f"{group}: {len(counts)} tests, {len(xfailed)} expected failures")
+
+
+def test_plugin_selfcheck(tmp_path: Any) -> None:
+    # The plugin over its own check file: optimizers come back offloaded once,
+    # outermost, with host-resident state; a listed failure is an xfail, a listed pass
+    # or a failure with another message is a failure.
+    rc, output, report = run_child(tmp_path, SUITE, ["selfcheck.py"])
+    outcomes = report["outcomes"]
+    assert outcomes.pop("selfcheck.py::test_listed_failure_is_xfail") == "xfailed", output
+    assert outcomes.pop("selfcheck.py::test_listed_pass_is_failure").startswith("failed")
+    other = outcomes.pop("selfcheck.py::test_listed_other_failure_is_failure")
+    assert other.startswith("failed") and "not the expected message" in other
+    assert outcomes == {
+        f"selfcheck.py::test_{name}": "passed"
+        for name in ["alias_is_offloaded", "combinator_offloads_once_outermost",
+                     "inject_hyperparams_offloaded_once", "multi_steps_offloaded_once",
+                     "numbers_match_unwrapped"]
+    }, output
+    assert rc == 1  # the two deliberate failures
