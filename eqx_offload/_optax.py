@@ -25,16 +25,18 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+import equinox as eqx
 import jax
+import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
-from ._errors import CompositionError, NotATransformationError
+from ._errors import CompositionError, NotATransformationError, StateError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
 from ._options import Compute, normalise, Options
-from ._state import check_state, OffloadedState, warn_if_on_device
+from ._state import check_state, first_on_device, OffloadedState, warn_if_on_device
 from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
 from ._where import leaf_mask, min_ndim
@@ -229,8 +231,35 @@ class _Offloaded:
             (getattr(x, "shape", None), getattr(x, "dtype", None)) for x in jtu.tree_leaves(like)
         )
         if key not in self.abstract_states:
-            self.abstract_states[key] = jax.eval_shape(self.inner.init, like)
+            # `filter_eval_shape`: a state may hold non-arrays (strings, Python scalars).
+            self.abstract_states[key] = eqx.filter_eval_shape(self.inner.init, like)
         return self.abstract_states[key]
+
+    def _check_state(self, state: Any, updates: Any, params: Any,
+                     extra_args: dict[str, Any]) -> None:
+        """A state this optimizer made, by `init` or by `update`, is never refused.
+
+        Checked against what `inner.init` makes for the parameters (or, without them,
+        the updates: an aggregator's per-example updates have another shape); a state
+        that differs is also compared with what one `update` makes of that (optax's
+        `monitor` adds its entries at the first update), and only refused if it is
+        neither."""
+        initial = self._abstract_state(updates, params)
+        try:
+            check_state(state, initial)
+        except StateError as first:
+            if not isinstance(state, OffloadedState):
+                raise
+            try:
+                after = eqx.filter_eval_shape(
+                    lambda u, s, p: self.inner.update(u, s, p, **extra_args)[1],
+                    updates, initial, params)
+            except Exception:  # the update cannot even run on the initial state
+                raise first from None
+            try:
+                check_state(state, after)
+            except StateError:
+                raise first from None
 
     def _store(self, state: Any, mask: list[bool], memory_kind: Optional[str] = None) -> Any:
         """The leaves of `state` that `mask` selects, narrowed and sent to host."""
@@ -249,10 +278,13 @@ class _Offloaded:
         **extra_args: Any,
     ) -> tuple[optax.Updates, OffloadedState]:
         # (`state: Any`: `check_state` names a wrong state better than a type hint.)
-        check_state(state, self._abstract_state(updates, None))
-        _check_not_pmapped(updates)
+        self._check_state(state, updates, params, extra_args)
         inner_state = state.inner_state
         mask = leaf_mask(inner_state, self.options.where)
+        if _named_axes():
+            on_device = first_on_device(inner_state, mask)
+            if on_device is not None:
+                raise _device_state_error(on_device)
         if not self.warned:
             self.warned = warn_if_on_device(inner_state, mask, self.options.memory_kind)
         init_dtypes = self._init_dtypes(inner_state, updates, params)
@@ -276,28 +308,23 @@ class _Offloaded:
         return [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
 
 
-# JAX (0.8+) runs `pmap` as a `shard_map` over a mesh axis of this name.
-_PMAP_AXIS = "_internal_pmap_axis_name"
+def _named_axes() -> tuple[Any, ...]:
+    """The named axes of the trace in progress (`pmap`, `shard_map`, `vmap(axis_name=...)`)."""
+    names = getattr(jex, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())()
+    return tuple(names)
 
 
-def _check_not_pmapped(updates: Any) -> None:
-    """`pmap` places every argument in device memory (its shardings carry no memory
-    kind), so a host-resident state cannot pass through it; JAX would fail later with
-    "Sharding passed to jit does not match ..."."""
-    for leaf in jtu.tree_leaves(updates):
-        if is_traced(leaf):
-            sharding = getattr(jax.typeof(leaf), "sharding", None)
-            if _PMAP_AXIS in getattr(getattr(sharding, "mesh", None), "axis_names", ()):
-                raise CompositionError(
-                    "offloaded(...).update inside `pmap` (e.g. `eqx.filter_pmap`): pmap "
-                    "places every argument in device memory, so a state kept in host "
-                    "memory cannot pass through it. Use `eqx_offload.filter_jit` with "
-                    "sharded arguments instead (`eqx.filter_shard`, or "
-                    "`jax.device_put(x, NamedSharding(mesh, P('data')))` for the batch), "
-                    "or `jax.shard_map` inside it: see the \"Multi-device\" docs page. "
-                    "(JAX itself recommends jit with shardings over pmap.)"
-                )
-            return
+def _device_state_error(path: str) -> CompositionError:
+    return CompositionError(
+        f"offloaded(...).update: state leaf inner_state/{path} arrived in device memory "
+        "inside a transformation with named axes (`pmap`, e.g. `eqx.filter_pmap`, "
+        "`shard_map` or `vmap(axis_name=...)`). pmap places every argument in device "
+        "memory, so a state kept in host memory cannot pass through it. Use "
+        "`eqx_offload.filter_jit` with sharded arguments instead (`eqx.filter_shard` "
+        "inside the step, `eqx_offload.filter_shard` outside it; see the \"Multi-device\" "
+        "docs page), as JAX recommends over pmap; `jax.shard_map` inside "
+        "`eqx_offload.filter_jit` works when the state comes in in host memory."
+    )
 
 
 def _pinned(options: Options) -> Options:

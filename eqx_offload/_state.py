@@ -1,7 +1,7 @@
 """The state of `offloaded`: its type, reading it, and checking what `update` is given."""
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.tree_util as jtu
@@ -117,23 +117,32 @@ def check_state(state: Any, expected: Any) -> None:
             )
 
 
-def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> bool:
-    """Warn (and return `True`) if a leaf selected for host memory is in device memory."""
+def first_on_device(inner_state: Any, mask: list[bool]) -> Optional[str]:
+    """The path of the first leaf `mask` selects for host memory that is in device
+    memory, or `None`."""
     for (path, leaf), selected in zip(
         jtu.tree_flatten_with_path(inner_state)[0], mask, strict=True
     ):
         if selected and isinstance(leaf, jax.Array) and memory_kind_of(leaf) == "device":
-            warnings.warn(
-                f"offloaded(...).update: state leaf inner_state/{path_to_str(path)} "
-                f"is in device memory, but `where` selects it for {memory_kind!r}. "
-                "It is used as is and the new state goes to host. This happens "
-                "when a state was restored without host shardings (see "
-                "`eqx_offload.host_shardings`), placed with a device sharding (e.g. "
-                "`eqx.filter_shard(opt_state, sharding)` outside `jit`: use "
-                "`sharding.with_memory_kind('pinned_host')` for the state), or made "
-                "with another `where`. (This warning is shown once per transformation.)",
-                OffloadWarning,
-                stacklevel=4,
-            )
-            return True
-    return False
+            return path_to_str(path)
+    return None
+
+
+def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> bool:
+    """Warn (and return `True`) if a leaf selected for host memory is in device memory."""
+    path = first_on_device(inner_state, mask)
+    if path is None:
+        return False
+    warnings.warn(
+        f"offloaded(...).update: state leaf inner_state/{path} "
+        f"is in device memory, but `where` selects it for {memory_kind!r}. "
+        "It is used as is and the new state goes to host. This happens "
+        "when a state was restored without host shardings (see "
+        "`eqx_offload.host_shardings`), placed with a device sharding (e.g. "
+        "`eqx.filter_shard(opt_state, sharding)` outside `jit`: use "
+        "`eqx_offload.filter_shard`, which keeps memory kinds), or made "
+        "with another `where`. (This warning is shown once per transformation.)",
+        OffloadWarning,
+        stacklevel=4,
+    )
+    return True

@@ -614,27 +614,6 @@ def test_schedule_free_eval_params(mode: str) -> None:
     _assert_bitwise(eval_params(state, params), ref_eval_params(ref_state, params))
 
 
-# ---------------------------------------------------------------------------------------
-# pmap (issue 10, item 3)
-
-
-def test_pmap_gets_a_clear_error() -> None:
-    import equinox as eqx
-
-    params = _params(jnp.float32)
-    opt = eqx_offload.offloaded(optax.adam(0.1))
-    state = opt.init(params)
-
-    def step(p: Any, s: Any) -> Any:
-        updates, s = opt.update(_grads(p, 0), s, p)
-        return optax.apply_updates(p, updates), s
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", eqx_offload.OffloadWarning)  # pmap's first trace
-        with pytest.raises(eqx_offload.CompositionError, match="inside `pmap`.*filter_jit"):
-            eqx.filter_pmap(step, in_axes=(None, None), axis_size=2)(params, state)
-
-
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_hyperparams_written_in_place(mode: str) -> None:
     """optax documents `opt_state.hyperparams["learning_rate"] = lr`: through an

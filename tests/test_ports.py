@@ -13,8 +13,6 @@ use (issue 10).
 - States that hold Python scalars, or change structure in `update`.
 - `eqx.filter_pmap`.
 
-Tests marked `xfail(strict=True, reason="issue 10 item N: ...")` pin what the library
-gets wrong today; each flips to a failure when it is fixed, to be unmarked.
 """
 
 import functools
@@ -101,24 +99,8 @@ def test_port_bitwise(name: str) -> None:
     _assert_same_run(program(False), program(True))
 
 
-_ITEM3_SHARD = (
-    "issue 10 item 3: eager eqx.filter_shard on an offloaded state fails: the state's "
-    "0-d count from offloaded(...).init is committed to device 0 ('incompatible "
-    "devices'); the moments would land in device memory"
-)
-
-
-@pytest.mark.parametrize(
-    "idioms",
-    [
-        pytest.param(("eager",), marks=pytest.mark.xfail(
-            strict=True, raises=ValueError, reason=_ITEM3_SHARD)),
-        ("in_step",),
-        pytest.param(("eager", "in_step"), marks=pytest.mark.xfail(
-            strict=True, raises=ValueError, reason=_ITEM3_SHARD)),
-    ],
-    ids=["eager", "in_step", "eager+in_step"],
-)
+@pytest.mark.parametrize("idioms", [("eager",), ("in_step",), ("eager", "in_step")],
+                         ids=["eager", "in_step", "eager+in_step"])
 def test_port_filter_shard(idioms: tuple[str, ...]) -> None:
     # Equinox's parallelism example: `filter_shard((model, opt_state), replicated)`
     # eagerly after `init` and inside the step. The offloaded state must follow the
@@ -131,6 +113,7 @@ def test_port_filter_shard(idioms: tuple[str, ...]) -> None:
         if leaf.ndim >= 1:
             assert leaf.sharding.device_set == mesh_devices
             assert leaf.sharding.is_fully_replicated
+            assert leaf.sharding.memory_kind == "pinned_host"
 
 
 def test_port_data_parallel_state_follows_params() -> None:
@@ -145,16 +128,10 @@ def test_port_data_parallel_state_follows_params() -> None:
         assert leaf.sharding.device_set == mesh_devices
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 10 item 3: under eqx.filter_pmap the offloaded state silently stays in "
-    "device memory (an OffloadWarning at the first update), neither offloaded nor "
-    "refused with an OffloadError",
-)
 def test_port_filter_pmap() -> None:
     # Either it works (bitwise equal, the per-replica state in host memory between
-    # steps), or `offloaded` refuses with an OffloadError that names what to use.
+    # steps), or `offloaded` refuses with an OffloadError that names what to use. (It
+    # refuses: pmap places every argument in device memory.)
     plain = data_parallel.train_pmap(False)
     try:
         with warnings.catch_warnings():
@@ -346,11 +323,7 @@ def _python_scalar_state(name: Optional[str]) -> optax.GradientTransformation:
 @pytest.mark.parametrize("mode", ["eager", "filter_jit"])
 @pytest.mark.parametrize("name", [
     None,
-    pytest.param("momentum", marks=pytest.mark.xfail(
-        strict=True, raises=TypeError,
-        reason="issue 10 item 2: a str in a state (valid eagerly and under filter_jit, "
-        "where it is static) crashes offloaded's state check: jax.eval_shape(inner.init) "
-        "cannot return a str")),
+    "momentum",
 ], ids=["numbers", "with_str"])
 def test_python_scalars_in_state(name: Optional[str], mode: str) -> None:
     # The state (Python int/float/bool/None next to arrays) comes back from every step
@@ -392,24 +365,11 @@ def _per_example_sgd() -> optax.GradientTransformation:
     )
 
 
-_ITEM2_STRUCTURE = (
-    "issue 10 item 2: StateError for a state this optimizer's update made: `monitor` "
-    "adds keys to its state in update, and the check compares with init's structure"
-)
-_ITEM2_SHAPES = (
-    "issue 10 item 2: StateError for a state this optimizer's init made: an aggregator's "
-    "updates are per example ([batch, ...]), and the check derives the expected state "
-    "from the updates' shapes instead of the params'"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param("monitor", marks=pytest.mark.xfail(
-            strict=True, raises=eqx_offload.StateError, reason=_ITEM2_STRUCTURE)),
-        pytest.param("per_example_aggregator", marks=pytest.mark.xfail(
-            strict=True, raises=eqx_offload.StateError, reason=_ITEM2_SHAPES)),
+        "monitor",
+        "per_example_aggregator",
     ],
 )
 @pytest.mark.parametrize("mode", ["eager", "jit"])

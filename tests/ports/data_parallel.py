@@ -2,6 +2,9 @@
 batch is split over a `"batch"` mesh axis, the model and optimizer state are
 replicated with `eqx.filter_shard`, eagerly after `init` and again inside the step.
 
+The port has a fourth changed line when the program shards eagerly: outside `jit` it
+calls `eqx_offload.filter_shard` (see the "Multi-device" docs page for why).
+
 `idioms` chooses which of the two `filter_shard` calls the program makes (`"eager"`,
 `"in_step"`, both, or neither: then the model is replicated with `jax.device_put` and
 the state follows it through `init`)."""
@@ -63,7 +66,11 @@ def train(
     jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
     if "eager" in idioms:
-        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+        # (4) outside `jit`, `eqx_offload.filter_shard`: JAX commits every host array to
+        # its device, and `eqx.filter_shard` outside `jit` can neither move a committed
+        # array to other devices nor keep its memory kind (documented; checked below).
+        shard = eqx_offload.filter_shard if port else eqx.filter_shard
+        model, opt_state = shard((model, opt_state), replicated)
 
     @jit(donate=donate)
     def train_step(model, opt_state, x, y):
