@@ -1,8 +1,8 @@
 """The host-compute update: `offloaded(..., compute="host")`.
 
-`inner.update` runs on the host CPU under `compute_on("device_host")`: the state never
-reaches the device; gradients (and parameters, if the transformation reads them) go to
-host and the updates come back.
+`inner.update` runs on the host CPU under `compute_on(..., compute_type="device_host")`
+(`_compat.host_compute`): the state never reaches the device; gradients (and
+parameters, if the transformation reads them) go to host and the updates come back.
 """
 
 from collections.abc import Callable, Sequence
@@ -35,8 +35,8 @@ def on_host(eqn: Any, invals: list[Any]) -> list[Any]:
 
     JAX types memory spaces: an operation's array operands must all be in one memory,
     and arrays an update creates itself (`jnp.where(c, x, 0.0)` broadcasts `0.0`) are
-    typed for device memory. Inside `compute_on("device_host")` everything lives on the
-    host, so such arrays are retyped to host memory where they meet host operands.
+    typed for device memory. Inside the host computation everything lives on the host,
+    so such arrays are retyped to host memory where they meet host operands.
     """
     host = jax.memory.Space.Host
     spaces = [jax.typeof(x).memory_space if np.ndim(x) else None for x in invals]

@@ -83,9 +83,9 @@ def _where_in_source(eqn: Any) -> str:
 
 def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
     """The first equation, at any depth, that computes on a host-memory value outside
-    `compute_on("device_host")`: its primitive's name and a description; `None` if there
-    is none. (`outer_source`: where the enclosing call is, for equations of a sub-jaxpr
-    that lack their own.)"""
+    `compute_on(..., compute_type="device_host")`: its primitive's name and a
+    description; `None` if there is none. (`outer_source`: where the enclosing call is,
+    for equations of a sub-jaxpr that lack their own.)"""
     for eqn in jaxpr.eqns:
         source = _where_in_source(eqn) or outer_source
         if "device_host" in (getattr(eqn.ctx, "compute_type", None),
@@ -409,8 +409,8 @@ def filter_jit(
     `OptionError` for an unknown `donate`. `CompositionError` at the first call if
     `fun` computes on a host-resident array (anything but moving it, placing it, or
     passing it through a call, `cond`, `while` or `scan`) outside
-    `compute_on("device_host")`: on a GPU, XLA would run that on the host or refuse to
-    compile it. The usual cause is a combinator that computes on the state of what it
+    `compute_on(..., compute_type="device_host")`: on a GPU, XLA would run that on the
+    host or refuse to compile it. The usual cause is a combinator that computes on the state of what it
     wraps placed around `offloaded`, such as `optax.MultiSteps(offloaded(...))`; the
     message names the operation, where it is, and the fix for that kind of operation.
 

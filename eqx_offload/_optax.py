@@ -125,8 +125,8 @@ def offloaded(
         the one being updated (default 1: double buffering, so copies in both
         directions overlap the update; 0: one group at a time, the smallest peak).
     - `compute`: `"device"` (default) or `"host"`: run `inner.update` on the host CPU
-        (`compute_on("device_host")`), so the state never comes to the device;
-        gradients go to host and updates come back.
+        (`compute_on(..., compute_type="device_host")`), so the state never comes to
+        the device; gradients go to host and updates come back.
     - `host_dtype`: keep floating state leaves in host memory in this narrower dtype
         (e.g. `jnp.bfloat16`): narrowed on the device before each copy to host and
         widened back to the dtype `inner.init` gives them after each copy to the

@@ -101,6 +101,9 @@ def _describe_type(annotation: Any) -> str:
         text = repr(annotation)
     text = _TYPING_PREFIX.sub("", text)
     text = _PRIVATE_PATH.sub(r"\1.\2", text).replace("jaxlib.Array", "jax.Array")
+    # jaxtyping writes the array type as JAX names it: `jaxlib._jax.Array` (JAX 0.10),
+    # `Array` (0.12); one spelling on every version.
+    text = re.sub(r"\[Array\b", "[jax.Array", text)
     union = re.fullmatch(r"(Union|Optional)\[([^\[\]]*)\]", text)
     if union is not None:
         parts = [part.strip() for part in union[2].split(",")]
