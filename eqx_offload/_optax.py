@@ -184,6 +184,7 @@ class _Offloaded:
         self.options = options
         self.strategy = _choose(options)
         self.abstract_states: dict[Any, Any] = {}
+        self.made_by_init: dict[Any, Any] = {}  # tree structure -> abstract state
         self.warned = False
         # Under `jit` the moment state is created it is sent to host, so XLA never holds
         # the whole state in device memory at once; `filter_jit` gives each state leaf
@@ -222,6 +223,8 @@ class _Offloaded:
             state = self.jitted_init(params)
         if self.options.memory_kind != "pinned_host":
             state = self._store(state, leaf_mask(state, self.options.where))
+        made = jtu.tree_map(_abstract, state)
+        self.made_by_init.setdefault(jtu.tree_structure(made), made)
         return OffloadedState(state)
 
     def _abstract_state(self, updates: Any, params: Any) -> Any:
@@ -240,26 +243,43 @@ class _Offloaded:
         """A state this optimizer made, by `init` or by `update`, is never refused.
 
         Checked against what `inner.init` makes for the parameters (or, without them,
-        the updates: an aggregator's per-example updates have another shape); a state
-        that differs is also compared with what one `update` makes of that (optax's
-        `monitor` adds its entries at the first update), and only refused if it is
-        neither."""
+        the updates); a state that differs is also compared, when there are no params,
+        with the states this transformation's `init` made (an aggregator's update gets
+        per-example updates, shaped unlike the parameters), and with what one `update` makes of the initial
+        state (optax's `monitor` adds its entries at the first update). It is refused
+        only if it is none of these, with the first difference found."""
         initial = self._abstract_state(updates, params)
         try:
             check_state(state, initial)
-        except StateError as first:
+            return
+        except StateError as error:
             if not isinstance(state, OffloadedState):
                 raise
+            first = error
+        # Without params the updates are all there is to go by, and an aggregator's
+        # per-example updates are shaped unlike the parameters: then a state shaped
+        # like one this `init` made is this optimizer's.
+        made = None if params is not None else self.made_by_init.get(
+            jtu.tree_structure(jtu.tree_map(_abstract, state.inner_state)))
+        candidates: list[Callable[[], Any]] = [
+            lambda: made,
+            lambda: eqx.filter_eval_shape(
+                lambda u, s, p: self.inner.update(u, s, p, **extra_args)[1],
+                updates, initial, params),
+        ]
+        for candidate in candidates:
             try:
-                after = eqx.filter_eval_shape(
-                    lambda u, s, p: self.inner.update(u, s, p, **extra_args)[1],
-                    updates, initial, params)
-            except Exception:  # the update cannot even run on the initial state
-                raise first from None
+                expected = candidate()
+            except Exception:  # e.g. the update cannot run on the initial state
+                continue
+            if expected is None:
+                continue
             try:
-                check_state(state, after)
+                check_state(state, expected)
+                return
             except StateError:
-                raise first from None
+                pass
+        raise first
 
     def _store(self, state: Any, mask: list[bool], memory_kind: Optional[str] = None) -> Any:
         """The leaves of `state` that `mask` selects, narrowed and sent to host."""
@@ -325,6 +345,12 @@ def _device_state_error(path: str) -> CompositionError:
         "docs page), as JAX recommends over pmap; `jax.shard_map` inside "
         "`eqx_offload.filter_jit` works when the state comes in in host memory."
     )
+
+
+def _abstract(leaf: Any) -> Any:
+    if eqx.is_array(leaf):
+        return jax.ShapeDtypeStruct(jax.numpy.shape(leaf), leaf.dtype)
+    return leaf
 
 
 def _pinned(options: Options) -> Options:
