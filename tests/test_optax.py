@@ -27,16 +27,6 @@ STEPS = 3
 # Helpers
 
 
-def _raw(tree: Any) -> Any:
-    """Typed PRNG keys as their key data, so bitwise comparison sees their bits."""
-    return jtu.tree_map(
-        lambda x: jax.random.key_data(x)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-        else x,
-        tree,
-    )
-
-
 def _unwrap(tree: Any) -> Any:
     """The tree with every `OffloadedState(x)` replaced by `x` (its inner state)."""
     return jtu.tree_map(
@@ -44,10 +34,6 @@ def _unwrap(tree: Any) -> Any:
         tree,
         is_leaf=lambda x: isinstance(x, OffloadedState),
     )
-
-
-def _assert_bitwise(a: Any, b: Any) -> None:
-    assert_tree_equal(_raw(a), _raw(b))
 
 
 def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min_ndim(1)) -> None:
@@ -224,7 +210,7 @@ def test_transparent(name, mode):
     if mode == "jit":
         plain_state = jax.device_put(plain_state, jax.devices()[0])
     assert isinstance(state, OffloadedState)
-    _assert_bitwise(plain_state, state.inner_state)
+    assert_tree_equal(plain_state, state.inner_state)
     _assert_placement(state)
     for step in range(STEPS):
         grads = _grads(params, step)
@@ -232,12 +218,12 @@ def test_transparent(name, mode):
             grads, plain_state, plain_params, **extra(plain_params)
         )
         updates, state = wrapped_update(grads, state, params, **extra(params))
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, state.inner_state)
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(plain_state, state.inner_state)
         _assert_placement(state)
         plain_params = optax.apply_updates(plain_params, plain_updates)
         params = optax.apply_updates(params, updates)
-    _assert_bitwise(plain_params, params)
+    assert_tree_equal(plain_params, params)
 
 
 @pytest.mark.parametrize(
@@ -371,7 +357,7 @@ def test_composition_transparent(name, mode):
         plain_state = jax.device_put(plain_state, jax.devices()[0])
     assert any(isinstance(x, OffloadedState) for x in jtu.tree_leaves(
         state, is_leaf=lambda x: isinstance(x, OffloadedState)))
-    _assert_bitwise(plain_state, _unwrap(state))
+    assert_tree_equal(plain_state, _unwrap(state))
     _assert_placement(state)
     for step in range(4):  # MultiSteps(k=2) emits twice
         grads = _grads(params, step)
@@ -379,12 +365,12 @@ def test_composition_transparent(name, mode):
             grads = {**grads, "b": grads["b"].at[0].set(jnp.nan)}  # the rejecting branch
         plain_updates, plain_state = plain_update(grads, plain_state, plain_params)
         updates, state = wrapped_update(grads, state, params)
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, _unwrap(state))
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(plain_state, _unwrap(state))
         _assert_placement(state)
         plain_params = optax.apply_updates(plain_params, plain_updates)
         params = optax.apply_updates(params, updates)
-    _assert_bitwise(plain_params, params)
+    assert_tree_equal(plain_params, params)
 
 
 def test_multi_steps_object_accepted():
@@ -444,8 +430,8 @@ def test_working_orders_pass_filter_jit(name):
         for i in range(3):
             plain_updates, plain_state = plain.update(_grads(params, i), plain_state, params)
             updates, state = step(_grads(params, i), state, params)
-            _assert_bitwise(plain_updates, updates)
-            _assert_bitwise(plain_state, _unwrap(state))
+            assert_tree_equal(plain_updates, updates)
+            assert_tree_equal(plain_state, _unwrap(state))
             _assert_placement(state)
     assert len(compiles) == 1
 
@@ -455,7 +441,7 @@ def test_offloaded_state_arrays_are_numpy_comparable():
     a = _params(jnp.float32)
     b = {**a, "w": a["w"].at[0, 0].set(np.nextafter(a["w"][0, 0], 1, dtype=np.float32))}
     with pytest.raises(AssertionError):
-        _assert_bitwise(a, b)
+        assert_tree_equal(a, b)
 
 
 def test_offloaded_prng_key_no_false_warning_under_jit():
@@ -470,8 +456,8 @@ def test_offloaded_prng_key_no_false_warning_under_jit():
     for step in range(2):
         updates, state = update(_grads(params, step), state)  # filterwarnings=error
         plain_updates, plain_state = plain_update(_grads(params, step), plain_state)
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, state.inner_state)
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(plain_state, state.inner_state)
         assert [x.sharding.memory_kind for x in jtu.tree_leaves(state)] == ["pinned_host"] * 2
 
 
@@ -504,8 +490,8 @@ def test_multi_steps_passes_extra_args(every_k: int) -> None:
     for _ in range(3):
         updates, state = opt.update(params, state, params, scale=5.0)
         ref_updates, ref_state = inner.update(params, ref_state, params, scale=5.0)
-        _assert_bitwise(updates, ref_updates)
-    _assert_bitwise(state.inner_state, ref_state)
+        assert_tree_equal(updates, ref_updates)
+    assert_tree_equal(state.inner_state, ref_state)
     assert ref_state.acc_grads["w"].sharding.memory_kind == "device"
     assert state.inner_state.acc_grads["w"].sharding.memory_kind == "pinned_host"
 
@@ -541,8 +527,8 @@ def test_python_scalars_in_state_not_rejected(mode: str) -> None:
     for _ in range(STEPS):
         updates, state = update(params, state, params)
         ref_updates, ref_state = inner.update(params, ref_state, params)
-        _assert_bitwise(updates, ref_updates)
-    _assert_bitwise(state.inner_state.mu, ref_state.mu)
+        assert_tree_equal(updates, ref_updates)
+    assert_tree_equal(state.inner_state.mu, ref_state.mu)
     assert state.inner_state.mu["w"].sharding.memory_kind == "pinned_host"
 
 
@@ -563,7 +549,7 @@ def test_hyperparams_read_through_the_state() -> None:
     ref_state = optax.tree.set(ref_state, learning_rate=0.5)
     updates, state = opt.update(_grads(params, 0), state, params)
     ref_updates, ref_state = inner.update(_grads(params, 0), ref_state, params)
-    _assert_bitwise(updates, ref_updates)
+    assert_tree_equal(updates, ref_updates)
     assert float(state.hyperparams["learning_rate"]) == 0.5
 
 
@@ -575,7 +561,7 @@ def test_reading_brings_leaves_to_the_device_and_keeps_the_host_copy() -> None:
     read = OffloadedState(state.inner_state[0]).mu  # an attribute of the inner state
     assert {x.sharding.memory_kind for x in jtu.tree_leaves(read)} == {"device"}
     assert {x.sharding.memory_kind for x in jtu.tree_leaves(mu) if x.ndim} == {"pinned_host"}
-    _assert_bitwise(read, mu)
+    assert_tree_equal(read, mu)
     with pytest.raises(AttributeError, match="nor has its inner_state"):
         state.no_such_field  # noqa: B018
     assert not hasattr(state, "__jax_array__")  # private names are never forwarded
@@ -611,7 +597,7 @@ def test_schedule_free_eval_params(mode: str) -> None:
     if mode == "jit":  # compiled, compared with compiled (eager and jit differ in bits)
         eval_params = eqx_offload.filter_jit(eval_params)
         ref_eval_params = jax.jit(ref_eval_params)
-    _assert_bitwise(eval_params(state, params), ref_eval_params(ref_state, params))
+    assert_tree_equal(eval_params(state, params), ref_eval_params(ref_state, params))
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -629,5 +615,5 @@ def test_hyperparams_written_in_place(mode: str) -> None:
     ref_state.hyperparams["learning_rate"] = jnp.asarray(0.5)
     updates, state = update(_grads(params, 0), state, params)
     ref_updates, _ = ref_update(_grads(params, 0), ref_state, params)
-    _assert_bitwise(updates, ref_updates)
+    assert_tree_equal(updates, ref_updates)
     assert float(state.hyperparams["learning_rate"]) == 0.5

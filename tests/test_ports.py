@@ -38,29 +38,15 @@ from ports.common import expected_placement, placement, Run, unwrap
 import eqx_offload
 
 
-def _raw(tree: Any) -> Any:
-    """Typed PRNG keys as their key data, so bitwise comparison sees their bits."""
-    return jtu.tree_map(
-        lambda x: jax.random.key_data(x)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-        else x,
-        tree,
-    )
-
-
-def _assert_bitwise(a: Any, b: Any) -> None:
-    assert_tree_equal(_raw(a), _raw(b))
-
-
 def _assert_same_run(plain: Run, ported: Run) -> None:
     """Bitwise equal losses, model, inner state and extras; the ported state in host
     memory after every step; no compilation after the first ported step."""
     assert len(plain.losses) == len(ported.losses) >= 4
     assert len({np.asarray(x).tobytes() for x in plain.losses}) > 1, "it does not train"
-    _assert_bitwise(plain.losses, ported.losses)
-    _assert_bitwise(plain.model, ported.model)
-    _assert_bitwise(plain.opt_state, unwrap(ported.opt_state))
-    _assert_bitwise(plain.extra, ported.extra)
+    assert_tree_equal(plain.losses, ported.losses)
+    assert_tree_equal(plain.model, ported.model)
+    assert_tree_equal(plain.opt_state, unwrap(ported.opt_state))
+    assert_tree_equal(plain.extra, ported.extra)
     expected = expected_placement(ported.opt_state)
     assert "pinned_host" in expected.values()
     assert not plain.placements and len(ported.placements) == len(ported.losses)
@@ -142,9 +128,9 @@ def test_port_filter_pmap() -> None:
         return
     except eqx_offload.OffloadWarning as warning:
         raise AssertionError(f"the state was not offloaded: {warning}") from None
-    _assert_bitwise(plain.losses, ported.losses)
-    _assert_bitwise(plain.model, ported.model)
-    _assert_bitwise(plain.opt_state, unwrap(ported.opt_state))
+    assert_tree_equal(plain.losses, ported.losses)
+    assert_tree_equal(plain.model, ported.model)
+    assert_tree_equal(plain.opt_state, unwrap(ported.opt_state))
     for kinds in ported.placements:
         # Per replica, the moments (1-d and up) are offloaded and the count (0-d) is not.
         assert sorted(set(kinds.values())) == ["device", "pinned_host"], kinds
@@ -265,10 +251,10 @@ def test_reading_a_state(idiom: str) -> None:
     make, read, write = READING_IDIOMS[idiom]
     plain = _reading_loop(False, make(), read, write)
     ported = _reading_loop(True, make(), read, write)
-    _assert_bitwise(plain["reads"], ported["reads"])
-    _assert_bitwise(plain["losses"], ported["losses"])
-    _assert_bitwise(plain["model"], ported["model"])
-    _assert_bitwise(plain["state"], ported["state"])
+    assert_tree_equal(plain["reads"], ported["reads"])
+    assert_tree_equal(plain["losses"], ported["losses"])
+    assert_tree_equal(plain["model"], ported["model"])
+    assert_tree_equal(plain["state"], ported["state"])
     assert "pinned_host" in ported["kinds"].values()
     if write is not None:  # the writes changed the training (so they were not lost)
         unchanged = _reading_loop(False, make(), read, None)
@@ -283,9 +269,9 @@ def test_multi_steps_has_updated() -> None:
 
     plain, ported = run(False), run(True)
     assert [bool(x) for x in plain["reads"]] == [False, False, True, False, False, True, False]
-    _assert_bitwise(plain["reads"], ported["reads"])
-    _assert_bitwise(plain["model"], ported["model"])
-    _assert_bitwise(plain["state"], ported["state"])
+    assert_tree_equal(plain["reads"], ported["reads"])
+    assert_tree_equal(plain["model"], ported["model"])
+    assert_tree_equal(plain["state"], ported["state"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,8 +324,8 @@ def test_python_scalars_in_state(name: Optional[str], mode: str) -> None:
         grads = jtu.tree_map(lambda p: p * (step + 1), params)
         updates, state = update(grads, state, params)
         plain_updates, plain_state = plain_update(grads, plain_state, params)
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, state.inner_state)
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(plain_state, state.inner_state)
         assert state.inner_state.count == step + 1 and state.inner_state.warm is True
         assert state.inner_state.trace["w"].sharding.memory_kind == "pinned_host"
 
@@ -387,8 +373,8 @@ def test_state_made_by_this_optimizer_accepted(name: str, mode: str) -> None:
             grads = jtu.tree_map(lambda g: jnp.stack([g, 2 * g, -g, 0.5 * g]), grads)
         updates, state = update(grads, state, params)
         plain_updates, plain_state = plain_update(grads, plain_state, params)
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(plain_state, state.inner_state)
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(plain_state, state.inner_state)
         assert "pinned_host" in expected_placement(state).values()
         assert jtu.tree_map(lambda x: x.sharding.memory_kind, state) == jtu.tree_map(
             lambda x: "pinned_host" if x.ndim else "device", state)
@@ -591,7 +577,7 @@ def test_extra_args_reach_the_inner_transformation(name: str, composition: str, 
         return
     (expected_steps, expected_params), (steps, params) = expected, got
     for (plain_updates, plain_state), (updates, state) in zip(expected_steps, steps):
-        _assert_bitwise(plain_updates, updates)
-        _assert_bitwise(unwrap(plain_state), unwrap(state))
+        assert_tree_equal(plain_updates, updates)
+        assert_tree_equal(unwrap(plain_state), unwrap(state))
         assert placement(state) == expected_placement(state)
-    _assert_bitwise(expected_params, params)
+    assert_tree_equal(expected_params, params)

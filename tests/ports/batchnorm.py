@@ -10,9 +10,8 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from helpers import count_compiles
 
-from .common import params, placement, Run
+from .common import params, Recorder, Run
 
 
 STEPS = 5
@@ -67,18 +66,15 @@ def train(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return model, state, opt_state, loss
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     batches = data(jr.key(1))
     for x, y in batches:
-        with count_compiles() as compiled:
+        with recorder.step():
             model, state, opt_state, loss = make_step(model, state, opt_state, x, y)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
+        recorder.record(loss, opt_state)
 
     # Evaluation: running statistics, no state update.
     inference_model = eqx.nn.inference_mode(model)
     x, y = batches[0]
     eval_loss, _ = jit(compute_loss)(inference_model, state, x, y)
-    return Run(losses, model, opt_state, placements, compiles, extra=(state, eval_loss))
+    return recorder.run(model, opt_state, extra=(state, eval_loss))

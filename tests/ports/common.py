@@ -7,6 +7,8 @@ plain optax); `True` applies the README's three-line change (`import eqx_offload
 step). Nothing else differs between the two runs.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -15,6 +17,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 import eqx_offload
+
+from helpers import count_compiles
 
 
 class Run(NamedTuple):
@@ -35,6 +39,31 @@ class Run(NamedTuple):
     placements: list[dict[str, str]]
     compiles: list[int]
     extra: Any = None
+
+
+class Recorder:
+    """What every program records per step: the loss, the compilations the step caused,
+    and (ported) where each state leaf lives after it."""
+
+    def __init__(self, port: bool) -> None:
+        self.port = port
+        self.losses: list[Any] = []
+        self.placements: list[dict[str, str]] = []
+        self.compiles: list[int] = []
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        with count_compiles() as compiled:
+            yield
+        self.compiles.append(len(compiled))
+
+    def record(self, loss: Any, opt_state: Any) -> None:
+        self.losses.append(loss)
+        if self.port:
+            self.placements.append(placement(opt_state))
+
+    def run(self, model: Any, opt_state: Any, extra: Any = None) -> Run:
+        return Run(self.losses, model, opt_state, self.placements, self.compiles, extra)
 
 
 def placement(opt_state: Any) -> dict[str, str]:

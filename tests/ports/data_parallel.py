@@ -21,9 +21,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_offload  # (1) the import
 
-from helpers import count_compiles
 
-from .common import params, placement, Run
+from .common import params, Recorder, Run
 
 
 STEPS = 4
@@ -86,16 +85,13 @@ def train(
             model, opt_state = eqx.filter_shard((model, opt_state), replicated)
         return model, opt_state, loss
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in dataloader(STEPS):
         x, y = eqx.filter_shard((jnp.asarray(x), jnp.asarray(y)), data_sharding)
-        with count_compiles() as compiled:
+        with recorder.step():
             model, opt_state, loss = train_step(model, opt_state, x, y)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
-    return Run(losses, model, opt_state, placements, compiles)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)
 
 
 def train_pmap(port: bool, donate: str = "none") -> Run:
@@ -123,14 +119,11 @@ def train_pmap(port: bool, donate: str = "none") -> Run:
         )
         return eqx.apply_updates(model, updates), opt_state, jax.lax.pmean(loss, "devices")
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in dataloader(STEPS):
         x = x.reshape(DEVICES, BATCH // DEVICES, CHANNELS)
         y = y.reshape(DEVICES, BATCH // DEVICES, CHANNELS)
-        with count_compiles() as compiled:
+        with recorder.step():
             models, opt_states, loss = train_step(models, opt_states, x, y)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_states))
-    return Run(losses, models, opt_states, placements, compiles)
+        recorder.record(loss, opt_states)
+    return recorder.run(models, opt_states)

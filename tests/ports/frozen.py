@@ -16,9 +16,8 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from helpers import count_compiles
 
-from .common import placement, Run
+from .common import Recorder, Run
 
 
 STEPS = 5
@@ -70,15 +69,12 @@ def train_partition(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return loss, model, opt_state
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in data(jr.key(1)):
-        with count_compiles() as compiled:
+        with recorder.step():
             loss, model, opt_state = make_step(model, x, y, opt_state)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
-    return Run(losses, model, opt_state, placements, compiles)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)
 
 
 def train_multi_transform(port: bool, donate: str = "none") -> Run:
@@ -105,12 +101,9 @@ def train_multi_transform(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return loss, model, opt_state
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in data(jr.key(1)):
-        with count_compiles() as compiled:
+        with recorder.step():
             loss, model, opt_state = make_step(model, x, y, opt_state)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
-    return Run(losses, model, opt_state, placements, compiles)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)

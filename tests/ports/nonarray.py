@@ -13,9 +13,8 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from helpers import count_compiles
 
-from .common import placement, Run
+from .common import Recorder, Run
 
 
 STEPS = 5
@@ -94,12 +93,9 @@ def train(port: bool, donate: str = "none") -> Run:
         model = eqx.tree_at(lambda m: m.key, model, new_key)
         return model, opt_state, loss
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in data(jr.key(1)):
-        with count_compiles() as compiled:
+        with recorder.step():
             model, opt_state, loss = make_step(model, opt_state, x, y)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
-    return Run(losses, model, opt_state, placements, compiles)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)

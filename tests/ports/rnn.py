@@ -9,9 +9,8 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from helpers import count_compiles
 
-from .common import params, placement, Run
+from .common import params, Recorder, Run
 
 
 STEPS = 5
@@ -70,12 +69,9 @@ def train(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return loss, model, opt_state
 
-    losses, placements, compiles = [], [], []
+    recorder = Recorder(port)
     for x, y in batches(jr.key(1)):
-        with count_compiles() as compiled:
+        with recorder.step():
             loss, model, opt_state = make_step(model, x, y, opt_state)
-        compiles.append(len(compiled))
-        losses.append(loss)
-        if port:
-            placements.append(placement(opt_state))
-    return Run(losses, model, opt_state, placements, compiles)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)
