@@ -261,11 +261,12 @@ class _Offloaded:
         # like one this `init` made is this optimizer's.
         made = None if params is not None else self.made_by_init.get(
             jtu.tree_structure(jtu.tree_map(_abstract, state.inner_state)))
+        def updated_state(u: Any, s: Any, p: Any) -> Any:
+            return self.inner.update(u, s, p, **extra_args)[1]
+
         candidates: list[Callable[[], Any]] = [
             lambda: made,
-            lambda: eqx.filter_eval_shape(
-                lambda u, s, p: self.inner.update(u, s, p, **extra_args)[1],
-                updates, initial, params),
+            lambda: eqx.filter_eval_shape(updated_state, updates, initial, params),
         ]
         for candidate in candidates:
             try:
