@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, memory_kinds
 from isolated import call_isolated
 
 import eqx_offload
@@ -27,7 +27,7 @@ def _data() -> tuple[jax.Array, jax.Array]:
 
 
 def _kinds(tree: Any) -> list[str]:
-    return [leaf.sharding.memory_kind for leaf in jtu.tree_leaves(eqx.filter(tree, eqx.is_array))]
+    return list(memory_kinds(tree).values())
 
 
 def training_child(offload: bool) -> dict[str, Any]:
