@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, memory_kinds
+from helpers import assert_tree_equal, memory_kinds, unchecked
 from hypothesis import given, HealthCheck, Phase, settings
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
@@ -497,12 +497,6 @@ def test_one_device_put_jit(device_put_calls: list[int]) -> None:
 # --- memory-kind argument errors --------------------------------------------------------------
 
 
-def _unchecked(fn: Any) -> Any:
-    """`fn` without the jaxtyping/beartype wrapper that the pytest hook adds: what a user
-    without runtime type checking calls."""
-    return inspect.unwrap(fn)
-
-
 @pytest.mark.parametrize("kind", ["gpu", "device", "host", None])
 def test_bad_memory_kind(kind: Any) -> None:
     x = jnp.ones(2)
@@ -516,14 +510,14 @@ def test_bad_memory_kind(kind: Any) -> None:
     else:
         message = rf"memory_kind={kind!r} is not a memory kind.*'pinned_host'"
     with pytest.raises(MemoryKindError, match=message):
-        _unchecked(eqx_offload.to_host)(x, memory_kind=kind)
+        unchecked(eqx_offload.to_host)(x, memory_kind=kind)
 
 
 def test_bad_memory_kind_is_checked_before_anything_moves(device_put_calls: list[int]) -> None:
     with pytest.raises(MemoryKindError):
-        _unchecked(eqx_offload.to_host)({"a": jnp.ones(2)}, memory_kind="gpu")
+        unchecked(eqx_offload.to_host)({"a": jnp.ones(2)}, memory_kind="gpu")
     with pytest.raises(MemoryKindError):
-        _unchecked(eqx_offload.to_host)({}, memory_kind="gpu")
+        unchecked(eqx_offload.to_host)({}, memory_kind="gpu")
     assert device_put_calls == []
 
 
@@ -544,5 +538,5 @@ def test_iterator_is_not_a_tree(make: Any) -> None:
     nothing, so it is a `TreeError` (a `TypeError`) that says what to pass instead."""
     for move in (eqx_offload.to_host, eqx_offload.to_device):
         with pytest.raises(eqx_offload.TreeError, match="an iterator is not a pytree.*list"):
-            getattr(move, "__wrapped__", move)(make())
+            unchecked(move)(make())
     assert issubclass(eqx_offload.TreeError, TypeError)
