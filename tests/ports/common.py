@@ -66,45 +66,37 @@ class Recorder:
         return Run(self.losses, model, opt_state, self.placements, self.compiles, extra)
 
 
-def placement(opt_state: Any) -> dict[str, str]:
-    """`{path: memory kind}` of every array leaf inside the `OffloadedState`s of
-    `opt_state` (`offloaded` may sit anywhere in it)."""
-    found: dict[str, str] = {}
+def _array_leaves(opt_state: Any) -> Iterator[tuple[str, jax.Array, bool]]:
+    """`(path, leaf, inside an OffloadedState?)` for every `jax.Array` leaf of
+    `opt_state` (`offloaded` may sit anywhere in it; paths name `.inner_state`)."""
 
-    def visit(tree: Any, prefix: str) -> None:
+    def visit(tree: Any, prefix: str, inside: bool) -> Iterator[tuple[str, jax.Array, bool]]:
         leaves = jtu.tree_flatten_with_path(
             tree, is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState)
         )[0]
         for path, leaf in leaves:
             name = prefix + jtu.keystr(path)
             if isinstance(leaf, eqx_offload.OffloadedState):
-                visit(leaf.inner_state, name + ".inner_state")
+                yield from visit(leaf.inner_state, name + ".inner_state", True)
             elif isinstance(leaf, jax.Array):
-                found[name] = leaf.sharding.memory_kind
+                yield name, leaf, inside
 
-    visit(opt_state, "")
-    return found
+    return visit(opt_state, "", False)
+
+
+def placement(opt_state: Any) -> dict[str, str]:
+    """`{path: memory kind}` of every array leaf of `opt_state`."""
+    return {name: leaf.sharding.memory_kind for name, leaf, _ in _array_leaves(opt_state)}
 
 
 def expected_placement(opt_state: Any) -> dict[str, str]:
     """What `placement` must be with `offloaded`'s default `where=min_ndim(1)`: every
     leaf with at least one dimension in `pinned_host`, 0-d leaves (step counters) on
     the device; leaves outside any `OffloadedState` on the device."""
-    kinds: dict[str, str] = {}
-
-    def visit(tree: Any, prefix: str, inside: bool) -> None:
-        leaves = jtu.tree_flatten_with_path(
-            tree, is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState)
-        )[0]
-        for path, leaf in leaves:
-            name = prefix + jtu.keystr(path)
-            if isinstance(leaf, eqx_offload.OffloadedState):
-                visit(leaf.inner_state, name + ".inner_state", True)
-            elif isinstance(leaf, jax.Array):
-                kinds[name] = "pinned_host" if inside and np.ndim(leaf) >= 1 else "device"
-
-    visit(opt_state, "", False)
-    return kinds
+    return {
+        name: "pinned_host" if inside and np.ndim(leaf) >= 1 else "device"
+        for name, leaf, inside in _array_leaves(opt_state)
+    }
 
 
 def unwrap(tree: Any) -> Any:
