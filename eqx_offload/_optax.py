@@ -245,9 +245,10 @@ class _Offloaded:
         Checked against what `inner.init` makes for the parameters (or, without them,
         the updates); a state that differs is also compared, when there are no params,
         with the states this transformation's `init` made (an aggregator's update gets
-        per-example updates, shaped unlike the parameters), and with what one `update` makes of the initial
-        state (optax's `monitor` adds its entries at the first update). It is refused
-        only if it is none of these, with the first difference found."""
+        per-example updates, shaped unlike the parameters), and with what one `update`
+        makes of the initial state (optax's `monitor` adds its entries at the first
+        update). It is refused only if it is none of these, with the first difference
+        found."""
         initial = self._abstract_state(updates, params)
         try:
             check_state(state, initial)

@@ -322,6 +322,7 @@ def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.slow
+@needs_pytype
 def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
     memory = repo / "eqx_offload" / "_memory.py"
