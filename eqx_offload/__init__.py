@@ -20,6 +20,7 @@ from ._errors import (
     NotATransformationError as NotATransformationError,
     OffloadError as OffloadError,
     OptionError as OptionError,
+    PlanError as PlanError,
     SignatureError as SignatureError,
     StateError as StateError,
     TracedMoveError as TracedMoveError,
@@ -31,6 +32,13 @@ from ._memory import supported_memory_kinds as supported_memory_kinds
 from ._move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
 from ._optax import offloaded as offloaded
 from ._options import Compute as Compute
+from ._plan import (
+    gpu_plan as gpu_plan,
+    GPU_TARGETS as GPU_TARGETS,
+    GpuPlan as GpuPlan,
+    GpuTarget as GpuTarget,
+    PlannedCopy as PlannedCopy,
+)
 from ._report import (
     LeafMemory as LeafMemory,
     memory_report as memory_report,
