@@ -104,9 +104,9 @@ def normalise(
     if group_bytes is not None and group_bytes != "auto":
         if isinstance(group_bytes, bool) or not isinstance(group_bytes, (int, np.integer)):
             raise OptionError(
-                f"offloaded(group_bytes={group_bytes!r}): group_bytes must be \"auto\" "
-                "(default: streamed where the update allows it), an int (bytes of "
-                "optimizer state per group) or None (the whole state at once)."
+                f"offloaded(group_bytes={group_bytes!r}): group_bytes must be an int (bytes "
+                "of optimizer state per group), \"auto\" (the default: streamed where the "
+                "update allows it) or None (the whole state at once)."
             )
         if group_bytes < 0:
             raise OptionError(f"offloaded(group_bytes={group_bytes}): group_bytes must be >= 0.")

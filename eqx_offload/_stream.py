@@ -38,7 +38,7 @@ with side effects (callbacks), which streaming would reorder.
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -244,7 +244,7 @@ class _Schedule:
     host_outputs: set[int]  # indices of the jaxpr outputs that go back to host
 
 
-def _schedule(traced: TracedUpdate, group_bytes: "int | str") -> _Schedule:
+def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
     jaxpr = traced.jaxpr
     state_invars = jaxpr.invars[traced.state_slice]
     state_leaves = traced.flat_args[traced.state_slice]
@@ -376,7 +376,7 @@ def stream_plan(
     inner_state: Any,
     params: Any = None,
     *,
-    group_bytes: "int | str" = "auto",
+    group_bytes: Union[int, str] = "auto",
     **extra_args: Any,
 ) -> StreamPlan:
     """The groups that `offloaded(inner, group_bytes=group_bytes)` streams for these

@@ -105,14 +105,6 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
             f"max(baseline, one-way copy) = "
             f"{largest['floor']['full_duplex_seconds']['median'] * 1e3:.2f} ms"
             + ("" if largest["params"] >= 90e6 else " (defined at 100M parameters)"))
-    prefetch = of("prefetch", lambda p: p["workload"] == "transformer")
-    if prefetch:
-        add("transformer with prefetch: step <= 1.10x baseline"
-            + (" (for an accelerator; on the CPU the numbers only)" if on_cpu else ""),
-            gpu and all(_within(p["ratio_to_baseline"], 1.10) for p in prefetch),
-            "; ".join(f"{_name(p)}: {p['ratio_to_baseline']['median']:.3f}x "
-                      f"[{p['ratio_to_baseline']['p25']:.3f}, "
-                      f"{p['ratio_to_baseline']['p75']:.3f}]" for p in prefetch))
     _bf16_targets(points, curves, on_cpu, add)
     return targets
 
