@@ -137,7 +137,7 @@ def offloaded(
     - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
     - `group_bytes`: how the state comes to the device for the update. `"auto"`
         (default): under `jit`, streamed (below) in groups of about 1/16 of the
-        offloaded state (1 MiB to 256 MiB), in the order the backward pass produces
+        offloaded state (at most 256 MiB), in the order the backward pass produces
         the gradients, so the state's share of peak device memory is a few groups
         and most of its copies can overlap the backward pass; where the update cannot
         be streamed (it combines the new state of several parameters, as
