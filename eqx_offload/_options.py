@@ -139,10 +139,15 @@ def normalise(
                 "never crosses to the device, so there is nothing to narrow; pass one of "
                 "them."
             )
+    streaming: Union[int, str, None] = None
+    if group_bytes == "auto":
+        streaming = "auto"
+    elif group_bytes is not None:
+        streaming = int(group_bytes)
     return Options(
         where=where,
         memory_kind=str(memory_kind),
-        group_bytes=group_bytes if group_bytes in (None, "auto") else int(group_bytes),
+        group_bytes=streaming,
         lookahead=int(lookahead),
         compute=str(compute),
         host_dtype=dtype,

@@ -343,7 +343,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
     kernels = 0
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not line.startswith(" "):
-            open_copies, kernels = {}, 0  # a new computation
+            open_copies.clear()  # a new computation
+            kernels = 0
             continue
         match = _INSTRUCTION.match(line)
         if match is None:

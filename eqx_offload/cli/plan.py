@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{', '.join(m for m in MODES if m != 'manual')}", file=sys.stderr)
                 return 2
             optimizer = OPTIMIZERS[args.optimizer](1e-3)
+            loss: Any
             if args.workload == "mlp":
                 model = make_mlp(args.width, args.depth, args.width, 0)
                 batch = regression_batches(args.width, args.batch, 1, 0)[0]
