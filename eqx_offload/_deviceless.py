@@ -10,11 +10,16 @@ platform, and the StableHLO module is compiled with the compile-only client (as 
 `tests/deviceless_aot_test.py` compiles for a topology).
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.metadata
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import jax
 
 from ._errors import PlanError
 
@@ -83,3 +88,23 @@ def host_pool_limit_bytes() -> int:
     64 GB when unset): `pinned_host` arrays beyond it fail to allocate."""
     gigabytes = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
     return int(gigabytes * (1 << 30))
+
+
+_COMPILING_FOR: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
+    "eqx_offload_compiling_for", default=None)
+
+
+def target_platform() -> str:
+    """The platform the step being traced is compiled for: the one `compiling_for` names
+    (`gpu_plan` traces for `"cuda"` with CPU arrays), else JAX's default backend."""
+    return _COMPILING_FOR.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Trace what runs inside for `platform` (see `target_platform`)."""
+    token = _COMPILING_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _COMPILING_FOR.reset(token)

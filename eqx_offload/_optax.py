@@ -34,6 +34,7 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
+from ._deviceless import target_platform
 from ._errors import CompositionError, NotATransformationError, StateError
 from ._host_compute import host_update
 from ._jit import filter_jit
@@ -64,12 +65,15 @@ def auto_update(
     inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
     inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
 ) -> tuple[Any, Any]:
-    """The default strategy (`group_bytes="auto"`): under `jit`, the streamed update
-    with an automatic group size, or the whole state at once where the update cannot
-    be streamed (it couples all of the state, e.g. `apply_if_finite`, or has side
-    effects); called eagerly, the whole state at once, op by op, like `inner`."""
+    """The default strategy (`group_bytes="auto"`): under `jit` for an accelerator, the
+    streamed update with an automatic group size, or the whole state at once where the
+    update cannot be streamed (it couples all of the state, e.g. `apply_if_finite`, or
+    has side effects). Called eagerly, or compiled for the CPU backend (where device and
+    host memory are the same RAM, so streaming frees nothing and its barriers cost step
+    time: 1.12-1.17x the step without offload at 34M-100M parameters, against
+    0.94-1.04x for the whole state), the whole state at once, as `group_bytes=None`."""
     arguments = (updates, inner_state, params, extra_args)
-    if any(map(is_traced, jtu.tree_leaves(arguments))):
+    if target_platform() != "cpu" and any(map(is_traced, jtu.tree_leaves(arguments))):
         try:
             return streamed_update(inner, options, *arguments, init_dtypes)
         except CompositionError:
@@ -136,14 +140,16 @@ def offloaded(
         one that keeps as much state on the device as a budget allows.
     - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
     - `group_bytes`: how the state comes to the device for the update. `"auto"`
-        (default): under `jit`, streamed (below) in groups of about 1/16 of the
+        (default): under `jit` for an accelerator (and in `eqx_offload.gpu_plan`),
+        streamed (below) in groups of about 1/16 of the
         offloaded state (at most 256 MiB), in the order the backward pass produces
         the gradients, so the state's share of peak device memory is a few groups
         and most of its copies can overlap the backward pass; where the update cannot
         be streamed (it combines the new state of several parameters, as
         `apply_if_finite`, `MultiSteps` or a global norm after a stateful
         transformation do, or it has side effects) the whole state comes at once;
-        called eagerly, the whole state at once, op by op. An int `N`: always stream,
+        called eagerly, or compiled for the CPU backend (one RAM: streaming frees
+        nothing there and costs step time), the whole state at once. An int `N`: always stream,
         in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
         streamed. `None`: the whole state at once (the smallest program; its device

@@ -280,7 +280,8 @@ def gpu_plan(
     devices = {d for s in call.in_shardings for d in s.device_set}
     n_devices = max(1, len(devices))
     topology = _deviceless.topology(resolved.config_text(), n_devices)
-    lowered = jitted._lower_call(call, platforms=("cuda",))._lowered
+    with _deviceless.compiling_for("cuda"):
+        lowered = jitted._lower_call(call, platforms=("cuda",))._lowered
     try:
         executable = _deviceless.compile_for(lowered, list(topology.devices[:n_devices]), options)
     except Exception as error:

@@ -451,3 +451,33 @@ def test_extra_args_reach_the_inner_update() -> None:
         opt = eqx_offload.offloaded(optax.chain(optax.adam(1e-2), scale_by_arg()), **mode)
         updates, _ = jax.jit(opt.update)(grads, opt.init(params), params, factor=jnp.float32(3.0))
         assert_tree_equal(updates, ref_updates)
+
+
+@pytest.mark.parametrize("name", ["adamw", "clip_then_adamw", "apply_if_finite"])
+def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
+    """`group_bytes="auto"` (the default) streams under `jit` for an accelerator, and
+    brings the whole state at once for the CPU backend (one RAM: nothing to free) and
+    for updates that cannot stream (`apply_if_finite`). Traced for a GPU
+    (`compiling_for("cuda")`, as `gpu_plan` does), the program runs on the CPU bitwise
+    as the unwrapped optimizer."""
+    from eqx_offload._deviceless import compiling_for
+
+    make = {**OPTIMIZERS, **REJECTED_STREAMING}[name]
+    params = {f"p{i}": committed(np.full((16, 16), i / 8)) for i in range(6)}
+    ref, opt = make(), eqx_offload.offloaded(make())
+    grads = make_grads(params, 0)
+
+    def lowered_update(state: Any) -> str:
+        # A new function each time: JAX caches traces by function, not by platform.
+        update = jax.jit(lambda g, s, p: opt.update(g, s, p))
+        return update.trace(grads, state, params).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lowered_update(opt.init(params)).count("optimization_barrier") == 0
+    with compiling_for("cuda"):
+        streamed = lowered_update(opt.init(params))
+        state = opt.init(params)
+        updates, state = jax.jit(lambda g, s, p: opt.update(g, s, p))(grads, state, params)
+    assert (streamed.count("optimization_barrier") > 0) == (name != "apply_if_finite")
+    ref_updates, ref_state = jax.jit(ref.update)(grads, ref.init(params), params)
+    assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+    assert_offloaded_kinds(state)
