@@ -21,6 +21,7 @@ from ._errors import (
     NotATransformationError as NotATransformationError,
     OffloadError as OffloadError,
     OptionError as OptionError,
+    PlanError as PlanError,
     SignatureError as SignatureError,
     StateError as StateError,
     TracedMoveError as TracedMoveError,
@@ -43,6 +44,13 @@ from ._params import (
     HostWeights as HostWeights,
     scan_layers as scan_layers,
     with_host_params as with_host_params,
+)
+from ._plan import (
+    gpu_plan as gpu_plan,
+    GPU_TARGETS as GPU_TARGETS,
+    GpuPlan as GpuPlan,
+    GpuTarget as GpuTarget,
+    PlannedCopy as PlannedCopy,
 )
 from ._remat import (
     filter_remat as filter_remat,

@@ -56,3 +56,8 @@ class CompositionError(OffloadError, ValueError):
 class CheckpointError(OffloadError, ValueError):
     """A checkpointed leaf that does not fit its restore target (another shape or dtype),
     or a restore target that cannot be built."""
+
+
+class PlanError(OffloadError, RuntimeError):
+    """`gpu_plan` cannot compile for the GPU: the compiler is missing (the `plan` extra)
+    or does not match the installed JAX, or the step cannot be planned."""

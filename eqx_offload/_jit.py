@@ -192,9 +192,11 @@ class _Output:
         return jtu.tree_unflatten(self.treedef, leaves)
 
 
-def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
+def _lower(fun: Callable[..., Any], name: str, call: _Call,
+           platforms: Optional[tuple[str, ...]] = None) -> tuple[Any, _Output]:
     """Trace `fun` once for `call`, check it, and lower a replay of the traced program
-    with memory-kind-aware input and output shardings."""
+    with memory-kind-aware input and output shardings (for `platforms`, default the
+    arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments)."""
     array_positions = [i for i, a in enumerate(call.is_array) if a]
     outputs: list[Any] = []
 
@@ -235,7 +237,10 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outpu
 
     jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    return jitted.trace(*call.leaves).lower(), output
+    traced_replay = jitted.trace(*call.leaves)
+    if platforms is None:
+        return traced_replay.lower(), output
+    return traced_replay.lower(lowering_platforms=platforms), output
 
 
 def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
@@ -342,11 +347,11 @@ class _FilterJit(Generic[_P, _T]):
         cache is not touched."""
         return self._lower_call(_flatten_call(args, kwargs, self._donate))
 
-    def _lower_call(self, call: _Call) -> Lowered:
+    def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
             if _DONATE_MODES[self._donate][2]:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            lowered, output = _lower(self._fun, self._name, call)
+            lowered, output = _lower(self._fun, self._name, call, platforms)
         return Lowered(lowered, output, call.key, self._donate, self._name)
 
     def __get__(self, instance: Any, owner: Any) -> Any:

@@ -1,0 +1,84 @@
+"""Compiling for an NVIDIA GPU without one: the private JAX and XLA calls that
+`gpu_plan` needs, in one place (tests/upstream/test_upstream_deviceless.py pins each).
+
+XLA's GPU compiler runs on any machine once `jax-cuda12-plugin` (at the installed JAX
+version) and a `ptxas` (the `nvidia-cuda-nvcc-cu12` wheel) are installed. A compile-only
+client for a described GPU comes from `jax.experimental.topologies.get_topology_desc`;
+its devices have no memories, so a sharding on them drops `pinned_host`. The step is
+therefore lowered with ordinary CPU shardings (which keep memory kinds) for the `cuda`
+platform, and the StableHLO module is compiled with the compile-only client (as JAX's own
+`tests/deviceless_aot_test.py` compiles for a topology).
+"""
+
+import functools
+import importlib.metadata
+import os
+from typing import Any
+
+from ._errors import PlanError
+
+
+def _install_hint() -> str:
+    version = importlib.metadata.version("jax")
+    return (
+        "Install the GPU compiler (no GPU, driver, cuDNN or cuBLAS is needed): "
+        f"`pip install 'jax-cuda12-plugin=={version}' nvidia-cuda-nvcc-cu12` "
+        "(the plugin must match the installed JAX exactly; `pip install "
+        "'eqx_offload[plan]'` brings both, and then needs the same pin if your JAX "
+        "is not the newest), and run with JAX_PLATFORMS=cpu on a machine without a GPU."
+    )
+
+
+def check_available() -> None:
+    """Raise a `PlanError` naming the fix unless the GPU compiler can be used."""
+    try:
+        plugin = importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        raise PlanError("gpu_plan: jax-cuda12-plugin is not installed. " + _install_hint()) from None
+    jax_version = importlib.metadata.version("jax")
+    if plugin != jax_version:
+        raise PlanError(
+            f"gpu_plan: jax-cuda12-plugin {plugin} does not match jax {jax_version}. "
+            + _install_hint()
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def topology(target_config: str, n_devices: int) -> Any:
+    """A compile-only topology of `n_devices` GPUs described by `target_config` (a
+    `stream_executor.GpuTargetConfigProto` in text form)."""
+    from jax.experimental import topologies
+
+    check_available()
+    try:
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=target_config, topology=f"1x1x{n_devices}"
+        )
+    except Exception as error:  # the plugin's own failure, e.g. no ptxas
+        raise PlanError(f"gpu_plan: XLA could not describe the GPU ({error}). "
+                        + _install_hint()) from error
+
+
+def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
+    """Compile a `jax.stages.Lowered` (lowered for `cuda`) for compile-only `devices`.
+    Returns XLA's executable: `get_compiled_memory_stats()`, `as_text()`."""
+    from jax._src import compiler
+    from jax._src.lib import xla_client as xc
+
+    options = compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=len(devices),
+        device_assignment=devices,
+        env_options_overrides=dict(compiler_options),
+    )
+    module = lowered.compiler_ir("stablehlo")
+    return compiler.backend_compile_and_load(
+        devices[0].client, module, xc.DeviceList(tuple(devices)), options, []
+    )
+
+
+def host_pool_limit_bytes() -> int:
+    """The cap on XLA's pinned host allocator on CUDA (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`,
+    64 GB when unset): `pinned_host` arrays beyond it fail to allocate."""
+    gigabytes = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
+    return int(gigabytes * (1 << 30))
