@@ -6,7 +6,7 @@ during the step, and come to the device only while the layer that uses them comp
   backward pass fetches it again instead of keeping device copies.
 - `HostWeights` / `host_weights`: the same for one module of an unscanned model.
 - `with_host_params`: an optax transformation that accepts host-resident gradients and
-  parameters (its updates live where the parameters live).
+  parameters (its updates are on the device).
 - `apply_updates`: `eqx.apply_updates` that keeps every leaf in the memory it lives in.
 
 The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ._errors import OptionError
 from ._move import move, to_host
+from ._leaves import is_traced
 from ._placement import is_host, memory_kind_of
 from ._remat import LAYER_INPUT, offload_names, Policy, union
 from ._types import HostMemoryKind, Where
@@ -257,23 +258,18 @@ def apply_updates(model: _T, updates: Any) -> _T:
     return out
 
 
-def _homes(reference: Any, tree: Any) -> list[Optional[str]]:
-    """Per leaf of `tree`: the host memory kind of the leaf of `reference` at the same
-    place, or `None` (device, or no reference)."""
-    if reference is None:
-        return [None] * len(jtu.tree_leaves(tree))
-    return [memory_kind_of(r) if is_host(r) else None for r in jtu.tree_leaves(reference)]
-
-
-def _send_home(tree: _T, homes: list[Optional[str]]) -> _T:
+def _fetch_each(tree: _T) -> _T:
+    """`_fetch`, one `device_put` per traced leaf, and unconditional: traced on
+    `ShapeDtypeStruct`s that say nothing of memory (as the streamed update traces
+    `inner.update`), the move is still in the program, and each leaf's move belongs to
+    its own parameter (so the streamed update fetches it with that parameter's group)."""
     leaves, treedef = jtu.tree_flatten(tree)
-    if len(leaves) != len(homes):  # a tree unlike the parameters: leave it on the device
-        return tree
-    for kind in {h for h in homes if h is not None}:
-        chosen = [i for i, h in enumerate(homes) if h == kind and eqx.is_array(leaves[i])]
-        moved = move([leaves[i] for i in chosen], True, kind, "with_host_params")
-        for i, x in zip(chosen, moved, strict=True):
-            leaves[i] = x
+    traced = [i for i, x in enumerate(leaves) if is_traced(x)]
+    for i in traced:
+        leaves[i] = jax.device_put(leaves[i], jax.memory.Space.Device)
+    rest = [i for i, x in enumerate(leaves) if i not in set(traced) and eqx.is_array(x)]
+    for i, x in zip(rest, _fetch([leaves[i] for i in rest]), strict=True):
+        leaves[i] = x
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 
@@ -284,12 +280,13 @@ def with_host_params(
     """Wraps an optax transformation so that it accepts parameters and gradients in
     host memory.
 
-    `init` and `update` bring host-resident `params` and `updates` to the device,
-    run `inner` there, and send each update back to the memory kind of its parameter
-    (of its incoming update, without `params`): the updates of host-resident weights
-    are in host memory, ready for `eqx_offload.apply_updates`. Its state and updates
-    are bitwise those of `inner`. Put it inside `offloaded` to keep the optimizer state
-    in host memory too: `offloaded(with_host_params(optax.adamw(1e-3)))`.
+    `init` and `update` bring host-resident `params` and `updates` to the device (one
+    move per leaf) and run `inner` there; the updates stay on the device, where
+    `eqx_offload.apply_updates` adds them to the host-resident weights and sends the
+    sums back. Its state and updates are bitwise those of `inner`. Put it inside
+    `offloaded` to keep the optimizer state in host memory too:
+    `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
+    and weights then come to the device with their parameter's group of state.
 
     **Arguments:**
 
@@ -310,7 +307,7 @@ def with_host_params(
         opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adam(0.1)))
         state = opt.init(params)
         updates, state = opt.update(params, state, params)
-        assert updates["w"].sharding.memory_kind == "pinned_host"
+        assert updates["w"].sharding.memory_kind == "device"
         params = eqx_offload.apply_updates(params, updates)
         assert params["w"].sharding.memory_kind == "pinned_host"
         ```
@@ -318,15 +315,13 @@ def with_host_params(
     transformation = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> optax.OptState:
-        return transformation.init(_fetch(params))
+        return transformation.init(_fetch_each(params))
 
     def update_fn(
         updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        homes = _homes(params if params is not None else updates, updates)
-        new_updates, new_state = transformation.update(
-            _fetch(updates), state, _fetch(params), **extra_args)
-        return _send_home(new_updates, homes), new_state
+        return transformation.update(
+            _fetch_each(updates), state, _fetch_each(params), **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

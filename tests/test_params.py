@@ -251,15 +251,7 @@ def test_apply_updates_unpinned_host_eagerly() -> None:
     assert np.asarray(new["w"]).tolist() == [2.0, 2.0, 2.0]
 
 
-# The streamed update traces `inner.update` on `ShapeDtypeStruct`s without memory kinds
-# (`_jaxpr._spec`), so the fetch of host-resident updates/params inside is traced away
-# and the replay adds host to device arrays. Fix (eqx_offload/_stream.py, _jaxpr.py):
-# fetch host-resident updates and params with each group, as the state is.
-STREAMED_HOST_PARAMS = pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="streamed update traces host params as device")
-
-
-@pytest.mark.parametrize("group_bytes", [None, pytest.param(0, marks=STREAMED_HOST_PARAMS)])
+@pytest.mark.parametrize("group_bytes", [None, 0])
 def test_with_host_params_inside_offloaded_is_bitwise(group_bytes: Any) -> None:
     params = {"w": jax.random.normal(jax.random.key(6), (8, 8)), "b": jnp.ones(8)}
     grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
@@ -281,7 +273,7 @@ def test_with_host_params_inside_offloaded_is_bitwise(group_bytes: Any) -> None:
     for _ in range(2):
         placed, updates, state = step(placed, placed_grads, state)
         params, want_updates, want_state = want_step(params, grads, want_state)
-        assert memory_kinds(updates) == {"b": "device", "w": "pinned_host"}
+        assert memory_kinds(updates) == {"b": "device", "w": "device"}
         assert memory_kinds(placed) == {"b": "device", "w": "pinned_host"}
         assert host_bytes(updates) == host_bytes(want_updates)
         assert host_bytes(placed) == host_bytes(params)
