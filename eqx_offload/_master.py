@@ -21,6 +21,7 @@ import optax
 
 from ._errors import OptionError
 from ._optax import offloaded
+from ._params import fetch_each, place_like
 
 
 _M = TypeVar("_M")
@@ -59,7 +60,7 @@ def _master_transformation(
     are the new compute parameters (private: `MasterWeights.update` unpacks them)."""
 
     def init_fn(params: optax.Params) -> MasterState:
-        master = _masters(params, master_dtype)
+        master = _masters(fetch_each(params), master_dtype)
         return MasterState(master, inner.init(master))
 
     def update_fn(
@@ -70,8 +71,9 @@ def _master_transformation(
             raise OptionError("master_weights: update needs the compute parameters "
                               "(`params`), to know their dtypes.")
         master = state.master
+        # Gradients of weights kept in host memory come to the device first.
         wide = jtu.tree_map(lambda g, m: None if m is None else g.astype(m.dtype),
-                            grads, master, is_leaf=lambda x: x is None)
+                            fetch_each(grads), master, is_leaf=lambda x: x is None)
         updates, inner_state = inner.update(wide, state.inner_state, master, **extra_args)
         new_master = optax.apply_updates(master, updates)
         new_params = jtu.tree_map(
@@ -100,7 +102,8 @@ class MasterWeights(Generic[_M]):
         **Arguments:**
 
         - `model`: the model (an `eqx.Module` or any pytree), its floating leaves in
-            the master dtype or narrower.
+            the master dtype or narrower. Leaves in host memory stay there (cast on
+            the device).
 
         **Returns:**
 
@@ -108,12 +111,17 @@ class MasterWeights(Generic[_M]):
         """
         params = eqx.filter(model, eqx.is_array)
         state = self.transformation.init(params)
-        return _cast(model, self.compute_dtype), state
+        # Cast on the device; a leaf in host memory goes back there in the compute dtype.
+        compute = place_like(_cast(fetch_each(params), self.compute_dtype), params)
+        return eqx.combine(compute, eqx.filter(model, eqx.is_array, inverse=True)), state
 
     def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]:
         """One optimizer step: the gradients of the compute model widened to the master
         dtype, the inner transformation's update of the master weights, and the new
-        compute model, each floating leaf the new master weight rounded to its dtype.
+        compute model, each floating leaf the new master weight rounded to its dtype
+        and kept in the memory kind of the old one (compute weights in host memory,
+        `host_weights` or `scan_layers` style, stay there; their gradients may be
+        there too).
 
         **Arguments:**
 
@@ -129,7 +137,7 @@ class MasterWeights(Generic[_M]):
         """
         params, static = eqx.partition(model, eqx.is_array)
         new_params, state = self.transformation.update(grads, state, params, **extra_args)
-        new_model: _M = eqx.combine(new_params, static)
+        new_model: _M = eqx.combine(place_like(new_params, params), static)
         return new_model, state
 
 

@@ -258,7 +258,7 @@ def apply_updates(model: _T, updates: Any) -> _T:
     return out
 
 
-def _fetch_each(tree: _T) -> _T:
+def fetch_each(tree: _T) -> _T:
     """`_fetch`, one `device_put` per traced leaf, and unconditional: traced on
     `ShapeDtypeStruct`s that say nothing of memory (as the streamed update traces
     `inner.update`), the move is still in the program, and each leaf's move belongs to
@@ -270,6 +270,20 @@ def _fetch_each(tree: _T) -> _T:
     rest = [i for i, x in enumerate(leaves) if i not in set(traced) and eqx.is_array(x)]
     for i, x in zip(rest, _fetch([leaves[i] for i in rest]), strict=True):
         leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def place_like(tree: _T, like: Any) -> _T:
+    """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
+    the same place, if that one is in host memory (one move per kind)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
+    for kind in {h for h in homes if h is not None}:
+        chosen = [i for i, h in enumerate(homes) if h == kind and eqx.is_array(leaves[i])]
+        moved = move([leaves[i] for i in chosen], True, kind, "memory_kind")
+        for i, x in zip(chosen, moved, strict=True):
+            leaves[i] = x
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 
@@ -315,13 +329,13 @@ def with_host_params(
     transformation = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> optax.OptState:
-        return transformation.init(_fetch_each(params))
+        return transformation.init(fetch_each(params))
 
     def update_fn(
         updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         return transformation.update(
-            _fetch_each(updates), state, _fetch_each(params), **extra_args)
+            fetch_each(updates), state, fetch_each(params), **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

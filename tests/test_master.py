@@ -168,3 +168,25 @@ def test_master_weights_loss_curve_follows_fp32_on_the_transformer() -> None:
     mixed = train(model, loss, batches, optax.adamw(1e-2), mixed=True)
     assert mixed[-1] < 0.8 * mixed[0]
     assert abs(np.mean(mixed[-5:]) - np.mean(plain[-5:])) < 0.03 * np.mean(plain[-5:])
+
+
+def test_master_weights_with_compute_weights_in_host_memory() -> None:
+    """bf16 compute weights kept in host memory (`host_weights`) stay there after the
+    update, their gradients come from host memory, and every bit is that of the same
+    model with its compute weights on the device."""
+    x = jax.random.normal(jax.random.key(2), (16, 8), jnp.bfloat16)
+    results = []
+    for wrap in (eqx_offload.host_weights, eqx_offload.HostWeights):
+        mw = eqx_offload.master_weights(optax.adamw(1e-2))
+        model, state = mw.init(eqx.tree_at(lambda m: m.layers[1], make_model(), replace_fn=wrap))
+        step = eqx.filter_jit(make_step(mw))  # (eqx_offload.filter_jit: see test_params REMAT2)
+        for _ in range(2):
+            model, state = step(model, state, x)
+        results.append((model, state))
+    (host_model, host_state), (device_model, device_state) = results
+    kinds = memory_kinds(host_model)
+    assert kinds.pop("layers/1/module/weight") == kinds.pop("layers/1/module/bias") == "pinned_host"
+    assert set(kinds.values()) == {"device"}
+    assert set(memory_kinds(device_model).values()) == {"device"}
+    assert bits(eqx.filter(host_model, eqx.is_array)) == bits(eqx.filter(device_model, eqx.is_array))
+    assert bits(host_state) == bits(device_state)
