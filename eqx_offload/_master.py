@@ -10,8 +10,9 @@ are computed from them and nothing else.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, Optional, TypeVar
+from typing import Any, cast, Generic, NamedTuple, Optional, TypeVar
 
 import equinox as eqx
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from ._errors import OptionError
+from ._errors import OptionError, StateError
 from ._optax import offloaded
 from ._params import fetch_each, place_like
 
@@ -45,12 +46,32 @@ def _is_float(x: Any) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _cast_leaf(dtype: Any, x: Any) -> Any:
+    return x.astype(dtype) if _is_float(x) else x
+
+
+def _master_leaf(dtype: Any, x: Any) -> Any:
+    return x.astype(dtype) if _is_float(x) else None
+
+
+def _widen(grad: Any, master: Any) -> Any:
+    return None if master is None else grad.astype(master.dtype)
+
+
+def _round(param: Any, master: Any) -> Any:
+    return param if master is None else master.astype(param.dtype)
+
+
 def _cast(tree: Any, dtype: Any) -> Any:
-    return jtu.tree_map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+    return jtu.tree_map(functools.partial(_cast_leaf, dtype), tree)
 
 
 def _masters(params: Any, dtype: Any) -> Any:
-    return jtu.tree_map(lambda x: x.astype(dtype) if _is_float(x) else None, params)
+    return jtu.tree_map(functools.partial(_master_leaf, dtype), params)
 
 
 def _master_transformation(
@@ -64,21 +85,22 @@ def _master_transformation(
         return MasterState(master, inner.init(master))
 
     def update_fn(
-        grads: optax.Updates, state: MasterState, params: Optional[optax.Params] = None,
+        updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
         **extra_args: Any,
-    ) -> tuple[Any, MasterState]:
+    ) -> tuple[Any, optax.OptState]:
+        # `updates` are the gradients; the "updates" returned are the new parameters.
+        if not isinstance(state, MasterState):
+            raise StateError(f"master_weights: update got a {type(state).__name__} state; "
+                             "pass the state that `init` (or the previous `update`) returned.")
         if params is None:
             raise OptionError("master_weights: update needs the compute parameters "
                               "(`params`), to know their dtypes.")
         master = state.master
         # Gradients of weights kept in host memory come to the device first.
-        wide = jtu.tree_map(lambda g, m: None if m is None else g.astype(m.dtype),
-                            fetch_each(grads), master, is_leaf=lambda x: x is None)
-        updates, inner_state = inner.update(wide, state.inner_state, master, **extra_args)
-        new_master = optax.apply_updates(master, updates)
-        new_params = jtu.tree_map(
-            lambda p, m: p if m is None else m.astype(p.dtype), params, new_master,
-            is_leaf=lambda x: x is None)
+        wide = jtu.tree_map(_widen, fetch_each(updates), master, is_leaf=_is_none)
+        steps, inner_state = inner.update(wide, state.inner_state, master, **extra_args)
+        new_master = optax.apply_updates(master, steps)
+        new_params = jtu.tree_map(_round, params, new_master, is_leaf=_is_none)
         return new_params, MasterState(new_master, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -137,7 +159,7 @@ class MasterWeights(Generic[_M]):
         """
         params, static = eqx.partition(model, eqx.is_array)
         new_params, state = self.transformation.update(grads, state, params, **extra_args)
-        new_model: _M = eqx.combine(place_like(new_params, params), static)
+        new_model = cast(_M, eqx.combine(place_like(new_params, params), static))
         return new_model, state
 
 

@@ -41,6 +41,10 @@ def _fetch(tree: _T) -> _T:
     return move(tree, True, None, "to_device")
 
 
+def _name_layer_input(x: Any) -> Any:
+    return checkpoint_name(x, LAYER_INPUT)
+
+
 def _call_layer(layer: Any, x: Any) -> Any:
     return layer(x)
 
@@ -114,7 +118,7 @@ def scan_layers(
 
     def layer_body(carry: Any, layer_arrays: Any) -> Any:
         if offload_input:
-            carry = jtu.tree_map(lambda v: checkpoint_name(v, LAYER_INPUT), carry)
+            carry = jtu.tree_map(_name_layer_input, carry)
         layer = eqx.combine(_fetch(layer_arrays), static)
         return call(layer, carry)
 
@@ -236,7 +240,7 @@ def apply_updates(model: _T, updates: Any) -> _T:
         assert new["b"].sharding.memory_kind == "device"
         ```
     """
-    pairs_def = jtu.tree_structure(updates, is_leaf=_is_none)
+    pairs_def: Any = jtu.tree_structure(updates, is_leaf=_is_none)  # (PyTreeDef: untyped)
     p_leaves = pairs_def.flatten_up_to(model)
     u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
     home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]

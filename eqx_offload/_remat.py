@@ -17,7 +17,7 @@ bitwise what the same remat without offload computes; on a GPU, XLA moves it to
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, cast, Optional, TypeVar
 
 import equinox as eqx
 import jax
@@ -26,7 +26,7 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from ._errors import OptionError
 
 
-_F = TypeVar("_F")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 Policy = Callable[..., Any]
 """A `jax.checkpoint` policy: called with a primitive, its input types and parameters;
@@ -225,5 +225,5 @@ def filter_remat(fun: _F, policy: Optional[Policy] = None, *, prevent_cse: bool 
             f"filter_remat(policy={policy!r}): a policy is a callable, e.g. "
             "`eqx_offload.offload_names('name')` or `jax.checkpoint_policies.nothing_saveable`."
         )
-    wrapped: _F = eqx.filter_checkpoint(fun, prevent_cse=prevent_cse, policy=policy)
-    return wrapped
+    # (`eqx.filter_checkpoint` is typed with a ParamSpec; a module is a callable of any.)
+    return cast(_F, eqx.filter_checkpoint(fun, prevent_cse=prevent_cse, policy=policy))
