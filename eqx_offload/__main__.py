@@ -2,6 +2,7 @@
 
     python -m eqx_offload demo     train a model with and without offload, compare bit for bit
     python -m eqx_offload bench    measure step time, memory and transfers side by side
+    python -m eqx_offload plan     XLA's plan of a step for an H100/H200, without a GPU
     python -m eqx_offload typings  print the stub folder for pytype's --pythonpath
                                    (--mypy: the folder for mypy's mypy_path)
 

@@ -11,6 +11,7 @@ platform, and the StableHLO module is compiled with the compile-only client (as 
 """
 
 import functools
+import importlib
 import importlib.metadata
 import os
 from typing import Any
@@ -63,8 +64,8 @@ def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, An
     """Compile a `jax.stages.Lowered` (lowered for `cuda`) for compile-only `devices`.
     Returns XLA's executable: `get_compiled_memory_stats()`, `as_text()`."""
     from jax._src import compiler
-    from jax._src.lib import xla_client as xc
 
+    xc: Any = importlib.import_module("jax._src.lib").xla_client
     options = compiler.get_compile_options(
         num_replicas=1,
         num_partitions=len(devices),

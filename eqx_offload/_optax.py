@@ -8,12 +8,15 @@ strategy once. A strategy is a module-level function with one signature,
 
 that brings the state it needs to the device (`options.fetch`), runs `inner.update`,
 and returns the new inner state; `update` then sends the selected leaves to host
-(`options.store`). The strategies: `update_on_device` (default, below),
+(`options.store`). The strategies: `auto_update` (default, `group_bytes="auto"`: the
+streamed update under `jit` where the update allows it, else `update_on_device`),
+`update_on_device` (`group_bytes=None`: the whole state at once),
 `_stream.streamed_update` (`group_bytes=N`) and `_host_compute.host_update`
 (`compute="host"`).
 
-Eager semantics: called outside `jit`, the default update runs op by op, like the
-unwrapped optimizer, so its results are bitwise those of `inner.update` called eagerly.
+Eager semantics: called outside `jit`, the default and `group_bytes=None` updates run
+op by op, like the unwrapped optimizer, so their results are bitwise those of
+`inner.update` called eagerly.
 The streamed and host-compute updates are properties of one compiled program (op by op
 they would bound nothing, and `compute_on` only exists compiled), so eagerly they run
 compiled, through `eqx_offload.filter_jit`; their results are those of
@@ -23,7 +26,7 @@ compiled, through `eqx_offload.filter_jit`; their results are those of
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import equinox as eqx
 import jax
@@ -57,9 +60,28 @@ def update_on_device(
     return inner.update(updates, state, params, **extra_args)
 
 
+def auto_update(
+    inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
+    inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+) -> tuple[Any, Any]:
+    """The default strategy (`group_bytes="auto"`): under `jit`, the streamed update
+    with an automatic group size, or the whole state at once where the update cannot
+    be streamed (it couples all of the state, e.g. `apply_if_finite`, or has side
+    effects); called eagerly, the whole state at once, op by op, like `inner`."""
+    arguments = (updates, inner_state, params, extra_args)
+    if any(map(is_traced, jtu.tree_leaves(arguments))):
+        try:
+            return streamed_update(inner, options, *arguments, init_dtypes)
+        except CompositionError:
+            pass
+    return update_on_device(inner, options, *arguments, init_dtypes)
+
+
 def _choose(options: Options) -> Strategy:
     if options.compute == "host":
         return host_update
+    if options.group_bytes == "auto":
+        return auto_update
     if options.group_bytes is not None:
         return streamed_update
     return update_on_device
@@ -91,7 +113,7 @@ def offloaded(
     where: Where = DEFAULT_WHERE,
     *,
     memory_kind: HostMemoryKind = "pinned_host",
-    group_bytes: Optional[int] = None,
+    group_bytes: Union[int, Literal["auto"], None] = "auto",
     lookahead: int = 1,
     compute: Compute = "device",
     host_dtype: Any = None,
@@ -113,15 +135,21 @@ def offloaded(
         bytes costs a transfer and saves nothing). `eqx_offload.within_budget` computes
         one that keeps as much state on the device as a budget allows.
     - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
-    - `group_bytes`: stream the update (default `None`: bring the whole state to the
-        device at once). The state comes to the device one group of at most this many
-        bytes at a time, so the state's share of peak device memory is a few groups.
-        A parameter's state is never split; `0` streams one parameter at a time.
-        Raises `CompositionError` at the first `update` for optimizers that combine
-        the new state of several parameters (`apply_if_finite`, `MultiSteps`, a global
-        norm after a stateful transformation). See `eqx_offload.stream_plan` and the
-        "Modes" docs page.
-    - `lookahead`: with `group_bytes`, how many groups come to the device ahead of
+    - `group_bytes`: how the state comes to the device for the update. `"auto"`
+        (default): under `jit`, streamed (below) in groups of about 1/16 of the
+        offloaded state (at most 256 MiB), in the order the backward pass produces
+        the gradients, so the state's share of peak device memory is a few groups
+        and most of its copies can overlap the backward pass; where the update cannot
+        be streamed (it combines the new state of several parameters, as
+        `apply_if_finite`, `MultiSteps` or a global norm after a stateful
+        transformation do, or it has side effects) the whole state comes at once;
+        called eagerly, the whole state at once, op by op. An int `N`: always stream,
+        in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
+        `CompositionError` at the first `update` for an optimizer that cannot be
+        streamed. `None`: the whole state at once (the smallest program; its device
+        peak holds all of the state). A parameter's state is never split. See
+        `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.
+    - `lookahead`: when streamed, how many groups come to the device ahead of
         the one being updated (default 1: double buffering, so copies in both
         directions overlap the update; 0: one group at a time, the smallest peak).
     - `compute`: `"device"` (default) or `"host"`: run `inner.update` on the host CPU
@@ -311,7 +339,7 @@ class _Offloaded:
             self.warned = warn_if_on_device(inner_state, mask, self.options.memory_kind)
         init_dtypes = self._init_dtypes(inner_state, updates, params)
         arguments = (updates, inner_state, params, extra_args)
-        if self.strategy is update_on_device or any(map(is_traced, jtu.tree_leaves(arguments))):
+        if self.strategy in (update_on_device, auto_update) or any(map(is_traced, jtu.tree_leaves(arguments))):
             updates, new_state = self._run_update(self.options, *arguments, init_dtypes)
         else:
             updates, new_state = self.jitted_update(*arguments, init_dtypes)

@@ -8,7 +8,7 @@ the way to host, widen on the way back) holds in every mode.
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, Optional, TypeVar
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ class Options:
 
     where: Where
     memory_kind: str
-    group_bytes: Optional[int]  # None: not streamed
+    group_bytes: Union[int, str, None]  # None: not streamed; "auto": streamed where it can be
     lookahead: int  # streamed: groups brought to the device ahead of the one updated
     compute: str
     host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host
@@ -101,11 +101,12 @@ def normalise(
         raise OptionError(
             f"offloaded(compute={compute!r}): compute must be 'device' (default) or 'host'."
         )
-    if group_bytes is not None:
+    if group_bytes is not None and group_bytes != "auto":
         if isinstance(group_bytes, bool) or not isinstance(group_bytes, (int, np.integer)):
             raise OptionError(
                 f"offloaded(group_bytes={group_bytes!r}): group_bytes must be an int (bytes "
-                "of optimizer state per group) or None (no streaming)."
+                "of optimizer state per group), \"auto\" (the default: streamed where the "
+                "update allows it) or None (the whole state at once)."
             )
         if group_bytes < 0:
             raise OptionError(f"offloaded(group_bytes={group_bytes}): group_bytes must be >= 0.")
@@ -138,10 +139,15 @@ def normalise(
                 "never crosses to the device, so there is nothing to narrow; pass one of "
                 "them."
             )
+    streaming: Union[int, str, None] = None
+    if group_bytes == "auto":
+        streaming = "auto"
+    elif group_bytes is not None:
+        streaming = int(group_bytes)
     return Options(
         where=where,
         memory_kind=str(memory_kind),
-        group_bytes=None if group_bytes is None else int(group_bytes),
+        group_bytes=streaming,
         lookahead=int(lookahead),
         compute=str(compute),
         host_dtype=dtype,

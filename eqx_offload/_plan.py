@@ -11,7 +11,7 @@ overlaps them as scheduled, only a GPU can say.
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import jax
 
@@ -78,13 +78,15 @@ device_description_str: "{self.name}"
 """
 
 
-# The published properties of each GPU (as in XLA's own target descriptions).
 GPU_TARGETS: Mapping[str, GpuTarget] = {
     "h100": GpuTarget("NVIDIA H100 80GB HBM3", 84942979072, 132, 3352320000000, 1.98,
                       52428800, (9, 0), 34359738368),
     "h200": GpuTarget("NVIDIA H200 141GB HBM3e", 151397597184, 132, 4800000000000, 1.98,
                       52428800, (9, 0), 34359738368),
 }
+"""The GPUs `gpu_plan` knows by name (`"h100"`: H100 SXM 80 GB; `"h200"`: H200 141 GB),
+with their published properties as XLA's own target descriptions give them. For
+another GPU, or a budget, make a `GpuTarget` (or `GPU_TARGETS["h200"].with_memory(n)`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +181,7 @@ class GpuPlan:
         ])
 
 
-def resolve_target(target: "str | GpuTarget", device_memory: Optional[int]) -> GpuTarget:
+def resolve_target(target: Union[str, GpuTarget], device_memory: Optional[int]) -> GpuTarget:
     if isinstance(target, GpuTarget):
         resolved = target
     elif isinstance(target, str) and target.lower() in GPU_TARGETS:
@@ -202,7 +204,7 @@ def resolve_target(target: "str | GpuTarget", device_memory: Optional[int]) -> G
 def gpu_plan(
     fun: Callable[..., Any],
     *args: Any,
-    target: "str | GpuTarget" = "h200",
+    target: Union[str, GpuTarget] = "h200",
     device_memory: Optional[int] = None,
     compiler_options: Optional[dict[str, Any]] = None,
     **kwargs: Any,
@@ -341,7 +343,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
     kernels = 0
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not line.startswith(" "):
-            open_copies, kernels = {}, 0  # a new computation
+            open_copies.clear()  # a new computation
+            kernels = 0
             continue
         match = _INSTRUCTION.match(line)
         if match is None:

@@ -58,10 +58,20 @@ def test_budget_offloaded_is_bitwise_and_bad_budget_rejected() -> None:
 
 
 def test_prefetch_options_compile_and_keep_results() -> None:
-    options = eqx_offload.prefetch_options()
-    assert options == {"xla_gpu_enable_latency_hiding_scheduler": True}
-    # The CPU reports no memory limit: no budget option to derive.
-    assert eqx_offload.prefetch_options(1 << 30) == options
+    # No budget, no options (XLA's latency-hiding scheduler is on by default on GPUs).
+    assert eqx_offload.prefetch_options() == {}
+    # A budget is a whole percentage of the device's memory, rounded down, at least 1%.
+    assert eqx_offload.prefetch_options(3 << 30, device_memory_size=8 << 30) == {
+        "xla_gpu_memory_limit_slop_factor": 37}
+    assert eqx_offload.prefetch_options(1, device_memory_size=8 << 30) == {
+        "xla_gpu_memory_limit_slop_factor": 1}
+    # The CPU reports no memory limit: the budget needs the device's size.
+    with pytest.raises(eqx_offload.OptionError, match="pass device_memory_size="):
+        eqx_offload.prefetch_options(1 << 30)
+    with pytest.raises(eqx_offload.OptionError, match="device_memory_size must be an int > 0"):
+        unchecked(eqx_offload.prefetch_options)(1 << 30, device_memory_size=0)
+    # XLA options for a GPU: the CPU compiler ignores them, and the results are the same.
+    options = eqx_offload.prefetch_options(1 << 30, device_memory_size=8 << 30)
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     opt = eqx_offload.offloaded(optax.adam(0.1))
 

@@ -301,9 +301,9 @@ def test_a_new_mode_is_one_entry_and_a_failing_mode_is_reported(monkeypatch):
     monkeypatch.setitem(modes.MODES, "streamed_64k", modes.offload_mode(
         "offloaded(optimizer, group_bytes=65536)", group_bytes=65536))
     config = bench.BenchConfig.quick().replace(
-        repeats=2, modes=("baseline", "manual", "eqx_offload", "prefetch", "streamed_64k"))
+        repeats=2, modes=("baseline", "manual", "eqx_offload", "whole_state", "streamed_64k"))
     points = bench.bench_point(mlp_workload(2e4, 8), "adam", config, lambda: None)
-    assert [p["mode"] for p in points] == ["baseline", "manual", "eqx_offload", "prefetch",
+    assert [p["mode"] for p in points] == ["baseline", "manual", "eqx_offload", "whole_state",
                                            "streamed_64k"]
     failed = points[1]
     assert failed["error"] == "TypeError: this mode cannot compile here"
@@ -324,7 +324,8 @@ def test_a_new_mode_is_one_entry_and_a_failing_mode_is_reported(monkeypatch):
 def test_mode_table():
     assert list(modes.MODES)[0] == "baseline"
     assert "host_bf16" in modes.MODES and "host_bf16" not in modes.DEFAULT_MODES
-    assert "prefetch" in modes.MODES and "prefetch" not in modes.DEFAULT_MODES
+    assert "whole_state" in modes.MODES and "whole_state" not in modes.DEFAULT_MODES
+    assert modes.MODES["whole_state"].options == {"group_bytes": None}
     assert not modes.MODES["host_bf16"].bitwise
     assert modes.MODES["host_bf16"].options == {"host_dtype": jnp.bfloat16}
     assert modes.MODES["streamed"].options == {"group_bytes": 0}

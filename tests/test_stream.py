@@ -196,17 +196,21 @@ def test_stream_plan_groups() -> None:
         )
 
     finest = plan(0)
-    assert finest.groups == tuple((f"0/mu/p{i}", f"0/nu/p{i}") for i in range(4))
+    # In reverse leaf order: the order the backward pass produces the gradients.
+    assert finest.groups == tuple((f"0/mu/p{i}", f"0/nu/p{i}") for i in reversed(range(4)))
     assert finest.group_nbytes == (2048,) * 4
     assert finest.max_group_nbytes == 2048 and finest.total_nbytes == 8192
     assert finest.prologue == () and finest.resident == ("0/count",)
     pairs = plan(4096)
     assert pairs.groups == (
-        ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"),
         ("0/mu/p2", "0/mu/p3", "0/nu/p2", "0/nu/p3"),
+        ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"),
     )
     assert plan(4095).group_nbytes == (2048,) * 4
     assert plan(1 << 30).group_nbytes == (8192,)
+    # "auto" (offloaded's default): about 1/16 of the streamed state, so here one
+    # parameter's state per group (8 KiB / 16 = 512 B, below one unit).
+    assert eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params) == finest
 
 
 def test_plan_prologue_when_counter_is_offloaded() -> None:

@@ -2,6 +2,7 @@
 
     python -m eqx_offload demo    train a model with and without offload, compare bit for bit
     python -m eqx_offload bench   measure step time, memory and transfers side by side
+    python -m eqx_offload plan    XLA's GPU plan of a step, compiled without a GPU
 
 (also installed as the `eqx-offload` console script). The demo and the benchmark need
 the `cli` extra (`pip install "eqx_offload[cli]"`: rich, tqdm, matplotlib); they use only
@@ -69,6 +70,17 @@ COMMANDS: list[Command] = [
                     "bench.md and PNG plots to --out, and states pass/fail per target. "
                     "Runs on whatever backend JAX picks (use --platform cpu to force CPU).",
         module=".bench", needs=("rich", "tqdm", "matplotlib"), platform="default"),
+    Command(
+        "plan",
+        help="XLA's plan of a step for an H100/H200, compiled without a GPU: device peak, "
+             "host bytes, copies overlapped",
+        description="Compiles the training step for an NVIDIA GPU on this machine, without "
+                    "a GPU (eqx_offload.gpu_plan), in the benchmark's modes side by side with "
+                    "the step without offload, or your own step (--step MODULE:FUNCTION). "
+                    "Prints the device memory at the peak, the host memory, and how many "
+                    "copies between host and device XLA schedules under compute. XLA's plan, "
+                    "not a measurement. Needs the `plan` extra.",
+        module=".plan", platform="cpu"),
     # Further commands are one more `Command(...)` entry here. (`typings`, which reports
     # where the package keeps its own stubs, is handled by `eqx_offload.__main__`.)
 ]

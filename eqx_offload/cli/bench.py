@@ -37,6 +37,7 @@ from .measure import (
 )
 from .models import LMShape, lm_workload, mlp_workload, num_params, OPTIMIZERS, Workload
 from .modes import DEFAULT_MODES, MODES, Runner
+from .plan import plan_record, plan_step
 from .targets import evaluate_targets
 
 
@@ -73,6 +74,7 @@ class BenchConfig:
     target_min_params: float = 30e6
     time_limit: Optional[float] = None
     is_quick: bool = False
+    plan_targets: tuple[str, ...] = ()  # GPU targets to plan every point for (gpu_plan)
 
     @staticmethod
     def full() -> "BenchConfig":
@@ -213,11 +215,29 @@ def bench_point(
             "memory_analysis": memory_analysis_dict(compiled),
             "losses_bitwise_equal_to_baseline": bitwise_equal(losses, base_losses),
             "final_loss": float(losses[-1]),
+            "plan": _plans(runner.mode, optimizer_name, workload, batch, config.plan_targets),
         })
     del runners, baseline, manual, copies
     gc.collect()
     order = {mode: i for i, mode in enumerate(MODES)}
     return sorted(results, key=lambda r: order[r["mode"]])
+
+
+def _plans(mode: str, optimizer_name: str, workload: Workload, batch: Any,
+           targets: tuple[str, ...]) -> Optional[dict[str, Any]]:
+    """XLA's plan of this point's step for each GPU target (`None`: none asked for, or
+    the manual pattern, which is not an `eqx_offload.filter_jit` step)."""
+    if not targets or mode == "manual":
+        return None
+    plans: dict[str, Any] = {}
+    for target in targets:
+        try:
+            plan = plan_step(mode, OPTIMIZERS[optimizer_name](1e-3), workload.make_model(0),
+                             batch, workload.loss, target=target)
+            plans[target] = plan_record(plan)
+        except Exception as e:  # noqa: BLE001 - reported in the results
+            plans[target] = {"error": _describe_error(e)}
+    return plans
 
 
 # --------------------------------------------------------------------------- the run
@@ -377,6 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="skip the points and loss curves not started after this long "
                              "(they are listed in the results); every file is still written")
+    parser.add_argument("--plan", nargs="*", choices=sorted(eqx_offload.GPU_TARGETS),
+                        metavar="GPU", default=None,
+                        help="also record XLA's plan of every point for these GPUs "
+                             "(eqx_offload.gpu_plan, compiled without a GPU: device peak, "
+                             "copies overlapped; needs the `plan` extra); --plan alone: h200")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -392,6 +417,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
             changes[name] = getattr(args, name)
     if args.movers is not None:
         changes["mover_mib"] = tuple(args.movers)
+    if args.plan is not None:
+        changes["plan_targets"] = tuple(args.plan) or ("h200",)
     lm = {f.name: getattr(args, f"lm_{f.name}") for f in dataclasses.fields(LMShape)
           if getattr(args, f"lm_{f.name}") is not None}
     if lm:

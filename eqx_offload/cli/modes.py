@@ -244,17 +244,17 @@ MODES: dict[str, Mode] = {
         "JAX's host-offloading tutorial: the state in pinned_host, device_put in and out "
         "inside jax.jit with full in/out shardings", _manual),
     "eqx_offload": offload_mode(
-        "offloaded(optimizer) under eqx_offload.filter_jit(donate='all')"),
+        "offloaded(optimizer) under eqx_offload.filter_jit(donate='all'): the default, "
+        "streamed in automatic groups"),
+    "whole_state": offload_mode(
+        "offloaded(optimizer, group_bytes=None): the whole state comes to the device at once "
+        "(the default before streaming was)", default=False, group_bytes=None),
     "streamed": offload_mode(
         "offloaded(optimizer, group_bytes=0): one parameter's state on the device at a time",
         group_bytes=0),
     "host_compute": offload_mode(
         "offloaded(optimizer, compute='host'): the update runs on the host CPU",
         compute="host"),
-    "prefetch": offload_mode(
-        "offloaded(optimizer) under filter_jit(compiler_options=prefetch_options()): the "
-        "state's copies to the device may overlap the forward and backward passes (GPU)",
-        default=False, jit_options={"compiler_options": eqx_offload.prefetch_options()}),
     "host_bf16": offload_mode(
         "offloaded(optimizer, host_dtype=jnp.bfloat16): floating state kept in host memory "
         "as bfloat16, half the bytes (not bitwise)",

@@ -69,6 +69,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{format_bytes(p['params_device_bytes'] + p['opt_state_device_bytes'])} | "
             f"{format_bytes(p['opt_state_host_bytes'])} | {p['compilations']} | "
             f"{p['compile_seconds']:.2f} | {mem} |")
+    lines += _plan_lines(result["points"])
     lines += [
         "",
         "× floor: the step over the full-duplex floor `max(baseline step, one-way copy)` "
@@ -135,6 +136,35 @@ def markdown(result: dict[str, Any]) -> str:
     for t in result["targets"]:
         lines.append(f"| {t['target']} | **{t['status']}** | {t['detail']} |")
     return "\n".join(lines) + "\n"
+
+
+def _plan_lines(points: list[dict[str, Any]]) -> list[str]:
+    """XLA's GPU plan of each point and mode, beside the measured table (if recorded)."""
+    planned = [p for p in points if p.get("error") is None and p.get("plan")]
+    if not planned:
+        return []
+    lines = ["", "XLA's plan for the GPU of each point (`eqx_offload.gpu_plan`, compiled without "
+             "a GPU: a plan, not a measurement):", "",
+             "| workload | optimizer | params | mode | GPU | device peak | × baseline's | "
+             "host | copies to device overlapped | copies to host overlapped |",
+             "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    baselines = {(p["workload"], p["optimizer"], p["params"]): p["plan"] for p in planned
+                 if p["mode"] == "baseline"}
+    for p in planned:
+        for target, plan in p["plan"].items():
+            head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} | {target} |"
+            if "error" in plan:
+                lines.append(f"{head} failed: {plan['error'].replace('|', '/')} | | | | |")
+                continue
+            base = baselines.get((p["workload"], p["optimizer"], p["params"]), {}).get(target)
+            ratio = ("–" if not base or "error" in base
+                     else f"{plan['device_peak_bytes'] / base['device_peak_bytes']:.2f}")
+            lines.append(
+                f"{head} {format_bytes(plan['device_peak_bytes'])} | {ratio} | "
+                f"{format_bytes(plan['host_bytes'])} | "
+                f"{plan['overlapped_to_device']}/{plan['copies_to_device']} | "
+                f"{plan['overlapped_to_host']}/{plan['copies_to_host']} |")
+    return lines
 
 
 def render(result: dict[str, Any]) -> Any:

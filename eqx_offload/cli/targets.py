@@ -105,16 +105,42 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
             f"max(baseline, one-way copy) = "
             f"{largest['floor']['full_duplex_seconds']['median'] * 1e3:.2f} ms"
             + ("" if largest["params"] >= 90e6 else " (defined at 100M parameters)"))
-    prefetch = of("prefetch", lambda p: p["workload"] == "transformer")
-    if prefetch:
-        add("transformer with prefetch: step <= 1.10x baseline"
-            + (" (for an accelerator; on the CPU the numbers only)" if on_cpu else ""),
-            gpu and all(_within(p["ratio_to_baseline"], 1.10) for p in prefetch),
-            "; ".join(f"{_name(p)}: {p['ratio_to_baseline']['median']:.3f}x "
-                      f"[{p['ratio_to_baseline']['p25']:.3f}, "
-                      f"{p['ratio_to_baseline']['p75']:.3f}]" for p in prefetch))
     _bf16_targets(points, curves, on_cpu, add)
+    _plan_targets(points, add)
     return targets
+
+
+def _plan_targets(points: list[dict[str, Any]],
+                  add: Callable[[str, Optional[bool], str], None]) -> None:
+    """The accelerator targets of issue 16, in XLA's GPU plan of each point (recorded
+    with `--plan`): the default step frees 80% of the state's bytes at the peak, and 90%
+    of the state's copies overlap compute."""
+    base = {(p["workload"], p["optimizer"], p["params"]): p["plan"] for p in points
+            if p["mode"] == "baseline" and p.get("plan")}
+    pairs = []
+    for p in points:
+        if p["mode"] != "eqx_offload" or not p.get("plan"):
+            continue
+        for target, plan in p["plan"].items():
+            b = base.get((p["workload"], p["optimizer"], p["params"]), {}).get(target)
+            if b and "error" not in plan and "error" not in b:
+                pairs.append((f"{_name(p)} {target}", plan, b))
+    if not pairs:
+        return
+    add("plan: default step's device peak <= no offload's - 80% of the state moved",
+        all(pl["device_peak_bytes"] <= b["device_peak_bytes"] - 0.8 * pl["host_bytes"]
+            for _, pl, b in pairs),
+        "; ".join(f"{n}: {pl['device_peak_bytes'] / 2**20:.2f} MiB vs "
+                  f"{(b['device_peak_bytes'] - 0.8 * pl['host_bytes']) / 2**20:.2f} MiB"
+                  for n, pl, b in pairs))
+
+    def overlapped(pl: dict[str, Any]) -> float:
+        n = pl["copies_to_device"] + pl["copies_to_host"]
+        return 1.0 if n == 0 else (pl["overlapped_to_device"] + pl["overlapped_to_host"]) / n
+
+    add("plan: >= 90% of the default step's copies overlap compute",
+        all(overlapped(pl) >= 0.9 for _, pl, _ in pairs),
+        "; ".join(f"{n}: {overlapped(pl):.0%}" for n, pl, _ in pairs))
 
 
 def _movers_target(movers: list[dict[str, Any]],

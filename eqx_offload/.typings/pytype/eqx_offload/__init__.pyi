@@ -49,6 +49,7 @@ class SignatureError(OffloadError, TypeError): ...
 class TracedMoveError(OffloadError, ValueError): ...
 class StateError(OffloadError, TypeError): ...
 class NotATransformationError(OffloadError, TypeError): ...
+class PlanError(OffloadError, RuntimeError): ...
 class CompositionError(OffloadError, ValueError): ...
 class CheckpointError(OffloadError, ValueError): ...
 
@@ -113,7 +114,7 @@ def offloaded(
     where: Where = ...,
     *,
     memory_kind: HostMemoryKind = "pinned_host",
-    group_bytes: Optional[int] = None,
+    group_bytes: Union[int, Literal["auto"], None] = "auto",
     lookahead: int = 1,
     compute: Compute = "device",
     host_dtype: Any = None,
@@ -123,7 +124,68 @@ def offloaded(
 def within_budget(
     inner: optax.GradientTransformation, params: Any, device_bytes: int
 ) -> Any: ...  # a pytree of bools shaped like `inner.init(params)`: a `where`
-def prefetch_options(device_bytes: Optional[int] = None) -> dict[str, Any]: ...
+def prefetch_options(
+    device_bytes: Optional[int] = None, *, device_memory_size: Optional[int] = None
+) -> dict[str, Any]: ...
+
+# The GPU plan.
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    name: str
+    device_memory_size: int
+    core_count: int
+    memory_bandwidth: int
+    clock_rate_ghz: float
+    l2_cache_size: int
+    compute_capability: tuple[int, int]
+    pcie_bandwidth: int
+    def with_memory(self, device_memory_size: int) -> GpuTarget: ...
+    def config_text(self) -> str: ...
+
+GPU_TARGETS: Mapping[str, GpuTarget]
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCopy:
+    direction: Literal["to_device", "to_host"]
+    nbytes: int
+    overlapped: bool
+    kernels: int
+    name: str
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    target: str
+    device_memory_size: int
+    device_peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    host_bytes: int
+    host_limit_bytes: int
+    copies: tuple[PlannedCopy, ...]
+    compiler_options: Mapping[str, Any]
+    @property
+    def fits(self) -> bool: ...
+    @property
+    def host_fits(self) -> bool: ...
+    def copies_to(self, direction: Literal["to_device", "to_host"]) -> tuple[PlannedCopy, ...]: ...
+    def overlapped_fraction(
+        self,
+        direction: Optional[Literal["to_device", "to_host"]] = None,
+        *,
+        by: Literal["count", "bytes"] = "count",
+    ) -> float: ...
+    def summary(self) -> str: ...
+
+def gpu_plan(
+    fun: Callable[..., Any],
+    *args: Any,
+    target: Union[str, GpuTarget] = "h200",
+    device_memory: Optional[int] = None,
+    compiler_options: Optional[dict[str, Any]] = None,
+    **kwargs: Any,
+) -> GpuPlan: ...
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
@@ -142,7 +204,7 @@ def stream_plan(
     inner_state: Any,
     params: Any = None,
     *,
-    group_bytes: int,
+    group_bytes: Union[int, str] = "auto",
     **extra_args: Any,
 ) -> StreamPlan: ...
 
