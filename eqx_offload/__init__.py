@@ -1,7 +1,8 @@
 """eqx_offload: keep optimizer state in host memory between steps.
 
 Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
-`offloaded`, `filter_jit`, `memory_report`.
+`offloaded`, `filter_jit`, `memory_report`; inside models: `scan_layers`,
+`host_weights`, `master_weights`, `filter_remat` and the offloading remat policies.
 """
 
 import importlib.metadata
@@ -28,16 +29,36 @@ from ._errors import (
     WhereError as WhereError,
 )
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._master import (
+    master_weights as master_weights,
+    MasterState as MasterState,
+    MasterWeights as MasterWeights,
+)
 from ._memory import supported_memory_kinds as supported_memory_kinds
 from ._move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
 from ._optax import offloaded as offloaded
 from ._options import Compute as Compute
+from ._params import (
+    apply_updates as apply_updates,
+    host_weights as host_weights,
+    HostWeights as HostWeights,
+    scan_layers as scan_layers,
+    with_host_params as with_host_params,
+)
 from ._plan import (
     gpu_plan as gpu_plan,
     GPU_TARGETS as GPU_TARGETS,
     GpuPlan as GpuPlan,
     GpuTarget as GpuTarget,
     PlannedCopy as PlannedCopy,
+)
+from ._remat import (
+    filter_remat as filter_remat,
+    LAYER_INPUT as LAYER_INPUT,
+    offload_dots as offload_dots,
+    offload_names as offload_names,
+    offload_regex as offload_regex,
+    Policy as Policy,
 )
 from ._report import (
     LeafMemory as LeafMemory,

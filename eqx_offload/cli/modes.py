@@ -160,6 +160,82 @@ def offload_mode(description: str, *, bitwise: bool = True, default: bool = True
     return Mode(description, build, bitwise, default, options)
 
 
+def _master_weights(mode: str, optimizer: optax.GradientTransformation, model: Any,
+                    loss: Loss) -> Runner:
+    """bf16 compute weights on the device; fp32 master weights and the state in host
+    memory (`eqx_offload.master_weights`, the update streamed one parameter at a time)."""
+    mw = eqx_offload.master_weights(
+        optimizer, offload=functools.partial(eqx_offload.offloaded, group_bytes=0))
+    compute, state = mw.init(model)
+
+    def mixed_loss(model: Any, batch: Any) -> jax.Array:
+        cast = jax.tree.map(_to_bfloat16, batch)
+        return jnp.asarray(loss(model, cast), jnp.float32)
+
+    def step(model: Any, state: Any, batch: Any) -> Any:
+        value, grads = eqx.filter_value_and_grad(mixed_loss)(model, batch)
+        return *mw.update(grads, state, model), value
+
+    jitted: Any = eqx_offload.filter_jit(step, donate="all")
+
+    def compile(model: Any, state: Any, batch: Any) -> Any:
+        return jitted.lower(model, state, batch).compile()
+
+    return Runner(mode, jitted, compute, state, compile)
+
+
+def _to_bfloat16(x: Any) -> Any:
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _activations(mode: str, optimizer: optax.GradientTransformation, model: Any,
+                 loss: Loss) -> Runner:
+    """`offloaded(optimizer)`, the loss rematted with `offload_dots()`: the results of
+    the matrix products wait in host memory for the backward pass. Jitted with
+    `eqx.filter_jit` without donation: the backward pass's `remat2` takes the offloaded
+    values, and `eqx_offload.filter_jit` does not yet pass `remat2` through its
+    host-compute check."""
+    wrapped = eqx_offload.offloaded(optimizer)
+    state = wrapped.init(eqx.filter(model, eqx.is_array))
+    rematted = eqx_offload.filter_remat(loss, eqx_offload.offload_dots())
+    step: Any = eqx.filter_jit(make_step(wrapped, rematted))
+
+    def compile(model: Any, state: Any, batch: Any) -> Any:
+        return step.lower(model, state, batch).compile().compiled
+
+    return Runner(mode, step, model, state, compile)
+
+
+def _is_linear(x: Any) -> bool:
+    return isinstance(x, eqx.nn.Linear)
+
+
+def _host_weights(mode: str, optimizer: optax.GradientTransformation, model: Any,
+                  loss: Loss) -> Runner:
+    """Every `eqx.nn.Linear` of the model in host memory (`eqx_offload.host_weights`),
+    `offloaded(with_host_params(optimizer))`, `eqx_offload.apply_updates`. Jitted with
+    `eqx.filter_jit` without donation: `eqx_offload.filter_jit` does not yet pass the
+    rematted layers' `remat2` through its host-compute check."""
+    linears = [x for x in jax.tree.leaves(model, is_leaf=_is_linear) if _is_linear(x)]
+    model = eqx.tree_at(lambda m: [x for x in jax.tree.leaves(m, is_leaf=_is_linear)
+                                   if _is_linear(x)], model,
+                        [eqx_offload.host_weights(x) for x in linears])
+    wrapped = eqx_offload.offloaded(eqx_offload.with_host_params(optimizer))
+    state = wrapped.init(eqx.filter(model, eqx.is_array))
+
+    def step(model: Any, state: Any, batch: Any) -> Any:
+        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+        updates, state = wrapped.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx_offload.apply_updates(model, updates), state, value
+
+    jitted: Any = eqx.filter_jit(step)
+
+    def compile(model: Any, state: Any, batch: Any) -> Any:
+        return jitted.lower(model, state, batch).compile().compiled
+
+    return Runner(mode, jitted, model, state, compile)
+
+
 MODES: dict[str, Mode] = {
     "baseline": Mode(
         "no offload: the optimizer state on the device, eqx.filter_jit(donate='all')",
@@ -183,6 +259,18 @@ MODES: dict[str, Mode] = {
         "offloaded(optimizer, host_dtype=jnp.bfloat16): floating state kept in host memory "
         "as bfloat16, half the bytes (not bitwise)",
         bitwise=False, default=False, host_dtype=jnp.bfloat16),
+    "master_weights": Mode(
+        "master_weights(optimizer): bf16 compute weights, fp32 master weights and state in "
+        "host memory, streamed update (not bitwise: bf16)", _master_weights,
+        bitwise=False, default=False),
+    "activations": Mode(
+        "offloaded(optimizer), the loss under filter_remat(offload_dots()): matmul results "
+        "wait in host memory for the backward pass (GPU); eqx.filter_jit without donation", _activations,
+        bitwise=False, default=False),
+    "host_weights": Mode(
+        "every eqx.nn.Linear in host memory (host_weights), offloaded(with_host_params(...)), "
+        "apply_updates; eqx.filter_jit without donation", _host_weights,
+        bitwise=False, default=False),
 }
 """Every mode the benchmark can measure, in the order of its tables. The ratios are to
 `baseline`, which always runs."""

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import (
     Any,
     BinaryIO,
+    ClassVar,
     Generic,
     Literal,
     NamedTuple,
@@ -273,3 +274,69 @@ def restore_target(
 ) -> _T: ...
 def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any: ...
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any: ...
+
+# Inside models: parameters in host memory.
+_M = TypeVar("_M")
+_C = TypeVar("_C")
+
+def scan_layers(
+    layers: _M,
+    x: _C,
+    call: Callable[[_M, _C], _C] = ...,
+    *,
+    policy: Optional[Policy] = None,
+    offload_input: bool = False,
+    unroll: int = 1,
+) -> _C: ...
+
+class HostWeights(eqx.Module, Generic[_M]):
+    module: _M
+    policy: Optional[Policy] = None
+    # Set by Equinox's metaclass on every Module subclass (class variables, not fields).
+    __abstractvars__: ClassVar[frozenset[str]]
+    __abstractclassvars__: ClassVar[frozenset[str]]
+    def __init__(self, module: _M, policy: Optional[Policy] = None) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+def host_weights(
+    module: _M,
+    where: Where = True,
+    *,
+    policy: Optional[Policy] = None,
+    memory_kind: HostMemoryKind = "pinned_host",
+) -> HostWeights[_M]: ...
+def apply_updates(model: _T, updates: Any) -> _T: ...
+def with_host_params(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs: ...
+
+# Activations in host memory.
+Policy = Callable[..., Any]
+LAYER_INPUT: str
+
+def offload_names(*names: str, save: tuple[str, ...] = ()) -> Policy: ...
+def offload_regex(offload: Optional[str], *, save: Optional[str] = None) -> Policy: ...
+def offload_dots() -> Policy: ...
+def filter_remat(fun: _F, policy: Optional[Policy] = None, *, prevent_cse: bool = True) -> _F: ...
+
+# Master weights.
+class MasterState(NamedTuple):
+    master: Any
+    inner_state: Any
+
+@dataclasses.dataclass(frozen=True)
+class MasterWeights(Generic[_M]):
+    transformation: optax.GradientTransformationExtraArgs
+    compute_dtype: Any
+    def init(self, model: _M) -> tuple[_M, Any]: ...
+    def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]: ...
+
+def master_weights(
+    inner: optax.GradientTransformation,
+    *,
+    compute_dtype: Any = ...,
+    master_dtype: Any = ...,
+    offload: Optional[
+        Callable[[optax.GradientTransformation], optax.GradientTransformation]
+    ] = ...,
+) -> MasterWeights[Any]: ...

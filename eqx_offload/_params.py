@@ -1,0 +1,345 @@
+"""Parameters in host memory: a model's weights live in `pinned_host` between steps and
+during the step, and come to the device only while the layer that uses them computes.
+
+- `scan_layers`: stacked layers (built with `eqx.filter_vmap`) run by `jax.lax.scan`;
+  each iteration brings its layer's slice to the device inside a rematted body, so the
+  backward pass fetches it again instead of keeping device copies.
+- `HostWeights` / `host_weights`: the same for one module of an unscanned model.
+- `with_host_params`: an optax transformation that accepts host-resident gradients and
+  parameters (its updates are on the device).
+- `apply_updates`: `eqx.apply_updates` that keeps every leaf in the memory it lives in.
+
+The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
+transposes the `device_put` that fetched it into a `device_put` back to host.
+"""
+
+from collections.abc import Callable
+from typing import Any, Generic, Optional, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+from ._errors import OptionError
+from ._move import move, to_host
+from ._leaves import is_traced
+from ._placement import is_host, memory_kind_of
+from ._remat import LAYER_INPUT, offload_names, Policy, union
+from ._types import HostMemoryKind, Where
+
+
+_T = TypeVar("_T")
+_M = TypeVar("_M")
+_C = TypeVar("_C")
+
+
+def _fetch(tree: _T) -> _T:
+    """Every array leaf of `tree` in the device's default memory (those there already
+    are not copied)."""
+    return move(tree, True, None, "to_device")
+
+
+def _name_layer_input(x: Any) -> Any:
+    return checkpoint_name(x, LAYER_INPUT)
+
+
+def _call_layer(layer: Any, x: Any) -> Any:
+    return layer(x)
+
+
+def scan_layers(
+    layers: _M,
+    x: _C,
+    call: Callable[[_M, _C], _C] = _call_layer,
+    *,
+    policy: Optional[Policy] = None,
+    offload_input: bool = False,
+    unroll: int = 1,
+) -> _C:
+    """Runs stacked layers one after the other, each with its weights brought to the
+    device only while it computes.
+
+    `layers` is the Equinox idiom for a stack of identical layers: one module whose
+    array leaves have a leading axis of length `L` (e.g.
+    `eqx.filter_vmap(make_layer)(jax.random.split(key, L))`). `scan_layers` is
+    `jax.lax.scan` over that axis, with a rematted body (`jax.checkpoint`) that first
+    moves the layer's slice of every host-resident leaf to the device. Weights kept in
+    host memory (`eqx_offload.to_host(layers)`) are then on the device one layer at a
+    time, in the forward pass and again in the backward pass (which recomputes the
+    layer), and their gradients come back to host memory (`pinned_host`). Leaves
+    already on the device are used as they are; on the CPU backend every move is a
+    no-op and the result is bitwise that of the same scan without the moves.
+
+    **Arguments:**
+
+    - `layers`: the stacked layers (any pytree whose array leaves share a leading axis).
+    - `x`: the input of the first layer (the carry: any pytree).
+    - `call`: `call(layer, x) -> x`, one layer's computation (default `layer(x)`). Close
+        over anything else a layer needs (a mask, positions).
+    - `policy`: the remat policy of the layer body (default `None`: save nothing,
+        recompute the layer in the backward pass). Use `eqx_offload.offload_names`,
+        `offload_regex` or `offload_dots` to keep named activations in host memory.
+        A policy that saves everything would keep the fetched weights on the device.
+    - `offload_input`: keep each layer's input (the residual stream) in host memory
+        for the backward pass instead of on the device: the body names it
+        `eqx_offload.LAYER_INPUT` and the policy offloads that name.
+    - `unroll`: as `jax.lax.scan`.
+
+    **Returns:**
+
+    The output of the last layer.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_offload
+
+        layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
+            jax.random.split(jax.random.key(0), 4))
+        layers = eqx_offload.to_host(layers)
+
+        def loss(layers, x):
+            return jnp.sum(eqx_offload.scan_layers(layers, x) ** 2)
+
+        grads = jax.jit(jax.grad(loss))(layers, jnp.ones(8))
+        assert grads.weight.sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if not isinstance(offload_input, bool):
+        raise OptionError(f"scan_layers(offload_input={offload_input!r}): pass True or False.")
+    if offload_input:
+        policy = union(offload_names(LAYER_INPUT), policy)
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+
+    def layer_body(carry: Any, layer_arrays: Any) -> Any:
+        if offload_input:
+            carry = jtu.tree_map(_name_layer_input, carry)
+        layer = eqx.combine(_fetch(layer_arrays), static)
+        return call(layer, carry)
+
+    rematted = jax.checkpoint(layer_body, policy=policy)
+
+    def body(carry: Any, layer_arrays: Any) -> tuple[Any, None]:
+        return rematted(carry, layer_arrays), None
+
+    out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
+    result: _C = out
+    return result
+
+
+class HostWeights(eqx.Module, Generic[_M]):
+    """A module whose weights in host memory come to the device when it is called.
+
+    The call brings every host-resident array leaf of `module` to the device, calls
+    `module` there, and is rematted (`jax.checkpoint`), so the backward pass fetches the
+    weights again rather than keeping the device copies alive between the two passes.
+    Gradients with respect to `module`'s host-resident leaves are in host memory
+    (`pinned_host`). Build it with `eqx_offload.host_weights`, which also moves the
+    weights; `HostWeights(module)` wraps a module as it is.
+
+    **Fields:**
+
+    - `module`: the wrapped module (any callable pytree).
+    - `policy`: the remat policy of the call (default `None`: save nothing).
+    """
+
+    module: _M
+    policy: Optional[Policy] = eqx.field(static=True, default=None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dynamic, static = eqx.partition(self.module, eqx.is_array)
+
+        def run(dynamic: Any, args: Any, kwargs: Any) -> Any:
+            module: Any = eqx.combine(_fetch(dynamic), static)
+            return module(*args, **kwargs)
+
+        return eqx.filter_checkpoint(run, policy=self.policy)(dynamic, args, kwargs)
+
+
+def host_weights(
+    module: _M, where: Where = True, *, policy: Optional[Policy] = None,
+    memory_kind: HostMemoryKind = "pinned_host",
+) -> HostWeights[_M]:
+    """Moves the selected weights of `module` to host memory and wraps it in a
+    `HostWeights`, so they come to the device only while it computes.
+
+    **Arguments:**
+
+    - `module`: any callable Equinox module (a layer, a block, a whole model).
+    - `where`: which array leaves to keep in host memory (see `to_host`). Default every
+        array.
+    - `policy`: the remat policy of the call (see `HostWeights`).
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
+
+    **Returns:**
+
+    A `HostWeights` around the moved module.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_offload
+
+        mlp = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+        mlp = eqx.tree_at(lambda m: m.layers[1], mlp,
+                          replace_fn=eqx_offload.host_weights)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(
+            mlp, jnp.ones(4))
+        assert grads.layers[1].module.weight.sharding.memory_kind == "pinned_host"
+        assert grads.layers[0].weight.sharding.memory_kind == "device"
+        ```
+    """
+    return HostWeights(to_host(module, where, memory_kind=memory_kind), policy)
+
+
+# ----------------------------------------------------------------------------------------
+# The rest of the step
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def apply_updates(model: _T, updates: Any) -> _T:
+    """`eqx.apply_updates` that keeps every leaf in the memory it lives in.
+
+    A parameter in host memory is updated on the device: it and its update come to
+    the device, are added there, and the sum goes back to the parameter's memory kind.
+    Parameters on the device are updated as `eqx.apply_updates` does (an update in host
+    memory is brought to the device first). The result is bitwise that of
+    `eqx.apply_updates` on the same values; `eqx.apply_updates` itself would add host
+    arrays, which `eqx_offload.filter_jit` refuses (and XLA runs on the host).
+
+    **Arguments:**
+
+    - `model`: the model (or any pytree of parameters); non-array leaves are kept.
+    - `updates`: a pytree prefix-compatible with `model` as for `eqx.apply_updates`,
+        with `None` where nothing changes.
+
+    **Returns:**
+
+    The updated model, each array leaf in the memory kind of `model`'s leaf.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_offload
+
+        params = eqx_offload.to_host({"w": jnp.ones(3), "b": jnp.ones(3)}, where={"w": True, "b": False})
+        new = eqx_offload.apply_updates(params, {"w": jnp.ones(3), "b": jnp.ones(3)})
+        assert new["w"].sharding.memory_kind == "pinned_host"
+        assert new["b"].sharding.memory_kind == "device"
+        ```
+    """
+    pairs_def: Any = jtu.tree_structure(updates, is_leaf=_is_none)  # (PyTreeDef: untyped)
+    p_leaves = pairs_def.flatten_up_to(model)
+    u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
+    home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]
+    touched = [i for i, u in enumerate(u_leaves) if u is not None]
+    fetched_p, fetched_u = _fetch(([p_leaves[i] for i in touched], [u_leaves[i] for i in touched]))
+    sums = [p + u for p, u in zip(fetched_p, fetched_u, strict=True)]
+    back = [i for i, j in enumerate(touched) if home[j] is not None]
+    if back:
+        kinds = {home[touched[i]] for i in back}
+        for kind in kinds:
+            chosen = [i for i in back if home[touched[i]] == kind]
+            moved = move([sums[i] for i in chosen], True, kind, "apply_updates")
+            for i, x in zip(chosen, moved, strict=True):
+                sums[i] = x
+    new_leaves = list(p_leaves)
+    for i, x in zip(touched, sums, strict=True):
+        new_leaves[i] = x
+    out: _T = pairs_def.unflatten(new_leaves)
+    return out
+
+
+def fetch_each(tree: _T) -> _T:
+    """`_fetch`, one `device_put` per traced leaf, and unconditional: traced on
+    `ShapeDtypeStruct`s that say nothing of memory (as the streamed update traces
+    `inner.update`), the move is still in the program, and each leaf's move belongs to
+    its own parameter (so the streamed update fetches it with that parameter's group)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    traced = [i for i, x in enumerate(leaves) if is_traced(x)]
+    for i in traced:
+        leaves[i] = jax.device_put(leaves[i], jax.memory.Space.Device)
+    rest = [i for i, x in enumerate(leaves) if i not in set(traced) and eqx.is_array(x)]
+    for i, x in zip(rest, _fetch([leaves[i] for i in rest]), strict=True):
+        leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def place_like(tree: _T, like: Any) -> _T:
+    """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
+    the same place, if that one is in host memory (one move per kind)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
+    for kind in {h for h in homes if h is not None}:
+        chosen = [i for i, h in enumerate(homes) if h == kind and eqx.is_array(leaves[i])]
+        moved = move([leaves[i] for i in chosen], True, kind, "memory_kind")
+        for i, x in zip(chosen, moved, strict=True):
+            leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def with_host_params(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that it accepts parameters and gradients in
+    host memory.
+
+    `init` and `update` bring host-resident `params` and `updates` to the device (one
+    move per leaf) and run `inner` there; the updates stay on the device, where
+    `eqx_offload.apply_updates` adds them to the host-resident weights and sends the
+    sums back. Its state and updates are bitwise those of `inner`. Put it inside
+    `offloaded` to keep the optimizer state in host memory too:
+    `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
+    and weights then come to the device with their parameter's group of state.
+
+    **Arguments:**
+
+    - `inner`: any `optax.GradientTransformation`.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` with the same state as `inner`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = eqx_offload.to_host({"w": jnp.ones(3)})
+        opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adam(0.1)))
+        state = opt.init(params)
+        updates, state = opt.update(params, state, params)
+        assert updates["w"].sharding.memory_kind == "device"
+        params = eqx_offload.apply_updates(params, updates)
+        assert params["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    transformation = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> optax.OptState:
+        return transformation.init(fetch_each(params))
+
+    def update_fn(
+        updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        return transformation.update(
+            fetch_each(updates), state, fetch_each(params), **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

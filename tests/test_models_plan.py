@@ -1,0 +1,109 @@
+"""What parameter and activation offload free in XLA's GPU plan (`eqx_offload.gpu_plan`,
+an H200 compiled without a GPU): a plan, not a measurement; the CPU backend moves
+nothing, so this is where the techniques show."""
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import eqx_offload
+from eqx_offload import _deviceless, _jit
+
+
+try:
+    _deviceless.check_available()
+    PLAN = None
+except eqx_offload.PlanError as error:
+    PLAN = str(error)
+
+pytestmark = pytest.mark.skipif(PLAN is not None, reason=f"no GPU compiler: {PLAN}")
+
+L, D, B = 8, 512, 256
+WEIGHT_BYTES = L * (D * D + D) * 4
+
+
+@pytest.fixture(autouse=True)
+def remat_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `eqx_offload.filter_jit` (which `gpu_plan` compiles with) does not yet pass JAX's
+    # `remat2` primitive through its host-compute check (tests/test_params.py has the
+    # strict xfail that tracks the fix); let it through for these plans.
+    monkeypatch.setattr(_jit, "_PASS_THROUGH", _jit._PASS_THROUGH | {"remat2"})
+
+
+def layers() -> Any:
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(
+        jax.random.split(jax.random.key(0), L))
+
+
+def tanh_layer(layer: Any, x: jax.Array) -> jax.Array:
+    return jnp.tanh(jax.vmap(layer)(x))
+
+
+def grads_step(offload_input: bool = False) -> Any:
+    def step(layers: Any, x: jax.Array) -> Any:
+        def loss(layers: Any) -> jax.Array:
+            return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer,
+                                                   offload_input=offload_input) ** 2)
+        return jax.grad(loss)(layers)
+    return step
+
+
+def test_parameter_offload_frees_what_it_moves() -> None:
+    x = jnp.ones((B, D))
+    on_device = eqx_offload.gpu_plan(grads_step(), layers(), x)
+    on_host = eqx_offload.gpu_plan(grads_step(), eqx_offload.to_host(layers()), x)
+    # the weights and their gradients are in host memory ...
+    assert on_host.host_bytes >= 2 * WEIGHT_BYTES
+    # ... and at least 80% of those bytes leave the device's peak
+    freed = on_device.device_peak_bytes - on_host.device_peak_bytes
+    assert freed >= 0.8 * 2 * WEIGHT_BYTES, (freed, on_device.summary(), on_host.summary())
+    # (XLA reads each layer's slice straight from host memory inside the loop: the
+    # plan has no separate copy instructions for them to count.)
+
+
+def test_activation_offload_frees_what_it_moves() -> None:
+    x = jnp.ones((B, D))
+    kept = eqx_offload.gpu_plan(grads_step(False), layers(), x)
+    offloaded = eqx_offload.gpu_plan(grads_step(True), layers(), x)
+    inputs = L * B * D * 4  # every layer's input, for the backward pass
+    assert offloaded.host_bytes >= inputs > kept.host_bytes
+    freed = kept.device_peak_bytes - offloaded.device_peak_bytes
+    assert freed >= 0.8 * inputs, (freed, kept.summary(), offloaded.summary())
+
+
+def test_master_weights_keep_fp32_off_the_device() -> None:
+    model = eqx.nn.MLP(D, D, D, 4, key=jax.random.key(1))
+    x = jnp.ones((B, D))
+
+    def plain_step(model: Any, state: Any) -> Any:
+        grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    opt = optax.adamw(1e-3)
+    plain = eqx_offload.gpu_plan(eqx_offload.filter_jit(plain_step, donate="all"), model,
+                                 opt.init(eqx.filter(model, eqx.is_array)))
+    # Streamed: with the default `offloaded`, the whole fp32 master and state come to
+    # the device at the update, and the peak barely moves (22.9 vs 23.1 MB here).
+    mw = eqx_offload.master_weights(
+        opt, offload=functools.partial(eqx_offload.offloaded, group_bytes=0))
+    compute, state = mw.init(model)
+    xb = x.astype(jnp.bfloat16)
+
+    def mixed_step(model: Any, state: Any) -> Any:
+        grads = eqx.filter_grad(
+            lambda m: jnp.sum(jax.vmap(m)(xb).astype(jnp.float32) ** 2))(model)
+        return mw.update(grads, state, model)
+
+    mixed = eqx_offload.gpu_plan(eqx_offload.filter_jit(mixed_step, donate="all"), compute, state)
+    fp32 = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    # master weights and both moments wait in host memory
+    assert mixed.host_bytes >= 3 * fp32
+    # on the device: at most what the plain step holds less the fp32 master and moments
+    assert mixed.device_peak_bytes <= plain.device_peak_bytes - 2 * fp32, (
+        plain.summary(), mixed.summary())

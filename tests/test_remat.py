@@ -1,0 +1,145 @@
+"""Activations in host memory: the offloading remat policies and `filter_remat`.
+
+Each offloading policy is compared bitwise with the same remat that keeps the same
+values on the device (JAX's `save_only_these_names` / `dots_with_no_batch_dims_saveable`);
+where the values wait is read from the jaxpr (host-typed residuals) and from the program
+lowered for CUDA (`annotate_device_placement`)."""
+
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import unchecked, walk_eqns
+from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
+
+import eqx_offload
+
+
+class Block(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        ku, kd = jax.random.split(key)
+        self.up = eqx.nn.Linear(8, 32, key=ku)
+        self.down = eqx.nn.Linear(32, 8, key=kd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = checkpoint_name(self.up(x), "block/up")
+        a = checkpoint_name(jnp.tanh(h), "block/act")
+        return x + checkpoint_name(self.down(a), "block/down")
+
+
+def bits(tree: Any) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def grads_of(block: Any, x: jax.Array) -> Any:
+    return eqx.filter_jit(eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2)))(block, x)
+
+
+def host_residuals(fun: Any, *args: Any) -> list[tuple[int, ...]]:
+    """Shapes of the values the forward pass sends to host memory for the backward
+    pass (the `device_put`s to host in the jaxpr of the gradient)."""
+    jaxpr, _, _ = eqx.filter_make_jaxpr(fun)(*args)
+    return [tuple(v.aval.shape) for e in walk_eqns(jaxpr) if e.primitive.name == "device_put"
+            and jax.memory.Space.Host in e.params["devices"] for v in e.outvars]
+
+
+BLOCK = Block(jax.random.key(0))
+X = jax.random.normal(jax.random.key(1), (4, 8))
+
+
+@pytest.mark.parametrize("names, save, offloaded", [
+    # The backward pass needs tanh's output (its derivative is 1 - a**2): offloaded.
+    (("block/act",), (), [(4, 32)]),
+    # Offloading its input instead: the backward recomputes tanh from it. `down`'s
+    # output is needed by nothing in the backward pass, so it is not kept at all.
+    (("block/up", "block/down"), (), [(4, 32)]),
+    # tanh's output kept on the device, its input in host memory: JAX keeps every
+    # chosen value that the backward pass's recomputation reads.
+    (("block/up",), ("block/act",), [(4, 32)]),
+    (("block/down",), ("block/act",), []),
+])
+def test_offload_names_bitwise_to_the_same_remat_on_device(
+    names: Any, save: Any, offloaded: Any
+) -> None:
+    offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names(*names, save=save))
+    keeping = eqx.filter_checkpoint(
+        BLOCK, policy=jax.checkpoint_policies.save_only_these_names(*names, *save))
+    assert bits(grads_of(offloading, X)) == bits(grads_of(keeping, X))
+    loss = eqx.filter_grad(lambda b: jnp.sum(jax.vmap(b)(X) ** 2))
+    assert host_residuals(loss, offloading) == offloaded
+    assert host_residuals(loss, keeping) == []
+
+
+def test_offloaded_activations_lowered_for_gpu_go_to_pinned_host() -> None:
+    offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
+    loss = eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2))
+    dynamic, static = eqx.partition(offloading, eqx.is_array)
+    text = jax.jit(lambda d, x: loss(eqx.combine(d, static), x)).trace(dynamic, X).lower(
+        lowering_platforms=("cuda",)).as_text()
+    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
+    assert placements == ["pinned_host", "device"]  # to host after the forward, back before use
+
+
+def test_offload_regex_chooses_by_full_match_and_save_wins() -> None:
+    policy = eqx_offload.offload_regex(r"block/(up|act)", save=r".*/act")
+    name_p = next(e.primitive for e in walk_eqns(jax.make_jaxpr(BLOCK)(X[0]))
+                  if e.primitive.name == "name")
+    assert policy(name_p, name="block/up") == Offloadable(src="device", dst="pinned_host")
+    assert policy(name_p, name="block/act") is Saveable
+    assert policy(name_p, name="block/down") is Recompute
+    assert policy(name_p, name="xblock/up") is Recompute  # fullmatch
+    tanh = jax.lax.tanh_p
+    assert policy(tanh) is Recompute
+    offloading = eqx_offload.filter_remat(BLOCK, policy)
+    keeping = eqx.filter_checkpoint(
+        BLOCK, policy=jax.checkpoint_policies.save_only_these_names("block/up", "block/act"))
+    assert bits(grads_of(offloading, X)) == bits(grads_of(keeping, X))
+    loss = eqx.filter_grad(lambda b: jnp.sum(jax.vmap(b)(X) ** 2))
+    assert host_residuals(loss, offloading) == [(4, 32)]
+
+
+def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
+    def mlp(w1: jax.Array, w2: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
+
+    w1, w2 = jnp.ones((8, 16)) * 0.1, jnp.ones((16, 8)) * 0.2
+    offloading = eqx_offload.filter_remat(mlp, eqx_offload.offload_dots())
+    keeping = eqx.filter_checkpoint(mlp, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    grad = jax.jit(jax.grad(lambda *a: a[-1](*a[:-1]), argnums=(0, 1)), static_argnums=3)
+    assert bits(grad(w1, w2, X, offloading)) == bits(grad(w1, w2, X, keeping))
+    def grads(w1: jax.Array, w2: jax.Array, x: jax.Array) -> Any:
+        return jax.grad(offloading, argnums=(0, 1))(w1, w2, x)
+
+    # both products (x @ w1 and h @ w2) wait in host memory
+    assert sorted(host_residuals(grads, w1, w2, X)) == [(4, 8), (4, 16)]
+
+
+def test_filter_remat_on_a_function_and_on_a_module_differentiates_the_module() -> None:
+    wrapped = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
+    grads = grads_of(wrapped, X)
+    # gradients reach the module's weights through the wrapper
+    assert bits(grads_of(BLOCK, X)) == bits(grads)
+
+
+def test_policies_are_hashable_and_equal_by_value() -> None:
+    """`jax.checkpoint` keys its cache on the policy: equal policies hit it."""
+    assert eqx_offload.offload_names("a") == eqx_offload.offload_names("a")
+    assert hash(eqx_offload.offload_regex("a.*")) == hash(eqx_offload.offload_regex("a.*"))
+
+
+def test_bad_policies_are_option_errors() -> None:
+    with pytest.raises(eqx_offload.OptionError, match="both offloaded and saved"):
+        eqx_offload.offload_names("a", save=("a",))
+    with pytest.raises(eqx_offload.OptionError, match="not a name"):
+        unchecked(eqx_offload.offload_names)(3)
+    with pytest.raises(eqx_offload.OptionError, match="not a valid regular expression"):
+        eqx_offload.offload_regex("(")
+    with pytest.raises(eqx_offload.OptionError, match="a policy is a callable"):
+        unchecked(eqx_offload.filter_remat)(BLOCK, "block/act")
