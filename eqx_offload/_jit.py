@@ -132,7 +132,8 @@ class _Call:
     all_leaves: list[Any]
     treedef: Any
     is_array: tuple[bool, ...]
-    leaves: list[Any]  # the array leaves, in order: what the executable takes
+    leaves: list[Any]  # the distinct array leaves, in order: what the executable takes
+    sources: tuple[int, ...]  # per array leaf of the arguments: its index into `leaves`
     donated: tuple[int, ...]  # indices into `leaves`
     retyped: dict[int, jax.Array]  # index into `leaves` -> the mistyped original
     in_shardings: list[jax.sharding.Sharding]
@@ -146,13 +147,26 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
     # Which leaves are the first argument's matters only if it is donated differently.
     first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
     n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
+    # One array that stands at several leaves (Equinox's `eqx.nn.State(model)` shares
+    # arrays with the model; a tied embedding) is one input of the executable: donating
+    # it once is all JAX allows ("Attempt to donate the same buffer twice"), and passing
+    # it twice, once donated, would let XLA overwrite what the other input still reads.
+    # It is donated if every one of its leaves is.
     leaves: list[Any] = []
-    donated: list[int] = []
+    sources: list[int] = []
+    index_of: dict[int, int] = {}
+    donate_flags: list[bool] = []
     for i, (x, a) in enumerate(zip(all_leaves, is_array, strict=True)):
         if a:
-            if donate_first if i < n_first else donate_rest:
-                donated.append(len(leaves))
-            leaves.append(x)
+            wanted = donate_first if i < n_first else donate_rest
+            j = index_of.setdefault(id(x), len(leaves))
+            if j == len(leaves):
+                leaves.append(x)
+                donate_flags.append(wanted)
+            else:
+                donate_flags[j] = donate_flags[j] and wanted
+            sources.append(j)
+    donated = [j for j, d in enumerate(donate_flags) if d]
     retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
     for i, x in retyped.items():
         leaves[i] = retype_host(x)
@@ -161,6 +175,7 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
         treedef,
         is_array,
         n_first,
+        tuple(sources),
         # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
         # hashable: `1` and `1.0` or `True` must not share an executable).
         tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
@@ -169,7 +184,8 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
             for x, s in zip(leaves, shardings, strict=True)
         ),
     )
-    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings, key)
+    return _Call(all_leaves, treedef, is_array, leaves, tuple(sources), tuple(donated),
+                 retyped, shardings, key)
 
 
 # ----------------------------------------------------------------------------------------
@@ -195,13 +211,20 @@ class _Output:
 def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
     """Trace `fun` once for `call`, check it, and lower a replay of the traced program
     with memory-kind-aware input and output shardings."""
+    jitted, output = _jitted(fun, name, call)
+    return jitted.trace(*call.leaves).lower(), output
+
+
+def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
+    """Trace `fun` once for `call`, check it, and return a `jax.jit` of a replay of the
+    traced program with memory-kind-aware input and output shardings."""
     array_positions = [i for i, a in enumerate(call.is_array) if a]
     outputs: list[Any] = []
 
     def flat_fun(*dynamic_leaves: Any) -> list[Any]:
         full = list(call.all_leaves)
-        for i, x in zip(array_positions, dynamic_leaves, strict=True):
-            full[i] = x
+        for i, j in zip(array_positions, call.sources, strict=True):
+            full[i] = dynamic_leaves[j]
         args, kwargs = jtu.tree_unflatten(call.treedef, full)
         keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
         positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
@@ -217,7 +240,8 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outpu
     # An argument's path without the leading args/kwargs index: `(0, ...)` is the
     # first positional argument, as `(0, ...)` is the first element of a tuple result.
     keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
-    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
+    first_position = {j: i for i, j in reversed(list(zip(array_positions, call.sources, strict=True)))}
+    in_paths = [path_parts(keyed_in[first_position[j]][0][1:]) for j in range(len(call.leaves))]
     constraints = {
         eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
         if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
@@ -235,7 +259,7 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outpu
 
     jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    return jitted.trace(*call.leaves).lower(), output
+    return jitted, output
 
 
 def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
@@ -341,6 +365,52 @@ class _FilterJit(Generic[_P, _T]):
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
         cache is not touched."""
         return self._lower_call(_flatten_call(args, kwargs, self._donate))
+
+    def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
+        """`jax.export.export` for this function, memory kinds kept: returns a callable
+        that takes the function's arguments and returns a `jax.export.Exported` lowered
+        for `platforms` (default: the default backend), with the input and output
+        shardings `filter_jit` compiles with. The exported program takes and returns
+        the offloaded state in host memory and contains its copies to and from the
+        device, for CUDA too. (Exporting `jax.jit(step)` with specs built from the
+        state's own shardings drops the memory kinds: its program never copies the
+        state to the device; see the "Export" docs page.)
+
+        The `Exported` takes the distinct array leaves of `(args, kwargs)`, in
+        `jax.tree.leaves` order, and returns the array leaves of the result.
+
+        !!! Example
+
+            ```python
+            import jax.numpy as jnp
+            import optax
+            import eqx_offload
+
+            params = {"w": jnp.ones((4, 4))}
+            opt = eqx_offload.offloaded(optax.adam(1e-3))
+            state = opt.init(params)
+
+            @eqx_offload.filter_jit
+            def step(params, state):
+                updates, state = opt.update(params, state, params)
+                return optax.apply_updates(params, updates), state
+
+            exported = step.export(platforms=["cuda"])(params, state)
+            assert "annotate_device_placement" in exported.mlir_module()
+            ```
+        """
+
+        def export(*args: Any, **kwargs: Any) -> Any:
+            call = _flatten_call(args, kwargs, self._donate)
+            with warnings.catch_warnings():
+                if _DONATE_MODES[self._donate][2]:
+                    warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+                jitted, _ = _jitted(self._fun, self._name, call)
+                specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                         for x, s in zip(call.leaves, call.in_shardings, strict=True)]
+                return jax.export.export(jitted, platforms=platforms)(*specs)
+
+        return export
 
     def _lower_call(self, call: _Call) -> Lowered:
         with warnings.catch_warnings():
