@@ -54,6 +54,12 @@ _PASS_THROUGH = frozenset({
     "device_put", "copy", "copy_p", "sharding_constraint", "mesh_cast", "reshard",
     "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
     "custom_vjp_call", "cond", "while", "scan", "shard_map", "optimization_barrier",
+    # Equinox's identities (used by its loops and by optimistix's solvers):
+    # `select_if_vmap` returns its first operand as is outside `vmap`
+    # (`equinox/internal/_loop/common.py`; under `vmap` it becomes the `select_n` this
+    # check then sees); `nontraceable`, `nondifferentiable_backward` and `nonbatchable`
+    # return their operand (`equinox/internal/_nontraceable.py`).
+    "select_if_vmap", "nontraceable", "nondifferentiable_backward", "nonbatchable",
 })
 # What usually puts each kind of operation on host-resident state, and the fix.
 _SELECT_HINT = (
@@ -132,12 +138,43 @@ class _Call:
     all_leaves: list[Any]
     treedef: Any
     is_array: tuple[bool, ...]
-    leaves: list[Any]  # the distinct array leaves, in order: what the executable takes
-    sources: tuple[int, ...]  # per array leaf of the arguments: its index into `leaves`
+    leaves: list[Any]  # the array leaves, in order: what the executable takes
     donated: tuple[int, ...]  # indices into `leaves`
     retyped: dict[int, jax.Array]  # index into `leaves` -> the mistyped original
     in_shardings: list[jax.sharding.Sharding]
     key: tuple[Any, ...]  # what selects the executable
+    shared: dict[int, jax.Array] = dataclasses.field(default_factory=dict)  # see `_unshare`
+
+
+def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
+    """Give every donated leaf a buffer of its own: where one array stands at several
+    leaves (Equinox's `eqx.nn.State(model)` shares arrays with the model; a tied
+    embedding) and is donated at one of them, the other donated places get a copy
+    (`leaves` is changed in place). Donating one buffer twice is what JAX refuses
+    ("Attempt to donate the same buffer twice"); passing it donated once and undonated
+    elsewhere would let XLA overwrite what the other input still reads. The original
+    goes to the first donated place if every place is donated (so it is consumed, as
+    donation promises), else it stays where it is not donated (the caller keeps it).
+    Returns index -> original for the places that got a copy, which are consumed after
+    the call. The executable is the same whatever the sharing: one compilation."""
+    places: dict[int, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            places.setdefault(id(x), []).append(i)
+    donated_set = set(donated)
+    shared: dict[int, jax.Array] = {}
+    for where in places.values():
+        if len(where) < 2:
+            continue
+        donated_here = [i for i in where if i in donated_set]
+        if not donated_here:
+            continue
+        keep = donated_here[0] if len(donated_here) == len(where) else None
+        for i in donated_here:
+            if i != keep:
+                shared[i] = leaves[i]
+                leaves[i] = jax.device_put(leaves[i], leaves[i].sharding, may_alias=False)
+    return shared
 
 
 def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) -> _Call:
@@ -147,26 +184,14 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
     # Which leaves are the first argument's matters only if it is donated differently.
     first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
     n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
-    # One array that stands at several leaves (Equinox's `eqx.nn.State(model)` shares
-    # arrays with the model; a tied embedding) is one input of the executable: donating
-    # it once is all JAX allows ("Attempt to donate the same buffer twice"), and passing
-    # it twice, once donated, would let XLA overwrite what the other input still reads.
-    # It is donated if every one of its leaves is.
     leaves: list[Any] = []
-    sources: list[int] = []
-    index_of: dict[int, int] = {}
-    donate_flags: list[bool] = []
+    donated: list[int] = []
     for i, (x, a) in enumerate(zip(all_leaves, is_array, strict=True)):
         if a:
-            wanted = donate_first if i < n_first else donate_rest
-            j = index_of.setdefault(id(x), len(leaves))
-            if j == len(leaves):
-                leaves.append(x)
-                donate_flags.append(wanted)
-            else:
-                donate_flags[j] = donate_flags[j] and wanted
-            sources.append(j)
-    donated = [j for j, d in enumerate(donate_flags) if d]
+            if donate_first if i < n_first else donate_rest:
+                donated.append(len(leaves))
+            leaves.append(x)
+    shared = _unshare(leaves, donated) if donated else {}
     retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
     for i, x in retyped.items():
         leaves[i] = retype_host(x)
@@ -175,7 +200,6 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
         treedef,
         is_array,
         n_first,
-        tuple(sources),
         # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
         # hashable: `1` and `1.0` or `True` must not share an executable).
         tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
@@ -184,8 +208,8 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
             for x, s in zip(leaves, shardings, strict=True)
         ),
     )
-    return _Call(all_leaves, treedef, is_array, leaves, tuple(sources), tuple(donated),
-                 retyped, shardings, key)
+    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
+                 key, shared)
 
 
 # ----------------------------------------------------------------------------------------
@@ -223,8 +247,8 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
 
     def flat_fun(*dynamic_leaves: Any) -> list[Any]:
         full = list(call.all_leaves)
-        for i, j in zip(array_positions, call.sources, strict=True):
-            full[i] = dynamic_leaves[j]
+        for i, x in zip(array_positions, dynamic_leaves, strict=True):
+            full[i] = x
         args, kwargs = jtu.tree_unflatten(call.treedef, full)
         keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
         positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
@@ -240,8 +264,7 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
     # An argument's path without the leading args/kwargs index: `(0, ...)` is the
     # first positional argument, as `(0, ...)` is the first element of a tuple result.
     keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
-    first_position = {j: i for i, j in reversed(list(zip(array_positions, call.sources, strict=True)))}
-    in_paths = [path_parts(keyed_in[first_position[j]][0][1:]) for j in range(len(call.leaves))]
+    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
     constraints = {
         eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
         if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
@@ -269,6 +292,10 @@ def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
         flat_out = executable(*call.leaves)
     for i, x in call.retyped.items():
         if i in call.donated:  # the copy was donated: consume the original as donation would
+            x.delete()
+    for x in call.shared.values():  # a copy was donated in its place (`_unshare`)
+        if not x.is_deleted() and all(
+                x is not y for y in call.leaves):  # (kept where it was not donated)
             x.delete()
     return output.rebuild(flat_out)
 
