@@ -31,10 +31,12 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
+from ._checkpoint import abstract_state
 from ._errors import CompositionError, NotATransformationError, StateError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
+from ._memory import check_host_pool, host_pool_limit, platform_of, pooled_bytes
 from ._options import Compute, normalise, Options
 from ._state import (check_state, first_on_device, OffloadedState, reshaped_leaf,
                      warn_if_on_device)
@@ -223,10 +225,22 @@ class _Offloaded:
         if any(is_traced(x) for x in jtu.tree_leaves(params)):
             state = self._init_to_host(params)
         else:
+            self._check_host_pool(params)
             state = self.jitted_init(params)
         if self.options.memory_kind != "pinned_host":
             state = self._store(state, leaf_mask(state, self.options.where))
         return OffloadedState(state)
+
+    def _check_host_pool(self, params: Any) -> None:
+        """On CUDA/ROCm, fail clearly before `init` places more `pinned_host` bytes than
+        XLA's pinned host pool allows (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`)."""
+        leaves = jtu.tree_leaves(params)
+        if host_pool_limit(platform_of(leaves)) is None:
+            return
+        transformation = optax.GradientTransformation(self.init, _no_update)
+        target = abstract_state(transformation, params)
+        check_host_pool(sum(map(pooled_bytes, jtu.tree_leaves(target))), platform_of(leaves),
+                        "offloaded(...).init")
 
     def _abstract_state(self, updates: Any, params: Any) -> Any:
         """What `inner.init` makes for these arguments (shapes, dtypes), cached."""
@@ -360,6 +374,10 @@ def _abstract(leaf: Any) -> Any:
     if eqx.is_array(leaf):
         return jax.ShapeDtypeStruct(jax.numpy.shape(leaf), leaf.dtype)
     return leaf
+
+
+def _no_update(updates: Any, state: Any, params: Any = None) -> Any:
+    raise NotImplementedError  # (only `init` is traced, by `abstract_state`)
 
 
 def _signature(tree: Any) -> Any:
