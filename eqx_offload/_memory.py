@@ -177,7 +177,13 @@ def check_host_pool(
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    """`1536` -> `"1.5 KiB"` (as `memory_report`'s `format_bytes`)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 def platform_of(leaves: Iterable[Any]) -> str:
