@@ -251,7 +251,8 @@ def _reset_peak_rss() -> None:
 
 def saving_child(fmt: str, to_device_first: bool) -> dict[str, Any]:
     """Saves a 128 MiB offloaded state with `fmt`; returns the peak RSS increase during
-    the save, the arrays JAX created during it (shape, memory kind) and the
+    the save, the arrays with buffers of their own that JAX created during it (shape,
+    memory kind) and the
     `jax.device_put` calls it made. `to_device_first`: the deliberate mistake, a save of
     `eqx_offload.to_device(state)` (what a save that brings the state back does)."""
     import orbax.checkpoint as ocp
@@ -291,10 +292,14 @@ def saving_child(fmt: str, to_device_first: bool) -> dict[str, Any]:
         manager.close()
     jax.device_put = original
     created += [x for x in jax.live_arrays() if id(x) not in before]
+    # A new `jax.Array` over a buffer of the state (orbax reads shards through
+    # `shard.data`, a view) is no copy; only arrays with buffers of their own are.
+    buffers = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)}
+    copies = [x for x in created if x.is_deleted() or x.unsafe_buffer_pointer() not in buffers]
     return {
         "rss_increase": _peak_rss() - base,
         "state_bytes": 2 * 4 * n,
-        "created": sorted({f"{tuple(x.shape)} {x.sharding.memory_kind}" for x in created}),
+        "created": sorted({f"{tuple(x.shape)} {x.sharding.memory_kind}" for x in copies}),
         "device_puts": puts,
     }
 
