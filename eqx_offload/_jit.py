@@ -484,7 +484,13 @@ def filter_jit(
     shardings and memory kinds): committed and uncommitted arguments of the same
     sharding share one executable. `f.lower(*args, **kwargs)` lowers ahead of time, as
     `eqx.filter_jit(f).lower(...)`: `.compile()` returns a callable with
-    `memory_analysis()`.
+    `memory_analysis()`. `f.export(platforms=[...])(*args)` exports it with
+    `jax.export`, memory kinds and copies kept (see the "Export" docs page).
+
+    An array that stands at several donated leaves (`eqx.nn.State(model)` shares the
+    model's arrays) is donated once: the other places get a copy for that call, so the
+    call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
+    and the executable is the same whatever is shared.
 
     **Arguments:**
 
