@@ -132,7 +132,17 @@ def pooled_bytes(leaf: Any) -> int:
     if not isinstance(sharding, jax.sharding.Sharding) or sharding.memory_kind != "pinned_host":
         return 0
     shard = sharding.shard_shape(tuple(leaf.shape))
-    return math.prod(shard) * np.dtype(leaf.dtype).itemsize * len(sharding.addressable_devices)
+    itemsize = _itemsize(leaf.dtype)
+    return int(math.prod(shard)) * itemsize * len(sharding.addressable_devices)
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element; for a typed PRNG key, those of its key data."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape
+        return int(math.prod(shape)) * 4  # key data is uint32
+    itemsize: int = np.dtype(dtype).itemsize
+    return itemsize
 
 
 def live_pooled_bytes(platform: str) -> int:
@@ -191,7 +201,8 @@ def platform_of(leaves: Iterable[Any]) -> str:
     for leaf in leaves:
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.Sharding):
-            return str(next(iter(sharding.device_set)).platform)
+            device: Any = next(iter(sharding.device_set))  # (`Device` is untyped for mypy)
+            return str(device.platform)
     return str(default_device().platform)
 
 

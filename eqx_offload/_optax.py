@@ -31,15 +31,14 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
-from ._checkpoint import abstract_state
+from ._checkpoint import check_init_fits_host_pool
 from ._errors import CompositionError, NotATransformationError, StateError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
-from ._memory import check_host_pool, host_pool_limit, platform_of, pooled_bytes
 from ._options import Compute, normalise, Options
-from ._state import (check_state, first_on_device, OffloadedState, reshaped_leaf,
-                     warn_if_on_device)
+from ._state import (abstract_signature, check_state, eval_shape, first_line,
+                     first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
 from ._where import leaf_mask, min_ndim, select
@@ -225,22 +224,13 @@ class _Offloaded:
         if any(is_traced(x) for x in jtu.tree_leaves(params)):
             state = self._init_to_host(params)
         else:
-            self._check_host_pool(params)
+            # On CUDA/ROCm: fail clearly before placing more than XLA's pinned host
+            # pool allows (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`).
+            check_init_fits_host_pool(self.init, params, "offloaded(...).init")
             state = self.jitted_init(params)
         if self.options.memory_kind != "pinned_host":
             state = self._store(state, leaf_mask(state, self.options.where))
         return OffloadedState(state)
-
-    def _check_host_pool(self, params: Any) -> None:
-        """On CUDA/ROCm, fail clearly before `init` places more `pinned_host` bytes than
-        XLA's pinned host pool allows (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`)."""
-        leaves = jtu.tree_leaves(params)
-        if host_pool_limit(platform_of(leaves)) is None:
-            return
-        transformation = optax.GradientTransformation(self.init, _no_update)
-        target = abstract_state(transformation, params)
-        check_host_pool(sum(map(pooled_bytes, jtu.tree_leaves(target))), platform_of(leaves),
-                        "offloaded(...).init")
 
     def _abstract_state(self, updates: Any, params: Any) -> Any:
         """What `inner.init` makes for these arguments (shapes, dtypes), cached."""
@@ -279,15 +269,15 @@ class _Offloaded:
                 raise
             difference = error
         arguments = (updates, state.inner_state, params, extra_args)
-        signature = _signature(arguments)
+        signature = abstract_signature(arguments)
         if signature in self.accepted:
             return
         try:
-            new_state = _eval_shape(self._updated_state, arguments)
+            new_state = eval_shape(self._updated_state, arguments)
         except Exception as error:  # any failure of the user's optimizer on this state
             raise StateError(
                 f"{difference} (`inner.update` cannot run on it either: "
-                f"{type(error).__name__}: {_first_line(error)})"
+                f"{type(error).__name__}: {first_line(error)})"
             ) from error
         reshaped = reshaped_leaf(state.inner_state, new_state)
         if reshaped is not None:
@@ -368,41 +358,6 @@ def _device_state_error(path: str) -> CompositionError:
         "docs page), as JAX recommends over pmap; `jax.shard_map` inside "
         "`eqx_offload.filter_jit` works when the state comes in in host memory."
     )
-
-
-def _abstract(leaf: Any) -> Any:
-    if eqx.is_array(leaf):
-        return jax.ShapeDtypeStruct(jax.numpy.shape(leaf), leaf.dtype)
-    return leaf
-
-
-def _no_update(updates: Any, state: Any, params: Any = None) -> Any:
-    raise NotImplementedError  # (only `init` is traced, by `abstract_state`)
-
-
-def _signature(tree: Any) -> Any:
-    """A hashable abstract signature of `tree`: its structure, and per leaf its shape,
-    dtype and weak type (arrays, traced or not) or its type (anything else)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    return treedef, tuple(
-        (jax.numpy.shape(x), x.dtype, jax.typeof(x).weak_type) if eqx.is_array(x) else type(x)
-        for x in leaves
-    )
-
-
-def _eval_shape(fn: Callable[..., Any], arguments: tuple[Any, ...]) -> Any:
-    """`fn(*arguments)` abstractly: array leaves (concrete or traced) as shapes and
-    dtypes, every other leaf as it is."""
-    dynamic, static = eqx.partition(arguments, eqx.is_array)
-    shapes = jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype,
-                                       weak_type=jax.typeof(x).weak_type), dynamic)
-    return jax.eval_shape(lambda d: fn(*eqx.combine(d, static)), shapes)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else "(no message)"
 
 
 def _pinned(options: Options) -> Options:

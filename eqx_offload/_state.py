@@ -1,8 +1,11 @@
 """The state of `offloaded`: its type, reading it, and checking what `update` is given."""
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any, cast, NamedTuple, Optional
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -183,3 +186,38 @@ def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> b
         stacklevel=4,
     )
     return True
+
+
+# ----------------------------------------------------------------------------------------
+# Deciding at a difference (`_Offloaded._check_state`)
+
+
+def abstract_signature(tree: Any) -> Any:
+    """A hashable abstract signature of `tree`: its structure, and per leaf its shape,
+    dtype and weak type (arrays, traced or not) or its type (anything else)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return treedef, tuple(
+        (np.shape(x), x.dtype, jax.typeof(x).weak_type) if eqx.is_array(x) else type(x)
+        for x in leaves
+    )
+
+
+def eval_shape(fn: Callable[..., Any], arguments: tuple[Any, ...]) -> Any:
+    """`fn(*arguments)` abstractly: array leaves (concrete or traced) as shapes and
+    dtypes, every other leaf as it is."""
+    dynamic, static = eqx.partition(arguments, eqx.is_array)
+    shapes = jtu.tree_map(_shape_of, dynamic)
+    return jax.eval_shape(functools.partial(_call_combined, fn, static), shapes)
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def _call_combined(fn: Callable[..., Any], static: Any, dynamic: Any) -> Any:
+    return fn(*eqx.combine(dynamic, static))
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "(no message)"

@@ -159,8 +159,8 @@ def _is_spec_leaf(x: Any) -> bool:
 
 
 def _is_pytree_leaf(x: Any) -> bool:
-    treedef = jtu.tree_structure(x)
-    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+    treedef: Any = jtu.tree_structure(x)  # (`PyTreeDef` is untyped for mypy)
+    return bool(treedef.num_nodes == 1 and treedef.num_leaves == 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -279,7 +279,7 @@ def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any
 def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
     """For each leaf of `jax.tree.leaves(tree)`: is it an array selected by `where`?"""
     if isinstance(where, Selection):
-        count = jtu.tree_structure(tree).num_leaves
+        count: int = jtu.tree_structure(tree).num_leaves  # type: ignore[attr-defined]  # PyTreeDef is untyped
         if len(where.flags) != count:
             raise WhereError(
                 f"{argument}: a selection of {len(where.flags)} leaves was resolved for "

@@ -30,7 +30,7 @@ from isolated import result_of, run_isolated
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload
-from eqx_offload import _memory, _optax, _report
+from eqx_offload import _checkpoint, _memory, _report
 
 
 GiB = 1 << 30
@@ -70,7 +70,7 @@ def small_pool(monkeypatch: pytest.MonkeyPatch) -> int:
     def limit(platform: str, environ: Any = None) -> int:
         return cap
 
-    for module in (_memory, _optax, _report):
+    for module in (_memory, _checkpoint, _report):
         monkeypatch.setattr(module, "host_pool_limit", limit)
     return cap
 
