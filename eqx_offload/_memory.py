@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional, get_args
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._errors import MemoryKindError
@@ -138,7 +139,7 @@ def pooled_bytes(leaf: Any) -> int:
 
 def _itemsize(dtype: Any) -> int:
     """Bytes per element; for a typed PRNG key, those of its key data."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape
         return int(math.prod(shape)) * 4  # key data is uint32
     itemsize: int = np.dtype(dtype).itemsize
