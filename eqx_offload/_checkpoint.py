@@ -17,7 +17,8 @@ import optax
 
 from ._errors import CheckpointError
 from ._leaves import path_parts, path_to_str
-from ._memory import check_devices_offer, check_host_kind, default_device
+from ._memory import (check_devices_offer, check_host_kind, check_tree_fits_host_pool,
+                      default_device, host_pool_limit, platform_of)
 from ._placement import input_shardings, output_shardings, typed_sharding
 from ._types import HostMemoryKind, Where
 from ._where import leaf_mask
@@ -171,6 +172,7 @@ def restore_target(
         else leaf
         for leaf, sharding in zip(leaves, shardings)
     ])
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "restore_target(...)")
     return target
 
 
@@ -208,6 +210,32 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
         assert target.inner_state[0].count.sharding.memory_kind == "device"
         ```
     """
+    target = abstract_state(optimizer, params)
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "abstract_init(...)")
+    return target
+
+
+def check_init_fits_host_pool(init: Any, params: Any, what: str) -> None:
+    """On CUDA/ROCm, raise a `MemoryKindError` naming `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`
+    if `init(params)` would place more `pinned_host` bytes than XLA's pinned host pool
+    has left (the state is traced, not made); off those platforms nothing is done."""
+    leaves = jtu.tree_leaves(params, is_leaf=_is_abstract)
+    if host_pool_limit(platform_of(leaves)) is None:
+        return
+    target = abstract_state(_InitOnly(init), params)
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), what)
+
+
+class _InitOnly:
+    """What `abstract_state` needs of an optimizer: its `init`."""
+
+    def __init__(self, init: Any) -> None:
+        self.init = init
+
+
+def abstract_state(optimizer: Any, params: Any) -> Any:
+    """`abstract_init` without the host pool check (`offloaded(...).init` checks it
+    itself, naming itself)."""
     dynamic, static = eqx.partition(params, _is_arraylike, is_leaf=_is_abstract)
     leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=_is_abstract)
     in_shardings = input_shardings(leaves)

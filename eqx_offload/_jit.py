@@ -22,6 +22,7 @@ import jax
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
+from ._deviceless import compiling_for
 from ._errors import CompositionError, OptionError, SignatureError
 from ._jaxpr import evaluate, is_var
 from ._leaves import path_parts
@@ -54,6 +55,16 @@ _PASS_THROUGH = frozenset({
     "device_put", "copy", "copy_p", "sharding_constraint", "mesh_cast", "reshard",
     "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
     "custom_vjp_call", "cond", "while", "scan", "shard_map", "optimization_barrier",
+    # `jax.checkpoint` binds `remat2` (JAX 0.10 to 0.12): a rematted layer whose weights
+    # or saved residuals live in host memory (parameter and activation offload) only
+    # passes them through.
+    "remat2",
+    # Equinox's identities (used by its loops and by optimistix's solvers):
+    # `select_if_vmap` returns its first operand as is outside `vmap`
+    # (`equinox/internal/_loop/common.py`; under `vmap` it becomes the `select_n` this
+    # check then sees); `nontraceable`, `nondifferentiable_backward` and `nonbatchable`
+    # return their operand (`equinox/internal/_nontraceable.py`).
+    "select_if_vmap", "nontraceable", "nondifferentiable_backward", "nonbatchable",
 })
 # What usually puts each kind of operation on host-resident state, and the fix.
 _SELECT_HINT = (
@@ -137,6 +148,38 @@ class _Call:
     retyped: dict[int, jax.Array]  # index into `leaves` -> the mistyped original
     in_shardings: list[jax.sharding.Sharding]
     key: tuple[Any, ...]  # what selects the executable
+    shared: dict[int, jax.Array] = dataclasses.field(default_factory=dict)  # see `_unshare`
+
+
+def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
+    """Give every donated leaf a buffer of its own: where one array stands at several
+    leaves (Equinox's `eqx.nn.State(model)` shares arrays with the model; a tied
+    embedding) and is donated at one of them, the other donated places get a copy
+    (`leaves` is changed in place). Donating one buffer twice is what JAX refuses
+    ("Attempt to donate the same buffer twice"); passing it donated once and undonated
+    elsewhere would let XLA overwrite what the other input still reads. The original
+    goes to the first donated place if every place is donated (so it is consumed, as
+    donation promises), else it stays where it is not donated (the caller keeps it).
+    Returns index -> original for the places that got a copy, which are consumed after
+    the call. The executable is the same whatever the sharing: one compilation."""
+    places: dict[int, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            places.setdefault(id(x), []).append(i)
+    donated_set = set(donated)
+    shared: dict[int, jax.Array] = {}
+    for where in places.values():
+        if len(where) < 2:
+            continue
+        donated_here = [i for i in where if i in donated_set]
+        if not donated_here:
+            continue
+        keep = donated_here[0] if len(donated_here) == len(where) else None
+        for i in donated_here:
+            if i != keep:
+                shared[i] = leaves[i]
+                leaves[i] = jax.device_put(leaves[i], leaves[i].sharding, may_alias=False)
+    return shared
 
 
 def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) -> _Call:
@@ -153,6 +196,7 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
             if donate_first if i < n_first else donate_rest:
                 donated.append(len(leaves))
             leaves.append(x)
+    shared = _unshare(leaves, donated) if donated else {}
     retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
     for i, x in retyped.items():
         leaves[i] = retype_host(x)
@@ -169,7 +213,8 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) ->
             for x, s in zip(leaves, shardings, strict=True)
         ),
     )
-    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings, key)
+    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
+                 key, shared)
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,6 +242,16 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call,
     """Trace `fun` once for `call`, check it, and lower a replay of the traced program
     with memory-kind-aware input and output shardings (for `platforms`, default the
     arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments)."""
+    jitted, output = _jitted(fun, name, call)
+    traced = jitted.trace(*call.leaves)
+    if platforms is None:
+        return traced.lower(), output
+    return traced.lower(lowering_platforms=platforms), output
+
+
+def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
+    """Trace `fun` once for `call`, check it, and return a `jax.jit` of a replay of the
+    traced program with memory-kind-aware input and output shardings."""
     array_positions = [i for i, a in enumerate(call.is_array) if a]
     outputs: list[Any] = []
 
@@ -237,10 +292,7 @@ def _lower(fun: Callable[..., Any], name: str, call: _Call,
 
     jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    traced_replay = jitted.trace(*call.leaves)
-    if platforms is None:
-        return traced_replay.lower(), output
-    return traced_replay.lower(lowering_platforms=platforms), output
+    return jitted, output
 
 
 def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
@@ -250,6 +302,10 @@ def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
         flat_out = executable(*call.leaves)
     for i, x in call.retyped.items():
         if i in call.donated:  # the copy was donated: consume the original as donation would
+            x.delete()
+    for x in call.shared.values():  # a copy was donated in its place (`_unshare`)
+        if not x.is_deleted() and all(
+                x is not y for y in call.leaves):  # (kept where it was not donated)
             x.delete()
     return output.rebuild(flat_out)
 
@@ -347,6 +403,55 @@ class _FilterJit(Generic[_P, _T]):
         cache is not touched."""
         return self._lower_call(_flatten_call(args, kwargs, self._donate))
 
+    def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
+        """`jax.export.export` for this function, memory kinds kept: returns a callable
+        that takes the function's arguments and returns a `jax.export.Exported` lowered
+        for `platforms` (default: the default backend), with the input and output
+        shardings `filter_jit` compiles with. The exported program takes and returns
+        the offloaded state in host memory and contains its copies to and from the
+        device, for CUDA too. (Exporting `jax.jit(step)` with specs built from the
+        state's own shardings drops the memory kinds: its program never copies the
+        state to the device; see the "Export" docs page.)
+
+        The `Exported` takes the distinct array leaves of `(args, kwargs)`, in
+        `jax.tree.leaves` order, and returns the array leaves of the result.
+
+        !!! Example
+
+            ```python
+            import jax.numpy as jnp
+            import optax
+            import eqx_offload
+
+            params = {"w": jnp.ones((4, 4))}
+            opt = eqx_offload.offloaded(optax.adam(1e-3))
+            state = opt.init(params)
+
+            @eqx_offload.filter_jit
+            def step(params, state):
+                updates, state = opt.update(params, state, params)
+                return optax.apply_updates(params, updates), state
+
+            exported = step.export(platforms=["cuda"])(params, state)
+            assert "annotate_device_placement" in exported.mlir_module()
+            ```
+        """
+
+        def export(*args: Any, **kwargs: Any) -> Any:
+            call = _flatten_call(args, kwargs, self._donate)
+            with warnings.catch_warnings():
+                if _DONATE_MODES[self._donate][2]:
+                    warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+                # Traced for the platform exported for: `offloaded`'s default streams
+                # for an accelerator even when exported from a CPU machine.
+                with compiling_for(platforms[0] if platforms else jax.default_backend()):
+                    jitted, _ = _jitted(self._fun, self._name, call)
+                specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                         for x, s in zip(call.leaves, call.in_shardings, strict=True)]
+                return jax.export.export(jitted, platforms=platforms)(*specs)
+
+        return export
+
     def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
             if _DONATE_MODES[self._donate][2]:
@@ -392,7 +497,13 @@ def filter_jit(
     shardings and memory kinds): committed and uncommitted arguments of the same
     sharding share one executable. `f.lower(*args, **kwargs)` lowers ahead of time, as
     `eqx.filter_jit(f).lower(...)`: `.compile()` returns a callable with
-    `memory_analysis()`.
+    `memory_analysis()`. `f.export(platforms=[...])(*args)` exports it with
+    `jax.export`, memory kinds and copies kept (see the "Export" docs page).
+
+    An array that stands at several donated leaves (`eqx.nn.State(model)` shares the
+    model's arrays) is donated once: the other places get a copy for that call, so the
+    call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
+    and the executable is the same whatever is shared.
 
     **Arguments:**
 

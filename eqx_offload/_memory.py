@@ -1,9 +1,13 @@
 """Which memory kinds a device offers, and the checks that name them in errors."""
 
-from collections.abc import Iterable
-from typing import Optional, get_args
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional, get_args
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ._errors import MemoryKindError
 from ._types import Device, HostMemoryKind, MemoryKind
@@ -92,3 +96,122 @@ def check_devices_offer(
 def default_kind(device: Device) -> str:
     """The memory kind arrays land in on `device` when no kind is asked for."""
     return str(device.default_memory().kind)
+
+
+# ----------------------------------------------------------------------------------------
+# The pinned host pool of XLA's GPU client
+
+HOST_LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""XLA's GPU client allocates `pinned_host` memory from one pool per process, capped by
+this environment variable (read when the client starts, as an integer number of GiB,
+default 64: `GetGpuHostAllocator` in XLA's `xla/pjrt/gpu/gpu_helpers.cc`, which falls
+back to 64 when the value is not an integer). A host allocation past the cap fails with
+an out-of-memory error that reads like a device one."""
+
+DEFAULT_HOST_LIMIT_GB = 64
+_POOLED_PLATFORMS = ("gpu", "cuda", "rocm")  # JAX calls CUDA and ROCm devices "gpu"
+
+
+def host_pool_limit(platform: str, environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The bytes of `pinned_host` memory XLA may allocate on `platform`, or `None` where
+    no such cap applies (the CPU backend, TPUs)."""
+    if platform.lower() not in _POOLED_PLATFORMS:
+        return None
+    value = (os.environ if environ is None else environ).get(HOST_LIMIT_VARIABLE, "")
+    try:
+        gigabytes = int(value.strip()) if value.strip() else DEFAULT_HOST_LIMIT_GB
+    except ValueError:
+        gigabytes = DEFAULT_HOST_LIMIT_GB
+    return gigabytes * (1 << 30)
+
+
+def pooled_bytes(leaf: Any) -> int:
+    """The `pinned_host` bytes `leaf` holds or will hold (a `jax.Array`, or a
+    `jax.ShapeDtypeStruct` with a sharding) on this process's devices: one shard per
+    addressable device (a replicated leaf counts once per device); 0 elsewhere."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding) or sharding.memory_kind != "pinned_host":
+        return 0
+    shard = sharding.shard_shape(tuple(leaf.shape))
+    itemsize = _itemsize(leaf.dtype)
+    return int(math.prod(shard)) * itemsize * len(sharding.addressable_devices)
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element; for a typed PRNG key, those of its key data."""
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape
+        return int(math.prod(shape)) * 4  # key data is uint32
+    itemsize: int = np.dtype(dtype).itemsize
+    return itemsize
+
+
+def live_pooled_bytes(platform: str) -> int:
+    """The `pinned_host` bytes of the live arrays on `platform`'s devices."""
+    total = 0
+    for x in jax.live_arrays():
+        try:
+            if x.is_deleted() or next(iter(x.sharding.device_set)).platform != platform:
+                continue
+        except (RuntimeError, StopIteration):
+            continue
+        total += pooled_bytes(x)
+    return total
+
+
+def check_host_pool(
+    placing: int, platform: str, what: str, *, in_use: Optional[int] = None,
+    limit: Optional[int] = None,
+) -> None:
+    """Raise a `MemoryKindError` naming `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` if placing
+    `placing` more bytes in `pinned_host` on `platform` would pass the pool's cap.
+
+    `in_use`: bytes already there (default: the live arrays'); `limit`: the cap
+    (default: `host_pool_limit(platform)`, `None` off CUDA/ROCm: nothing to check).
+    Testable on the CPU by passing `platform="gpu"` and the two numbers."""
+    cap = host_pool_limit(platform) if limit is None else limit
+    if cap is None or placing <= 0:
+        return
+    used = live_pooled_bytes(platform) if in_use is None else in_use
+    if used + placing <= cap:
+        return
+    raise MemoryKindError(
+        f"{what}: placing {_gib(placing)} in 'pinned_host' memory, with {_gib(used)} "
+        f"already there, passes the {_gib(cap)} cap of XLA's pinned host pool on "
+        f"{platform!r} ({HOST_LIMIT_VARIABLE}="
+        f"{os.environ.get(HOST_LIMIT_VARIABLE, f'{DEFAULT_HOST_LIMIT_GB} (default)')}). "
+        f"XLA would fail with a host out-of-memory error that reads like a device one. "
+        f"Raise the cap before JAX starts (e.g. `export {HOST_LIMIT_VARIABLE}="
+        f"{math.ceil((used + placing) / (1 << 30)) + 1}`, within the machine's RAM), "
+        "or offload less (`where=eqx_offload.within_budget(...)`, `host_dtype=jnp.bfloat16`)."
+    )
+
+
+def _gib(n: int) -> str:
+    """`1536` -> `"1.5 KiB"` (as `memory_report`'s `format_bytes`)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def platform_of(leaves: Iterable[Any]) -> str:
+    """The platform of the first leaf with a sharding, else of the default device."""
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.Sharding):
+            device: Any = next(iter(sharding.device_set))  # (`Device` is untyped for mypy)
+            return str(device.platform)
+    return str(default_device().platform)
+
+
+def check_tree_fits_host_pool(leaves: Iterable[Any], what: str) -> None:
+    """`check_host_pool` for the `pinned_host` leaves (arrays or `ShapeDtypeStruct`s) of
+    something about to be placed; nothing to do (and nothing computed) off CUDA/ROCm."""
+    leaves = list(leaves)
+    platform = platform_of(leaves)
+    if host_pool_limit(platform) is None:
+        return
+    check_host_pool(sum(map(pooled_bytes, leaves)), platform, what)

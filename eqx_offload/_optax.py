@@ -34,16 +34,18 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
+from ._checkpoint import check_init_fits_host_pool
 from ._deviceless import target_platform
 from ._errors import CompositionError, NotATransformationError, StateError
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
 from ._options import Compute, normalise, Options
-from ._state import check_state, first_on_device, OffloadedState, warn_if_on_device
+from ._state import (abstract_signature, check_state, eval_shape, first_line,
+                     first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
-from ._where import leaf_mask, min_ndim
+from ._where import leaf_mask, min_ndim, select
 
 
 DEFAULT_WHERE = min_ndim(1)
@@ -218,7 +220,9 @@ class _Offloaded:
         self.options = options
         self.strategy = _choose(options)
         self.abstract_states: dict[Any, Any] = {}
-        self.made_by_init: dict[Any, Any] = {}  # tree structure -> abstract state
+        # Abstract signatures of states that differ from `init`'s but that
+        # `inner.update` accepts (see `_check_state`).
+        self.accepted: set[Any] = set()
         self.warned = False
         # Under `jit` the moment state is created it is sent to host, so XLA never holds
         # the whole state in device memory at once; `filter_jit` gives each state leaf
@@ -254,16 +258,19 @@ class _Offloaded:
         if any(is_traced(x) for x in jtu.tree_leaves(params)):
             state = self._init_to_host(params)
         else:
+            # On CUDA/ROCm: fail clearly before placing more than XLA's pinned host
+            # pool allows (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`).
+            check_init_fits_host_pool(self.init, params, "offloaded(...).init")
             state = self.jitted_init(params)
         if self.options.memory_kind != "pinned_host":
             state = self._store(state, leaf_mask(state, self.options.where))
-        made = jtu.tree_map(_abstract, state)
-        self.made_by_init.setdefault(jtu.tree_structure(made), made)
         return OffloadedState(state)
 
     def _abstract_state(self, updates: Any, params: Any) -> Any:
         """What `inner.init` makes for these arguments (shapes, dtypes), cached."""
-        like = updates if params is None else params
+        # Arrays only: `init` is given the arrays of a model (`eqx.filter(model,
+        # eqx.is_array)`, the README's recipe) while `update` may get the whole model.
+        like = eqx.filter(updates if params is None else params, eqx.is_array)
         key = jtu.tree_structure(like), tuple(
             (getattr(x, "shape", None), getattr(x, "dtype", None)) for x in jtu.tree_leaves(like)
         )
@@ -274,53 +281,57 @@ class _Offloaded:
 
     def _check_state(self, state: Any, updates: Any, params: Any,
                      extra_args: dict[str, Any]) -> None:
-        """A state this optimizer made, by `init` or by `update`, is never refused.
+        """Refuse a state only on a real mismatch; a state this optimizer made, by `init`
+        or by `update`, is never refused.
 
-        Checked against what `inner.init` makes for the parameters (or, without them,
-        the updates); a state that differs is also compared, when there are no params,
-        with the states this transformation's `init` made (an aggregator's update gets
-        per-example updates, shaped unlike the parameters), and with what one `update`
-        makes of the initial state (optax's `monitor` adds its entries at the first
-        update). It is refused only if it is none of these, with the first difference
-        found."""
-        initial = self._abstract_state(updates, params)
+        The common case costs one comparison: the state has the structure and shapes of
+        what `inner.init` makes for these params (or, without them, these updates). At
+        the first difference the question is what `inner.update` itself does with the
+        state: a state it cannot update is refused, naming the difference from `init`'s
+        state and the update's own error; one whose leaves it would reshape (a state
+        for other parameters that broadcasts) is refused naming the leaf. Otherwise the
+        unwrapped optimizer accepts it, and so does this one: the full model as
+        `params` (Python scalars among its leaves), a state that `update` grows
+        (optax's `monitor`), an aggregator's per-example updates. That answer is
+        remembered per abstract signature, so an eager loop traces `inner.update` for
+        it once, not every step, and it depends on no earlier call."""
         try:
-            check_state(state, initial)
+            check_state(state, self._abstract_state(updates, params))
             return
         except StateError as error:
             if not isinstance(state, OffloadedState):
                 raise
-            first = error
-        # Without params the updates are all there is to go by, and an aggregator's
-        # per-example updates are shaped unlike the parameters: then a state shaped
-        # like one this `init` made is this optimizer's.
-        made = None if params is not None else self.made_by_init.get(
-            jtu.tree_structure(jtu.tree_map(_abstract, state.inner_state)))
-        def updated_state(u: Any, s: Any, p: Any) -> Any:
-            return self.inner.update(u, s, p, **extra_args)[1]
+            difference = error
+        arguments = (updates, state.inner_state, params, extra_args)
+        signature = abstract_signature(arguments)
+        if signature in self.accepted:
+            return
+        try:
+            new_state = eval_shape(self._updated_state, arguments)
+        except Exception as error:  # any failure of the user's optimizer on this state
+            raise StateError(
+                f"{difference} (`inner.update` cannot run on it either: "
+                f"{type(error).__name__}: {first_line(error)})"
+            ) from error
+        reshaped = reshaped_leaf(state.inner_state, new_state)
+        if reshaped is not None:
+            path, old, new = reshaped
+            raise StateError(
+                f"offloaded(...).update(state=...): leaf inner_state/{path} is {old}, but "
+                f"`inner.update` makes it {new} from these updates: the state was made "
+                "for other parameters. Pass the state made by this transformation's "
+                "`init` for these parameters."
+            )
+        self.accepted.add(signature)
 
-        candidates: list[Callable[[], Any]] = [
-            lambda: made,
-            lambda: eqx.filter_eval_shape(updated_state, updates, initial, params),
-        ]
-        for candidate in candidates:
-            try:
-                expected = candidate()
-            except Exception:  # e.g. the update cannot run on the initial state
-                continue
-            if expected is None:
-                continue
-            try:
-                check_state(state, expected)
-                return
-            except StateError:
-                pass
-        raise first
+    def _updated_state(self, updates: Any, inner_state: Any, params: Any,
+                       extra_args: dict[str, Any]) -> Any:
+        return self.inner.update(updates, inner_state, params, **extra_args)[1]
 
     def _store(self, state: Any, mask: list[bool], memory_kind: Optional[str] = None) -> Any:
         """The leaves of `state` that `mask` selects, narrowed and sent to host."""
-        where = jtu.tree_unflatten(jtu.tree_structure(state), mask)
-        return self.options.store(state, where, memory_kind)
+        # The flat mask as it is (never rebuilt as a tree and read again as a spec).
+        return self.options.store(state, select(mask), memory_kind)
 
     def _run_update(
         self, options: Options, updates: Any, inner_state: Any, params: Any,
@@ -381,12 +392,6 @@ def _device_state_error(path: str) -> CompositionError:
         "docs page), as JAX recommends over pmap; `jax.shard_map` inside "
         "`eqx_offload.filter_jit` works when the state comes in in host memory."
     )
-
-
-def _abstract(leaf: Any) -> Any:
-    if eqx.is_array(leaf):
-        return jax.ShapeDtypeStruct(jax.numpy.shape(leaf), leaf.dtype)
-    return leaf
 
 
 def _pinned(options: Options) -> Options:

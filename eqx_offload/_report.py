@@ -1,14 +1,15 @@
 """`memory_report`: where the bytes of a pytree live."""
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._leaves import nbytes, path_to_str, shown
-from ._memory import HOST_MEMORY_KINDS
+from ._leaves import is_traced, nbytes, path_to_str, shown
+from ._memory import (HOST_LIMIT_VARIABLE, HOST_MEMORY_KINDS, host_pool_limit, platform_of,
+                      pooled_bytes)
 from ._placement import memory_kind_of
 
 
@@ -37,10 +38,19 @@ class MemoryReport:
     PRNG keys (whose memory JAX's type does not tell) under `"unknown"`, in neither.
     Sizes are global (a sharded array counts once, at its full size). `str(report)` is
     a plain-text table; with `rich` installed, `rich.print(report)` draws one.
+
+    - `host_pool_bytes`: the `pinned_host` bytes this process holds for the tree, one
+        shard per device (a replicated leaf counts once per device): what XLA's GPU
+        client allocates from its pinned host pool.
+    - `host_pool_limit`: that pool's cap where one applies (CUDA and ROCm:
+        `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, 64 GiB by default), else `None`; the
+        table's last line shows the two.
     """
 
     by_kind: dict[str, int]
     leaves: tuple[LeafMemory, ...]
+    host_pool_bytes: int = 0
+    host_pool_limit: Optional[int] = None
 
     @property
     def device_bytes(self) -> int:
@@ -79,8 +89,17 @@ class MemoryReport:
 
         rule = "  ".join("-" * w for w in widths)
         return "\n".join(
-            ["memory report", line(header), rule, *map(line, rows), rule, line(footer)]
+            ["memory report", line(header), rule, *map(line, rows), rule, line(footer),
+             *self._pool_lines()]
         )
+
+    def _pool_lines(self) -> list[str]:
+        if self.host_pool_limit is None:
+            return []
+        share = self.host_pool_bytes / self.host_pool_limit if self.host_pool_limit else 1.0
+        return [f"pinned host pool: {format_bytes(self.host_pool_bytes)} of the "
+                f"{format_bytes(self.host_pool_limit)} cap ({share:.1%}; "
+                f"{HOST_LIMIT_VARIABLE})"]
 
     def __rich__(self) -> Any:
         from rich.table import Table  # optional: only for `rich.print(report)`
@@ -91,6 +110,8 @@ class MemoryReport:
             table.add_column(name, footer=foot, justify="right" if name == "bytes" else "left")
         for row in rows:
             table.add_row(*row)
+        for line in self._pool_lines():
+            table.caption = line
         return table
 
 
@@ -140,6 +161,7 @@ def memory_report(tree: Any) -> MemoryReport:
     """
     leaves = []
     by_kind: dict[str, int] = {}
+    concrete = [x for x in jtu.tree_leaves(tree) if isinstance(x, jax.Array) and not is_traced(x)]
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         if not eqx.is_array(leaf):  # tracers are `jax.Array`s too
             continue
@@ -147,4 +169,6 @@ def memory_report(tree: Any) -> MemoryReport:
         size = nbytes(leaf)
         by_kind[kind] = by_kind.get(kind, 0) + size
         leaves.append(LeafMemory(path_to_str(path), kind, size, tuple(leaf.shape), str(leaf.dtype)))
-    return MemoryReport(by_kind, tuple(leaves))
+    limit = host_pool_limit(platform_of(concrete)) if concrete else None
+    pooled = sum(map(pooled_bytes, concrete))
+    return MemoryReport(by_kind, tuple(leaves), pooled, limit)

@@ -1,14 +1,17 @@
 """The state of `offloaded`: its type, reading it, and checking what `update` is given."""
 
+import functools
 import warnings
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, cast, NamedTuple, Optional
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import StateError
-from ._leaves import path_to_str
+from ._leaves import is_traced, path_to_str
 from ._move import move
 from ._placement import memory_kind_of
 from ._where import structure_divergence
@@ -117,6 +120,21 @@ def check_state(state: Any, expected: Any) -> None:
             )
 
 
+def reshaped_leaf(old: Any, new: Any) -> Optional[tuple[str, str, str]]:
+    """The first array leaf whose shape differs between two states of one structure:
+    `(path, old shape, new shape)`, or `None` (also when the structures differ: a state
+    that `update` grows, as optax's `monitor`'s does, has no leaf to compare)."""
+    old_leaves, old_def = jtu.tree_flatten_with_path(old)
+    new_leaves, new_def = jtu.tree_flatten(new)
+    if cast(Any, old_def) != new_def:  # (PyTreeDef is typed without __eq__)
+        return None
+    for (key_path, a), b in zip(old_leaves, new_leaves, strict=True):
+        if hasattr(b, "shape") and np.shape(a) != tuple(b.shape):
+            return (path_to_str(key_path), f"{getattr(a, 'dtype', type(a).__name__)}"
+                    f"{list(np.shape(a))}", f"{b.dtype}{list(b.shape)}")
+    return None
+
+
 def first_on_device(inner_state: Any, mask: list[bool]) -> Optional[str]:
     """The path of the first leaf `mask` selects for host memory that is in device
     memory, or `None`."""
@@ -133,6 +151,28 @@ def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> b
     path = first_on_device(inner_state, mask)
     if path is None:
         return False
+    leaf = dict((path_to_str(p), x) for p, x in jtu.tree_flatten_with_path(inner_state)[0])[path]
+    if is_traced(leaf):
+        # Traced, and typed as device memory: the function around `update` was traced
+        # without the state's memory kinds. Concrete host arrays carry theirs into
+        # `jax.jit`; `jax.ShapeDtypeStruct`s do not (`jax.export`, `.trace`, `.lower`
+        # with specs), and then the program has no copy to the device: on a GPU the
+        # update would read host memory.
+        warnings.warn(
+            f"offloaded(...).update: state leaf inner_state/{path} arrives in device "
+            f"memory in a traced function, but `where` selects it for {memory_kind!r}. "
+            "The function was traced without the state's memory kinds (`jax.export` or "
+            "`jax.jit(...).trace/lower` with `jax.ShapeDtypeStruct` specs, or a "
+            "`jax.jit` without `in_shardings`), so the program it makes never copies "
+            "the state to the device. Export or lower the step through "
+            "`eqx_offload.filter_jit`: `eqx_offload.filter_jit(step).export(platforms="
+            "[...])(*args)` or `.lower(*args)` with the real arrays (or give `jax.jit` "
+            "`in_shardings` and `out_shardings` with memory kinds). (Shown once per "
+            "transformation.)",
+            OffloadWarning,
+            stacklevel=4,
+        )
+        return True
     warnings.warn(
         f"offloaded(...).update: state leaf inner_state/{path} "
         f"is in device memory, but `where` selects it for {memory_kind!r}. "
@@ -146,3 +186,38 @@ def warn_if_on_device(inner_state: Any, mask: list[bool], memory_kind: str) -> b
         stacklevel=4,
     )
     return True
+
+
+# ----------------------------------------------------------------------------------------
+# Deciding at a difference (`_Offloaded._check_state`)
+
+
+def abstract_signature(tree: Any) -> Any:
+    """A hashable abstract signature of `tree`: its structure, and per leaf its shape,
+    dtype and weak type (arrays, traced or not) or its type (anything else)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return treedef, tuple(
+        (np.shape(x), x.dtype, jax.typeof(x).weak_type) if eqx.is_array(x) else type(x)
+        for x in leaves
+    )
+
+
+def eval_shape(fn: Callable[..., Any], arguments: tuple[Any, ...]) -> Any:
+    """`fn(*arguments)` abstractly: array leaves (concrete or traced) as shapes and
+    dtypes, every other leaf as it is."""
+    dynamic, static = eqx.partition(arguments, eqx.is_array)
+    shapes = jtu.tree_map(_shape_of, dynamic)
+    return jax.eval_shape(functools.partial(_call_combined, fn, static), shapes)
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def _call_combined(fn: Callable[..., Any], static: Any, dynamic: Any) -> Any:
+    return fn(*eqx.combine(dynamic, static))
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "(no message)"

@@ -150,7 +150,42 @@ class _Not(Filter):
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    return isinstance(x, bool) or (callable(x) and not isinstance(x, eqx.Module))
+    # A callable that is itself a pytree node (a Flax NNX `Variable`, an `eqx.Module`
+    # with a `__call__`) is part of the spec's structure, not a filter: a mask rebuilt
+    # as a tree over an NNX state holds `Variable(True)`, which must be walked into,
+    # never called.
+    return isinstance(x, bool) or (callable(x) and not isinstance(x, eqx.Module)
+                                   and _is_pytree_leaf(x))
+
+
+def _is_pytree_leaf(x: Any) -> bool:
+    treedef: Any = jtu.tree_structure(x)  # (`PyTreeDef` is untyped for mypy)
+    return bool(treedef.num_nodes == 1 and treedef.num_leaves == 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Selection(Filter):
+    """A selection already resolved against one tree: one flag per leaf of
+    `jax.tree.leaves(tree)`, as `leaf_mask` returns it.
+
+    Internal: `offloaded` resolves its `where` once per state and hands the flat result
+    to the moves (`Options.store`, `move`) as a `where`, so the mask is never rebuilt as
+    a tree and read again as a filter spec (a tree of masks over an NNX state holds
+    callable `Variable`s). `leaf_mask` returns the flags as they are, after checking
+    that they are as many as the tree's leaves."""
+
+    flags: tuple[bool, ...]
+
+    def __call__(self, leaf: Any, path: str = "") -> bool:
+        raise WhereError(
+            "An internal selection (one flag per leaf of a whole tree) was used as a "
+            "filter on one leaf; it can only stand for a whole `where`."
+        )
+
+
+def select(mask: list[bool]) -> Selection:
+    """`mask` (from `leaf_mask`) as a `where` for the same tree."""
+    return Selection(tuple(mask))
 
 
 def _is_not(tree: Any, x: Any) -> bool:
@@ -243,6 +278,14 @@ def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any
 
 def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
     """For each leaf of `jax.tree.leaves(tree)`: is it an array selected by `where`?"""
+    if isinstance(where, Selection):
+        count: int = jtu.tree_structure(tree).num_leaves  # type: ignore[attr-defined]  # PyTreeDef is untyped
+        if len(where.flags) != count:
+            raise WhereError(
+                f"{argument}: a selection of {len(where.flags)} leaves was resolved for "
+                f"another tree; this one has {count} leaves."
+            )
+        return list(where.flags)
     expand = functools.partial(_expand_spec, argument)
     try:
         mask_tree = jtu.tree_map_with_path(expand, where, tree, is_leaf=_is_spec_leaf)

@@ -7,7 +7,7 @@
 # Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
 # check that every public name of `eqx_offload/__init__.py` is declared here).
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import (
     Any,
     BinaryIO,
@@ -226,6 +226,7 @@ class Lowered:
 class _FilterJit(Generic[_F]):
     __call__: _F
     def lower(self, *args: Any, **kwargs: Any) -> Lowered: ...
+    def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]: ...
 
 @overload
 def filter_jit(
@@ -252,6 +253,8 @@ class LeafMemory:
 class MemoryReport:
     by_kind: dict[str, int]
     leaves: tuple[LeafMemory, ...]
+    host_pool_bytes: int = 0
+    host_pool_limit: Optional[int] = None
     @property
     def device_bytes(self) -> int: ...
     @property

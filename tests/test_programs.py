@@ -1,0 +1,392 @@
+"""Real programs, round three (issue 18): Equinox's MNIST, DCGAN and vision-transformer
+examples, Flax NNX's `nnx.Optimizer`, optimistix's `OptaxMinimiser`, each as written
+and ported (`tests/ports/`), bitwise; and the library behaviour they found:
+
+- the full-model idiom (`optimizer.update(grads, opt_state, model)`) and how
+    `offloaded` decides a state is its own (item 2, issue 19's `_check_state`);
+- arrays shared between donated arguments (item 4);
+- the user's other jitted functions after an offloaded step (item 5);
+- `jax.export` of an offloaded step (item 3).
+"""
+
+import re
+import warnings
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_tree_equal, count_compiles, memory_kinds
+from isolated import run_isolated
+from ports import dcgan, mnist, nnx as nnx_port, solver, vit
+from test_ports import _assert_same_run
+
+import eqx_offload
+
+
+# ---------------------------------------------------------------------------------------
+# The programs, plain and ported
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_mnist(donate: str) -> None:
+    plain, ported = mnist.train(False, donate), mnist.train(True, donate)
+    _assert_same_run(plain, ported)
+    # The example's own `eqx.filter_jit` evaluation functions, called before training
+    # and after every step: one compilation each, plain and ported (the docs' one-line
+    # remedy, `commit=True`).
+    assert plain.extra[1] == ported.extra[1] == 2
+
+
+def test_mnist_without_the_remedy_compiles_the_users_functions_twice() -> None:
+    # Why the remedy is there (upstream behaviour): the step's outputs are committed
+    # (its offloaded state is: JAX commits host arrays), the model before the first
+    # step was not, and `jax.jit` keys its cache on committedness.
+    ported = mnist.train(True, commit=False)
+    assert ported.extra[1] == 4
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_vision_transformer_full_model_as_params(donate: str) -> None:
+    _assert_same_run(vit.train(False, donate), vit.train(True, donate))
+
+
+def test_dcgan_shared_buffers_donated() -> None:
+    # `eqx.nn.State(model)` shares arrays with the model. Plain `eqx.filter_jit` with
+    # `donate="all"` refuses to run (JAX: "Attempt to donate the same buffer twice");
+    # `eqx_offload.filter_jit` donates every buffer once, bitwise with the undonated
+    # plain run, and consumes every input.
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        dcgan.train(False, donate="all")
+    deleted: list[bool] = []
+    ported = dcgan.train(True, donate="all", deleted=deleted)
+    _assert_same_run(dcgan.train(False, donate="none"), ported)
+    assert deleted == [True] * dcgan.STEPS
+
+
+@pytest.mark.parametrize("style", ["nnx_jit", "functional"])
+def test_flax_nnx(style: str) -> None:
+    plain, ported = nnx_port.train(False, style), nnx_port.train(True, style)
+    _assert_same_run(plain, ported)
+
+
+def test_flax_nnx_functional_donates() -> None:
+    from flax import nnx
+
+    model = nnx_port.MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, eqx_offload.offloaded(optax.adamw(1e-2)), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    @eqx_offload.filter_jit(donate="all")
+    def train_step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(nnx_port.loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    for x, y in nnx_port.data(jax.random.key(1))[:2]:
+        old = jax.tree.leaves(state)
+        state, _ = train_step(state, x, y)
+        assert all(a.is_deleted() for a in old)
+    nnx.update((model, optimizer), state)
+    kinds = memory_kinds(optimizer.opt_state)
+    assert kinds and all(kind == ("device" if "count" in path else "pinned_host")
+                         for path, kind in kinds.items()), kinds
+    offloaded = [a for a in jax.tree.leaves(state) if a.sharding.memory_kind == "pinned_host"]
+    assert len(offloaded) == 2 * len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_flax_nnx_jit_without_commit_compiles_twice() -> None:
+    # Why the NNX port commits the model first (upstream behaviour, as in MNIST).
+    ported = nnx_port.train(True, "nnx_jit", commit_first=False)
+    assert ported.compiles[:3] == [1, 1, 0]
+
+
+def nnx_jit_donated_child() -> str:
+    """`nnx.jit(train_step, donate_argnums=(1,))` with an offloaded optimizer."""
+    from flax import nnx
+
+    model = nnx_port.MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, eqx_offload.offloaded(optax.adamw(1e-2)), wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(1,))
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(nnx_port.loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    for x, y in nnx_port.data(jax.random.key(1)):
+        train_step(model, optimizer, x, y)
+    return "survived"
+
+
+def test_flax_nnx_jit_donation_is_the_trap() -> None:
+    # docs/nnx.md says why this pattern is not the way: `nnx.jit` hands `jax.jit` no
+    # memory-kind-aware output shardings, so JAX pairs a donated host-memory state leaf
+    # with a device output of the same shape and the process aborts. If a JAX or Flax
+    # release makes it safe, this canary fails: then docs/nnx.md can recommend it.
+    process = run_isolated(nnx_jit_donated_child)
+    assert process.returncode != 0, process.stdout[-2000:]
+    assert "memory kind does not match" in process.stderr, process.stderr[-4000:]
+
+
+def test_optimistix_solver() -> None:
+    plain, ported = solver.train(False), solver.train(True)
+    _assert_same_run(plain, ported)
+    assert int(ported.extra) == solver.MAX_STEPS  # every iteration ran
+
+
+def test_optimistix_solver_moves_the_state_every_iteration() -> None:
+    # What docs/solvers.md says: inside the solve loop the state goes to the device and
+    # back at every iteration (the copies are in the loop body of the CUDA program).
+    import optimistix as optx
+
+    def lowered(optim: Any) -> str:
+        minimiser = optx.OptaxMinimiser(optim, rtol=1e-8, atol=1e-8)
+
+        @eqx_offload.filter_jit
+        def solve(y0, args):
+            return optx.minimise(solver.rosenbrock, minimiser, y0, args, max_steps=5,
+                                 throw=False).value
+
+        y0 = {"x": jnp.zeros(6), "w": jnp.ones((3, 4))}
+        return solve.export(platforms=["cuda"])(y0, jnp.ones(4)).mlir_module()
+
+    plain = lowered(optax.adam(1e-2))
+    ported = lowered(eqx_offload.offloaded(optax.adam(1e-2)))
+    assert "annotate_device_placement" not in plain
+    body = ported[ported.index("stablehlo.while"):]
+    # mu and nu of both leaves, to the device and back: 4 leaves x 2 directions.
+    assert body.count("annotate_device_placement") >= 8
+
+
+# ---------------------------------------------------------------------------------------
+# Item 2 and issue 19: a state this optimizer made is never refused
+
+
+class _Net(eqx.Module):
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout  # a Python float and a bool among the leaves
+    scale: float
+    depth: int
+    enabled: bool
+
+    def __init__(self) -> None:
+        self.linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+        self.dropout = eqx.nn.Dropout(0.1)
+        self.scale = 0.5
+        self.depth = 2
+        self.enabled = True
+
+
+@pytest.mark.parametrize("init_with", ["arrays", "inexact"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_whole_model_as_params(init_with: str, mode: str) -> None:
+    # As plain optax: `init` with the model's arrays (or its floating arrays, as
+    # Equinox's examples filter), `update` with the whole model (Python scalars among
+    # its leaves).
+    model = _Net()
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+    opt = eqx_offload.offloaded(inner)
+    like = eqx.filter(model, eqx.is_array if init_with == "arrays" else eqx.is_inexact_array)
+    state, ref_state = opt.init(like), inner.init(like)
+    update = opt.update if mode == "eager" else eqx_offload.filter_jit(opt.update)
+    ref_update = inner.update if mode == "eager" else eqx.filter_jit(inner.update)
+    for _ in range(3):
+        updates, state = update(grads, state, model)
+        ref_updates, ref_state = ref_update(grads, ref_state, model)
+        assert_tree_equal(updates, ref_updates)
+    assert_tree_equal(state.inner_state, ref_state)
+    assert state.inner_state[1][0].mu.linear.weight.sharding.memory_kind == "pinned_host"
+
+
+class _Counted(NamedTuple):
+    seen: Any
+
+
+def _counting(calls: list[int]) -> optax.GradientTransformation:
+    """Sums the updates into a state that gains an entry at the first update (as
+    `optax.monitor`'s does); counts every call of its `update`, traced or not."""
+
+    def init(params: Any) -> Any:
+        return _Counted({"sum": jax.tree.map(jnp.zeros_like, params)})
+
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        calls.append(1)
+        total = jax.tree.map(jnp.add, state.seen["sum"], updates)
+        return updates, _Counted({"sum": total, "last": updates})
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_grown_state_is_checked_once_not_every_eager_step() -> None:
+    calls: list[int] = []
+    opt = eqx_offload.offloaded(_counting(calls), where=True)
+    params = {"w": jnp.arange(3.0)}
+    state = opt.init(params)
+    steps = 6
+    for _ in range(steps):
+        _, state = opt.update(params, state, params)
+    # One call per step, plus one abstract trace for the grown state's signature.
+    assert len(calls) == steps + 1
+    assert state.inner_state.seen["last"]["w"].sharding.memory_kind == "pinned_host"
+
+
+def test_acceptance_does_not_depend_on_earlier_init_calls() -> None:
+    # An aggregator-like update (per-example updates shaped unlike the state, no
+    # params): a state made by one `offloaded(...)` instance is accepted by another
+    # that never ran `init` (it used to look states up among those its `init` made).
+    def init(params: Any) -> Any:
+        return _Counted(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        mean = jax.tree.map(lambda u: jnp.mean(u, axis=0), updates)
+        return mean, _Counted(jax.tree.map(jnp.add, state.seen, mean))
+
+    inner = optax.GradientTransformation(init, update)
+    made = eqx_offload.offloaded(inner, where=True).init({"w": jnp.zeros(3)})
+    other = eqx_offload.offloaded(inner, where=True)
+    per_example = {"w": jnp.ones((5, 3))}
+    updates, state = other.update(per_example, made)
+    ref_updates, ref_state = inner.update(per_example, init({"w": jnp.zeros(3)}))
+    assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+
+
+def test_a_state_for_other_params_that_would_broadcast_is_refused() -> None:
+    # A real mismatch that `inner.update` would not notice (a (1,) moment broadcasts
+    # against (3,) updates): refused, naming the leaf.
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    state = opt.init({"w": jnp.ones(1)})
+    with pytest.raises(eqx_offload.StateError,
+                       match=r"leaf inner_state/0/mu/w is float32\[1\], but `inner.update` makes it float32\[3\]"):
+        opt.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
+
+
+def test_another_optimizers_state_names_the_difference_and_the_update_error() -> None:
+    adam = eqx_offload.offloaded(optax.adam(1e-3))
+    state = eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init({"w": jnp.ones(3)})
+    with pytest.raises(eqx_offload.StateError) as info:
+        adam.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
+    message = str(info.value)
+    assert "at path inner_state/0 the expected state has ScaleByAdamState" in message
+    assert "`inner.update` cannot run on it either: AttributeError" in message
+
+
+# ---------------------------------------------------------------------------------------
+# Item 4: arrays shared between donated arguments
+
+
+def _double(a: Any, b: Any) -> Any:
+    return a * 2, b + 1
+
+
+def test_a_shared_buffer_is_donated_once() -> None:
+    x = jnp.arange(4.0)
+    step = eqx_offload.filter_jit(_double, donate="all")
+    with count_compiles() as compiled:
+        a, b = step(x, x)  # one buffer at two donated leaves
+        assert x.is_deleted()
+        y, z = jnp.arange(4.0), jnp.arange(4.0)
+        c, d = step(y, z)  # two buffers: the same executable
+    assert len(compiled) == 1
+    assert_tree_equal((a, b), (c, d))
+    assert_tree_equal((a, b), (jnp.arange(4.0) * 2, jnp.arange(4.0) + 1))
+
+
+def test_a_buffer_shared_with_an_undonated_argument_survives() -> None:
+    x = jnp.arange(4.0)
+    step = eqx_offload.filter_jit(_double, donate="all-except-first")
+    a, b = step(x, x)
+    assert not x.is_deleted()  # the first argument is never donated
+    assert_tree_equal((a, b), (x * 2, x + 1))
+
+
+def test_a_shared_host_buffer_is_donated_once() -> None:
+    opt = eqx_offload.offloaded(optax.adam(1e-2))
+    params = {"w": jnp.ones((2, 3))}
+    state = opt.init(params)
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(params, state, same_state):
+        updates, state = opt.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref = optax.adam(1e-2)
+    ref_updates, ref_state = ref.update(params, ref.init(params), params)
+    new_params, new_state = step(params, state, state)
+    assert_tree_equal(new_state.inner_state, ref_state)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+# ---------------------------------------------------------------------------------------
+# Item 3: jax.export
+
+
+def _export_setup() -> tuple[Any, Any, Any]:
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+
+    def step(params, state):
+        updates, state = opt.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return params, opt.init(params), step
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_export_keeps_memory_kinds_and_copies_for_cuda(donate: str) -> None:
+    params, state, step = _export_setup()
+    exported = eqx_offload.filter_jit(step, donate=donate).export(platforms=["cuda"])(params, state)
+    text = exported.mlir_module()
+    assert exported.platforms == ("cuda",)
+    # Each of the 4 offloaded leaves: one copy to the device, one back.
+    assert text.count("annotate_device_placement") >= 8
+    kinds = re.findall(r'mhlo.memory_kind = "(\w+)"', text)
+    assert kinds.count("pinned_host") == 8  # 4 state inputs, 4 state outputs
+
+
+def test_export_runs_bitwise_on_this_backend() -> None:
+    params, state, step = _export_setup()
+    jitted = eqx_offload.filter_jit(step)
+    exported = jitted.export()(params, state)
+    out = exported.call(*jax.tree.leaves((params, state)))
+    ref = jax.tree.leaves(jitted(params, state))
+    assert_tree_equal(list(out), ref)
+    assert [x.sharding.memory_kind for x in out] == [x.sharding.memory_kind for x in ref]
+    assert {x.sharding.memory_kind for x in out if x.ndim} >= {"pinned_host"}
+
+
+def test_export_of_plain_jit_with_specs_is_loud() -> None:
+    # The silent case of the issue: specs from the arrays' own shardings, `jax.jit`
+    # without shardings. The program has no copies; `offloaded` says so and names the
+    # fix.
+    params, state, step = _export_setup()
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                         (params, state))
+    with pytest.warns(eqx_offload.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
+        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(*specs)
+    assert "traced without the state's memory kinds" in str(record[0].message)
+    ported = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state)
+    assert (exported.mlir_module().count("annotate_device_placement")
+            < ported.mlir_module().count("annotate_device_placement"))
+
+
+def test_export_of_streamed_and_host_compute_steps() -> None:
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    for options in ({"group_bytes": 0}, {"compute": "host"}):
+        opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
+        state = opt.init(params)
+
+        def step(params, state):
+            updates, state = opt.update(params, state, params)
+            return optax.apply_updates(params, updates), state
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            text = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state).mlir_module()
+        assert re.findall(r'mhlo.memory_kind = "(\w+)"', text).count("pinned_host") == 8, options
+        assert np.ndim(state.inner_state[0].count) == 0
