@@ -29,12 +29,6 @@ from eqx_offload import _jit
 from eqx_offload.cli import models
 
 
-# Until eqx_offload/_jit.py passes JAX's `remat2` primitive (what `jax.checkpoint`
-# binds) through its host-compute check, let it through here: a rematted layer whose
-# inputs are host-resident weights only moves them (tests/test_params.py has a strict
-# xfail that tracks the fix).
-if "remat2" not in _jit._PASS_THROUGH:
-    _jit._PASS_THROUGH = _jit._PASS_THROUGH | {"remat2"}
 
 MiB = 1 << 20
 

@@ -27,12 +27,6 @@ L, D, B = 8, 512, 256
 WEIGHT_BYTES = L * (D * D + D) * 4
 
 
-@pytest.fixture(autouse=True)
-def remat_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    # `eqx_offload.filter_jit` (which `gpu_plan` compiles with) does not yet pass JAX's
-    # `remat2` primitive through its host-compute check (tests/test_params.py has the
-    # strict xfail that tracks the fix); let it through for these plans.
-    monkeypatch.setattr(_jit, "_PASS_THROUGH", _jit._PASS_THROUGH | {"remat2"})
 
 
 def layers() -> Any:

@@ -23,14 +23,6 @@ import eqx_offload
 
 L, D = 4, 16
 
-# `eqx_offload.filter_jit` refuses the rematted layer body today: its host-compute check
-# passes `remat`/`checkpoint` through, but JAX names `jax.checkpoint`'s primitive
-# `remat2` (JAX 0.10 and 0.12), so a remat whose inputs are host-resident weights is
-# reported as computing on them. Fix: add "remat2" to `_PASS_THROUGH` in
-# eqx_offload/_jit.py. strict: these fail loudly once it is fixed.
-REMAT2_PASS_THROUGH = pytest.mark.xfail(
-    strict=True, raises=eqx_offload.CompositionError,
-    reason="_jit._PASS_THROUGH lacks JAX's `remat2` primitive")
 
 
 def make_layers(seed: int = 0) -> eqx.nn.Linear:
@@ -313,7 +305,6 @@ def test_host_params_step_through_filter_jit_with_donation() -> None:
     assert host_bytes(eqx.filter(placed, eqx.is_array)) == host_bytes(eqx.filter(model, eqx.is_array))
 
 
-@REMAT2_PASS_THROUGH
 def test_scan_layers_step_through_filter_jit() -> None:
     opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adam(1e-2)))
     layers = eqx_offload.to_host(make_layers())

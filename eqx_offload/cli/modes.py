@@ -191,17 +191,14 @@ def _to_bfloat16(x: Any) -> Any:
 def _activations(mode: str, optimizer: optax.GradientTransformation, model: Any,
                  loss: Loss) -> Runner:
     """`offloaded(optimizer)`, the loss rematted with `offload_dots()`: the results of
-    the matrix products wait in host memory for the backward pass. Jitted with
-    `eqx.filter_jit` without donation: the backward pass's `remat2` takes the offloaded
-    values, and `eqx_offload.filter_jit` does not yet pass `remat2` through its
-    host-compute check."""
+    the matrix products wait in host memory for the backward pass."""
     wrapped = eqx_offload.offloaded(optimizer)
     state = wrapped.init(eqx.filter(model, eqx.is_array))
     rematted = eqx_offload.filter_remat(loss, eqx_offload.offload_dots())
-    step: Any = eqx.filter_jit(make_step(wrapped, rematted))
+    step: Any = eqx_offload.filter_jit(make_step(wrapped, rematted), donate="all")
 
     def compile(model: Any, state: Any, batch: Any) -> Any:
-        return step.lower(model, state, batch).compile().compiled
+        return step.lower(model, state, batch).compile()
 
     return Runner(mode, step, model, state, compile)
 
@@ -213,9 +210,7 @@ def _is_linear(x: Any) -> bool:
 def _host_weights(mode: str, optimizer: optax.GradientTransformation, model: Any,
                   loss: Loss) -> Runner:
     """Every `eqx.nn.Linear` of the model in host memory (`eqx_offload.host_weights`),
-    `offloaded(with_host_params(optimizer))`, `eqx_offload.apply_updates`. Jitted with
-    `eqx.filter_jit` without donation: `eqx_offload.filter_jit` does not yet pass the
-    rematted layers' `remat2` through its host-compute check."""
+    `offloaded(with_host_params(optimizer))`, `eqx_offload.apply_updates`."""
     linears = [x for x in jax.tree.leaves(model, is_leaf=_is_linear) if _is_linear(x)]
     model = eqx.tree_at(lambda m: [x for x in jax.tree.leaves(m, is_leaf=_is_linear)
                                    if _is_linear(x)], model,
@@ -228,10 +223,10 @@ def _host_weights(mode: str, optimizer: optax.GradientTransformation, model: Any
         updates, state = wrapped.update(grads, state, eqx.filter(model, eqx.is_array))
         return eqx_offload.apply_updates(model, updates), state, value
 
-    jitted: Any = eqx.filter_jit(step)
+    jitted: Any = eqx_offload.filter_jit(step, donate="all")
 
     def compile(model: Any, state: Any, batch: Any) -> Any:
-        return jitted.lower(model, state, batch).compile().compiled
+        return jitted.lower(model, state, batch).compile()
 
     return Runner(mode, jitted, model, state, compile)
 
