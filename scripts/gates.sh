@@ -30,7 +30,7 @@ else
 fi
 gate "pyright" pyright eqx_offload tests/types/good_usage.py
 gate "pyrefly" pyrefly check eqx_offload tests/types/good_usage.py
-gate "stub drift (eqx_offload/.typings/pytype/eqx_offload vs the package)" "$PY" scripts/stub_drift.py
+gate "stub drift (typings/pytype/eqx_offload vs the package)" "$PY" scripts/stub_drift.py
 gate "checker table (docs/typing-checkers.txt vs tests/types markers)" "$PY" scripts/checker_table.py --check
 
 echo

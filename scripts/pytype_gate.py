@@ -3,7 +3,7 @@
 A plain `pytype eqx_offload` maps `jax`, `equinox`, `optax` and `jaxtyping` to an empty
 stub (everything `Any`), so it checks nothing about calls into them. This gate runs
 `pytype-single` on each module with `--pythonpath=<generated>:<stubs>`: the stubs the
-wheel ships (`eqx_offload/.typings/`, what `python -m eqx_offload typings` prints) stand
+wheel ships (`typings/`, what `python -m eqx_offload typings` prints) stand
 for the third-party packages, `scripts/pytype_gate_stubs/` for the few that only the
 command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users'
 code is not checked against them), and the `.pyi` that pytype infers for each module of
@@ -39,7 +39,7 @@ PACKAGE = "eqx_offload"
 # The stubs the wheel ships (the folders `eqx_offload._stubs.pytype_path()` names) and
 # the gate-only ones, relative to this checkout (not to an installed eqx_offload: the
 # gate's own tests run it on a modified copy of the repository).
-SHIPPED_STUBS = [ROOT / PACKAGE / ".typings" / "pytype", ROOT / PACKAGE / ".typings" / "mypy"]
+SHIPPED_STUBS = [ROOT / "typings" / "pytype", ROOT / "typings" / "mypy"]
 GATE_STUBS = ROOT / "scripts" / "pytype_gate_stubs"
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 

@@ -1,5 +1,5 @@
 """Stub drift: fails when the shipped pytype stub of eqx_offload
-(`eqx_offload/.typings/pytype/eqx_offload/__init__.pyi`) no longer matches the package.
+(`typings/pytype/eqx_offload/__init__.pyi`) no longer matches the package.
 
 The pytype stubs of the public API are written by hand (pytype users get no checking
 without them, and the inline annotations are what mypy users read), so this check keeps
@@ -30,7 +30,7 @@ from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "eqx_offload"
-STUBS = ROOT / PACKAGE / ".typings"
+STUBS = ROOT / "typings"
 STUB = STUBS / "pytype" / PACKAGE / "__init__.pyi"
 STUB_NAME = STUB.relative_to(ROOT)
 

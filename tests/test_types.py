@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 import zipfile
 from typing import Any
 
@@ -102,16 +103,19 @@ def test_typings_command_prints_the_stub_folders() -> None:
         return proc.stdout.strip()
 
     pytype_path, mypy_path = typings().split(os.pathsep), typings("--mypy")
-    package = pathlib.Path(eqx_offload.__file__).parent
-    assert pytype_path == [str(package / ".typings" / "pytype"), mypy_path]
-    assert mypy_path == str(package / ".typings" / "mypy")
+    assert pathlib.Path(eqx_offload.__file__).parent.parent == ROOT  # a source checkout
+    assert pytype_path == [str(ROOT / "typings" / "pytype"), mypy_path]
+    assert mypy_path == str(ROOT / "typings" / "mypy")
     # mypy's folder holds optax only: a stub of jax, equinox or jaxtyping there would
     # shadow their real inline types.
     assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
     assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
         "equinox", "eqx_offload", "jax", "jaxtyping"]
-    # Nothing at the root of the repository for pyright to take as its stub path.
-    assert not (ROOT / "typings").exists()
+    # pyright's default stub path is `typings/`: pointed elsewhere, so the folder
+    # named after a checker never shadows a real package.
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"] == {
+        "stubPath": "typings/pyright"}
+    assert not (ROOT / "typings" / "pyright").exists()
 
 
 def test_docs_table_is_generated_from_the_markers() -> None:
@@ -315,7 +319,7 @@ def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch)
 
 
 def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
-    for name in ("eqx_offload", "scripts"):
+    for name in ("eqx_offload", "scripts", "typings"):
         shutil.copytree(ROOT / name, tmp_path / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
@@ -510,8 +514,8 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
                     str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
     (wheel,) = dist.glob("eqx_offload-*.whl")
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".pyi")}
-    stubs = ROOT / "eqx_offload" / ".typings"
-    assert shipped == {str(p.relative_to(ROOT)) for p in stubs.rglob("*.pyi")}
+    stubs = ROOT / "typings"
+    assert shipped == {f"eqx_offload/.typings/{p.relative_to(stubs)}" for p in stubs.rglob("*.pyi")}
     assert "eqx_offload/.typings/mypy/optax/__init__.pyi" in shipped
     assert "eqx_offload/.typings/pytype/jax/__init__.pyi" in shipped
 
