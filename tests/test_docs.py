@@ -20,6 +20,9 @@ import pytest
 import eqx_offload
 
 
+# The docs are checked in one environment (scripts/check.sh: the newest).
+pytestmark = pytest.mark.once
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
 

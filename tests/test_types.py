@@ -63,12 +63,15 @@ def _load_script(name: str) -> Any:
 
 TABLE = _load_script("checker_table")
 CHECKERS = TABLE.CHECKERS
+# The static checkers do not depend on the JAX version: run in one environment.
+once = pytest.mark.once
 needs_pytype = pytest.mark.skipif(
     not TABLE.PYTYPE_RUNS, reason="pytype's last release runs on Python <= 3.12")
 
 
 # One test per checker, each running its checker once over every file: with
 # `pytest -n 2` a fixture shared by several tests would run once per worker.
+@once
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "checker", [pytest.param(c, marks=needs_pytype) if c == "pytype" else c for c in CHECKERS])
@@ -77,6 +80,7 @@ def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
     assert TABLE.problems_of(results) == []
 
 
+@once
 @pytest.mark.slow
 def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.Path) -> None:
     # pyrefly imports a project's mypy.ini, `mypy_path` included, so a mypy user's
@@ -96,6 +100,7 @@ def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.
             assert stray == set(), (checker, path.name, stray)
 
 
+@once
 def test_typings_command_prints_the_stub_folders() -> None:
     def typings(*extra: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "eqx_offload", "typings", *extra],
@@ -118,6 +123,7 @@ def test_typings_command_prints_the_stub_folders() -> None:
     assert not (ROOT / "typings" / "pyright").exists()
 
 
+@once
 def test_docs_table_is_generated_from_the_markers() -> None:
     # The markers are what the slow test above holds each checker to, so a table equal
     # to the markers' is the checkers' real result.
@@ -126,6 +132,7 @@ def test_docs_table_is_generated_from_the_markers() -> None:
     assert '--8<-- "typing-checkers.txt"' in DOCS.read_text()
 
 
+@once
 def test_bad_usage_covers_the_listed_mistakes() -> None:
     mistakes = {
         (path.name, line)
@@ -152,6 +159,7 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
         assert len(caught) >= len(mistakes) - 3, checker
 
 
+@once
 def test_pytype_narrowing_is_checked() -> None:
     # What used to go silent: everything after `assert isinstance(state, OffloadedState)`.
     narrowing = TYPES / "bad_narrowing.py"
@@ -164,6 +172,7 @@ def test_pytype_narrowing_is_checked() -> None:
     assert {n for n in pytype_lines if n > branch_line}
 
 
+@once
 def test_good_usage_uses_every_public_name() -> None:
     drift = _load_script("stub_drift")
     public = drift.runtime_public_names()
@@ -327,6 +336,7 @@ def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.slow
 @needs_pytype
+@once
 def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
     memory = repo / "eqx_offload" / "_memory.py"
@@ -342,6 +352,7 @@ def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     assert "[bad-return-type]" in proc.stdout
 
 
+@once
 @pytest.mark.slow
 def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
@@ -405,7 +416,17 @@ calls = {
     "memory_kind": lambda: eqx_offload.to_host({"w": w}, memory_kind="gpu"),
     "pattern": lambda: eqx_offload.pattern(0),
 }
-calls[sys.argv[1]]()
+# Every case asked for in this one process (the checks are installed once, at import):
+# each error formatted as Python prints an uncaught one, after a marker line.
+import traceback
+for case in sys.argv[1:]:
+    try:
+        calls[case]()
+    except Exception as error:
+        print(f"@@case {case}@@", flush=True)
+        sys.stderr.write(f"@@case {case}@@\\n" + "".join(traceback.format_exception(error)))
+    else:
+        print(f"@@case {case}@@ no error", flush=True)
 '''
 
 # (what the call gets wrong, lines the error must contain)
@@ -438,26 +459,31 @@ def user_project(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return project
 
 
-def _run_user(project: pathlib.Path, case: str) -> subprocess.CompletedProcess[str]:
-    # A fresh interpreter without pytest's jaxtyping hook: only install_runtime_checks.
-    return subprocess.run([sys.executable, "train.py", case], capture_output=True, text=True,
-                          cwd=project, timeout=300,
+@pytest.fixture(scope="module")
+def user_errors(user_project: pathlib.Path) -> dict[str, str]:
+    """`{case: what Python prints for its error}`, every case in one fresh interpreter
+    without pytest's jaxtyping hook (only install_runtime_checks)."""
+    proc = subprocess.run([sys.executable, "train.py", *sorted(SHORT_ERRORS)],
+                          capture_output=True, text=True, cwd=user_project, timeout=300,
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "correct call: 4.0" in proc.stdout  # the checked module runs correct code
+    assert "no error" not in proc.stdout, proc.stdout  # every case raised
+    parts = re.split(r"^@@case (\w+)@@\n", proc.stderr, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 @pytest.mark.parametrize("case", sorted(SHORT_ERRORS))
-def test_install_runtime_checks_short_errors(user_project: pathlib.Path, case: str) -> None:
-    proc = _run_user(user_project, case)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "correct call: 4.0" in proc.stdout  # the checked module runs correct code
+def test_install_runtime_checks_short_errors(user_errors: dict[str, str], case: str) -> None:
+    stderr = user_errors[case]
     # The error is the last thing printed: everything after the traceback's last line.
-    message = proc.stderr[proc.stderr.rindex("jaxtyping.TypeCheckError: "):]
+    message = stderr[stderr.rindex("jaxtyping.TypeCheckError: "):]
     lines = message.strip().splitlines()
     assert len(lines) <= 15, message
     for needle in SHORT_ERRORS[case]:
         assert needle in message, f"{needle!r} not in:\n{message}"
     # No pytree dump, no unrolled union, no chained beartype report.
-    assert len(proc.stderr) < 4000 and "Called with parameters" not in proc.stderr
+    assert len(stderr) < 4000 and "Called with parameters" not in stderr
 
 
 def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.Path) -> None:
@@ -507,6 +533,7 @@ def _site_packages(prefix: pathlib.Path) -> pathlib.Path:
     return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
 
+@once
 @pytest.mark.slow
 def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path) -> None:
     dist = tmp_path / "dist"
@@ -534,6 +561,7 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "VIRTUAL_ENV": str(venv), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)  # a checkout on the path would stand in for the wheel
     where = subprocess.run(["python", "-c", "import eqx_offload; print(eqx_offload.__file__)"],
                            capture_output=True, text=True, env=env, check=True,
                            cwd=tmp_path).stdout
@@ -605,6 +633,7 @@ TWO_MODULES = {
 
 @pytest.mark.slow
 @needs_pytype
+@once
 def test_documented_pytype_loop_checks_across_modules(tmp_path: pathlib.Path) -> None:
     package = tmp_path / "my_project"
     package.mkdir()
