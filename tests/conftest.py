@@ -1,6 +1,14 @@
 import jax
+import pytest
 
 
 # 8 CPU devices for the multi-device tests; the default device stays CPU 0. Must run
 # before any backend is initialised.
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The long tests (`slow`) first, in their collected order: `pytest -n 2` hands them
+    # out while the queue is long, so no worker is left with one long test at the end
+    # while the other idles.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -68,12 +68,14 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 # --------------------------------------------------------------------------- package boundary
 
 def test_import_does_not_load_the_cli():
+    # (Nor beartype: only install_runtime_checks loads it.)
     proc = _python("""
         import json, sys
         import eqx_offload
         def loaded():
             return sorted(m for m in sys.modules if m.split(".")[0] in
-                          ("rich", "tqdm", "matplotlib") or m.startswith("eqx_offload.cli"))
+                          ("rich", "tqdm", "matplotlib", "beartype")
+                          or m.startswith("eqx_offload.cli"))
         before = loaded()
         # The cli's modules load only rich/tqdm/matplotlib when a command runs.
         import eqx_offload.cli.bench, eqx_offload.cli.demo, eqx_offload.cli.plots

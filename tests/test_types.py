@@ -22,6 +22,7 @@ across modules; the pytype gate fails on a module with a type error, and the stu
 check fails when a public signature changes without its stub.
 """
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import typing
 import tomllib
 import zipfile
 from typing import Any
@@ -174,8 +176,7 @@ def test_pytype_narrowing_is_checked() -> None:
 
 @once
 def test_good_usage_uses_every_public_name() -> None:
-    drift = _load_script("stub_drift")
-    public = drift.runtime_public_names()
+    public = set(eqx_offload.__all__) | {"__version__"}
     text = GOOD.read_text()
     used = set(re.findall(r"eqx_offload\.(\w+)", text))
     imported = re.search(r"from eqx_offload import ([\w, ]+)", text)
@@ -207,46 +208,59 @@ def _model() -> eqx.nn.Linear:
     return eqx.nn.Linear(4, 4, key=jax.random.key(0))
 
 
+# (the call, the argument its error names, a word the error must contain, the error:
+# beartype's under the hook for a value outside the annotation, else the library's own)
+Check = jaxtyping.TypeCheckError
 RUNTIME_MISTAKES = {
     "memory kind gpu": (lambda: eqx_offload.to_host(PARAMS, memory_kind="gpu"),
-                        "memory_kind", "pinned_host"),
+                        "memory_kind", "pinned_host", Check),
     "device memory for offloaded": (
         lambda: eqx_offload.offloaded(optax.adam(1e-3), memory_kind="device"),
-        "memory_kind", "unpinned_host"),
+        "memory_kind", "unpinned_host", Check),
+    # Python's own: `to_device` has no such keyword.
     "memory kind for to_device": (
-        lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None),
+        lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None,
+        TypeError),
     "platform name for a device": (lambda: eqx_offload.supported_memory_kinds("cpu"),
-                                   "device", "Device"),
+                                   "device", "Device", Check),
     "optimizer factory": (lambda: eqx_offload.offloaded(optax.adam),
-                          "inner", "GradientTransformation"),
+                          "inner", "GradientTransformation", Check),
     "model for a transformation": (lambda: eqx_offload.offloaded(_model()),
-                                   "inner", "GradientTransformation"),
+                                   "inner", "GradientTransformation", Check),
     "transformation as its state": (
         lambda: (lambda opt: opt.update(PARAMS, opt, PARAMS))(
             eqx_offload.offloaded(optax.adam(1e-3))),
-        "state", "OffloadedState"),
+        "state", "OffloadedState", eqx_offload.StateError),
     "compute tpu": (lambda: eqx_offload.offloaded(optax.adam(1e-3), compute="tpu"),
-                    "compute", "'host'"),
+                    "compute", "'host'", Check),
     "group_bytes string": (
         lambda: eqx_offload.offloaded(optax.adam(1e-3), group_bytes="1MiB"),
-        "group_bytes", "int"),
-    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable"),
-    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable"),
-    "min_bytes string": (lambda: eqx_offload.min_bytes("1MiB"), "nbytes", "int"),
-    "pattern int": (lambda: eqx_offload.pattern(0), "regex", "str"),
+        "group_bytes", "int", Check),
+    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable",
+                     Check),
+    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable",
+                  Check),
+    "min_bytes string": (lambda: eqx_offload.min_bytes("1MiB"), "nbytes", "int", Check),
+    "pattern int": (lambda: eqx_offload.pattern(0), "regex", "str", Check),
+    # Deeper than the runtime check looks into a `Where`: the library's check.
     "string in a where prefix": (
-        lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter"),
+        lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter",
+        eqx_offload.WhereError),
     "donate mode": (lambda: eqx_offload.filter_jit(_step, donate="everything"),
-                    "donate", "all-except-first"),
-    "donate bool": (lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first"),
+                    "donate", "all-except-first", Check),
+    "donate bool": (lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first",
+                    Check),
 }
 
 
 @pytest.mark.parametrize("name", sorted(RUNTIME_MISTAKES))
 def test_runtime_mistake_names_argument_and_expectation(name: str) -> None:
-    call, argument, expected = RUNTIME_MISTAKES[name]
-    with pytest.raises((TypeError, ValueError)) as info:
+    # Under the hook beartype rejects a value outside the annotation (TypeCheckError);
+    # what the annotations let through, the library rejects with its own error.
+    call, argument, expected, error = RUNTIME_MISTAKES[name]
+    with pytest.raises(error) as info:
         call()
+    assert type(info.value) is error, type(info.value)
     message = str(info.value)
     assert argument in message
     if expected is not None:
@@ -338,24 +352,69 @@ def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
 @needs_pytype
 @once
 def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
+    # The gate is `pytype` with pyproject.toml's [tool.pytype]; here on one module (and
+    # what it imports) of a copy with a mistake in it.
     repo = _copy_repo(tmp_path)
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
     memory = repo / "eqx_offload" / "_memory.py"
     source = memory.read_text()
     assert "\ndef default_device() -> Device:\n" in source
     memory.write_text(source + "\n\ndef _broken() -> str:\n    return jax.local_devices()\n")
-    proc = subprocess.run(
-        [sys.executable, str(repo / "scripts" / "pytype_gate.py"), str(memory)],
-        capture_output=True, text=True, cwd=repo,
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "eqx_offload/_memory.py" in proc.stdout and "FAILED (1 error)" in proc.stdout
-    assert "[bad-return-type]" in proc.stdout
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["pytype", "eqx_offload/_memory.py"], capture_output=True, text=True,
+                          cwd=repo, env=env, timeout=900)
+    out = TABLE._ANSI.sub("", proc.stdout + proc.stderr)
+    assert proc.returncode == 1, out
+    assert re.search(r"eqx_offload/_memory\.py:\d+:\d+: .*\[bad-return-type\]", out), out
+
+
+STUB = ROOT / "typings" / "pytype" / "eqx_offload" / "__init__.pyi"
+
+
+def stubtest(repo: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """The stub-drift gate of scripts/gates.sh, on the checkout at `repo`."""
+    typings = repo / "typings"
+    return subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "eqx_offload", "--allowlist",
+         str(typings / "stubtest-allowlist.txt"), "--mypy-config-file", str(repo / "mypy.ini")],
+        capture_output=True, text=True, cwd=repo, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(repo),
+             "MYPYPATH": f"{typings / 'pytype'}{os.pathsep}{typings / 'mypy'}"})
+
+
+def _reexports(init: pathlib.Path) -> set[str]:
+    """The names `__init__.py` re-exports (`from ._x import name as name`)."""
+    return {a.name for node in ast.parse(init.read_text()).body
+            if isinstance(node, ast.ImportFrom) and node.level
+            for a in node.names if a.asname == a.name}
+
+
+@once
+def test_all_is_every_reexport() -> None:
+    # stubtest holds the stub to `__all__`; `__all__` must be what the package exports.
+    assert sorted(eqx_offload.__all__) == sorted(_reexports(ROOT / "eqx_offload" / "__init__.py"))
+    assert len(set(eqx_offload.__all__)) == len(eqx_offload.__all__)
+
+
+@once
+def test_stub_literals_have_the_runtime_values() -> None:
+    # stubtest cannot compare `Literal` aliases (typings/stubtest-allowlist.txt): here.
+    stub = {node.targets[0].id: ast.literal_eval(node.value.slice)
+            for node in ast.parse(STUB.read_text()).body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+            and ast.unparse(node.value.value) == "Literal"}
+    assert sorted(stub) == ["Compute", "Donate", "HostMemoryKind", "MemoryKind"]
+    allowed = (ROOT / "typings" / "stubtest-allowlist.txt").read_text().split()
+    for name, values in stub.items():
+        assert f"eqx_offload.{name}" in allowed
+        assert typing.get_args(getattr(eqx_offload, name)) == values, name
 
 
 @once
 @pytest.mark.slow
 def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
+    shutil.copy(ROOT / "mypy.ini", repo / "mypy.ini")
     move = repo / "eqx_offload" / "_move.py"
     source = move.read_text()
     old = "def to_device(tree: _T, where: Where = True) -> _T:"
@@ -363,15 +422,12 @@ def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> No
     move.write_text(source.replace(old, "def to_device(tree: _T, where: Where = True, *, "
                                         "donate: bool = False) -> _T:"))
     init = repo / "eqx_offload" / "__init__.py"
-    init.write_text(init.read_text() + "\nfrom ._move import move as move\n")
-    proc = subprocess.run(
-        [sys.executable, str(repo / "scripts" / "stub_drift.py")],
-        capture_output=True, text=True, cwd=repo,
-    )
+    init.write_text(init.read_text() + "\nfrom ._move import move as move\n__all__ += ['move']\n")
+    proc = stubtest(repo)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "[names] FAILED" in out and "public but not in the stub: move" in out
-    assert "[stubtest] FAILED" in out and "eqx_offload.to_device" in out and "donate" in out
+    assert "eqx_offload.move is not present in stub" in out
+    assert "eqx_offload.to_device is inconsistent" in out and "donate" in out
 
 
 # ------------------------------------------------------------------ install_runtime_checks
