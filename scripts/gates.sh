@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every static gate, each through its tool's own runner, for the Python environment this
-# runs in (activate it first, or set PYTHON): ruff (pyproject.toml's [tool.ruff]), mypy
-# --strict (mypy.ini), pytype ([tool.pytype]; skipped, saying so, on Python >= 3.13,
-# where pytype does not run), pyright and pyrefly on the package and the good usage file,
-# and mypy.stubtest (the shipped stub of eqx_offload against the package). None of them
-# depends on the JAX version: scripts/check.sh runs them in the newest environment. Runs
-# them all, then exits 1 if any failed, naming them. (That each can fail is tested in
+# Every static gate, each through its tool's own runner where that works, for the Python
+# environment this runs in (activate it first, or set PYTHON): ruff (pyproject.toml's
+# [tool.ruff]), mypy --strict (mypy.ini), pytype (scripts/pytype_gate.py, which says why
+# not the `pytype` command; skipped, saying so, on Python >= 3.13, where pytype does not
+# run), pyright and pyrefly on the package and the good usage file, and mypy.stubtest
+# (the shipped stub of eqx_offload against the package). None of them depends on the JAX
+# version: scripts/check.sh runs them in the newest environment. Runs them all, then
+# exits 1 if any failed, naming them. (That each can fail is tested in
 # tests/test_types.py: the tests/types/bad_*.py files are rejected with the expected
 # codes, pytype rejects a module with a type error, stubtest a changed signature.)
 set -uo pipefail
@@ -27,7 +28,7 @@ gate() {
 gate "ruff check" ruff check .
 gate "mypy --strict" "$PY" -m mypy
 if "$PY" -c 'import sys; sys.exit(sys.version_info >= (3, 13))'; then
-  gate "pytype" pytype
+  gate "pytype" "$PY" scripts/pytype_gate.py
 else
   printf '\n=== pytype: SKIPPED on Python %s (pytype 2024.10.11 runs on Python <= 3.12)\n' \
     "$("$PY" -c 'import platform; print(platform.python_version())')"

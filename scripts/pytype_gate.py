@@ -1,0 +1,293 @@
+"""The pytype gate: pytype over every module of `eqx_offload`, with the shipped stubs.
+
+A plain `pytype eqx_offload` maps `jax`, `equinox`, `optax` and `jaxtyping` to an empty
+stub (everything `Any`), so it checks nothing about calls into them. This gate runs
+`pytype-single` on each module with `--pythonpath=<generated>:<stubs>`: the stubs the
+wheel ships (`typings/`, what `python -m eqx_offload typings` prints) stand
+for the third-party packages, `scripts/pytype_stubs/` for the few that only the
+command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users'
+code is not checked against them), and the `.pyi` that pytype infers for each module of
+the package stands for it
+when later modules import it (modules run in dependency order, those whose dependencies
+are done in parallel).
+
+    python scripts/pytype_gate.py            # every module of eqx_offload
+    python scripts/pytype_gate.py -j 1 eqx_offload/_move.py
+    python scripts/pytype_gate.py --check-file tests/types/good_usage.py
+
+`--check-file` checks a user script against the *shipped stubs* only (which hold the
+stub of `eqx_offload` itself), as a downstream project would. Exit status 1 on any error.
+
+Why not the `pytype` command with a `[tool.pytype]` section (as Optax runs it): the
+command orders the modules with importlab, whose resolver finds only `.py` files on the
+`pythonpath` (`importlab/resolve.py`, `_find_file`); jax, equinox, jaxtyping and optax
+then resolve to their installed sources, count as "System" modules, and pytype maps them
+to an empty `default.pyi` (everything `Any`). Tried: with the shipped stubs on its
+`pythonpath`, `pytype` passes a module that returns `jax.local_devices()` from a
+function annotated `-> str`, which this gate rejects. pytype-single, run here, reads the
+`.pyi` stubs from `--pythonpath` itself.
+"""
+
+import argparse
+import ast
+import concurrent.futures
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import NamedTuple, Optional
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "eqx_offload"
+# The stubs the wheel ships (the folders `eqx_offload._stubs.pytype_path()` names) and
+# the gate-only ones, relative to this checkout (not to an installed eqx_offload: the
+# gate's own tests run it on a modified copy of the repository).
+SHIPPED_STUBS = [ROOT / "typings" / "pytype", ROOT / "typings" / "mypy"]
+GATE_STUBS = ROOT / "scripts" / "pytype_stubs"
+PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+# pytype's opt-in strictness features that are stable enough to gate on.
+STRICT_FLAGS: tuple[str, ...] = (
+    "--analyze-annotated",
+    "--none-is-not-bool",
+    "--strict-none-binding",
+    "--strict-parameter-checks",
+    "--strict-primitive-comparisons",
+    "--overriding-renamed-parameter-count-checks",
+) + tuple(os.environ.get("PYTYPE_GATE_FLAGS", "").split())
+
+_ERROR_LINE = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): .*\[(?P<code>[a-z-]+)\]$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Result(NamedTuple):
+    target: str
+    returncode: int
+    output: str
+    seconds: float
+
+
+def pytype_single() -> list[str]:
+    exe = shutil.which("pytype-single", path=str(pathlib.Path(sys.executable).parent))
+    if exe is not None:
+        return [exe]
+    return [sys.executable, "-m", "pytype.main"]
+
+
+def module_name(path: pathlib.Path) -> str:
+    """The dotted name of a module of the package; `pkg.__init__` for a package (as
+    pytype wants it, so that relative imports in `__init__.py` resolve)."""
+    return ".".join(path.resolve().relative_to(ROOT).with_suffix("").parts)
+
+
+def package_modules() -> list[pathlib.Path]:
+    return sorted((ROOT / PACKAGE).rglob("*.py"))
+
+
+def local_imports(path: pathlib.Path) -> set[str]:
+    """The modules of the package that `path` imports (relative or absolute)."""
+    package = module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                absolute = ".".join(base + ([node.module] if node.module else []))
+            else:
+                absolute = node.module or ""
+            if absolute == PACKAGE or absolute.startswith(PACKAGE + "."):
+                found.add(absolute)
+                # `from . import name` may import a submodule `name`.
+                found.update(f"{absolute}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
+    return found
+
+
+def import_cycles(
+    paths: Sequence[pathlib.Path],
+) -> dict[tuple[pathlib.Path, ...], set[tuple[pathlib.Path, ...]]]:
+    """The import cycles (strongly connected components; most are one module) of
+    `paths`, each with the cycles it imports."""
+    by_name = {module_name(p).removesuffix(".__init__"): p for p in paths}
+    deps = {n: {d for d in local_imports(p) if d in by_name and d != n} for n, p in by_name.items()}
+    # Tarjan's strongly connected components.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[tuple[str, ...]] = []
+
+    def visit(n: str) -> None:
+        index[n] = low[n] = len(index)
+        stack.append(n)
+        for d in sorted(deps[n]):
+            if d not in index:
+                visit(d)
+                low[n] = min(low[n], low[d])
+            elif d in stack:
+                low[n] = min(low[n], index[d])
+        if low[n] == index[n]:
+            component = []
+            while True:
+                m = stack.pop()
+                component.append(m)
+                if m == n:
+                    break
+            components.append(tuple(sorted(component)))
+
+    for n in sorted(by_name):
+        if n not in index:
+            visit(n)
+    component_of = {n: c for c in components for n in c}
+
+    def paths_of(c: tuple[str, ...]) -> tuple[pathlib.Path, ...]:
+        return tuple(by_name[n] for n in c)
+
+    return {
+        paths_of(c): {paths_of(component_of[d]) for n in c for d in deps[n]} - {paths_of(c)}
+        for c in components
+    }
+
+
+def run_one(
+    path: pathlib.Path,
+    pythonpath: Sequence[pathlib.Path],
+    output: Optional[pathlib.Path],
+    report: bool = True,
+) -> Result:
+    command = [
+        *pytype_single(),
+        "-V=" + PYTHON_VERSION,
+        "--module-name=" + (module_name(path) if path.is_relative_to(ROOT / PACKAGE) else path.stem),
+        "--pythonpath=" + os.pathsep.join(str(p) for p in pythonpath),
+        "--color=never",
+        *STRICT_FLAGS,
+    ]
+    if not report:
+        command.append("--no-report-errors")
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        command.append("--output=" + str(output))
+    command.append(str(path))
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    return Result(
+        str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+        proc.returncode,
+        _ANSI.sub("", proc.stdout + proc.stderr),
+        time.perf_counter() - start,
+    )
+
+
+def errors_of(output: str) -> list[tuple[int, str]]:
+    """(line, error code) of every error in pytype's output."""
+    return [
+        (int(m["line"]), m["code"])
+        for m in map(_ERROR_LINE.match, output.splitlines())
+        if m is not None
+    ]
+
+
+def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
+    """pytype over `paths` (modules of the package) in dependency order."""
+    all_modules = package_modules()
+    wanted = {p.resolve() for p in paths}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
+        generated = pathlib.Path(tmp)
+        pythonpath = [generated, *SHIPPED_STUBS, GATE_STUBS]
+        def output(p: pathlib.Path) -> pathlib.Path:
+            return generated / pathlib.Path(*module_name(p).split(".")).with_suffix(".pyi")
+
+        def run_cycle(cycle: tuple[pathlib.Path, ...]) -> list[Result]:
+            if len(cycle) > 1:
+                # As the `pytype` tool does: a first pass without error reports writes a
+                # .pyi for each module of the cycle (its imports of the others are
+                # unresolved); the second pass reads them.
+                for p in cycle:
+                    run_one(p, pythonpath, output(p), report=False)
+            return [run_one(p, pythonpath, output(p)) for p in cycle]
+
+        # Each cycle starts as soon as the cycles it imports are done. Modules that are
+        # not asked for still run (later ones need their .pyi); their errors are not
+        # reported.
+        graph = import_cycles(all_modules)
+        # Only the cycles of the wanted modules and what they import (transitively).
+        needed = {c for c in graph if any(p.resolve() in wanted for p in c)}
+        frontier = set(needed)
+        while frontier:
+            frontier = {d for c in frontier for d in graph[c]} - needed
+            needed |= frontier
+        graph = {c: deps for c, deps in graph.items() if c in needed}
+
+        def depth(cycle: tuple[pathlib.Path, ...]) -> int:
+            """The longest chain of cycles that import `cycle`: start those first."""
+            return max((1 + depth(c) for c, deps in graph.items() if cycle in deps), default=0)
+
+        order = sorted(graph, key=depth, reverse=True)
+        done: set[tuple[pathlib.Path, ...]] = set()
+        running: dict[concurrent.futures.Future[list[Result]], tuple[pathlib.Path, ...]] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            while len(done) < len(graph):
+                for cycle in order:
+                    if cycle not in done and cycle not in running.values() and graph[cycle] <= done:
+                        running[pool.submit(run_cycle, cycle)] = cycle
+                finished, _ = concurrent.futures.wait(
+                    running, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for future in finished:
+                    done.add(running.pop(future))
+                    results.extend(r for r in future.result() if (ROOT / r.target).resolve() in wanted)
+    unchecked = wanted - {(ROOT / r.target).resolve() for r in results}
+    if unchecked:
+        raise SystemExit(f"pytype gate: not modules of {PACKAGE}: {sorted(map(str, unchecked))}")
+    return sorted(results, key=lambda r: r.target)
+
+
+def check_files(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
+    """pytype over user scripts, against the shipped stubs only."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda p: run_one(p, SHIPPED_STUBS, None), paths))
+
+
+def report(results: Sequence[Result], total_seconds: float) -> int:
+    failed = [r for r in results if r.returncode != 0 or errors_of(r.output)]
+    for r in results:
+        n = len(errors_of(r.output))
+        status = "ok" if r not in failed else f"FAILED ({n} error{'s' * (n != 1)})"
+        print(f"  {r.target:<40} {status:<22} {r.seconds:5.1f} s")
+    for r in failed:
+        print(f"\n--- {r.target} ---\n{r.output.strip()}")
+    print(
+        f"\npytype gate: {len(results)} file(s), {len(failed)} failed, "
+        f"{total_seconds:.1f} s wall"
+    )
+    return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", type=pathlib.Path,
+                        help="modules of eqx_offload to check (default: all)")
+    parser.add_argument("--check-file", action="append", type=pathlib.Path, default=[],
+                        help="a user script to check against the public stubs")
+    parser.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    results: list[Result] = []
+    if args.files or not args.check_file:
+        results += check_package(args.files or package_modules(), args.jobs)
+    if args.check_file:
+        results += check_files([p.resolve() for p in args.check_file], args.jobs)
+    return report(results, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
