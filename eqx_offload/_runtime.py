@@ -8,6 +8,16 @@ whole annotation (a `Where` unrolled is a page), 80 to 190 lines; here a failed 
 raises a `jaxtyping.TypeCheckError` of a few lines that names the function, the argument,
 what was expected, what was given, the axis sizes bound so far and a fix. The full
 message stays on the error as `.full_message`.
+
+Why not `jaxtyping.install_import_hook(modules, "beartype.beartype")` underneath: its
+hook adds `@jaxtyped(typechecker=...)` as the function's own wrapper, and `jaxtyped`
+turns every failure of the typechecker into its long `TypeCheckError` inside that
+wrapper (with the arguments as pytrees); a short error needs code around that wrapper,
+where the hook gives no place (only an `AnnotationError` passes through it unchanged,
+and jaxtyping's axis sizes are private there). So the finder below adds `checked`
+instead, the same transformation as jaxtyping's (a decorator on every function, not
+under `@no_type_check`). beartype is imported when a check is first applied, so
+`import eqx_offload` does not load it.
 """
 
 import ast
@@ -23,7 +33,6 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
 
-import beartype
 import jax
 import jaxtyping
 
@@ -196,7 +205,9 @@ def checked(fn: _F) -> _F:
     The function, checked at each call: a wrong argument or result raises a
     `jaxtyping.TypeCheckError` of a few lines; `.full_message` holds jaxtyping's own.
     """
-    inner = jaxtyping.jaxtyped(typechecker=beartype.beartype)(fn)
+    from beartype import beartype  # here: `import eqx_offload` does not load beartype
+
+    inner = jaxtyping.jaxtyped(typechecker=beartype)(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -1,16 +1,15 @@
 """Where the `.pyi` stubs shipped with the package are, for the static checkers that need
 them (`python -m eqx_offload typings [--mypy]` prints these paths).
 
-The stubs live in `eqx_offload/.typings/`, a hidden folder: pyright, pyrefly and mypy
-skip hidden folders when they collect a project's files, so the pytype stubs of jax and
-equinox inside the package never stand in for the real packages, nor get checked
-against them.
+In the repository the stubs live in the top-level `typings/`; the wheel ships them as
+`eqx_offload/.typings/` (a path mapping in pyproject.toml), a hidden folder, which
+pyright, pyrefly and mypy skip when they collect files, so the pytype stubs of jax and
+equinox never stand in for the real packages, nor get checked against them.
 
-- `.typings/pytype/`: jax, equinox, jaxtyping and eqx_offload, for pytype, which
-  otherwise reads these packages as `Any`.
-- `.typings/mypy/`: optax only, which ships no `py.typed`. mypy, pyright and pyrefly read
-  the inline types of jax, equinox, jaxtyping and eqx_offload; pytype reads this folder
-  too.
+- `pytype/`: jax, equinox, jaxtyping and eqx_offload, for pytype, which otherwise reads
+  these packages as `Any`.
+- `mypy/`: optax only, which ships no `py.typed`. mypy, pyright and pyrefly read the
+  inline types of jax, equinox, jaxtyping and eqx_offload; pytype reads this folder too.
 """
 
 import hashlib
@@ -21,7 +20,10 @@ import shutil
 import tempfile
 
 
-_ROOT = pathlib.Path(__file__).resolve().parent / ".typings"
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+# An installed wheel: the mapped folder inside the package; a source checkout (an
+# editable install included): the repository's `typings/`.
+_ROOT = _PACKAGE / ".typings" if (_PACKAGE / ".typings").is_dir() else _PACKAGE.parent / "typings"
 
 
 def _cache_dir() -> pathlib.Path:

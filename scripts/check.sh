@@ -5,10 +5,14 @@
 #   newest  .venv-new  Python 3.12, the newest jax and jaxlib pip resolves
 #
 # In each: install eqx_offload with its dev extra (venvs are created if missing, deps
-# installed every run; the pip cache makes that fast), the whole pytest suite (with the
-# jaxtyping+beartype runtime checks) and the static gates (`scripts/gates.sh`: mypy
-# --strict, pytype with the shipped stubs, pyright, pyrefly, stub drift, the docs' checker
-# table; without it, mypy, pytype and stub drift). Then `mkdocs build --strict` once. A per-stage time summary closes the output, failed or not.
+# installed every run; the pip cache makes that fast) and pytest (with the
+# jaxtyping+beartype runtime checks). What does not depend on the JAX version (tests
+# marked `once`: static checkers, docs, wheel, command line, GPU-plan scripts) runs in
+# the newest environment only, and so do the static gates (`scripts/gates.sh`: ruff,
+# mypy --strict, pytype, pyright, pyrefly, stubtest) and `mkdocs build --strict`; the
+# oldest runs the rest (`-m "not once"`). A per-stage time summary and the closing line
+# `check: N passed, M failed` (every test of every environment that ran) end the output,
+# failed or not.
 #
 #   bash scripts/check.sh                  # both environments (what .ci/run runs)
 #   bash scripts/check.sh newest           # one environment: oldest or newest
@@ -19,6 +23,8 @@
 # ~/.pyenv/versions/3.1x*/bin/python. A missing one fails the run, naming what it tried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The CPU backend for every test, also where jax-cuda12-plugin (gpu_plan) is installed.
+export JAX_PLATFORMS=cpu
 ROOT=$PWD
 
 # ------------------------------------------------------------------ stages and timing
@@ -155,14 +161,20 @@ install() {
     after=$(jax_version "$py")
     [ "$before" = "$after" ] \
       || fail "newest: installing eqx_offload changed jax/jaxlib from $before to $after"
+    # The GPU compiler for gpu_plan (the `plan` extra), at exactly this JAX's version;
+    # its tests skip without it, so its absence fails the run here instead.
+    "$py" -m pip install --quiet "jax-cuda12-plugin==${after%% *}" nvidia-cuda-nvcc-cu12
+    JAX_PLATFORMS=cpu "$py" -c 'from eqx_offload import _deviceless; _deviceless.check_available()' \
+      || fail "newest: the GPU compiler for gpu_plan is not usable"
   fi
 }
 
-# run_pytest ENV: the whole suite; a run that collects no test fails.
+# run_pytest ENV [ARGS]: the suite (narrowed by ARGS); a run that collects no test fails.
 run_pytest() {
   local env=$1 log rc=0 passed failed
+  shift
   log=$(mktemp)
-  python -m pytest -n 2 -q 2>&1 | tee "$log" || rc=$?
+  python -m pytest -n 2 -q "$@" 2>&1 | tee "$log" || rc=$?
   # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
   passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
   failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
@@ -173,16 +185,6 @@ run_pytest() {
     fail "$env: pytest ran no test (exit status $rc)"
   fi
   [ "$rc" -eq 0 ] || fail "$env: pytest failed (exit status $rc)"
-}
-
-gates() {
-  if [ -f scripts/gates.sh ]; then
-    bash scripts/gates.sh
-  else
-    python -m mypy
-    python scripts/pytype_gate.py
-    python scripts/stub_drift.py
-  fi
 }
 
 ORIG_PATH=$PATH
@@ -200,16 +202,21 @@ for env in "${ENVS[@]}"; do
   # What `activate` does: `python`, `mkdocs`, ... are this environment's.
   export VIRTUAL_ENV=$ROOT/$dir PATH=$ROOT/$dir/bin:$ORIG_PATH
   hash -r
-  begin "$env: pytest"
+  if [ "$env" = oldest ]; then
+    begin "$env: pytest -m 'not once' (the library)"
+    run_pytest "$env" -m "not once"
+    end
+    continue
+  fi
+  begin "$env: pytest (all)"
   run_pytest "$env"
   end
   begin "$env: static gates"
-  gates
+  bash scripts/gates.sh
+  end
+  begin "$env: mkdocs build --strict"
+  site=$(mktemp -d)
+  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
+  rm -rf "$site"
   end
 done
-
-begin "mkdocs build --strict ($dir)"
-site=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
-rm -rf "$site"
-end

@@ -3,8 +3,8 @@
 A plain `pytype eqx_offload` maps `jax`, `equinox`, `optax` and `jaxtyping` to an empty
 stub (everything `Any`), so it checks nothing about calls into them. This gate runs
 `pytype-single` on each module with `--pythonpath=<generated>:<stubs>`: the stubs the
-wheel ships (`eqx_offload/.typings/`, what `python -m eqx_offload typings` prints) stand
-for the third-party packages, `scripts/pytype_gate_stubs/` for the few that only the
+wheel ships (`typings/`, what `python -m eqx_offload typings` prints) stand
+for the third-party packages, `scripts/pytype_stubs/` for the few that only the
 command line and the runtime checks use (rich, matplotlib, beartype: not shipped, users'
 code is not checked against them), and the `.pyi` that pytype infers for each module of
 the package stands for it
@@ -17,6 +17,15 @@ are done in parallel).
 
 `--check-file` checks a user script against the *shipped stubs* only (which hold the
 stub of `eqx_offload` itself), as a downstream project would. Exit status 1 on any error.
+
+Why not the `pytype` command with a `[tool.pytype]` section (as Optax runs it): the
+command orders the modules with importlab, whose resolver finds only `.py` files on the
+`pythonpath` (`importlab/resolve.py`, `_find_file`); jax, equinox, jaxtyping and optax
+then resolve to their installed sources, count as "System" modules, and pytype maps them
+to an empty `default.pyi` (everything `Any`). Tried: with the shipped stubs on its
+`pythonpath`, `pytype` passes a module that returns `jax.local_devices()` from a
+function annotated `-> str`, which this gate rejects. pytype-single, run here, reads the
+`.pyi` stubs from `--pythonpath` itself.
 """
 
 import argparse
@@ -39,8 +48,8 @@ PACKAGE = "eqx_offload"
 # The stubs the wheel ships (the folders `eqx_offload._stubs.pytype_path()` names) and
 # the gate-only ones, relative to this checkout (not to an installed eqx_offload: the
 # gate's own tests run it on a modified copy of the repository).
-SHIPPED_STUBS = [ROOT / PACKAGE / ".typings" / "pytype", ROOT / PACKAGE / ".typings" / "mypy"]
-GATE_STUBS = ROOT / "scripts" / "pytype_gate_stubs"
+SHIPPED_STUBS = [ROOT / "typings" / "pytype", ROOT / "typings" / "mypy"]
+GATE_STUBS = ROOT / "scripts" / "pytype_stubs"
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 # pytype's opt-in strictness features that are stable enough to gate on.

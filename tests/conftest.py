@@ -5,8 +5,16 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after JAX_PLATFORMS)
+import pytest  # noqa: E402
 
 
 # 8 CPU devices for the multi-device tests; the default device stays CPU 0. Must run
 # before any backend is initialised.
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The long tests (`slow`) first, in their collected order: `pytest -n 2` hands them
+    # out while the queue is long, so no worker is left with one long test at the end
+    # while the other idles.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -1,7 +1,8 @@
 """The test suite's one vocabulary, imported by every test module that needs it:
 
-- bitwise comparison: `assert_tree_equal`, `tree_difference`, `tree_bits`;
-- where leaves live: `memory_kinds`;
+- bitwise comparison: `assert_tree_equal`, `tree_difference`, `tree_bits`, `hex_bits`
+  (for results a subprocess sends back as JSON);
+- where leaves live: `memory_kinds`, `kind_list`;
 - calling past the runtime type checks: `unchecked`;
 - counting compilations: `count_compiles`;
 - walking programs: `walk_eqns`.
@@ -38,6 +39,12 @@ def tree_bits(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
         for p, x in jtu.tree_flatten_with_path(tree)[0]
         if _is_array(x)
     ]
+
+
+def hex_bits(tree: Any) -> list[str]:
+    """The raw bytes of every array leaf (as `tree_bits`), in hex: what JSON can carry
+    out of a subprocess; equal lists mean bitwise equal leaves."""
+    return [raw.hex() for *_, raw in tree_bits(tree)]
 
 
 def unchecked(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -101,6 +108,11 @@ def memory_kinds(tree: Any) -> dict[str, str]:
         for path, leaf in jtu.tree_flatten_with_path(tree)[0]
         if isinstance(leaf, jax.Array)
     }
+
+
+def kind_list(tree: Any) -> list[str]:
+    """The memory kind of every `jax.Array` leaf of `tree`, in leaf order."""
+    return list(memory_kinds(tree).values())
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

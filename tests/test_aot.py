@@ -37,7 +37,8 @@ def test_lower_compile_call_equals_the_call() -> None:
     compiled = lowered.compile()
     assert isinstance(compiled, eqx_offload.Compiled)
     assert compiled.memory_analysis().argument_size_in_bytes > 0
-    assert compiled.cost_analysis() is not None
+    # XLA's cost model read the program: its floating-point operations are counted.
+    assert compiled.cost_analysis()["flops"] > 0
     assert "HloModule" in (compiled.as_text() or "")
     donated = jtu.tree_leaves(state)
     out = compiled(model, state, x)

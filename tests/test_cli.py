@@ -1,7 +1,11 @@
 """The command line (`eqx_offload.cli`): `python -m eqx_offload demo` and `bench --quick`
-run in subprocesses (as a user runs them); `import eqx_offload` does not load them; the
-demo's bitwise check really compares; the benchmark's floor arithmetic, mode table, time
-limit and workloads; `bench/gpu_run.sh` on the CPU."""
+(called in this process, through the same `main` as `python -m eqx_offload`: nothing in
+them can abort); `import eqx_offload` does not load them (a fresh process); the demo's
+bitwise check really compares; the benchmark's floor arithmetic, mode table, time limit
+and workloads; `bench/gpu_run.sh` on the CPU.
+
+None of it depends on the JAX version: `scripts/check.sh` runs it in the newest
+environment only (the `once` marker)."""
 
 import json
 import os
@@ -18,6 +22,7 @@ import optax
 import pytest
 
 import eqx_offload
+import eqx_offload.__main__
 
 from eqx_offload.cli import bench, COMMANDS, modes
 from eqx_offload.cli.copies import floor, StateCopy
@@ -41,9 +46,18 @@ _PNGS = ["device_bytes.png", "floor_ratio.png", "loss_curves.png", "movers.png",
          "step_time_ratio.png"]
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eqx_offload", *args], capture_output=True,
-                          text=True, timeout=timeout)
+pytestmark = pytest.mark.once
+
+
+def _run(capsys, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m eqx_offload ARGS`, in this process: its exit status and output."""
+    capsys.readouterr()
+    try:
+        rc = eqx_offload.__main__.main(list(args))
+    except SystemExit as exit:  # argparse: --help, a usage error
+        rc = exit.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -54,12 +68,14 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 # --------------------------------------------------------------------------- package boundary
 
 def test_import_does_not_load_the_cli():
+    # (Nor beartype: only install_runtime_checks loads it.)
     proc = _python("""
         import json, sys
         import eqx_offload
         def loaded():
             return sorted(m for m in sys.modules if m.split(".")[0] in
-                          ("rich", "tqdm", "matplotlib") or m.startswith("eqx_offload.cli"))
+                          ("rich", "tqdm", "matplotlib", "beartype")
+                          or m.startswith("eqx_offload.cli"))
         before = loaded()
         # The cli's modules load only rich/tqdm/matplotlib when a command runs.
         import eqx_offload.cli.bench, eqx_offload.cli.demo, eqx_offload.cli.plots
@@ -87,13 +103,9 @@ def test_cli_uses_only_the_public_api():
 
 @pytest.mark.parametrize("command,blocked", [("demo", "rich"), ("demo", "tqdm"),
                                              ("bench", "matplotlib")])
-def test_a_missing_extra_fails_with_one_line(command, blocked):
-    proc = _python(f"""
-        import sys
-        sys.modules[{blocked!r}] = None  # as if it were not installed
-        from eqx_offload.cli import main
-        sys.exit(main([{command!r}, "--platform", "cpu"]))
-    """)
+def test_a_missing_extra_fails_with_one_line(command, blocked, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, blocked, None)  # as if it were not installed
+    proc = _run(capsys, command, "--platform", "cpu")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
@@ -101,8 +113,8 @@ def test_a_missing_extra_fails_with_one_line(command, blocked):
     assert blocked in lines[0] and 'pip install "eqx_offload[cli]"' in lines[0]
 
 
-def test_help_lists_the_commands():
-    proc = _run("--help", timeout=120)
+def test_help_lists_the_commands(capsys):
+    proc = _run(capsys, "--help")
     assert proc.returncode == 0, proc.stderr
     for command in COMMANDS:
         assert command.name in proc.stdout
@@ -111,9 +123,9 @@ def test_help_lists_the_commands():
 
 # --------------------------------------------------------------------------- demo
 
-def test_demo_runs_and_is_bitwise_equal(tmp_path):
+def test_demo_runs_and_is_bitwise_equal(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    proc = _run("demo", *_SMALL_DEMO, "--json", str(out))
+    proc = _run(capsys, "demo", *_SMALL_DEMO, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss trajectories (12 steps): bitwise equal" in proc.stdout
     result = json.loads(out.read_text())
@@ -132,12 +144,12 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path):
     assert plain["compilations"] == 1 and off["compilations"] == 1
 
 
-def test_demo_fails_when_trajectories_differ(tmp_path):
+def test_demo_fails_when_trajectories_differ(tmp_path, capsys):
     # `--perturb` changes the offloaded run's learning rate by one part in a thousand:
     # the check must notice and the command must fail. (With another optimizer, to
     # cover `--optimizer` too.)
     out = tmp_path / "demo.json"
-    proc = _run("demo", *_SMALL_DEMO, "--optimizer", "adafactor", "--perturb",
+    proc = _run(capsys, "demo", *_SMALL_DEMO, "--optimizer", "adafactor", "--perturb",
                 "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "offloaded(optax.adafactor)" in proc.stdout
@@ -210,11 +222,11 @@ def test_floor_arithmetic():
     assert f["to_device_gbps"] == 1000 / 2.0 / 1e9 and f["state_bytes"] == 1000
 
 
-def test_bench_quick(tmp_path):
+def test_bench_quick(tmp_path, capsys):
     # Every default mode and the loss curves, through the command line, on the MLP (the
     # transformer: below; `--quick` alone runs both).
     out = tmp_path / "bench"
-    proc = _run("bench", "--quick", "--no-progress", "--platform", "cpu", "--out", str(out),
+    proc = _run(capsys, "bench", "--quick", "--no-progress", "--platform", "cpu", "--out", str(out),
                 "--workloads", "mlp", "--optimizers", "adam", "--loss-curves", "streamed")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(os.listdir(out)) == sorted(["bench.json", "bench.md", *_PNGS])

@@ -7,6 +7,15 @@ examples cannot rot. (The README's example runs in `tests/test_readme.py`.)
   `py` for Python that must only be shown (e.g. the pattern that aborts the process).
 - In a docstring of a public name of `eqx_offload`, the `python` blocks (inside
   `!!! Example`) run in one namespace per docstring.
+
+Why a fence reader of our own rather than a pytest plugin (checked December 2026):
+pytest-markdown-docs 0.9.2 makes each fence a test and shares state only through a
+`continuation` option on the fence (about 30 here), re-running every earlier fence of
+the page for each later one (JAX compiles them again), and runs `py` fences unless
+they say `notest`; pytest-codeblocks 0.18.0 also runs `bash`/`sh` fences (about 40
+here, `pip install`s and checkers) unless each is marked to skip, and reads no
+docstrings; mktestdocs 0.2.5 is not a plugin, and its reader toggles on any line with
+three backticks. None runs a page's blocks in one namespace, once, as mkdocs shows them.
 """
 
 import inspect
@@ -19,6 +28,9 @@ import pytest
 
 import eqx_offload
 
+
+# The docs are checked in one environment (scripts/check.sh: the newest).
+pytestmark = pytest.mark.once
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")

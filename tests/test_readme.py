@@ -11,6 +11,9 @@ import sys
 import pytest
 
 
+# The README is checked in one environment (scripts/check.sh: the newest).
+pytestmark = pytest.mark.once
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "training_step.py"
 

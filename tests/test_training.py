@@ -9,10 +9,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 import optax
 import pytest
-from helpers import count_compiles, memory_kinds
+from helpers import count_compiles, hex_bits, kind_list
 from isolated import call_isolated
 
 import eqx_offload
@@ -24,10 +23,6 @@ STEPS = 6
 def _data() -> tuple[jax.Array, jax.Array]:
     x = jax.random.normal(jax.random.key(1), (32, 5))
     return x, jnp.sin(x).sum(axis=1, keepdims=True)
-
-
-def _kinds(tree: Any) -> list[str]:
-    return list(memory_kinds(tree).values())
 
 
 def training_child(offload: bool) -> dict[str, Any]:
@@ -54,14 +49,13 @@ def training_child(offload: bool) -> dict[str, Any]:
     with count_compiles("step") as compiled:
         for _ in range(STEPS):
             model, opt_state, loss, grads = step(model, opt_state, x, y)
-            losses.append(np.asarray(loss).tobytes().hex())
-            state_kinds.append(_kinds(opt_state))
-            model_kinds.append(_kinds(model))
-            grad_kinds.append(_kinds(grads))
+            losses.extend(hex_bits(loss))
+            state_kinds.append(kind_list(opt_state))
+            model_kinds.append(kind_list(model))
+            grad_kinds.append(kind_list(grads))
     return {
         "losses": losses,
-        "params": [np.asarray(p).tobytes().hex()
-                   for p in jtu.tree_leaves(eqx.filter(model, eqx.is_array))],
+        "params": hex_bits(eqx.filter(model, eqx.is_array)),
         "state_kinds": state_kinds,
         "state_shapes": state_shapes,
         "model_kinds": model_kinds,

@@ -22,6 +22,7 @@ across modules; the pytype gate fails on a module with a type error, and the stu
 check fails when a public signature changes without its stub.
 """
 
+import ast
 import importlib.util
 import os
 import pathlib
@@ -30,6 +31,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import typing
+import tomllib
 import zipfile
 from typing import Any
 
@@ -62,12 +65,15 @@ def _load_script(name: str) -> Any:
 
 TABLE = _load_script("checker_table")
 CHECKERS = TABLE.CHECKERS
+# The static checkers do not depend on the JAX version: run in one environment.
+once = pytest.mark.once
 needs_pytype = pytest.mark.skipif(
     not TABLE.PYTYPE_RUNS, reason="pytype's last release runs on Python <= 3.12")
 
 
 # One test per checker, each running its checker once over every file: with
 # `pytest -n 2` a fixture shared by several tests would run once per worker.
+@once
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "checker", [pytest.param(c, marks=needs_pytype) if c == "pytype" else c for c in CHECKERS])
@@ -76,6 +82,7 @@ def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
     assert TABLE.problems_of(results) == []
 
 
+@once
 @pytest.mark.slow
 def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.Path) -> None:
     # pyrefly imports a project's mypy.ini, `mypy_path` included, so a mypy user's
@@ -95,6 +102,7 @@ def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.
             assert stray == set(), (checker, path.name, stray)
 
 
+@once
 def test_typings_command_prints_the_stub_folders() -> None:
     def typings(*extra: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "eqx_offload", "typings", *extra],
@@ -102,18 +110,22 @@ def test_typings_command_prints_the_stub_folders() -> None:
         return proc.stdout.strip()
 
     pytype_path, mypy_path = typings().split(os.pathsep), typings("--mypy")
-    package = pathlib.Path(eqx_offload.__file__).parent
-    assert pytype_path == [str(package / ".typings" / "pytype"), mypy_path]
-    assert mypy_path == str(package / ".typings" / "mypy")
+    assert pathlib.Path(eqx_offload.__file__).parent.parent == ROOT  # a source checkout
+    assert pytype_path == [str(ROOT / "typings" / "pytype"), mypy_path]
+    assert mypy_path == str(ROOT / "typings" / "mypy")
     # mypy's folder holds optax only: a stub of jax, equinox or jaxtyping there would
     # shadow their real inline types.
     assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
     assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
         "equinox", "eqx_offload", "jax", "jaxtyping"]
-    # Nothing at the root of the repository for pyright to take as its stub path.
-    assert not (ROOT / "typings").exists()
+    # pyright's default stub path is `typings/`: pointed elsewhere, so the folder
+    # named after a checker never shadows a real package.
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"] == {
+        "stubPath": "typings/pyright"}
+    assert not (ROOT / "typings" / "pyright").exists()
 
 
+@once
 def test_docs_table_is_generated_from_the_markers() -> None:
     # The markers are what the slow test above holds each checker to, so a table equal
     # to the markers' is the checkers' real result.
@@ -122,6 +134,7 @@ def test_docs_table_is_generated_from_the_markers() -> None:
     assert '--8<-- "typing-checkers.txt"' in DOCS.read_text()
 
 
+@once
 def test_bad_usage_covers_the_listed_mistakes() -> None:
     mistakes = {
         (path.name, line)
@@ -148,6 +161,7 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
         assert len(caught) >= len(mistakes) - 3, checker
 
 
+@once
 def test_pytype_narrowing_is_checked() -> None:
     # What used to go silent: everything after `assert isinstance(state, OffloadedState)`.
     narrowing = TYPES / "bad_narrowing.py"
@@ -160,9 +174,9 @@ def test_pytype_narrowing_is_checked() -> None:
     assert {n for n in pytype_lines if n > branch_line}
 
 
+@once
 def test_good_usage_uses_every_public_name() -> None:
-    drift = _load_script("stub_drift")
-    public = drift.runtime_public_names()
+    public = set(eqx_offload.__all__) | {"__version__"}
     text = GOOD.read_text()
     used = set(re.findall(r"eqx_offload\.(\w+)", text))
     imported = re.search(r"from eqx_offload import ([\w, ]+)", text)
@@ -194,46 +208,59 @@ def _model() -> eqx.nn.Linear:
     return eqx.nn.Linear(4, 4, key=jax.random.key(0))
 
 
+# (the call, the argument its error names, a word the error must contain, the error:
+# beartype's under the hook for a value outside the annotation, else the library's own)
+Check = jaxtyping.TypeCheckError
 RUNTIME_MISTAKES = {
     "memory kind gpu": (lambda: eqx_offload.to_host(PARAMS, memory_kind="gpu"),
-                        "memory_kind", "pinned_host"),
+                        "memory_kind", "pinned_host", Check),
     "device memory for offloaded": (
         lambda: eqx_offload.offloaded(optax.adam(1e-3), memory_kind="device"),
-        "memory_kind", "unpinned_host"),
+        "memory_kind", "unpinned_host", Check),
+    # Python's own: `to_device` has no such keyword.
     "memory kind for to_device": (
-        lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None),
+        lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None,
+        TypeError),
     "platform name for a device": (lambda: eqx_offload.supported_memory_kinds("cpu"),
-                                   "device", "Device"),
+                                   "device", "Device", Check),
     "optimizer factory": (lambda: eqx_offload.offloaded(optax.adam),
-                          "inner", "GradientTransformation"),
+                          "inner", "GradientTransformation", Check),
     "model for a transformation": (lambda: eqx_offload.offloaded(_model()),
-                                   "inner", "GradientTransformation"),
+                                   "inner", "GradientTransformation", Check),
     "transformation as its state": (
         lambda: (lambda opt: opt.update(PARAMS, opt, PARAMS))(
             eqx_offload.offloaded(optax.adam(1e-3))),
-        "state", "OffloadedState"),
+        "state", "OffloadedState", eqx_offload.StateError),
     "compute tpu": (lambda: eqx_offload.offloaded(optax.adam(1e-3), compute="tpu"),
-                    "compute", "'host'"),
+                    "compute", "'host'", Check),
     "group_bytes string": (
         lambda: eqx_offload.offloaded(optax.adam(1e-3), group_bytes="1MiB"),
-        "group_bytes", "int"),
-    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable"),
-    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable"),
-    "min_bytes string": (lambda: eqx_offload.min_bytes("1MiB"), "nbytes", "int"),
-    "pattern int": (lambda: eqx_offload.pattern(0), "regex", "str"),
+        "group_bytes", "int", Check),
+    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable",
+                     Check),
+    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable",
+                  Check),
+    "min_bytes string": (lambda: eqx_offload.min_bytes("1MiB"), "nbytes", "int", Check),
+    "pattern int": (lambda: eqx_offload.pattern(0), "regex", "str", Check),
+    # Deeper than the runtime check looks into a `Where`: the library's check.
     "string in a where prefix": (
-        lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter"),
+        lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter",
+        eqx_offload.WhereError),
     "donate mode": (lambda: eqx_offload.filter_jit(_step, donate="everything"),
-                    "donate", "all-except-first"),
-    "donate bool": (lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first"),
+                    "donate", "all-except-first", Check),
+    "donate bool": (lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first",
+                    Check),
 }
 
 
 @pytest.mark.parametrize("name", sorted(RUNTIME_MISTAKES))
 def test_runtime_mistake_names_argument_and_expectation(name: str) -> None:
-    call, argument, expected = RUNTIME_MISTAKES[name]
-    with pytest.raises((TypeError, ValueError)) as info:
+    # Under the hook beartype rejects a value outside the annotation (TypeCheckError);
+    # what the annotations let through, the library rejects with its own error.
+    call, argument, expected, error = RUNTIME_MISTAKES[name]
+    with pytest.raises(error) as info:
         call()
+    assert type(info.value) is error, type(info.value)
     message = str(info.value)
     assert argument in message
     if expected is not None:
@@ -315,7 +342,7 @@ def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch)
 
 
 def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
-    for name in ("eqx_offload", "scripts"):
+    for name in ("eqx_offload", "scripts", "typings"):
         shutil.copytree(ROOT / name, tmp_path / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
@@ -323,6 +350,7 @@ def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.slow
 @needs_pytype
+@once
 def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
     memory = repo / "eqx_offload" / "_memory.py"
@@ -338,9 +366,53 @@ def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     assert "[bad-return-type]" in proc.stdout
 
 
+STUB = ROOT / "typings" / "pytype" / "eqx_offload" / "__init__.pyi"
+
+
+def stubtest(repo: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """The stub-drift gate of scripts/gates.sh, on the checkout at `repo`."""
+    typings = repo / "typings"
+    return subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "eqx_offload", "--allowlist",
+         str(typings / "stubtest-allowlist.txt"), "--mypy-config-file", str(repo / "mypy.ini")],
+        capture_output=True, text=True, cwd=repo, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(repo),
+             "MYPYPATH": f"{typings / 'pytype'}{os.pathsep}{typings / 'mypy'}"})
+
+
+def _reexports(init: pathlib.Path) -> set[str]:
+    """The names `__init__.py` re-exports (`from ._x import name as name`)."""
+    return {a.name for node in ast.parse(init.read_text()).body
+            if isinstance(node, ast.ImportFrom) and node.level
+            for a in node.names if a.asname == a.name}
+
+
+@once
+def test_all_is_every_reexport() -> None:
+    # stubtest holds the stub to `__all__`; `__all__` must be what the package exports.
+    assert sorted(eqx_offload.__all__) == sorted(_reexports(ROOT / "eqx_offload" / "__init__.py"))
+    assert len(set(eqx_offload.__all__)) == len(eqx_offload.__all__)
+
+
+@once
+def test_stub_literals_have_the_runtime_values() -> None:
+    # stubtest cannot compare `Literal` aliases (typings/stubtest-allowlist.txt): here.
+    stub = {node.targets[0].id: ast.literal_eval(node.value.slice)
+            for node in ast.parse(STUB.read_text()).body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+            and ast.unparse(node.value.value) == "Literal"}
+    assert sorted(stub) == ["Compute", "Donate", "HostMemoryKind", "MemoryKind"]
+    allowed = (ROOT / "typings" / "stubtest-allowlist.txt").read_text().split()
+    for name, values in stub.items():
+        assert f"eqx_offload.{name}" in allowed
+        assert typing.get_args(getattr(eqx_offload, name)) == values, name
+
+
+@once
 @pytest.mark.slow
 def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
+    shutil.copy(ROOT / "mypy.ini", repo / "mypy.ini")
     move = repo / "eqx_offload" / "_move.py"
     source = move.read_text()
     old = "def to_device(tree: _T, where: Where = True) -> _T:"
@@ -348,15 +420,12 @@ def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> No
     move.write_text(source.replace(old, "def to_device(tree: _T, where: Where = True, *, "
                                         "donate: bool = False) -> _T:"))
     init = repo / "eqx_offload" / "__init__.py"
-    init.write_text(init.read_text() + "\nfrom ._move import move as move\n")
-    proc = subprocess.run(
-        [sys.executable, str(repo / "scripts" / "stub_drift.py")],
-        capture_output=True, text=True, cwd=repo,
-    )
+    init.write_text(init.read_text() + "\nfrom ._move import move as move\n__all__ += ['move']\n")
+    proc = stubtest(repo)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "[names] FAILED" in out and "public but not in the stub: move" in out
-    assert "[stubtest] FAILED" in out and "eqx_offload.to_device" in out and "donate" in out
+    assert "eqx_offload.move is not present in stub" in out
+    assert "eqx_offload.to_device is inconsistent" in out and "donate" in out
 
 
 # ------------------------------------------------------------------ install_runtime_checks
@@ -401,7 +470,17 @@ calls = {
     "memory_kind": lambda: eqx_offload.to_host({"w": w}, memory_kind="gpu"),
     "pattern": lambda: eqx_offload.pattern(0),
 }
-calls[sys.argv[1]]()
+# Every case asked for in this one process (the checks are installed once, at import):
+# each error formatted as Python prints an uncaught one, after a marker line.
+import traceback
+for case in sys.argv[1:]:
+    try:
+        calls[case]()
+    except Exception as error:
+        print(f"@@case {case}@@", flush=True)
+        sys.stderr.write(f"@@case {case}@@\\n" + "".join(traceback.format_exception(error)))
+    else:
+        print(f"@@case {case}@@ no error", flush=True)
 '''
 
 # (what the call gets wrong, lines the error must contain)
@@ -434,26 +513,31 @@ def user_project(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return project
 
 
-def _run_user(project: pathlib.Path, case: str) -> subprocess.CompletedProcess[str]:
-    # A fresh interpreter without pytest's jaxtyping hook: only install_runtime_checks.
-    return subprocess.run([sys.executable, "train.py", case], capture_output=True, text=True,
-                          cwd=project, timeout=300,
+@pytest.fixture(scope="module")
+def user_errors(user_project: pathlib.Path) -> dict[str, str]:
+    """`{case: what Python prints for its error}`, every case in one fresh interpreter
+    without pytest's jaxtyping hook (only install_runtime_checks)."""
+    proc = subprocess.run([sys.executable, "train.py", *sorted(SHORT_ERRORS)],
+                          capture_output=True, text=True, cwd=user_project, timeout=300,
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "correct call: 4.0" in proc.stdout  # the checked module runs correct code
+    assert "no error" not in proc.stdout, proc.stdout  # every case raised
+    parts = re.split(r"^@@case (\w+)@@\n", proc.stderr, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 @pytest.mark.parametrize("case", sorted(SHORT_ERRORS))
-def test_install_runtime_checks_short_errors(user_project: pathlib.Path, case: str) -> None:
-    proc = _run_user(user_project, case)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "correct call: 4.0" in proc.stdout  # the checked module runs correct code
+def test_install_runtime_checks_short_errors(user_errors: dict[str, str], case: str) -> None:
+    stderr = user_errors[case]
     # The error is the last thing printed: everything after the traceback's last line.
-    message = proc.stderr[proc.stderr.rindex("jaxtyping.TypeCheckError: "):]
+    message = stderr[stderr.rindex("jaxtyping.TypeCheckError: "):]
     lines = message.strip().splitlines()
     assert len(lines) <= 15, message
     for needle in SHORT_ERRORS[case]:
         assert needle in message, f"{needle!r} not in:\n{message}"
     # No pytree dump, no unrolled union, no chained beartype report.
-    assert len(proc.stderr) < 4000 and "Called with parameters" not in proc.stderr
+    assert len(stderr) < 4000 and "Called with parameters" not in stderr
 
 
 def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.Path) -> None:
@@ -503,6 +587,7 @@ def _site_packages(prefix: pathlib.Path) -> pathlib.Path:
     return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
 
+@once
 @pytest.mark.slow
 def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path) -> None:
     dist = tmp_path / "dist"
@@ -510,8 +595,8 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
                     str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
     (wheel,) = dist.glob("eqx_offload-*.whl")
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".pyi")}
-    stubs = ROOT / "eqx_offload" / ".typings"
-    assert shipped == {str(p.relative_to(ROOT)) for p in stubs.rglob("*.pyi")}
+    stubs = ROOT / "typings"
+    assert shipped == {f"eqx_offload/.typings/{p.relative_to(stubs)}" for p in stubs.rglob("*.pyi")}
     assert "eqx_offload/.typings/mypy/optax/__init__.pyi" in shipped
     assert "eqx_offload/.typings/pytype/jax/__init__.pyi" in shipped
 
@@ -530,6 +615,7 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "VIRTUAL_ENV": str(venv), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)  # a checkout on the path would stand in for the wheel
     where = subprocess.run(["python", "-c", "import eqx_offload; print(eqx_offload.__file__)"],
                            capture_output=True, text=True, env=env, check=True,
                            cwd=tmp_path).stdout
@@ -601,6 +687,7 @@ TWO_MODULES = {
 
 @pytest.mark.slow
 @needs_pytype
+@once
 def test_documented_pytype_loop_checks_across_modules(tmp_path: pathlib.Path) -> None:
     package = tmp_path / "my_project"
     package.mkdir()

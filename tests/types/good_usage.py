@@ -45,7 +45,7 @@ class LargeFloat(eqx_offload.Filter):
 def moments_where() -> Where:
     # Filters combine with &, | and ~; a bool and a plain callable are filters too.
     moments = eqx_offload.pattern(r".*/(mu|nu)/.*") & eqx_offload.min_bytes(64)
-    never: Callable[[object], bool] = lambda leaf: False
+    never: Callable[[object], bool] = lambda leaf: False  # noqa: E731 - a typed lambda, checked too
     return moments | LargeFloat(1 << 20) | ~eqx_offload.min_ndim(1) & never
 
 

@@ -1,7 +1,7 @@
 # Stubs for the part of `equinox` that eqx_offload and a typical training script use.
 # Read by pytype (`--pythonpath=$(python -m eqx_offload typings)`); mypy reads equinox's own inline types.
 # Names not declared here are `Any` (`__getattr__` below).
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Generic, Literal, Optional, ParamSpec, TypeVar, Union, dataclass_transform, overload
 
 import jax

@@ -4,8 +4,8 @@
 # users need none of this: the package ships `py.typed` (mypy users add
 # `python -m eqx_offload typings --mypy` to `mypy_path`, for optax).
 #
-# Kept in step with the code by `python scripts/stub_drift.py` (mypy.stubtest plus a
-# check that every public name of `eqx_offload/__init__.py` is declared here).
+# Kept in step with the code by `mypy.stubtest` (scripts/gates.sh; with `__all__` it
+# also fails on a public name missing here).
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import (
@@ -30,6 +30,51 @@ _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 __version__: str
+__all__ = [
+    "abstract_init",
+    "CheckpointError",
+    "Compiled",
+    "CompositionError",
+    "Compute",
+    "deserialise_filter_spec",
+    "Donate",
+    "Filter",
+    "filter_jit",
+    "filter_shard",
+    "host_shardings",
+    "HostMemoryKind",
+    "install_runtime_checks",
+    "LeafMemory",
+    "Lowered",
+    "memory_report",
+    "MemoryKind",
+    "MemoryKindError",
+    "MemoryReport",
+    "min_bytes",
+    "min_ndim",
+    "Nested",
+    "NotATransformationError",
+    "offloaded",
+    "OffloadedState",
+    "OffloadError",
+    "OffloadWarning",
+    "OptionError",
+    "pattern",
+    "prefetch_options",
+    "restore_target",
+    "SignatureError",
+    "StateError",
+    "stream_plan",
+    "StreamPlan",
+    "supported_memory_kinds",
+    "to_device",
+    "to_host",
+    "TracedMoveError",
+    "TreeError",
+    "Where",
+    "WhereError",
+    "within_budget",
+]
 
 # Types.
 Nested = Union[_T, Mapping[Any, "Nested[_T]"], list["Nested[_T]"], tuple["Nested[_T]", ...]]
@@ -63,16 +108,16 @@ class Filter:
     def __invert__(self) -> Filter: ...
 
 @dataclasses.dataclass(frozen=True)
-class pattern(Filter):
+class pattern(Filter):  # noqa: N801 - named like the function it stands for
     regex: str
     def __post_init__(self) -> None: ...
 
 @dataclasses.dataclass(frozen=True)
-class min_bytes(Filter):
+class min_bytes(Filter):  # noqa: N801
     nbytes: int
 
 @dataclasses.dataclass(frozen=True)
-class min_ndim(Filter):
+class min_ndim(Filter):  # noqa: N801
     ndim: int
 
 # Moving trees.

@@ -2,7 +2,7 @@
 # use. Read by pytype (`--pythonpath=$(python -m eqx_offload typings)`); mypy reads jax's own inline types.
 import enum
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, Literal, Optional, ParamSpec, TypeVar, Union, overload
+from typing import Any, Optional, ParamSpec, TypeVar, Union, overload
 
 import numpy as _np
 

@@ -1,4 +1,4 @@
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 class Group:
     def __init__(self, *renderables: Any, fit: bool = True) -> None: ...

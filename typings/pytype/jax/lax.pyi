@@ -1,8 +1,7 @@
 # The common part of `jax.lax`; other names are `Any`.
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
-from jax import Array
 from jax.typing import ArrayLike
 
 _T = TypeVar("_T")

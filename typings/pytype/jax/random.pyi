@@ -1,5 +1,5 @@
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from jax import Array
 from jax.typing import ArrayLike, DTypeLike

@@ -1,8 +1,6 @@
-from collections.abc import Callable, Sequence
 from typing import Any, Generic, Optional, ParamSpec, TypeVar
 
 from jax import core
-from jax.sharding import Sharding
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
