@@ -22,6 +22,11 @@ import eqx_offload
 from eqx_offload import _deviceless
 
 
+
+# The GPU compiler's plan does not depend on the JAX version under test, and the
+# plugin is installed in the newest environment only (scripts/check.sh).
+pytestmark = pytest.mark.once
+
 try:
     _deviceless.check_available()
 except eqx_offload.PlanError as error:
