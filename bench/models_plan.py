@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import optax
 
 import eqx_offload
-from eqx_offload import _jit
 from eqx_offload.cli import models
 
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any, cast, Generic, NamedTuple, Optional, TypeVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax

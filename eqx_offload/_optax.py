@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union
 
 import equinox as eqx
-import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax

@@ -13,7 +13,6 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, Union
 
-import jax
 
 from . import _deviceless
 from ._errors import OptionError, PlanError

@@ -4,8 +4,8 @@ import os
 # installed: without a GPU, JAX would try CUDA first and report a failed start.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (after JAX_PLATFORMS)
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 # 8 CPU devices for the multi-device tests; the default device stays CPU 0. Must run

@@ -25,7 +25,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_tree_equal
 from isolated import result_of, run_isolated
 from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless, _jit
+from eqx_offload import _deviceless
 
 
 try:
