@@ -68,8 +68,8 @@ def topology(target_config: str, n_devices: int) -> Any:
 def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
     """Compile a `jax.stages.Lowered` (lowered for `cuda`) for compile-only `devices`.
     Returns XLA's executable: `get_compiled_memory_stats()`, `as_text()`."""
-    from jax._src import compiler
-
+    # Private modules, imported by name (no checker has stubs for them).
+    compiler: Any = importlib.import_module("jax._src.compiler")
     xc: Any = importlib.import_module("jax._src.lib").xla_client
     options = compiler.get_compile_options(
         num_replicas=1,
