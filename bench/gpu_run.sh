@@ -55,14 +55,14 @@ print("python", sys.version.split()[0], "jax", jax.__version__, "equinox", equin
 
 # The defaults: the transformer first, then the MLP sweep, with Adam only (Adafactor's
 # state is too small for its copies to matter; the older GPU run has it); every mode,
-# prefetch and host_bf16 included; loss curves of full precision (bitwise, a check) and host_bf16
+# whole_state and host_bf16 included; loss curves of full precision (bitwise, a check) and host_bf16
 # against the baseline.
 timeout 560 "$PYTHON" -m eqx_offload bench \
   --platform default --out "$OUT" --no-progress \
   --workloads transformer mlp \
   --lm-vocab 8192 --lm-width 768 --lm-layers 8 --lm-heads 12 --lm-seq 512 --lm-batch 32 \
   --sizes 1e6 1e7 1e8 --optimizers adam --batch 32 \
-  --modes baseline manual eqx_offload streamed prefetch host_compute host_bf16 \
+  --modes baseline manual eqx_offload streamed whole_state host_compute host_bf16 \
   --repeats 9 --warmup 2 \
   --movers 16 64 256 \
   --loss-curves eqx_offload host_bf16 --loss-steps 150 \

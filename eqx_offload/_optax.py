@@ -9,7 +9,8 @@ strategy once. A strategy is a module-level function with one signature,
 that brings the state it needs to the device (`options.fetch`), runs `inner.update`,
 and returns the new inner state; `update` then sends the selected leaves to host
 (`options.store`). The strategies: `auto_update` (default, `group_bytes="auto"`: the
-streamed update under `jit` where the update allows it, else `update_on_device`),
+streamed update under `jit` for an accelerator where the update allows it, else
+`update_on_device`),
 `update_on_device` (`group_bytes=None`: the whole state at once),
 `_stream.streamed_update` (`group_bytes=N`) and `_host_compute.host_update`
 (`compute="host"`).
@@ -150,8 +151,8 @@ def offloaded(
         `apply_if_finite`, `MultiSteps` or a global norm after a stateful
         transformation do, or it has side effects) the whole state comes at once;
         called eagerly, or compiled for the CPU backend (one RAM: streaming frees
-        nothing there and costs step time), the whole state at once. An int `N`: always stream,
-        in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
+        nothing there and costs step time), the whole state at once. An int `N`:
+        always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
         streamed. `None`: the whole state at once (the smallest program; its device
         peak holds all of the state). A parameter's state is never split. See

@@ -71,6 +71,16 @@ def small_pool(monkeypatch: pytest.MonkeyPatch) -> int:
 
     for module in (_memory, _checkpoint, _report):
         monkeypatch.setattr(module, "host_pool_limit", limit)
+    # The pool is the process's: what earlier tests in this worker left in `pinned_host`
+    # is not this test's (counted from here on).
+    gc.collect()
+    before = _memory.live_pooled_bytes
+    baseline = before("cpu")
+
+    def live(platform: str) -> int:
+        return before(platform) - baseline
+
+    monkeypatch.setattr(_memory, "live_pooled_bytes", live)
     return cap
 
 

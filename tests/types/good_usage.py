@@ -172,3 +172,60 @@ if __name__ == "__main__":
     # too; they must be imported after this call).
     eqx_offload.install_runtime_checks()
     print(train())
+
+
+def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
+    """XLA's GPU plan of the step (type-checked here; run in tests/test_plan.py, as it
+    needs the `plan` extra)."""
+    optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:
+        grads = eqx.filter_grad(loss_fn)(model, x, y)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    h100: eqx_offload.GpuTarget = eqx_offload.GPU_TARGETS["h100"]
+    try:
+        plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
+            eqx_offload.filter_jit(step, donate="all"), model, state, x, y,
+            target=h100.with_memory(1 << 30))
+    except eqx_offload.PlanError:
+        return False
+    copies: tuple[eqx_offload.PlannedCopy, ...] = plan.copies_to("to_device")
+    return plan.fits and all(c.nbytes > 0 for c in copies)
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        self.linear = eqx.nn.Linear(4, 4, key=key)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.relu(self.linear(x))
+
+
+def call_block(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)
+
+
+def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
+    """Weights, activations and master weights in host memory (type-checked here; run
+    in tests/test_params.py, test_remat.py and test_master.py)."""
+    keys = jax.random.split(key, 3)
+    blocks = eqx.filter_vmap(Block)(keys)
+    policy: eqx_offload.Policy = eqx_offload.offload_names(eqx_offload.LAYER_INPUT)
+    out = eqx_offload.scan_layers(blocks, x, call_block, policy=policy, offload_input=True)
+    head: eqx_offload.HostWeights[eqx.nn.Linear] = eqx_offload.host_weights(
+        eqx.nn.Linear(4, 4, key=key), policy=eqx_offload.offload_regex(".*"))
+    rematted = eqx_offload.filter_remat(call_block, eqx_offload.offload_dots())
+    out = rematted(Block(key), out) + head(out)
+    inner = eqx_offload.with_host_params(optax.adam(1e-3))
+    updates = jax.tree.map(jnp.zeros_like, eqx.filter(head, eqx.is_array))
+    head = eqx_offload.apply_updates(head, updates)
+    master: eqx_offload.MasterWeights[Any] = eqx_offload.master_weights(inner)
+    compute, master_state = master.init(Block(key))
+    assert isinstance(master_state, eqx_offload.MasterState) or master_state is not None
+    result: jax.Array = out + compute(x)
+    return result
