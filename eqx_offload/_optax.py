@@ -36,7 +36,8 @@ import optax
 
 from ._checkpoint import check_init_fits_host_pool
 from ._deviceless import target_platform
-from ._errors import CompositionError, NotATransformationError, StateError
+from ._errors import CompositionError, StateError
+from ._inner import as_transformation
 from ._host_compute import host_update
 from ._jit import filter_jit
 from ._leaves import is_traced
@@ -91,27 +92,6 @@ def _choose(options: Options) -> Strategy:
     if options.group_bytes is not None:
         return streamed_update
     return update_on_device
-
-
-def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
-    if isinstance(inner, optax.GradientTransformationExtraArgs):
-        return inner
-    if isinstance(inner, optax.GradientTransformation):
-        return optax.with_extra_args_support(inner)
-    if callable(getattr(inner, "gradient_transformation", None)):
-        # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
-        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
-        # arguments `with_extra_args_support` would drop; its `update` takes them.
-        return optax.GradientTransformationExtraArgs(inner.init, inner.update)
-    hint = ""
-    if callable(inner):
-        hint = (" It is callable: if it is an optimizer factory such as "
-                "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
-    raise NotATransformationError(
-        f"offloaded(inner=...) expects an optax.GradientTransformation, e.g. "
-        f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
-        + hint
-    )
 
 
 def offloaded(
@@ -205,7 +185,7 @@ def offloaded(
         updates, state = opt.update(params, state, params)
         ```
     """
-    transformation = _as_transformation(inner)
+    transformation = as_transformation(inner)
     options = normalise(where, memory_kind, group_bytes, lookahead, compute, host_dtype)
     return _Offloaded(transformation, options).as_transformation()
 

@@ -44,9 +44,9 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-import optax
 
 from ._errors import CompositionError
+from ._inner import as_transformation
 from ._jaxpr import Env, is_var, trace_update, TracedUpdate, where_made
 from ._leaves import nbytes
 from ._options import Options
@@ -416,6 +416,6 @@ def stream_plan(
         assert len(plan.groups) == 2  # mu and nu of "a", then of "b"
         ```
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = as_transformation(inner, "stream_plan(inner=...)")
     traced = _trace_streamable(inner, updates, inner_state, params, extra_args)
     return _schedule(traced, group_bytes).plan
