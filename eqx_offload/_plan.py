@@ -346,7 +346,10 @@ def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int
     if len(arrays) <= n_operands:
         return None
     destination, operands = arrays[n_operands], arrays[:n_operands]
-    on_host = lambda m: "S(5)" in (m.group("layout") or "")  # noqa: E731
+
+    def on_host(m: "re.Match[str]") -> bool:
+        return "S(5)" in (m.group("layout") or "")
+
     if on_host(destination):
         moved = [m for m in operands if not on_host(m) and m.group("dims")]
         return ("to_host", sum(map(_array_bytes, moved))) if moved else None

@@ -28,6 +28,15 @@ one group at a time. Device values (gradients, the updates, scalars) are not fen
 XLA sees the data flow of the unwrapped update and fuses the updates into their
 consumer (`apply_updates`).
 
+Stacked layers (`eqx.filter_vmap` over a layer: one `(layers, d_in, d_out)` leaf for
+all of them): a unit of leaves with at least 3 dimensions whose update is elementwise
+along their leading axis (`_sliceable`, decided on the jaxpr) and that is larger than a
+group is split into pieces of whole rows (`_pack`). A piece reads its rows of each
+host buffer, runs the unit's equations on them (`_piece_eqns`), and writes its new rows
+back into that buffer, in place (`dynamic_update_slice`); its rows of the update go into
+the gradient's buffer (`_tails`). The same equations on the same rows: the results stay
+bitwise.
+
 What cannot be streamed (with `group_bytes=N`, a `CompositionError` when the update is
 first traced; with `"auto"`, the whole state comes to the device at once instead): an update that
 couples the state of several parameters so that no group boundary can be drawn between
@@ -60,7 +69,9 @@ class StreamPlan:
     **Fields:**
 
     - `groups`: for each group, in the order the update runs them, the paths (as in
-        `eqx_offload.pattern`, relative to the inner state) of its state leaves.
+        `eqx_offload.pattern`, relative to the inner state) of its state leaves; a
+        piece of a stacked leaf split by layers names its rows,
+        `"0/mu/layers/weight[0:2]"`.
     - `group_nbytes`: the bytes of state each group brings to the device (as the
         update computes on it: after widening, with `host_dtype`).
     - `prologue`: offloaded 0-d leaves (e.g. a step counter, when `where` selects it);
@@ -358,11 +369,11 @@ def _piece_eqns(jaxpr: Any, units: _Units, split: dict[int, int]) -> dict[int, l
     for j in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[j]
         if owner[j] is None and units.eqn_unit[j] is None and not (set(eqn.outvars) & outputs):
-            users = set().union(*(consumers.get(o, {None}) for o in eqn.outvars))
-            if len(users) == 1 and None not in users:
-                (root,) = users
-                if _row_wise(eqn, split[root]):
-                    owner[j] = root
+            users: set[Optional[int]] = set().union(
+                *(consumers.get(o, {None}) for o in eqn.outvars))
+            root = next(iter(users)) if len(users) == 1 else None
+            if root is not None and _row_wise(eqn, split[root]):
+                owner[j] = root
         for v in eqn.invars:
             if is_var(v):
                 consumers.setdefault(v, set()).add(owner[j])
@@ -413,7 +424,8 @@ def _tails(jaxpr: Any, unit: _Sliced, n_updates: int) -> dict[int, tuple[Any, li
     for k in unit.outputs:
         if k >= n_updates:
             continue
-        v, tail = jaxpr.outvars[k], []
+        v = jaxpr.outvars[k]
+        tail: list[Any] = []
         while v in producer and uses[v] == 1:
             eqn = producer[v]
             rows = [x for x in eqn.invars if x.aval.shape]
@@ -482,7 +494,7 @@ def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
 
     def shown_paths(items: list[_Item]) -> list[str]:
         """Paths in leaf order; a piece's with its rows, `"0/mu/layers/weight[0:2]"`."""
-        names = []
+        names: list[tuple[int, tuple[int, int]]] = []
         for leaves, _, piece in items:
             rows = (0, 0) if piece is None else piece.rows
             names += [(i, rows) for i in leaves]
@@ -601,7 +613,8 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
 
         for eqn in unit.eqns:
             local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
-        to_host, updates = [], []
+        to_host: list[Any] = []
+        updates: list[Any] = []
         for k in unit.outputs:
             value = local[jaxpr.outvars[k]]
             if k in into:
@@ -621,10 +634,10 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
                     vals[("out", k)] = whole[jaxpr.outvars[k]]
                 continue
             if k < n_updates:
-                key = ("upd", k, p.index)
-                vals[key] = value
-                updates_of.setdefault(k, []).append(key)
-                updates.append(key)
+                rows_key = ("upd", k, p.index)
+                vals[rows_key] = value
+                updates_of.setdefault(k, []).append(rows_key)
+                updates.append(rows_key)
                 if p.last:
                     vals[("out", k)] = jax.numpy.concatenate(
                         [vals[u] for u in updates_of[k]], axis=0)
