@@ -554,7 +554,7 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
     for root, unit in schedule.sliced.items():
         for k, (cut, tail) in unit.tails.items():
             if k < len(gradients) and (gradients[k].aval.shape, gradients[k].aval.dtype) == (
-                    cut.aval.shape, cut.aval.dtype):
+                    cut.aval.shape, cut.aval.dtype) and not is_host(env.read(gradients[k])):
                 into[k] = (cut, tail)
                 source_of.setdefault(root, {})[gradients[k]] = k
                 vals[("acc", k)] = env.read(gradients[k])
