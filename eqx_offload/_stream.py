@@ -269,6 +269,13 @@ many dimensions: stacked layers (`eqx.filter_vmap` over a layer gives `(layers, 
 d_out)` weights). Matrices (an embedding's `(vocab, d)`) are brought whole, as before."""
 
 
+def _rows_sharded(aval: Any) -> bool:
+    """Whether an abstract value's type shards its leading axis (explicit sharding): JAX
+    cannot slice a few rows out of that, so such a leaf is brought whole."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return bool(spec) and spec[0] is not None
+
+
 def _row_wise(eqn: Any, rows: int) -> bool:
     """Whether `eqn` computes rows `a:b` of its results from rows `a:b` of its operands of
     at least one dimension, for every `a:b` along a leading axis of `rows`."""
@@ -298,10 +305,14 @@ def _sliceable(traced: TracedUpdate, units: _Units, streamed: Sequence[int]) -> 
     members: dict[int, list[int]] = {}
     for i in streamed:
         members.setdefault(units.uf.find(i), []).append(i)
+    # (The jaxpr is traced without shardings: the arguments have them. A gradient or
+    # parameter of a state leaf's shape is sharded as the leaf.)
+    sharded = {tuple(np.shape(x)) for x in traced.flat_args if _rows_sharded(jax.typeof(x))}
     rows: dict[int, int] = {}
     for root, leaves in members.items():
         shapes = {tuple(state_invars[i].aval.shape) for i in leaves}
-        if all(len(s) >= MIN_SLICED_NDIM for s in shapes) and len({s[0] for s in shapes}) == 1:
+        if (all(len(s) >= MIN_SLICED_NDIM for s in shapes) and len({s[0] for s in shapes}) == 1
+                and not shapes & sharded):
             rows[root] = next(iter(shapes))[0]
     has_eqns: set[int] = set()
     for eqn, unit in zip(jaxpr.eqns, units.eqn_unit, strict=True):
@@ -384,6 +395,23 @@ def _piece_eqns(jaxpr: Any, units: _Units, split: dict[int, int]) -> dict[int, l
     return pieces
 
 
+def _keep_scalar_uses(jaxpr: Any, pieces: dict[int, list[Any]],
+                      rows: dict[int, int]) -> dict[int, int]:
+    """The split units less those whose pieces would read a scalar that only one
+    operation of the update reads (Adam's bias corrections when one parameter has any
+    state): split, it has as many readers as pieces, and XLA's algebraic simplifier
+    rewrites a division by a scalar with one reader differently from one with several
+    (on the CPU backend `m / c / d` becomes `m * (1 / c) / d` or `m / (c * d)`: one ulp
+    apart). With two or more parameters the unwrapped update has several readers too."""
+    readers: dict[Any, int] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if is_var(v) and not v.aval.shape:
+                readers[v] = readers.get(v, 0) + 1
+    return {root: n for root, n in rows.items()
+            if not any(readers.get(v) == 1 for e in pieces[root] for v in e.invars if is_var(v))}
+
+
 @dataclasses.dataclass
 class _Sliced:
     """A unit whose update runs piece by piece (rows of its leaves' leading axis)."""
@@ -464,6 +492,7 @@ def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
     if group_bytes == "auto":
         group_bytes = auto_group_bytes(sum(sizes[i] for i in streamed))
     rows = _sliceable(traced, units, streamed)
+    rows = _keep_scalar_uses(jaxpr, _piece_eqns(jaxpr, units, rows), rows)
     groups = _pack(units, streamed, sizes, int(group_bytes), rows)
     group_of_leaf: dict[int, int] = {}
     pieces: list[list[_Piece]] = [[] for _ in range(len(groups) + 1)]

@@ -586,3 +586,36 @@ def test_stacked_rows_read_ahead_of_writes() -> None:
         assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
     assert a.inner_state[0].mu["w"].dtype == jnp.bfloat16
     assert a.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
+def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
+    """A stacked leaf sharded across devices keeps its sharding and stays bitwise: split
+    by rows when its columns are sharded; brought whole when its rows are (JAX cannot
+    cut a few rows out of a leaf sharded along them), or when it is the only parameter
+    (its pieces would make Adam's bias corrections read by several operations, which XLA
+    rewrites differently from one; see `_keep_scalar_uses`)."""
+    mesh = jax.make_mesh((4,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    w = jnp.arange(8 * 16 * 16, dtype=jnp.float32).reshape(8, 16, 16) / 1000
+    params = {"w": jax.device_put(w, sharding), "b": jax.device_put(jnp.ones((8, 16)), sharding)}
+    group_bytes = 2 * 16 * 16 * 4
+
+    def split(params: Any) -> bool:
+        state = eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=group_bytes).init(params)
+        plan = eqx_offload.stream_plan(optax.adamw(1e-2), params, state.inner_state, params,
+                                       group_bytes=group_bytes)
+        return any(path.endswith("]") for group in plan.groups for path in group)
+
+    assert split(params) == (spec[0] is None)
+    assert not split({"w": params["w"]})
+    ref, opt = optax.adamw(1e-2), eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=group_bytes)
+    ref_state, state = ref.init(params), opt.init(params)
+    for step in range(2):
+        grads = jax.tree.map(lambda p: p * (step + 1) * 0.1, params)
+        ref_updates, ref_state = jax.jit(ref.update)(grads, ref_state, params)
+        updates, state = jax.jit(opt.update)(grads, state, params)
+        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+    for leaf in jax.tree.leaves(state.inner_state[0].mu):
+        assert leaf.sharding.memory_kind == "pinned_host"
+        assert tuple(leaf.sharding.spec)[: len(spec)] == spec
