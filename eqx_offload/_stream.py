@@ -272,8 +272,8 @@ d_out)` weights). Matrices (an embedding's `(vocab, d)`) are brought whole, as b
 def _rows_sharded(aval: Any) -> bool:
     """Whether an abstract value's type shards its leading axis (explicit sharding): JAX
     cannot slice a few rows out of that, so such a leaf is brought whole."""
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    return bool(spec) and spec[0] is not None
+    spec: Any = getattr(getattr(aval, "sharding", None), "spec", None) or ()
+    return len(spec) > 0 and spec[0] is not None
 
 
 def _row_wise(eqn: Any, rows: int) -> bool:
