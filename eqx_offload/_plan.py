@@ -387,7 +387,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             direction: Direction = "to_host" if "S(5)" in layout else "to_device"
             open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
         elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
-            open_copies[match.group("name")] = (*moved, kernels)
+            slice_direction, slice_bytes = moved
+            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
         elif opcode in ("copy-done", "fusion-done") and (
                 started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
         ) is not None:
