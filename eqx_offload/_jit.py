@@ -65,6 +65,9 @@ _PASS_THROUGH = frozenset({
     # check then sees); `nontraceable`, `nondifferentiable_backward` and `nonbatchable`
     # return their operand (`equinox/internal/_nontraceable.py`).
     "select_if_vmap", "nontraceable", "nondifferentiable_backward", "nonbatchable",
+    # Rows read from and written into a host buffer (the streamed update's pieces of a
+    # stacked leaf): XLA's host offloader makes these asynchronous copies.
+    "slice", "dynamic_slice", "dynamic_update_slice",
 })
 # What usually puts each kind of operation on host-resident state, and the fix.
 _SELECT_HINT = (

@@ -135,7 +135,9 @@ def offloaded(
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
         streamed. `None`: the whole state at once (the smallest program; its device
-        peak holds all of the state). A parameter's state is never split. See
+        peak holds all of the state). A parameter's state is split only along the
+        layers of a stacked leaf (at least 3 dimensions, an update elementwise along
+        them: "Stacked layers" in the "Modes" docs page). See
         `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.
     - `lookahead`: when streamed, how many groups come to the device ahead of
         the one being updated (default 1: double buffering, so copies in both

@@ -335,9 +335,34 @@ def _array_bytes(match: "re.Match[str]") -> int:
     return n * bits // 8
 
 
+def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
+    """A `fusion-start` that copies rows between host and device memory (XLA's
+    asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
+    one: the streamed update's pieces of a stacked leaf): its direction and bytes."""
+    if "dynamic-slice" not in rest and "dynamic-update-slice" not in rest:
+        return None
+    arrays = list(_ARRAY.finditer(rest[: op.start()]))  # operands..., destination, context
+    n_operands = len(_OPERAND.findall(rest[op.end(): rest.find(")", op.end())]))
+    if len(arrays) <= n_operands:
+        return None
+    destination, operands = arrays[n_operands], arrays[:n_operands]
+
+    def on_host(m: "re.Match[str]") -> bool:
+        return "S(5)" in (m.group("layout") or "")
+
+    if on_host(destination):
+        moved = [m for m in operands if not on_host(m) and m.group("dims")]
+        return ("to_host", sum(map(_array_bytes, moved))) if moved else None
+    if any(on_host(m) for m in operands):
+        return "to_device", _array_bytes(destination)
+    return None
+
+
 def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
-    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, with whether a
-    kernel runs between them (per computation, in its schedule order)."""
+    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, and every
+    asynchronous slice copy between host and device (`fusion-start`/`fusion-done` of a
+    `dynamic-slice` or `dynamic-update-slice`), with whether a kernel runs between them
+    (per computation, in its schedule order)."""
     copies: list[PlannedCopy] = []
     open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
     kernels = 0
@@ -361,13 +386,16 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             layout = destination.group("layout") or ""
             direction: Direction = "to_host" if "S(5)" in layout else "to_device"
             open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
-        elif opcode == "copy-done":
-            operands = _OPERAND.findall(rest[op.end():])
-            started = open_copies.pop(operands[0], None) if operands else None
-            if started is not None:
-                direction, nbytes, before = started
-                between = kernels - before
-                copies.append(PlannedCopy(direction, nbytes, between > 0, between, operands[0]))
+        elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
+            slice_direction, slice_bytes = moved
+            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
+        elif opcode in ("copy-done", "fusion-done") and (
+                started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
+        ) is not None:
+            direction, nbytes, before = started
+            between = kernels - before
+            name = _OPERAND.findall(rest[op.end():])[0]
+            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name))
         elif opcode not in _NOT_COMPUTE:
             kernels += 1
     return tuple(copies)
