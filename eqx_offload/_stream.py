@@ -22,11 +22,17 @@ still on host, passes through one `jax.lax.optimization_barrier` together with t
 state of group `g - 1 - lookahead`, already sent to host: XLA cannot bring group `g` to
 the device before that group is back on host. With `lookahead=1` (the default, double
 buffering) group `g + 1` comes in while group `g` is updated and group `g - 1` goes
-back, so both copy directions run at once; the first `lookahead + 1` groups depend on
-nothing and can arrive while the forward and backward passes run. `lookahead=0` brings
-one group at a time. Device values (gradients, the updates, scalars) are not fenced, so
-XLA sees the data flow of the unwrapped update and fuses the updates into their
-consumer (`apply_updates`).
+back, so both copy directions run at once. The same barrier takes the new state of
+group `g - 1` as computed on the device (before it is sent to host): group `g` comes in
+once the update before it has run, so the state arrives while the backward pass
+computes the gradients of the next layer, a group at a time, instead of wherever XLA's
+scheduler would start the copy (for the first groups, during the forward pass).
+`lookahead=0` brings one group at a time. No other device value is fenced (the
+gradients, the updates, scalars), so XLA sees the data flow of the unwrapped update:
+the updates fuse into their consumer (`apply_updates`), and every value is computed as
+the unwrapped update computes it. (The new state is elementwise and goes to host
+anyway; fencing a gradient instead changes how XLA's CPU backend fuses the reduction
+that makes it, and with it the last bit of a bias's Adam moments.)
 
 What cannot be streamed (with `group_bytes=N`, a `CompositionError` when the update is
 first traced; with `"auto"`, the whole state comes to the device at once instead): an update that
@@ -299,21 +305,24 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
             outputs_of.setdefault(stage_of_output[v], []).append(k)
     done: dict[int, Any] = {}  # output index -> value
     fences: list[list[int]] = []  # per stage run: the outputs later groups wait for
+    computed: list[Any] = []  # the last group's new state, on the device
 
     for stage, eqns in enumerate(schedule.stages):
         if stage > 0 and not eqns:
             continue
         incoming = schedule.group_invars[stage]
         waits_for = fences[-1 - options.lookahead] if len(fences) > options.lookahead else []
-        if waits_for:
+        after = computed if incoming else []
+        if waits_for or after:
             # The barrier: this group's state (still on host) waits for the new state
-            # of the group `lookahead + 1` before it, already sent to host. Updates are
-            # not fenced: XLA then fuses them into their consumer (typically
-            # `apply_updates`, in place). Fenced, they would all be materialised and
-            # live until the end: on an H200, 1216 MiB at the peak instead of 256 MiB
-            # (16 x 64 MiB params, Adam; bench/gpu_peak.py).
-            fenced, state = jax.lax.optimization_barrier(
-                ([done[k] for k in waits_for], env.read_all(incoming))
+            # of the group `lookahead + 1` before it, already sent to host, and for the
+            # new state of the group before it on the device (it only orders the copy).
+            # Updates are not fenced: XLA then fuses them into their consumer
+            # (typically `apply_updates`, in place). Fenced, they would all be
+            # materialised and live until the end: on an H200, 1216 MiB at the peak
+            # instead of 256 MiB (16 x 64 MiB params, Adam; bench/gpu_peak.py).
+            fenced, state, _ = jax.lax.optimization_barrier(
+                ([done[k] for k in waits_for], env.read_all(incoming), after)
             )
             done.update(zip(waits_for, fenced, strict=True))
             env.write(incoming, state)
@@ -322,6 +331,7 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
         produced = outputs_of.get(stage, [])
         done.update((k, env.read(jaxpr.outvars[k])) for k in produced)
         to_host = [k for k in produced if k in schedule.host_outputs]
+        computed = [done[k] for k in to_host] or computed
         done.update(zip(to_host, options.store([done[k] for k in to_host], True, "pinned_host"),
                         strict=True))
         # What a later group waits for: this group's state on host; for a group whose
