@@ -39,7 +39,7 @@ from ._deviceless import target_platform
 from ._errors import CompositionError, StateError
 from ._inner import as_transformation
 from ._host_compute import host_update
-from ._jit import filter_jit
+from ._jit import filter_jit, note_streamed
 from ._leaves import is_traced
 from ._options import Compute, normalise, Options
 from ._state import (abstract_signature, check_state, eval_shape, first_line,
@@ -78,10 +78,24 @@ def auto_update(
     arguments = (updates, inner_state, params, extra_args)
     if target_platform() != "cpu" and any(map(is_traced, jtu.tree_leaves(arguments))):
         try:
-            return streamed_update(inner, options, *arguments, init_dtypes)
+            return streamed(inner, options, *arguments, init_dtypes)
         except CompositionError:
             pass
     return update_on_device(inner, options, *arguments, init_dtypes)
+
+
+def streamed(
+    inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
+    inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+) -> tuple[Any, Any]:
+    """The streamed strategy (`group_bytes=N`, and `"auto"` where it streams):
+    `_stream.streamed_update`, and the `filter_jit` being traced compiles with the
+    scheduler options that let its copies overlap compute on a GPU
+    (`_jit.default_compiler_options`)."""
+    result = streamed_update(inner, options, updates, inner_state, params, extra_args,
+                             init_dtypes)
+    note_streamed()
+    return result
 
 
 def _choose(options: Options) -> Strategy:
@@ -90,7 +104,7 @@ def _choose(options: Options) -> Strategy:
     if options.group_bytes == "auto":
         return auto_update
     if options.group_bytes is not None:
-        return streamed_update
+        return streamed
     return update_on_device
 
 

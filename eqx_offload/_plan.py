@@ -227,7 +227,9 @@ def gpu_plan(
     - `device_memory`: plan within this many bytes of device memory instead of the
         target's (XLA's scheduler keeps within it where it can); `GpuPlan.fits` says
         whether the step does.
-    - `compiler_options`: XLA options, added to `fun`'s own.
+    - `compiler_options`: XLA options, added to `fun`'s own and to the defaults
+        `filter_jit` compiles a GPU step with (`GpuPlan.compiler_options` lists them
+        all).
 
     **Returns:**
 
@@ -273,16 +275,19 @@ def gpu_plan(
             "dict of XLA option names to values, or None."
         )
     jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
-    options = {**(jitted._compiler_options or {}), **(compiler_options or {})}
     _deviceless.check_available()
     call = _flatten_call(args, kwargs, jitted._donate)
     devices = {d for s in call.in_shardings for d in s.device_set}
     n_devices = max(1, len(devices))
     topology = _deviceless.topology(resolved.config_text(), n_devices)
     with _deviceless.compiling_for("cuda"):
-        lowered = jitted._lower_call(call, platforms=("cuda",))._lowered
+        lowered = jitted._lower_call(call, platforms=("cuda",))
+    # What `filter_jit` compiles with on a GPU: its defaults, its own options, these.
+    options = {**lowered._default_options, **(jitted._compiler_options or {}),
+               **(compiler_options or {})}
     try:
-        executable = _deviceless.compile_for(lowered, list(topology.devices[:n_devices]), options)
+        executable = _deviceless.compile_for(lowered._lowered, list(topology.devices[:n_devices]),
+                                             options)
     except Exception as error:
         raise PlanError(f"gpu_plan: XLA could not compile the step for {resolved.name}: "
                         f"{error}") from error

@@ -22,11 +22,17 @@ still on host, passes through one `jax.lax.optimization_barrier` together with t
 state of group `g - 1 - lookahead`, already sent to host: XLA cannot bring group `g` to
 the device before that group is back on host. With `lookahead=1` (the default, double
 buffering) group `g + 1` comes in while group `g` is updated and group `g - 1` goes
-back, so both copy directions run at once; the first `lookahead + 1` groups depend on
-nothing and can arrive while the forward and backward passes run. `lookahead=0` brings
-one group at a time. Device values (gradients, the updates, scalars) are not fenced, so
-XLA sees the data flow of the unwrapped update and fuses the updates into their
-consumer (`apply_updates`).
+back, so both copy directions run at once. The same barrier takes the new state of
+group `g - 1` as computed on the device (before it is sent to host): group `g` comes in
+once the update before it has run, so the state arrives while the backward pass
+computes the gradients of the next layer, a group at a time, instead of wherever XLA's
+scheduler would start the copy (for the first groups, during the forward pass).
+`lookahead=0` brings one group at a time. No other device value is fenced (the
+gradients, the updates, scalars), so XLA sees the data flow of the unwrapped update:
+the updates fuse into their consumer (`apply_updates`), and every value is computed as
+the unwrapped update computes it. (The new state is elementwise and goes to host
+anyway; fencing a gradient instead changes how XLA's CPU backend fuses the reduction
+that makes it, and with it the last bit of a bias's Adam moments.)
 
 Stacked layers (`eqx.filter_vmap` over a layer: one `(layers, d_in, d_out)` leaf for
 all of them): a unit of leaves with at least 3 dimensions whose update is elementwise
@@ -588,6 +594,7 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
                 source_of.setdefault(root, {})[gradients[k]] = k
                 vals[("acc", k)] = env.read(gradients[k])
     fences: list[list[Any]] = []  # per stage run: the keys later groups wait for
+    latest: list[Any] = []  # the new state of the last run, on the device
     runs = [s for s, eqns in enumerate(schedule.stages) if s == 0 or eqns or schedule.pieces[s]]
 
     def fetch(j: int) -> None:
@@ -599,18 +606,20 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
         waits_for = fences[j - 1 - options.lookahead] if j > options.lookahead else []
         leaves = sorted({i for p in schedule.pieces[stage]
                          for i in schedule.sliced[p.root].read})
-        if waits_for:
-            # (with the host buffers the pieces read from: read after the barrier)
-            keys = list(dict.fromkeys(
-                [*waits_for, *(("leaf", i) for i in leaves)]))
+        # (with the host buffers the pieces read from: read after the barrier)
+        keys = list(dict.fromkeys(
+            [*waits_for, *(("leaf", i) for i in leaves)])) if waits_for else []
+        after = list(latest) if incoming or keys else []
+        if keys or after:
             # The barrier: this group's state (still on host) waits for the new state
-            # of the group `lookahead + 1` before it, already sent to host. Updates are
-            # not fenced: XLA then fuses them into their consumer (typically
-            # `apply_updates`, in place). Fenced, they would all be materialised and
-            # live until the end: on an H200, 1216 MiB at the peak instead of 256 MiB
-            # (16 x 64 MiB params, Adam; bench/gpu_peak.py).
-            fenced, state = jax.lax.optimization_barrier(
-                ([vals[k] for k in keys], env.read_all(incoming))
+            # of the group `lookahead + 1` before it, already sent to host, and for the
+            # new state of the last group run, on the device (it only orders the copy).
+            # Updates are not fenced: XLA then fuses them into their consumer
+            # (typically `apply_updates`, in place). Fenced, they would all be
+            # materialised and live until the end: on an H200, 1216 MiB at the peak
+            # instead of 256 MiB (16 x 64 MiB params, Adam; bench/gpu_peak.py).
+            fenced, state, _ = jax.lax.optimization_barrier(
+                ([vals[k] for k in keys], env.read_all(incoming), after)
             )
             vals.update(zip(keys, fenced, strict=True))
             env.write(incoming, state)
@@ -624,9 +633,10 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
                 if i in sliced_leaves:
                     pending.setdefault(i, []).append(key)
 
-    def run_piece(j: int, p: _Piece) -> tuple[list[Any], list[Any]]:
+    def run_piece(j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
         """Run a split unit's equations on its rows; returns the keys of what goes to
-        host and of the updates."""
+        host and of the updates, and appends the new rows of state (on the device) to
+        `computed`."""
         unit = schedule.sliced[p.root]
         a, b = p.rows
         local = {state_invars[i]: vals[("read", j, p.root, p.index, i)] for i in unit.read}
@@ -672,6 +682,7 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
                         [vals[u] for u in updates_of[k]], axis=0)
                 continue
             i = k - n_updates
+            computed.append(value)
             (rows,) = options.store([value], True, "pinned_host")
             key = ("leaf", i)
             ahead = [r for r in pending.pop(i, []) if r[1] > j]
@@ -704,12 +715,15 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
         produced = [("out", k) for k in outputs_of.get(stage, [])]
         vals.update((key, env.read(jaxpr.outvars[key[1]])) for key in produced)
         to_host = [key for key in produced if key[1] in schedule.host_outputs]
+        computed = [vals[key] for key in to_host]
         vals.update(zip(to_host, options.store([vals[key] for key in to_host], True, "pinned_host"),
                         strict=True))
         for p in schedule.pieces[stage]:
-            host, updates = run_piece(j, p)
+            host, updates = run_piece(j, p, computed)
             to_host += host
             produced += updates
+        if computed:
+            latest[:] = computed
         # What a later group waits for: this group's state on host; for a group whose
         # state is only read, its updates.
         fences.append(to_host if to_host or stage == 0 else produced)

@@ -267,25 +267,41 @@ def _lower_for_gpu(opt: Any, params: Any) -> str:
 
 def _group_kinds(n_groups: int, per_group: int, lookahead: int) -> list[str]:
     """The transfers and barriers a streamed update of `n_groups` groups of
-    `per_group` leaves lowers to: the first `lookahead + 1` groups wait for nothing."""
+    `per_group` leaves lowers to: the first group waits for nothing; every later one
+    waits in one barrier for the update before it (and, after the first
+    `lookahead + 1`, for an earlier group's state on host)."""
     kinds = []
     for g in range(n_groups):
-        kinds += ["barrier"] * (g > lookahead) + ["to_device"] * per_group + ["to_host"] * per_group
+        kinds += ["barrier"] * (g > 0) + ["to_device"] * per_group + ["to_host"] * per_group
     return kinds
+
+
+def _arguments(text: str, memory_kind: str = "") -> list[str]:
+    """The `main` function's arguments (those in `memory_kind`, if given), in order."""
+    header = text[text.index("func.func public @main"):]
+    header = header[: header.index("{\n")]
+    found = re.findall(r"(%arg\d+): tensor<[^>]*>( \{[^}]*\})?", header)
+    return [a for a, attrs in found if memory_kind in attrs]
 
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_streamed_program_structure(lookahead: int) -> None:
-    """Group g comes in after group g - 1 - lookahead is back on host, and after
-    nothing else: with lookahead=1 (double buffering) no transfer of group k + 1 to the
-    device depends on group k's update or on its copy back, so the copies in and out
-    overlap the update."""
+    """Group g comes in after group g - 1's update has run and group g - 1 - lookahead
+    is back on host, and after nothing else: with lookahead=1 (double buffering) no
+    transfer of group k + 1 to the device waits for group k's copy back, so the copies
+    in and out overlap the updates; no gradient is fenced (XLA sees their data flow as
+    in the unwrapped update)."""
     params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(5)}
     opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0, lookahead=lookahead)
-    events = _events(_lower_for_gpu(opt, params))
+    text = _lower_for_gpu(opt, params)
+    gradients = set(_arguments(text)[:5])  # `update(grads, state, params)`: grads first
+    host = set(_arguments(text, "pinned_host"))
+    assert len(host) == 10 and not host & gradients
+    events = _events(text)
     assert [kind for kind, _, _ in events] == _group_kinds(5, 2, lookahead)
-    # Each group's two moves in, in order, and the results of its two moves out.
-    groups_in, groups_out = [], []
+    # Each group's two moves in, in order, the values its two moves out send (its new
+    # state on the device) and their results (on host).
+    groups_in, groups_new, groups_out = [], [], []
     for i, (kind, result, (operand, *_)) in enumerate(events):
         if kind == "to_device" and (not groups_in or len(groups_in[-1]) == 2):
             groups_in.append([])
@@ -293,24 +309,32 @@ def test_streamed_program_structure(lookahead: int) -> None:
             groups_in[-1].append((operand, i))
         if kind == "to_host" and (not groups_out or len(groups_out[-1]) == 2):
             groups_out.append([])
+            groups_new.append([])
         if kind == "to_host":
             groups_out[-1].append(result)
+            groups_new[-1].append(operand)
     barriers = {result: operands for kind, result, operands in events if kind == "barrier"}
     for g, moves in enumerate(groups_in):
         sources = {operand.split("#")[0] for operand, _ in moves}
-        if g <= lookahead:
+        if g == 0:
             # straight from the arguments (host): free to start at the top of the step
-            assert all(s.startswith("%arg") for s in sources), (g, sources)
+            assert sources <= host, sources
             continue
         (barrier,) = sources  # what comes in passed through one barrier ...
         operands = barriers[barrier]
         # ... with the group's own state, straight from the arguments ...
-        assert sum(op.startswith("%arg") for op in operands) == 2, operands
+        assert len(host & set(operands)) == 2, operands
+        # ... after the new state of the group before it, as computed on the device ...
+        assert set(groups_new[g - 1]) <= set(operands), (g, operands)
+        assert not gradients & set(operands), (g, operands)
+        if g <= lookahead:
+            assert len(operands) == 4, (g, operands)
+            continue
         # ... and the state of group g - 1 - lookahead, already sent to host ...
         assert set(groups_out[g - 1 - lookahead]) <= set(operands), (g, operands)
-        # ... and nothing else: not the groups in between (they overlap this copy),
-        # and no device value (the updates are left to XLA, to fuse).
-        assert len(operands) == 4, operands
+        # ... and nothing else: not the groups in between on host (they overlap this
+        # copy), and no other device value (the updates are left to XLA, to fuse).
+        assert len(operands) == 6, operands
         for between in groups_out[g - lookahead: g]:
             assert not set(between) & set(operands), (g, operands)
 
@@ -324,7 +348,7 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
     state = opt.init(params)
     text = jax.jit(opt.update).lower(params, state, params).as_text()
     events = _events(text)
-    assert [kind for kind, _, _ in events] == ["barrier"] * (3 - lookahead)
+    assert [kind for kind, _, _ in events] == ["barrier"] * 3
     host_args = set(re.findall(r"(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", text))
     assert len(host_args) == 8
     for _, _, operands in events:
