@@ -303,7 +303,8 @@ def note_streamed() -> None:
 
 
 def _platform_of(call: _Call) -> str:
-    devices = [d for s in call.in_shardings for d in s.device_set]
+    """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
+    devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
     return str(devices[0].platform) if devices else jax.default_backend()
 
 
