@@ -6,9 +6,9 @@ strategy once. A strategy is a module-level function with one signature,
     strategy(inner, options, updates, inner_state, params, extra_args, init_dtypes)
         -> (updates, new_inner_state)
 
-that brings the state it needs to the device (`options.fetch`), runs `inner.update`,
+that brings the state it needs to the device (`_move.fetch_state`), runs `inner.update`,
 and returns the new inner state; `update` then sends the selected leaves to host
-(`options.store`). The strategies: `auto_update` (default, `group_bytes="auto"`: the
+(`_move.store_state`). The strategies: `auto_update` (default, `group_bytes="auto"`: the
 streamed update under `jit` for an accelerator where the update allows it, else
 `update_on_device`),
 `update_on_device` (`group_bytes=None`: the whole state at once),
@@ -41,6 +41,7 @@ from ._inner import as_transformation
 from ._host_compute import host_update
 from ._jit import filter_jit, note_streamed
 from ._leaves import is_traced
+from ._move import fetch_state, store_state
 from ._options import Compute, normalise, Options
 from ._state import (abstract_signature, check_state, eval_shape, first_line,
                      first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
@@ -60,7 +61,7 @@ def update_on_device(
 ) -> tuple[Any, Any]:
     """The default strategy: the whole state to the device, then `inner.update`."""
     leaves, treedef = jtu.tree_flatten(inner_state)
-    state = jtu.tree_unflatten(treedef, options.fetch(leaves, init_dtypes))
+    state = jtu.tree_unflatten(treedef, fetch_state(options, leaves, init_dtypes))
     return inner.update(updates, state, params, **extra_args)
 
 
@@ -327,7 +328,7 @@ class _Offloaded:
     def _store(self, state: Any, mask: list[bool], memory_kind: Optional[str] = None) -> Any:
         """The leaves of `state` that `mask` selects, narrowed and sent to host."""
         # The flat mask as it is (never rebuilt as a tree and read again as a spec).
-        return self.options.store(state, select(mask), memory_kind)
+        return store_state(self.options, state, select(mask), memory_kind)
 
     def _run_update(
         self, options: Options, updates: Any, inner_state: Any, params: Any,

@@ -1,28 +1,17 @@
-"""The options of `offloaded`, checked and normalised once, and the two transfers they
-imply: state leaves to the device for the update (`fetch`), and back to host (`store`).
-
-Every update strategy (`_optax`'s default, `_stream`, `_host_compute`) receives an
-`Options` and moves state only through `fetch` and `store`, so `host_dtype` (narrow on
-the way to host, widen on the way back) holds in every mode.
-"""
+"""The options of `offloaded`, checked and normalised once (`normalise`) into an
+`Options` record. The transfers they imply (`fetch_state`, `store_state`) live with the
+other moves, in `_move`."""
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, Optional, Union
 
-import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import OptionError
 from ._memory import check_host_kind
-from ._move import move
 from ._types import Where
-from ._where import leaf_mask
 
-
-_T = TypeVar("_T")
 
 
 Compute = Literal["device", "host"]
@@ -39,51 +28,6 @@ class Options:
     lookahead: int  # streamed: groups brought to the device ahead of the one updated
     compute: str
     host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host
-
-    def fetch(self, leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
-        """Leaves to the device's default memory, each widened back to the dtype
-        `inner.init` gives it (`init_dtypes`) if `store` narrowed it on host."""
-        moved = move(list(leaves), True, None, "to_device")
-        return [self.widen(x, d) for x, d in zip(moved, init_dtypes, strict=True)]
-
-    def widen(self, leaf: Any, init_dtype: Any) -> Any:
-        """`leaf` back in `init_dtype` if `narrow` made it `host_dtype` from that."""
-        dtype = self.widened_dtype(getattr(leaf, "dtype", None), init_dtype)
-        return leaf if dtype == getattr(leaf, "dtype", None) else leaf.astype(dtype)
-
-    def widened_dtype(self, dtype: Any, init_dtype: Any) -> Any:
-        """The dtype `widen` gives a leaf of `dtype` whose `inner.init` dtype is
-        `init_dtype`."""
-        if (
-            self.host_dtype is None
-            or init_dtype is None
-            or dtype != self.host_dtype
-            or not jnp.issubdtype(init_dtype, jnp.floating)
-            or np.dtype(init_dtype).itemsize <= self.host_dtype.itemsize
-        ):
-            return dtype
-        return init_dtype
-
-    def store(self, tree: _T, where: Where = True, memory_kind: Optional[str] = None) -> _T:
-        """The leaves of `tree` that `where` selects, narrowed to `host_dtype` (where
-        that is narrower), then sent to host (`memory_kind`, default the option's)."""
-        if self.host_dtype is not None:
-            leaves, treedef = jtu.tree_flatten(tree)
-            mask = leaf_mask(tree, where)
-            tree = jtu.tree_unflatten(treedef, [
-                self.narrow(x) if m else x for x, m in zip(leaves, mask, strict=True)])
-        return move(tree, where, memory_kind or self.memory_kind, "memory_kind")
-
-    def narrow(self, leaf: Any) -> Any:
-        """`leaf` in `host_dtype` if it is a real floating array wider than that."""
-        if (
-            self.host_dtype is None
-            or not isinstance(leaf, jax.Array)
-            or not jnp.issubdtype(leaf.dtype, jnp.floating)
-            or leaf.dtype.itemsize <= self.host_dtype.itemsize
-        ):
-            return leaf
-        return leaf.astype(self.host_dtype)
 
 
 def normalise(

@@ -64,6 +64,7 @@ from ._errors import CompositionError
 from ._inner import as_transformation
 from ._jaxpr import bind, Env, is_var, trace_update, TracedUpdate, where_made
 from ._leaves import nbytes
+from ._move import fetch_state, narrow_state, store_state, widened_dtype
 from ._options import Options
 from ._placement import is_host
 
@@ -623,13 +624,13 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
             )
             vals.update(zip(keys, fenced, strict=True))
             env.write(incoming, state)
-        env.write(incoming, options.fetch(env.read_all(incoming), [dtype_of[v] for v in incoming]))
+        env.write(incoming, fetch_state(options, env.read_all(incoming), [dtype_of[v] for v in incoming]))
         for p in schedule.pieces[stage]:
             a, b = p.rows
             for i in schedule.sliced[p.root].read:
                 rows = jax.lax.slice_in_dim(vals[("leaf", i)], a, b, axis=0)
                 key = ("read", j, p.root, p.index, i)
-                (vals[key],) = options.fetch([rows], [dtype_of[state_invars[i]]])
+                (vals[key],) = fetch_state(options, [rows], [dtype_of[state_invars[i]]])
                 if i in sliced_leaves:
                     pending.setdefault(i, []).append(key)
 
@@ -682,8 +683,9 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
                         [vals[u] for u in updates_of[k]], axis=0)
                 continue
             i = k - n_updates
+            (value,) = narrow_state(options, [value])
             computed.append(value)
-            (rows,) = options.store([value], True, "pinned_host")
+            (rows,) = store_state(options, [value], True, "pinned_host")
             key = ("leaf", i)
             ahead = [r for r in pending.pop(i, []) if r[1] > j]
             if ahead:
@@ -715,8 +717,11 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
         produced = [("out", k) for k in outputs_of.get(stage, [])]
         vals.update((key, env.read(jaxpr.outvars[key[1]])) for key in produced)
         to_host = [key for key in produced if key[1] in schedule.host_outputs]
-        computed = [vals[key] for key in to_host]
-        vals.update(zip(to_host, options.store([vals[key] for key in to_host], True, "pinned_host"),
+        # (as they go to host: a barrier on anything XLA would not materialise anyway,
+        # such as the float32 state that host_dtype narrows, changes its fusions)
+        computed = narrow_state(options, [vals[key] for key in to_host])
+        vals.update(zip(to_host, computed, strict=True))
+        vals.update(zip(to_host, store_state(options, [vals[key] for key in to_host], True, "pinned_host"),
                         strict=True))
         for p in schedule.pieces[stage]:
             host, updates = run_piece(j, p, computed)
@@ -774,7 +779,7 @@ def streamed_update(
     arrays = [(x, d) for x, d in zip(jtu.tree_leaves(inner_state), init_dtypes, strict=True)
               if eqx.is_array(x)]
     traced = _trace_streamable(inner, updates, inner_state, params, extra_args,
-                               [options.widened_dtype(x.dtype, d) for x, d in arrays])
+                               [widened_dtype(options, x.dtype, d) for x, d in arrays])
     assert options.group_bytes is not None
     schedule = _schedule(traced, options.group_bytes)  # may raise CompositionError
     return traced.rebuild(_run(traced, schedule, options, [d for _, d in arrays]))
