@@ -193,7 +193,7 @@ without offload holds (1.09x; streamed in 16 groups, 0.66x)."""
 
 def auto_group_bytes(total_bytes: int) -> int:
     """The group size of `group_bytes="auto"` for `total_bytes` of streamed state."""
-    return int(min(AUTO_MAX_GROUP_BYTES, total_bytes // AUTO_GROUPS))
+    return min(AUTO_MAX_GROUP_BYTES, total_bytes // AUTO_GROUPS)
 
 
 @dataclasses.dataclass(frozen=True)
