@@ -59,6 +59,9 @@ _PASS_THROUGH = frozenset({
     # or saved residuals live in host memory (parameter and activation offload) only
     # passes them through.
     "remat2",
+    # `jax.custom_batching.custom_vmap` (`scan_layers`' prefetched passes): its
+    # sub-jaxpr is checked in turn.
+    "custom_vmap_call",
     # Equinox's identities (used by its loops and by optimistix's solvers):
     # `select_if_vmap` returns its first operand as is outside `vmap`
     # (`equinox/internal/_loop/common.py`; under `vmap` it becomes the `select_n` this
@@ -92,12 +95,43 @@ def _where_in_source(eqn: Any) -> str:
     return ""
 
 
+def _fetched_slices(jaxpr: Any) -> set[int]:
+    """The `dynamic_slice` equations (by `id`) of a host-memory array whose result only
+    goes to the device (every use is a `device_put`, none is an output of `jaxpr`): the
+    slice of one layer's weights that `scan_layers` prefetches, which XLA's host
+    offloader turns into one copy from host memory."""
+    uses: dict[Any, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                uses.setdefault(v, []).append(eqn)
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    device = jax.memory.Space.Device
+    fetched = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "dynamic_slice":
+            continue
+        (out,) = eqn.outvars
+        consumers = uses.get(out, [])
+        if out not in outputs and consumers and all(
+            e.primitive.name == "device_put"
+            and all(d == device for d in e.params.get("devices", ()))
+            for e in consumers
+        ):
+            fetched.add(id(eqn))
+    return fetched
+
+
 def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
     """The first equation, at any depth, that computes on a host-memory value outside
     `compute_on(..., compute_type="device_host")`: its primitive's name and a
     description; `None` if there is none. (`outer_source`: where the enclosing call is,
-    for equations of a sub-jaxpr that lack their own.)"""
+    for equations of a sub-jaxpr that lack their own.) A `dynamic_slice` of a host array
+    that only goes to the device is a move, not a computation (`_fetched_slices`)."""
+    fetched = _fetched_slices(jaxpr)
     for eqn in jaxpr.eqns:
+        if id(eqn) in fetched:
+            continue
         source = _where_in_source(eqn) or outer_source
         if "device_host" in (getattr(eqn.ctx, "compute_type", None),
                              eqn.params.get("compute_type")):  # `compute_on`, `compute_on2`

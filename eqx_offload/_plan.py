@@ -94,7 +94,9 @@ class PlannedCopy:
 
     **Fields:** `direction` (`"to_device"` or `"to_host"`), `nbytes`, `overlapped`
     (at least one kernel is scheduled between the copy's start and its completion),
-    `kernels` (how many), `name` (the `copy-start` instruction)."""
+    `kernels` (how many), `name` (the `copy-start` instruction, or the `fusion-start` of
+    an asynchronous slice of a host buffer: XLA fetches a loop iteration's slice of a
+    host-resident stacked array, and writes one into it, that way)."""
 
     direction: Direction
     nbytes: int
@@ -319,7 +321,7 @@ _OPERAND = re.compile(r"%([^\s,()]+)")
 # Instructions that launch no kernel: bookkeeping, and the copies themselves.
 _NOT_COMPUTE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
-    "copy-done", "after-all", "opt-barrier", "partition-id", "replica-id",
+    "copy-done", "fusion-done", "after-all", "opt-barrier", "partition-id", "replica-id",
     "add-dependency", "iota", "broadcast", "reshape",
 })
 
@@ -335,9 +337,51 @@ def _array_bytes(match: "re.Match[str]") -> int:
     return n * bits // 8
 
 
+def _top_level(text: str) -> list[str]:
+    """The comma-separated parts of a tuple type `(a, (b, c), d)`, outer parentheses
+    removed, nested ones kept."""
+    text = text.strip()
+    if text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts]
+
+
+def _async_slice(result_type: str) -> Optional[tuple[Direction, int]]:
+    """An asynchronous fusion (`fusion-start`) that moves a slice between memories, as
+    XLA fetches a loop iteration's slice of a host buffer (a dynamic-slice of it) or
+    writes one into it (a dynamic-update-slice): its direction and bytes, else `None`.
+    The result type is `((operands...), output, context)`."""
+    parts = _top_level(result_type)
+    if len(parts) < 2:
+        return None
+    operands = list(_ARRAY.finditer(parts[0]))
+    output = _ARRAY.search(parts[1])
+    if not operands or output is None:
+        return None
+    if "S(5)" in (output.group("layout") or ""):
+        # into host memory: the bytes written are the update's (the second operand)
+        if len(operands) > 1 and "S(5)" not in (operands[1].group("layout") or ""):
+            return "to_host", _array_bytes(operands[1])
+        return None
+    if "S(5)" in (operands[0].group("layout") or ""):
+        return "to_device", _array_bytes(output)
+    return None
+
+
 def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
-    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, with whether a
-    kernel runs between them (per computation, in its schedule order)."""
+    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, and every
+    asynchronous slice between host and device memory (`fusion-start`/`fusion-done`),
+    with whether a kernel runs between them (per computation, in its schedule order)."""
     copies: list[PlannedCopy] = []
     open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
     kernels = 0
@@ -361,13 +405,17 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             layout = destination.group("layout") or ""
             direction: Direction = "to_host" if "S(5)" in layout else "to_device"
             open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
-        elif opcode == "copy-done":
+        elif opcode == "fusion-start" and _async_slice(rest[: op.start()]) is not None:
+            direction, nbytes = _async_slice(rest[: op.start()]) or ("to_device", 0)
+            open_copies[match.group("name")] = (direction, nbytes, kernels)
+        elif opcode in ("copy-done", "fusion-done"):
             operands = _OPERAND.findall(rest[op.end():])
             started = open_copies.pop(operands[0], None) if operands else None
             if started is not None:
                 direction, nbytes, before = started
                 between = kernels - before
                 copies.append(PlannedCopy(direction, nbytes, between > 0, between, operands[0]))
+            # (the `fusion-done` of a computing fusion waits for it: not a kernel of its own)
         elif opcode not in _NOT_COMPUTE:
             kernels += 1
     return tuple(copies)
