@@ -2,8 +2,9 @@
 during the step, and come to the device only while the layer that uses them computes.
 
 - `scan_layers`: stacked layers (built with `eqx.filter_vmap`) run by `jax.lax.scan`;
-  each iteration brings its layer's slice to the device inside a rematted body, so the
-  backward pass fetches it again instead of keeping device copies.
+  each iteration computes with one layer's slice on the device while it fetches the
+  next layer's (a custom VJP does the same in the backward pass, which recomputes each
+  layer and fetches its weights again instead of keeping device copies).
 - `HostWeights` / `host_weights`: the same for one module of an unscanned model.
 - `with_host_params`: an optax transformation that accepts host-resident gradients and
   parameters (its updates are on the device).
@@ -66,13 +67,25 @@ def scan_layers(
     `layers` is the Equinox idiom for a stack of identical layers: one module whose
     array leaves have a leading axis of length `L` (e.g.
     `eqx.filter_vmap(make_layer)(jax.random.split(key, L))`). `scan_layers` is
-    `jax.lax.scan` over that axis, with a rematted body (`jax.checkpoint`) that first
-    moves the layer's slice of every host-resident leaf to the device. Weights kept in
-    host memory (`eqx_offload.to_host(layers)`) are then on the device one layer at a
-    time, in the forward pass and again in the backward pass (which recomputes the
-    layer), and their gradients come back to host memory (`pinned_host`). Leaves
-    already on the device are used as they are; on the CPU backend every move is a
-    no-op and the result is bitwise that of the same scan without the moves.
+    `jax.lax.scan` over that axis with a rematted body (`jax.checkpoint`): the backward
+    pass recomputes each layer from its input. Weights kept in host memory
+    (`eqx_offload.to_host(layers)`) come to the device one layer at a time, in the
+    forward pass and again in the backward pass, and their gradients go back to host
+    memory (`pinned_host`). Leaves already on the device are used as they are; on the
+    CPU backend every move is a no-op and the result is bitwise that of the same
+    rematted scan without the moves.
+
+    By default (`prefetch=True`) the fetches are pipelined: while layer `i` computes,
+    layer `i + 1`'s weights come to the device (layer `i - 1`'s in the backward pass),
+    so a copy waits for nothing but the layer before it. That holds one more layer of
+    weights on the device. On a GPU, XLA's scheduler runs a layer's fetches (one per
+    host leaf) side by side only with room for them:
+    `compiler_options={"xla_gpu_experimental_parallel_async_compute_limit": 32}` on
+    `eqx_offload.filter_jit` (or `jax.jit(...).lower(...).compile(...)`); XLA's default
+    runs them one after the other, most before the layer's kernels. With a `policy`
+    or `prefetch=False`, each iteration fetches its own layer at its top instead.
+    Under `jax.vmap` (the model called per example) the layer is batched inside the
+    scan, so each weight gradient is one sum, as without offload.
 
     **Arguments:**
 
@@ -88,6 +101,9 @@ def scan_layers(
         for the backward pass instead of on the device: the body names it
         `eqx_offload.LAYER_INPUT` and the policy offloads that name.
     - `unroll`: as `jax.lax.scan`.
+    - `prefetch`: fetch the next layer's host-resident weights while this layer
+        computes (default `True`; used when some leaf is in host memory and `policy`
+        is `None`). `False`: fetch each layer in its own iteration.
 
     **Returns:**
 

@@ -168,6 +168,26 @@ def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside() ->
     assert (L, D, D) in host_outputs and (L, 3, D, D) not in host_outputs
 
 
+def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
+    """`filter_jit` lets a `dynamic_slice` of a host array through when its result only
+    goes to the device (the prefetch's fetch, which XLA turns into one copy), and still
+    refuses one that is computed on."""
+    stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), jax.memory.Space.Host)
+
+    def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
+        row = jax.lax.dynamic_slice(a, (i, 0), (1, 3))
+        return jax.device_put(row, jax.memory.Space.Device)[0] * 2
+
+    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
+    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
+
+    def compute(a: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2
+
+    with pytest.raises(eqx_offload.CompositionError, match="dynamic_slice"):
+        eqx_offload.filter_jit(compute)(stacked, jnp.int32(2))
+
+
 def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
     """Lowered for CUDA (no GPU needed), the loops fetch each slice to the device
     (`annotate_device_placement` "device" inside the `while` bodies) and send each
