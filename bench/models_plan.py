@@ -151,7 +151,9 @@ before the layer's kernels. With room for all of them, each spans the layer's co
 
 
 def weight_fetches(plan: Any) -> list[Any]:
-    """The plan's fetches of one layer's slice of host-resident stacked weights."""
+    """The plan's fetches of one loop iteration's slice of a host-resident stacked
+    array (asynchronous dynamic-slices from host memory): the layers' weights, and
+    with `offload_input` the layer inputs the backward pass reads back."""
     return [c for c in plan.copies_to("to_device") if c.name.startswith("dynamic-slice-start")]
 
 
@@ -165,7 +167,7 @@ def plan_all(shape: models.LMShape, group_bytes: int) -> dict[str, Any]:
         plan = eqx_offload.gpu_plan(case.step, case.model, case.state, tokens, target="h200",
                                     compiler_options=options)
         to_device = plan.copies_to("to_device")
-        fetches = weight_fetches(plan)
+        fetches = weight_fetches(plan) if case.host_weights else []
         kernels = sorted(c.kernels for c in fetches)
         results["cases"][case.name] = {
             "what": case.what,
