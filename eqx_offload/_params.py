@@ -100,7 +100,8 @@ def scan_layers(
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
         `eqx_offload.LAYER_INPUT` and the policy offloads that name.
-    - `unroll`: as `jax.lax.scan`.
+    - `unroll`: as `jax.lax.scan`. (With weights in host memory, XLA's GPU compiler
+        of JAX 0.12 rejects `unroll=2`: a layout check fails.)
     - `prefetch`: fetch the next layer's host-resident weights while this layer
         computes (default `True`; used when some leaf is in host memory and `policy`
         is `None`). `False`: fetch each layer in its own iteration.

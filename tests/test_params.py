@@ -130,6 +130,21 @@ def test_scan_layers_without_prefetch_fetches_each_layer_in_its_own_iteration() 
     assert memory_kinds(fetched[1]) == memory_kinds(prefetched[1])
 
 
+def test_scan_layers_prefetches_only_the_host_leaves() -> None:
+    """Weights in host memory, biases on the device: only the weights are prefetched
+    (carried), the biases are sliced on the device; the same bits, each gradient in its
+    leaf's memory."""
+    layers = make_layers()
+    x = jax.random.normal(jax.random.key(1), (D,))
+    mixed = eqx.tree_at(lambda m: m.weight, layers, replace_fn=eqx_offload.to_host)
+    got = jax.jit(jax.value_and_grad(scan_loss))(mixed, x)
+    want = jax.jit(jax.value_and_grad(plain_loss))(layers, x)
+    assert host_bytes(got) == host_bytes(want)
+    assert memory_kinds(got[1]) == {"weight": "pinned_host", "bias": "device"}
+    jaxpr = jax.make_jaxpr(jax.grad(scan_loss))(mixed, x)
+    assert all(_carries_a_device_layer(e.params["jaxpr"]) for e in _scans(jaxpr))
+
+
 def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside() -> None:
     """The Equinox idiom: the model runs per example under `jax.vmap`. The weight
     gradients are one sum computed inside the backward scan (no per-example weight
