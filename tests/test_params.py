@@ -5,6 +5,7 @@ On the CPU backend every move is a no-op, so each program is compared bitwise wi
 same program without the moves; the structure (what is fetched where, what the backward
 pass keeps) is read from the jaxpr and from the program lowered for CUDA."""
 
+import functools
 import re
 from typing import Any
 
@@ -145,11 +146,15 @@ def test_scan_layers_prefetches_only_the_host_leaves() -> None:
     assert all(_carries_a_device_layer(e.params["jaxpr"]) for e in _scans(jaxpr))
 
 
-def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside() -> None:
+@pytest.mark.parametrize("offload_input", [False, True])
+def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside(
+    offload_input: bool,
+) -> None:
     """The Equinox idiom: the model runs per example under `jax.vmap`. The weight
     gradients are one sum computed inside the backward scan (no per-example weight
     gradients in host memory), a differentiated value `call` closes over gets its
-    gradient, and everything is bitwise the plain rematted scan's."""
+    gradient, and everything is bitwise the plain rematted scan's (the layer inputs
+    kept in host memory or not)."""
     layers = make_layers()
     xs = jax.random.normal(jax.random.key(1), (3, D))
     scales = jnp.arange(1.0, 4.0)
@@ -171,13 +176,12 @@ def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside() ->
 
     grad = jax.grad(loss, argnums=(1, 2, 3))
     on_host = eqx_offload.to_host(layers)
-    got = jax.jit(grad, static_argnums=0)(eqx_offload.scan_layers, on_host, jnp.float32(0.5),
-                                          scales)
+    scan = functools.partial(eqx_offload.scan_layers, offload_input=offload_input)
+    got = jax.jit(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
     want = jax.jit(grad, static_argnums=0)(plain, layers, jnp.float32(0.5), scales)
     assert host_bytes(got) == host_bytes(want)
     assert memory_kinds(got[0]) == {"weight": "pinned_host", "bias": "pinned_host"}
-    jaxpr = jax.make_jaxpr(grad, static_argnums=0)(eqx_offload.scan_layers, on_host,
-                                                   jnp.float32(0.5), scales)
+    jaxpr = jax.make_jaxpr(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
     host_outputs = [v.aval.shape for e in _scans(jaxpr) for v in e.outvars
                     if v.aval.memory_space == jax.memory.Space.Host]
     assert (L, D, D) in host_outputs and (L, 3, D, D) not in host_outputs
