@@ -135,7 +135,8 @@ def scan_layers(
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
     if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
-        return _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+        prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+        return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)
 
@@ -183,17 +184,46 @@ def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) ->
     return [next(fetched_it) if h else next(device_it) for h in on_host]
 
 
+def _zero_if_inexact(a: Any) -> Any:
+    return jnp.zeros_like(a) if eqx.is_inexact_array(a) else None
+
+
 def _zeros_like_inexact(tree: Any) -> Any:
-    return jtu.tree_map(lambda a: jnp.zeros_like(a) if eqx.is_inexact_array(a) else None, tree)
+    return jtu.tree_map(_zero_if_inexact, tree)
+
+
+def _axis(batched: bool) -> Optional[int]:
+    return 0 if batched else None
 
 
 def _axes(batched: Any) -> Any:
-    return jtu.tree_map(lambda b: 0 if b else None, batched)
+    return jtu.tree_map(_axis, batched)
 
 
 def _broadcast(tree: Any, batched: Any, size: int) -> Any:
-    return jtu.tree_map(lambda a, b: a if b else jnp.broadcast_to(a, (size, *a.shape)),
-                        tree, batched)
+    def one(a: Any, b: bool) -> Any:
+        return a if b else jnp.broadcast_to(a, (size, *a.shape))
+    return jtu.tree_map(one, tree, batched)
+
+
+def _all(tree: Any, value: bool) -> Any:
+    """`tree` with every leaf replaced by `value` (a vmap rule's batched flags)."""
+    def constant(_: Any) -> bool:
+        return value
+    return jtu.tree_map(constant, tree)
+
+
+def _add_unless_none(u: Any, v: Any) -> Any:
+    return None if u is None else u + v
+
+
+def _flag_unless_none(c: Any, b: bool) -> Optional[bool]:
+    return None if c is None else b
+
+
+def _cotangent(g: Any, a: Any) -> Any:
+    """A symbolic zero cotangent (`None`) of an inexact output, made concrete."""
+    return jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g
 
 
 def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
@@ -257,8 +287,7 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, on_host), h, diff)
             g_layer, g_h, g_c = vjp(g)
             g_host, g_device = split(g_layer)
-            g_consts = jtu.tree_map(lambda u, v: None if u is None else u + v,
-                                    g_consts, g_c, is_leaf=_is_none)
+            g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=_is_none)
             return (g_h, preceding, g_consts), (to_host(g_host), g_device)
 
         zeros = _zeros_like_inexact(diff)
@@ -281,13 +310,13 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
         batched_leaves, batched_x, batched_consts = in_batched
         if any(batched_leaves):
-            out = jax.vmap(lambda *a: forward(*a, True, None), in_axes=_axes(in_batched))(
-                leaves, x, consts)
-            return out, jtu.tree_map(lambda _: True, out)
+            def each(leaves: list[Any], x: Any, consts: Any) -> Any:
+                return forward(leaves, x, consts, True, None)
+            out = jax.vmap(each, in_axes=_axes(in_batched))(leaves, x, consts)
+            return out, _all(out, True)
         out, inputs = forward(leaves, _broadcast(x, batched_x, size), consts, True,
                               batched_consts)
-        return (out, inputs), (jtu.tree_map(lambda _: True, out),
-                               jtu.tree_map(lambda _: False, inputs))
+        return (out, inputs), (_all(out, True), _all(inputs, False))
 
     @jax.custom_batching.custom_vmap
     def backward_batched(leaves: list[Any], consts: Any, inputs: Any, g: Any) -> Any:
@@ -304,34 +333,35 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
           g: Any) -> Any:
         batched_leaves, batched_consts, batched_inputs, batched_g = in_batched
         if any(batched_leaves) or any(jtu.tree_leaves(batched_inputs)):
-            out = jax.vmap(lambda *a: backward(*a, None), in_axes=_axes(in_batched))(
-                leaves, consts, inputs, g)
-            return out, jtu.tree_map(lambda _: True, out)
+            def each(leaves: list[Any], consts: Any, inputs: Any, g: Any) -> Any:
+                return backward(leaves, consts, inputs, g, None)
+            out = jax.vmap(each, in_axes=_axes(in_batched))(leaves, consts, inputs, g)
+            return out, _all(out, True)
         g_leaves, g_x, g_consts = backward(leaves, consts, inputs,
                                            _broadcast(g, batched_g, size), batched_consts)
-        flags = (jtu.tree_map(lambda _: False, g_leaves), jtu.tree_map(lambda _: True, g_x),
-                 jtu.tree_map(lambda c, b: None if c is None else b, g_consts,
-                              batched_consts, is_leaf=_is_none))
+        flags = (_all(g_leaves, False), _all(g_x, True),
+                 jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
         return (g_leaves, g_x, g_consts), flags
 
     @eqx.filter_custom_vjp
     def scan(vjp_arg: Any) -> Any:
-        return forward(*vjp_arg, False, None)
+        leaves, x, consts = vjp_arg
+        return forward(leaves, x, consts, False, None)
 
-    @scan.def_fwd
-    def _(perturbed: Any, vjp_arg: Any) -> Any:
+    def scan_fwd(perturbed: Any, vjp_arg: Any) -> Any:
         del perturbed
         return forward_saving(*vjp_arg)
 
-    @scan.def_bwd
-    def _(inputs: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
+    def scan_bwd(inputs: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
         del perturbed
         leaves, x, consts = vjp_arg
-        g = jtu.tree_map(
-            lambda g, a: jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g,
-            g, x, is_leaf=_is_none)
+        g = jtu.tree_map(_cotangent, g, x, is_leaf=_is_none)
         g_leaves, g_x, g_consts = backward_batched(leaves, consts, inputs, g)
         return g_leaves, g_x, g_consts
+
+    rules: Any = scan  # (Equinox's `def_fwd`/`def_bwd` are untyped)
+    rules.def_fwd(scan_fwd)
+    rules.def_bwd(scan_bwd)
 
     out: Any = scan((leaves, x, consts))
     return out

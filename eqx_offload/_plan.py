@@ -343,7 +343,8 @@ def _top_level(text: str) -> list[str]:
     text = text.strip()
     if text.startswith("(") and text.endswith(")"):
         text = text[1:-1]
-    parts, depth, start = [], 0, 0
+    parts: list[str] = []
+    depth, start = 0, 0
     for i, ch in enumerate(text):
         if ch in "([{":
             depth += 1
