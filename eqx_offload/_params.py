@@ -192,7 +192,7 @@ def _zeros_like_inexact(tree: Any) -> Any:
     return jtu.tree_map(_zero_if_inexact, tree)
 
 
-def _axis(batched: bool) -> Optional[int]:
+def _axis(batched: Optional[bool]) -> Optional[int]:
     return 0 if batched else None
 
 
@@ -217,7 +217,7 @@ def _add_unless_none(u: Any, v: Any) -> Any:
     return None if u is None else u + v
 
 
-def _flag_unless_none(c: Any, b: bool) -> Optional[bool]:
+def _flag_unless_none(c: Any, b: Optional[bool]) -> Optional[bool]:
     return None if c is None else b
 
 
