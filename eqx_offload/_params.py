@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from ._errors import OptionError
+from ._errors import CompositionError, OptionError
 from ._move import move, to_host
 from ._leaves import is_traced
 from ._placement import is_host, memory_kind_of
@@ -226,6 +226,15 @@ def _cotangent(g: Any, a: Any) -> Any:
     return jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g
 
 
+def _check_unbatched(batched_leaves: list[bool]) -> None:
+    if any(batched_leaves):
+        raise CompositionError(
+            "scan_layers(prefetch=True): `jax.vmap` maps over the stacked layers "
+            "themselves (an ensemble) with weights in host memory; the prefetch would "
+            "slice and stack them across the batch in host memory. Pass prefetch=False, "
+            "or vmap over the inputs only.")
+
+
 def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
                      offload_input: bool, unroll: int) -> Any:
     leaves, treedef = jtu.tree_flatten(dynamic)
@@ -300,8 +309,20 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     # Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be
     # batched whole, its backward pass computing every example's weight gradients; these
     # rules batch the layer inside instead, so each weight gradient is one sum, as JAX's
-    # own transpose of a vmapped layer gives it. (Batched weights, an ensemble: batched
-    # whole, each member its own gradients.)
+    # own transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks)
+    # are refused: their slices and gradients would need the batch axis moved in host
+    # memory.
+    @jax.custom_batching.custom_vmap
+    def forward_only(leaves: list[Any], x: Any, consts: Any) -> Any:
+        return forward(leaves, x, consts, False, None)
+
+    @forward_only.def_vmap
+    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
+        batched_leaves, batched_x, batched_consts = in_batched
+        _check_unbatched(batched_leaves)
+        out = forward(leaves, _broadcast(x, batched_x, size), consts, False, batched_consts)
+        return out, _all(out, True)
+
     @jax.custom_batching.custom_vmap
     def forward_saving(leaves: list[Any], x: Any, consts: Any) -> Any:
         return forward(leaves, x, consts, True, None)
@@ -309,11 +330,7 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     @forward_saving.def_vmap
     def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
         batched_leaves, batched_x, batched_consts = in_batched
-        if any(batched_leaves):
-            def each(leaves: list[Any], x: Any, consts: Any) -> Any:
-                return forward(leaves, x, consts, True, None)
-            out = jax.vmap(each, in_axes=_axes(in_batched))(leaves, x, consts)
-            return out, _all(out, True)
+        _check_unbatched(batched_leaves)
         out, inputs = forward(leaves, _broadcast(x, batched_x, size), consts, True,
                               batched_consts)
         return (out, inputs), (_all(out, True), _all(inputs, False))
@@ -332,11 +349,11 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, inputs: Any,
           g: Any) -> Any:
         batched_leaves, batched_consts, batched_inputs, batched_g = in_batched
-        if any(batched_leaves) or any(jtu.tree_leaves(batched_inputs)):
-            def each(leaves: list[Any], consts: Any, inputs: Any, g: Any) -> Any:
-                return backward(leaves, consts, inputs, g, None)
-            out = jax.vmap(each, in_axes=_axes(in_batched))(leaves, consts, inputs, g)
-            return out, _all(out, True)
+        _check_unbatched(batched_leaves)
+        if any(jtu.tree_leaves(batched_inputs)):  # vmapped twice: a second batch axis
+            raise CompositionError(
+                "scan_layers(prefetch=True): the backward pass is batched over two axes "
+                "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
         g_leaves, g_x, g_consts = backward(leaves, consts, inputs,
                                            _broadcast(g, batched_g, size), batched_consts)
         flags = (_all(g_leaves, False), _all(g_x, True),
@@ -345,8 +362,7 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
 
     @eqx.filter_custom_vjp
     def scan(vjp_arg: Any) -> Any:
-        leaves, x, consts = vjp_arg
-        return forward(leaves, x, consts, False, None)
+        return forward_only(*vjp_arg)
 
     def scan_fwd(perturbed: Any, vjp_arg: Any) -> Any:
         del perturbed

@@ -258,6 +258,25 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
     assert host_bytes(offloading) == host_bytes(saving)
 
 
+def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
+    """`jax.vmap` over the stacked layers themselves (an ensemble) with weights in host
+    memory: the prefetch refuses, naming the fix; `prefetch=False` is bitwise."""
+    ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
+    x = jnp.ones((2, D))
+
+    def loss(layers: Any, prefetch: bool) -> jax.Array:
+        def one(layers: Any, x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(layers, x, tanh_layer, prefetch=prefetch)
+        return jnp.sum(jax.vmap(one)(layers, x) ** 2)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    with pytest.raises(eqx_offload.CompositionError, match="prefetch=False"):
+        grad(eqx_offload.to_host(ensemble), True)
+    got = grad(eqx_offload.to_host(ensemble), False)
+    assert host_bytes(got) == host_bytes(grad(ensemble, False))
+    assert memory_kinds(got) == {"weight": "pinned_host", "bias": "pinned_host"}
+
+
 def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
     from helpers import unchecked
     with pytest.raises(eqx_offload.OptionError, match="offload_input"):
