@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 import optax
 
 from ._errors import OptionError
+from ._inner import as_transformation
 from ._leaves import nbytes
 
 
@@ -51,7 +52,7 @@ def within_budget(inner: optax.GradientTransformation, params: Any, device_bytes
             f"within_budget(device_bytes={device_bytes!r}): device_bytes must be an int >= 0 "
             "(bytes of optimizer state that may stay in device memory)."
         )
-    abstract = jax.eval_shape(inner.init, params)
+    abstract = jax.eval_shape(as_transformation(inner, "within_budget(inner=...)").init, params)
     leaves, treedef = jtu.tree_flatten(abstract)
     sizes = [nbytes(x) if hasattr(x, "shape") else 0 for x in leaves]
     offload = [False] * len(leaves)

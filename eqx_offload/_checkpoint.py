@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from ._errors import CheckpointError
+from ._inner import as_transformation
 from ._leaves import path_parts, path_to_str
 from ._memory import (check_devices_offer, check_host_kind, check_tree_fits_host_pool,
                       default_device, host_pool_limit, platform_of)
@@ -210,7 +211,7 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
         assert target.inner_state[0].count.sharding.memory_kind == "device"
         ```
     """
-    target = abstract_state(optimizer, params)
+    target = abstract_state(as_transformation(optimizer, "abstract_init(optimizer=...)"), params)
     check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "abstract_init(...)")
     return target
 

@@ -36,9 +36,10 @@ import optax
 
 from ._checkpoint import check_init_fits_host_pool
 from ._deviceless import target_platform
-from ._errors import CompositionError, NotATransformationError, StateError
+from ._errors import CompositionError, StateError
+from ._inner import as_transformation
 from ._host_compute import host_update
-from ._jit import filter_jit
+from ._jit import filter_jit, note_streamed
 from ._leaves import is_traced
 from ._options import Compute, normalise, Options
 from ._state import (abstract_signature, check_state, eval_shape, first_line,
@@ -77,10 +78,24 @@ def auto_update(
     arguments = (updates, inner_state, params, extra_args)
     if target_platform() != "cpu" and any(map(is_traced, jtu.tree_leaves(arguments))):
         try:
-            return streamed_update(inner, options, *arguments, init_dtypes)
+            return streamed(inner, options, *arguments, init_dtypes)
         except CompositionError:
             pass
     return update_on_device(inner, options, *arguments, init_dtypes)
+
+
+def streamed(
+    inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
+    inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+) -> tuple[Any, Any]:
+    """The streamed strategy (`group_bytes=N`, and `"auto"` where it streams):
+    `_stream.streamed_update`, and the `filter_jit` being traced compiles with the
+    scheduler options that let its copies overlap compute on a GPU
+    (`_jit.default_compiler_options`)."""
+    result = streamed_update(inner, options, updates, inner_state, params, extra_args,
+                             init_dtypes)
+    note_streamed()
+    return result
 
 
 def _choose(options: Options) -> Strategy:
@@ -89,29 +104,8 @@ def _choose(options: Options) -> Strategy:
     if options.group_bytes == "auto":
         return auto_update
     if options.group_bytes is not None:
-        return streamed_update
+        return streamed
     return update_on_device
-
-
-def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
-    if isinstance(inner, optax.GradientTransformationExtraArgs):
-        return inner
-    if isinstance(inner, optax.GradientTransformation):
-        return optax.with_extra_args_support(inner)
-    if callable(getattr(inner, "gradient_transformation", None)):
-        # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
-        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
-        # arguments `with_extra_args_support` would drop; its `update` takes them.
-        return optax.GradientTransformationExtraArgs(inner.init, inner.update)
-    hint = ""
-    if callable(inner):
-        hint = (" It is callable: if it is an optimizer factory such as "
-                "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
-    raise NotATransformationError(
-        f"offloaded(inner=...) expects an optax.GradientTransformation, e.g. "
-        f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
-        + hint
-    )
 
 
 def offloaded(
@@ -155,7 +149,9 @@ def offloaded(
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
         streamed. `None`: the whole state at once (the smallest program; its device
-        peak holds all of the state). A parameter's state is never split. See
+        peak holds all of the state). A parameter's state is split only along the
+        layers of a stacked leaf (at least 3 dimensions, an update elementwise along
+        them: "Stacked layers" in the "Modes" docs page). See
         `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.
     - `lookahead`: when streamed, how many groups come to the device ahead of
         the one being updated (default 1: double buffering, so copies in both
@@ -205,7 +201,7 @@ def offloaded(
         updates, state = opt.update(params, state, params)
         ```
     """
-    transformation = _as_transformation(inner)
+    transformation = as_transformation(inner)
     options = normalise(where, memory_kind, group_bytes, lookahead, compute, host_dtype)
     return _Offloaded(transformation, options).as_transformation()
 

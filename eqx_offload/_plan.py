@@ -94,9 +94,7 @@ class PlannedCopy:
 
     **Fields:** `direction` (`"to_device"` or `"to_host"`), `nbytes`, `overlapped`
     (at least one kernel is scheduled between the copy's start and its completion),
-    `kernels` (how many), `name` (the `copy-start` instruction, or the `fusion-start` of
-    an asynchronous slice of a host buffer: XLA fetches a loop iteration's slice of a
-    host-resident stacked array, and writes one into it, that way)."""
+    `kernels` (how many), `name` (the `copy-start` instruction)."""
 
     direction: Direction
     nbytes: int
@@ -229,7 +227,9 @@ def gpu_plan(
     - `device_memory`: plan within this many bytes of device memory instead of the
         target's (XLA's scheduler keeps within it where it can); `GpuPlan.fits` says
         whether the step does.
-    - `compiler_options`: XLA options, added to `fun`'s own.
+    - `compiler_options`: XLA options, added to `fun`'s own and to the defaults
+        `filter_jit` compiles a GPU step with (`GpuPlan.compiler_options` lists them
+        all).
 
     **Returns:**
 
@@ -275,16 +275,19 @@ def gpu_plan(
             "dict of XLA option names to values, or None."
         )
     jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
-    options = {**(jitted._compiler_options or {}), **(compiler_options or {})}
     _deviceless.check_available()
     call = _flatten_call(args, kwargs, jitted._donate)
     devices = {d for s in call.in_shardings for d in s.device_set}
     n_devices = max(1, len(devices))
     topology = _deviceless.topology(resolved.config_text(), n_devices)
     with _deviceless.compiling_for("cuda"):
-        lowered = jitted._lower_call(call, platforms=("cuda",))._lowered
+        lowered = jitted._lower_call(call, platforms=("cuda",))
+    # What `filter_jit` compiles with on a GPU: its defaults, its own options, these.
+    options = {**lowered._default_options, **(jitted._compiler_options or {}),
+               **(compiler_options or {})}
     try:
-        executable = _deviceless.compile_for(lowered, list(topology.devices[:n_devices]), options)
+        executable = _deviceless.compile_for(lowered._lowered, list(topology.devices[:n_devices]),
+                                             options)
     except Exception as error:
         raise PlanError(f"gpu_plan: XLA could not compile the step for {resolved.name}: "
                         f"{error}") from error
@@ -321,7 +324,7 @@ _OPERAND = re.compile(r"%([^\s,()]+)")
 # Instructions that launch no kernel: bookkeeping, and the copies themselves.
 _NOT_COMPUTE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
-    "copy-done", "fusion-done", "after-all", "opt-barrier", "partition-id", "replica-id",
+    "copy-done", "after-all", "opt-barrier", "partition-id", "replica-id",
     "add-dependency", "iota", "broadcast", "reshape",
 })
 
@@ -337,52 +340,34 @@ def _array_bytes(match: "re.Match[str]") -> int:
     return n * bits // 8
 
 
-def _top_level(text: str) -> list[str]:
-    """The comma-separated parts of a tuple type `(a, (b, c), d)`, outer parentheses
-    removed, nested ones kept."""
-    text = text.strip()
-    if text.startswith("(") and text.endswith(")"):
-        text = text[1:-1]
-    parts: list[str] = []
-    depth, start = 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts]
+def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
+    """A `fusion-start` that copies rows between host and device memory (XLA's
+    asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
+    one: the streamed update's pieces of a stacked leaf): its direction and bytes."""
+    if "dynamic-slice" not in rest and "dynamic-update-slice" not in rest:
+        return None
+    arrays = list(_ARRAY.finditer(rest[: op.start()]))  # operands..., destination, context
+    n_operands = len(_OPERAND.findall(rest[op.end(): rest.find(")", op.end())]))
+    if len(arrays) <= n_operands:
+        return None
+    destination, operands = arrays[n_operands], arrays[:n_operands]
 
+    def on_host(m: "re.Match[str]") -> bool:
+        return "S(5)" in (m.group("layout") or "")
 
-def _async_slice(result_type: str) -> Optional[tuple[Direction, int]]:
-    """An asynchronous fusion (`fusion-start`) that moves a slice between memories, as
-    XLA fetches a loop iteration's slice of a host buffer (a dynamic-slice of it) or
-    writes one into it (a dynamic-update-slice): its direction and bytes, else `None`.
-    The result type is `((operands...), output, context)`."""
-    parts = _top_level(result_type)
-    if len(parts) < 2:
-        return None
-    operands = list(_ARRAY.finditer(parts[0]))
-    output = _ARRAY.search(parts[1])
-    if not operands or output is None:
-        return None
-    if "S(5)" in (output.group("layout") or ""):
-        # into host memory: the bytes written are the update's (the second operand)
-        if len(operands) > 1 and "S(5)" not in (operands[1].group("layout") or ""):
-            return "to_host", _array_bytes(operands[1])
-        return None
-    if "S(5)" in (operands[0].group("layout") or ""):
-        return "to_device", _array_bytes(output)
+    if on_host(destination):
+        moved = [m for m in operands if not on_host(m) and m.group("dims")]
+        return ("to_host", sum(map(_array_bytes, moved))) if moved else None
+    if any(on_host(m) for m in operands):
+        return "to_device", _array_bytes(destination)
     return None
 
 
 def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
     """Every `copy-start`/`copy-done` pair of a scheduled HLO module, and every
-    asynchronous slice between host and device memory (`fusion-start`/`fusion-done`),
-    with whether a kernel runs between them (per computation, in its schedule order)."""
+    asynchronous slice copy between host and device (`fusion-start`/`fusion-done` of a
+    `dynamic-slice` or `dynamic-update-slice`), with whether a kernel runs between them
+    (per computation, in its schedule order)."""
     copies: list[PlannedCopy] = []
     open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
     kernels = 0
@@ -406,17 +391,16 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             layout = destination.group("layout") or ""
             direction: Direction = "to_host" if "S(5)" in layout else "to_device"
             open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
-        elif opcode == "fusion-start" and _async_slice(rest[: op.start()]) is not None:
-            direction, nbytes = _async_slice(rest[: op.start()]) or ("to_device", 0)
-            open_copies[match.group("name")] = (direction, nbytes, kernels)
-        elif opcode in ("copy-done", "fusion-done"):
-            operands = _OPERAND.findall(rest[op.end():])
-            started = open_copies.pop(operands[0], None) if operands else None
-            if started is not None:
-                direction, nbytes, before = started
-                between = kernels - before
-                copies.append(PlannedCopy(direction, nbytes, between > 0, between, operands[0]))
-            # (the `fusion-done` of a computing fusion waits for it: not a kernel of its own)
+        elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
+            slice_direction, slice_bytes = moved
+            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
+        elif opcode in ("copy-done", "fusion-done") and (
+                started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
+        ) is not None:
+            direction, nbytes, before = started
+            between = kernels - before
+            name = _OPERAND.findall(rest[op.end():])[0]
+            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name))
         elif opcode not in _NOT_COMPUTE:
             kernels += 1
     return tuple(copies)

@@ -22,11 +22,26 @@ still on host, passes through one `jax.lax.optimization_barrier` together with t
 state of group `g - 1 - lookahead`, already sent to host: XLA cannot bring group `g` to
 the device before that group is back on host. With `lookahead=1` (the default, double
 buffering) group `g + 1` comes in while group `g` is updated and group `g - 1` goes
-back, so both copy directions run at once; the first `lookahead + 1` groups depend on
-nothing and can arrive while the forward and backward passes run. `lookahead=0` brings
-one group at a time. Device values (gradients, the updates, scalars) are not fenced, so
-XLA sees the data flow of the unwrapped update and fuses the updates into their
-consumer (`apply_updates`).
+back, so both copy directions run at once. The same barrier takes the new state of
+group `g - 1` as computed on the device (before it is sent to host): group `g` comes in
+once the update before it has run, so the state arrives while the backward pass
+computes the gradients of the next layer, a group at a time, instead of wherever XLA's
+scheduler would start the copy (for the first groups, during the forward pass).
+`lookahead=0` brings one group at a time. No other device value is fenced (the
+gradients, the updates, scalars), so XLA sees the data flow of the unwrapped update:
+the updates fuse into their consumer (`apply_updates`), and every value is computed as
+the unwrapped update computes it. (The new state is elementwise and goes to host
+anyway; fencing a gradient instead changes how XLA's CPU backend fuses the reduction
+that makes it, and with it the last bit of a bias's Adam moments.)
+
+Stacked layers (`eqx.filter_vmap` over a layer: one `(layers, d_in, d_out)` leaf for
+all of them): a unit of leaves with at least 3 dimensions whose update is elementwise
+along their leading axis (`_sliceable`, decided on the jaxpr) and that is larger than a
+group is split into pieces of whole rows (`_pack`). A piece reads its rows of each
+host buffer, runs the unit's equations on them (`_piece_eqns`), and writes its new rows
+back into that buffer, in place (`dynamic_update_slice`); its rows of the update go into
+the gradient's buffer (`_tails`). The same equations on the same rows: the results stay
+bitwise.
 
 What cannot be streamed (with `group_bytes=N`, a `CompositionError` when the update is
 first traced; with `"auto"`, the whole state comes to the device at once instead): an update that
@@ -44,10 +59,10 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-import optax
 
 from ._errors import CompositionError
-from ._jaxpr import Env, is_var, trace_update, TracedUpdate, where_made
+from ._inner import as_transformation
+from ._jaxpr import bind, Env, is_var, trace_update, TracedUpdate, where_made
 from ._leaves import nbytes
 from ._options import Options
 from ._placement import is_host
@@ -60,7 +75,9 @@ class StreamPlan:
     **Fields:**
 
     - `groups`: for each group, in the order the update runs them, the paths (as in
-        `eqx_offload.pattern`, relative to the inner state) of its state leaves.
+        `eqx_offload.pattern`, relative to the inner state) of its state leaves; a
+        piece of a stacked leaf split by layers names its rows,
+        `"0/mu/layers/weight[0:2]"`.
     - `group_nbytes`: the bytes of state each group brings to the device (as the
         update computes on it: after widening, with `host_dtype`).
     - `prologue`: offloaded 0-d leaves (e.g. a step counter, when `where` selects it);
@@ -178,10 +195,25 @@ def auto_group_bytes(total_bytes: int) -> int:
     return int(min(AUTO_MAX_GROUP_BYTES, total_bytes // AUTO_GROUPS))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Rows `rows[0]:rows[1]` (of the leading axis) of every state leaf of a unit that is
+    split (see `_sliceable`); `index` counts the unit's pieces, in the order they run."""
+
+    root: int
+    index: int
+    rows: tuple[int, int]
+    last: bool
+
+
+_Item = tuple[list[int], int, Optional[_Piece]]  # (state leaves, bytes, piece or None)
+
+
 def _pack(units: _Units, streamed: Sequence[int], sizes: Sequence[int],
-          group_bytes: int) -> list[list[int]]:
+          group_bytes: int, sliceable: Optional[dict[int, int]] = None) -> list[list[_Item]]:
     """Units packed into groups of at most `group_bytes` (a unit larger than that is a
-    group of its own), in *reverse* leaf order.
+    group of its own, or, if it is `sliceable`, pieces of whole rows of at most
+    `group_bytes` each, at least one row), in *reverse* leaf order.
 
     Why reversed: a model written forward (embedding, layers, head, as Equinox modules
     and their pytrees are) gets its gradients last leaf first from the backward pass.
@@ -191,21 +223,122 @@ def _pack(units: _Units, streamed: Sequence[int], sizes: Sequence[int],
     backward pass's activations alive until the update of the later layers: in the GPU
     plan of an activation-heavy MLP (H200, `tests/test_plan.py`) that costs 100 MiB
     (357 MiB at the peak instead of 256 MiB; 292 MiB without offload). The order of
-    the groups changes nothing in the results: each equation computes what it did."""
+    the groups changes nothing in the results: each equation computes what it did.
+    (A stacked leaf's gradient comes out of the backward `scan` whole, so the pieces of
+    a unit are taken in row order.)"""
+    sliceable = sliceable or {}
     members: dict[int, list[int]] = {}
     for i in streamed:
         members.setdefault(units.uf.find(i), []).append(i)
-    groups: list[list[int]] = []
-    group_size = 0
-    for unit in sorted(members.values(), key=min, reverse=True):
+    items: list[_Item] = []
+    for root, unit in sorted(members.items(), key=lambda kv: min(kv[1]), reverse=True):
         size = sum(sizes[i] for i in unit)
-        if groups and group_size + size <= group_bytes:
-            groups[-1].extend(unit)
-            group_size += size
+        rows = sliceable.get(root, 0)
+        if size <= group_bytes or rows < 2:
+            items.append((list(unit), size, None))
+            continue
+        per_row = size // rows
+        step = max(1, group_bytes // per_row)
+        starts = range(0, rows, step)
+        for n, a in enumerate(starts):
+            b = min(a + step, rows)
+            items.append((list(unit), per_row * (b - a),
+                          _Piece(root, n, (a, b), n == len(starts) - 1)))
+    groups: list[list[_Item]] = []
+    group_size = 0
+    for item in items:
+        if groups and group_size + item[1] <= group_bytes:
+            groups[-1].append(item)
+            group_size += item[1]
         else:
-            groups.append(list(unit))
-            group_size = size
+            groups.append([item])
+            group_size = item[1]
     return groups
+
+
+# Primitives that compute each element of their result from the elements at the same
+# index of their operands (0-d operands broadcast): evaluated on rows `a:b` of every
+# operand, they give rows `a:b` of their results, exactly.
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh",
+    "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem",
+    "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
+    "tanh", "xor",
+})
+
+MIN_SLICED_NDIM = 3
+"""A unit is split along its leading axis only if its state leaves have at least this
+many dimensions: stacked layers (`eqx.filter_vmap` over a layer gives `(layers, d_in,
+d_out)` weights). Matrices (an embedding's `(vocab, d)`) are brought whole, as before."""
+
+
+def _rows_sharded(aval: Any) -> bool:
+    """Whether an abstract value's type shards its leading axis (explicit sharding): JAX
+    cannot slice a few rows out of that, so such a leaf is brought whole."""
+    spec: Any = getattr(getattr(aval, "sharding", None), "spec", None) or ()
+    return len(spec) > 0 and spec[0] is not None
+
+
+def _row_wise(eqn: Any, rows: int) -> bool:
+    """Whether `eqn` computes rows `a:b` of its results from rows `a:b` of its operands of
+    at least one dimension, for every `a:b` along a leading axis of `rows`."""
+    if eqn.primitive.name not in _ELEMENTWISE:
+        return False
+    shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+    shape = shapes[0]
+    if not shape or shape[0] != rows or any(s != shape for s in shapes):
+        return False
+    return all(not v.aval.shape or tuple(v.aval.shape) == shape for v in eqn.invars)
+
+
+def _sliceable(traced: TracedUpdate, units: _Units, streamed: Sequence[int]) -> dict[int, int]:
+    """The units (by root) whose update can be split along the leading axis of their
+    state leaves, with that axis' length: every state leaf of the unit has at least
+    `MIN_SLICED_NDIM` dimensions and the same leading one; every equation that depends
+    on the unit is elementwise (`_row_wise`), so reads no row of another row; and each
+    new state leaf it makes is the new value of one of its own leaves, of that shape
+    (it goes back into that leaf's host buffer, row by row).
+
+    This is decided on the traced update itself, as the groups are: whatever reduces
+    across a leaf (a norm for a trust ratio as in `lamb`/`lars`, `adafactor`'s factored
+    moments and its update clipping, a mask's gathers) makes its unit whole again, and
+    the results stay those of `inner.update`, bitwise."""
+    jaxpr = traced.jaxpr
+    state_invars = jaxpr.invars[traced.state_slice]
+    members: dict[int, list[int]] = {}
+    for i in streamed:
+        members.setdefault(units.uf.find(i), []).append(i)
+    # (The jaxpr is traced without shardings: the arguments have them. A gradient or
+    # parameter of a state leaf's shape is sharded as the leaf.)
+    sharded = {tuple(np.shape(x)) for x in traced.flat_args if _rows_sharded(jax.typeof(x))}
+    rows: dict[int, int] = {}
+    for root, leaves in members.items():
+        shapes = {tuple(state_invars[i].aval.shape) for i in leaves}
+        if (all(len(s) >= MIN_SLICED_NDIM for s in shapes) and len({s[0] for s in shapes}) == 1
+                and not shapes & sharded):
+            rows[root] = next(iter(shapes))[0]
+    has_eqns: set[int] = set()
+    for eqn, unit in zip(jaxpr.eqns, units.eqn_unit, strict=True):
+        if unit is None:
+            continue
+        root = units.uf.find(unit)
+        has_eqns.add(root)
+        if root in rows and not _row_wise(eqn, rows[root]):
+            del rows[root]
+    own = {v: i for i, v in enumerate(state_invars)}
+    for k, v in enumerate(jaxpr.outvars):
+        if not is_var(v) or v not in units.unit_of_var or v in own:
+            continue
+        root = units.uf.find(units.unit_of_var[v])
+        if root not in rows or k < traced.n_updates_out:
+            continue
+        i = k - traced.n_updates_out
+        if i not in members[root] or state_invars[i].aval.shape != v.aval.shape:
+            del rows[root]
+    return {root: n for root, n in rows.items() if root in has_eqns}
 
 
 def _stages(jaxpr: Any, units: _Units, group_of_leaf: dict[int, int], n_groups: int) -> list[list[Any]]:
@@ -237,12 +370,118 @@ def _stages(jaxpr: Any, units: _Units, group_of_leaf: dict[int, int], n_groups: 
     return stages
 
 
+def _piece_eqns(jaxpr: Any, units: _Units, split: dict[int, int]) -> dict[int, list[Any]]:
+    """The equations each split unit runs once per piece: its own, and those computed
+    without the state (`(1 - b1) * g`) that are elementwise along the same rows and
+    feed only it. A piece is then the unit's update as `inner.update` writes it, on
+    fewer rows (only the gradients, parameters and state are sliced), and XLA compiles
+    it as it compiles the whole leaf's: computed whole and sliced, `(1 - b1) * g`
+    would be fused differently (on the CPU backend, one ulp apart in `mu`)."""
+    owner: list[Optional[int]] = []
+    for unit in units.eqn_unit:
+        root = None if unit is None else units.uf.find(unit)
+        owner.append(root if root in split else None)
+    consumers: dict[Any, set[Optional[int]]] = {}
+    outputs = {v for v in jaxpr.outvars if is_var(v)}
+    for j in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[j]
+        if owner[j] is None and units.eqn_unit[j] is None and not (set(eqn.outvars) & outputs):
+            users: set[Optional[int]] = set().union(
+                *(consumers.get(o, {None}) for o in eqn.outvars))
+            root = next(iter(users)) if len(users) == 1 else None
+            if root is not None and _row_wise(eqn, split[root]):
+                owner[j] = root
+        for v in eqn.invars:
+            if is_var(v):
+                consumers.setdefault(v, set()).add(owner[j])
+    pieces: dict[int, list[Any]] = {root: [] for root in split}
+    for eqn, root in zip(jaxpr.eqns, owner, strict=True):
+        if root is not None:
+            pieces[root].append(eqn)
+    return pieces
+
+
+def _keep_scalar_uses(jaxpr: Any, pieces: dict[int, list[Any]],
+                      rows: dict[int, int]) -> dict[int, int]:
+    """The split units less those whose pieces would read a scalar that only one
+    operation of the update reads (Adam's bias corrections when one parameter has any
+    state): split, it has as many readers as pieces, and XLA's algebraic simplifier
+    rewrites a division by a scalar with one reader differently from one with several
+    (on the CPU backend `m / c / d` becomes `m * (1 / c) / d` or `m / (c * d)`: one ulp
+    apart). With two or more parameters the unwrapped update has several readers too."""
+    readers: dict[Any, int] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if is_var(v) and not v.aval.shape:
+                readers[v] = readers.get(v, 0) + 1
+    return {root: n for root, n in rows.items()
+            if not any(readers.get(v) == 1 for e in pieces[root] for v in e.invars if is_var(v))}
+
+
+@dataclasses.dataclass
+class _Sliced:
+    """A unit whose update runs piece by piece (rows of its leaves' leading axis)."""
+
+    eqns: list[Any]  # its equations, in order, run once per piece on the piece's rows
+    read: list[int]  # the state leaves its equations read
+    outputs: list[int]  # the jaxpr outputs its equations make
+    # update output -> (the value its pieces write row by row, the equations that make
+    # the update from it once all rows are written): see `_tails`
+    tails: dict[int, tuple[Any, list[Any]]] = dataclasses.field(default_factory=dict)
+
+
+_MULTIPLY = frozenset({"mul", "square", "integer_pow"})
+
+
+def _tails(jaxpr: Any, unit: _Sliced, n_updates: int) -> dict[int, tuple[Any, list[Any]]]:
+    """For each update a split unit makes, where its pieces can store their rows so
+    that the update needs no buffer of its own and the program still computes what
+    `inner.update` does, bitwise.
+
+    The update of a stacked leaf is read by `apply_updates` only when every row is
+    computed. Left to XLA, all pieces' rows are kept until then in whatever form XLA
+    fuses (in the GPU plan: the new `mu` and `nu` of every piece, as much as the whole
+    state). So each piece writes its rows into the buffer of the gradient (in place;
+    its rows of the gradient are read first). What it writes is the value before the
+    update's trailing operations with a scalar (`* -learning_rate`): those run once on
+    the whole leaf, so XLA fuses them into `apply_updates` exactly as in the unwrapped
+    step (where `p + (-lr) * u` may become one fused multiply-add: a stored product
+    would round differently). A value made by a multiplication that the next
+    operation adds to is never the one written, for the same reason: such an update
+    is concatenated instead."""
+    producer = {o: e for e in unit.eqns for o in e.outvars}
+    uses: dict[Any, int] = {}
+    for v in [*(x for e in jaxpr.eqns for x in e.invars), *jaxpr.outvars]:
+        if is_var(v):
+            uses[v] = uses.get(v, 0) + 1
+    tails: dict[int, tuple[Any, list[Any]]] = {}
+    for k in unit.outputs:
+        if k >= n_updates:
+            continue
+        v = jaxpr.outvars[k]
+        tail: list[Any] = []
+        while v in producer and uses[v] == 1:
+            eqn = producer[v]
+            rows = [x for x in eqn.invars if x.aval.shape]
+            if len(rows) != 1 or not is_var(rows[0]) or rows[0] not in producer:
+                break
+            tail.insert(0, eqn)
+            v = rows[0]
+        consumer = tail[0].primitive.name if tail else "add"  # `apply_updates` adds it
+        if producer[v].primitive.name in _MULTIPLY and consumer in ("add", "sub"):
+            continue
+        tails[k] = (v, tail)
+    return tails
+
+
 @dataclasses.dataclass
 class _Schedule:
     plan: StreamPlan
     stages: list[list[Any]]  # equations per stage (0: prologue, g >= 1: group g)
-    group_invars: list[list[Any]]  # per stage: the state variables it brings in
+    group_invars: list[list[Any]]  # per stage: the state variables it brings in whole
     host_outputs: set[int]  # indices of the jaxpr outputs that go back to host
+    pieces: list[list[_Piece]]  # per stage: the pieces of split units it runs
+    sliced: dict[int, _Sliced]  # the split units, by root
 
 
 def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
@@ -258,22 +497,52 @@ def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
     _check_not_coupled(traced, units, streamed)
     if group_bytes == "auto":
         group_bytes = auto_group_bytes(sum(sizes[i] for i in streamed))
-    groups = _pack(units, streamed, sizes, int(group_bytes))
-    group_of_leaf = {i: g + 1 for g, members in enumerate(groups) for i in members}
+    rows = _sliceable(traced, units, streamed)
+    rows = _keep_scalar_uses(jaxpr, _piece_eqns(jaxpr, units, rows), rows)
+    groups = _pack(units, streamed, sizes, int(group_bytes), rows)
+    group_of_leaf: dict[int, int] = {}
+    pieces: list[list[_Piece]] = [[] for _ in range(len(groups) + 1)]
+    for g, items in enumerate(groups):
+        for leaves, _, piece in items:
+            for i in leaves:
+                group_of_leaf.setdefault(i, g + 1)  # a split unit: the stage of its first piece
+            if piece is not None:
+                pieces[g + 1].append(piece)
     stages = _stages(jaxpr, units, group_of_leaf, len(groups))
 
+    split = {p.root: rows[p.root] for ps in pieces for p in ps}
     read = {v for eqn in jaxpr.eqns for v in eqn.invars if is_var(v)}
+    sliced = {root: _Sliced(eqns, [], []) for root, eqns in _piece_eqns(jaxpr, units, split).items()}
+    for root, unit in sliced.items():
+        unit.read = [i for i in streamed if units.uf.find(i) == root and state_invars[i] in read]
+        made = {o for e in unit.eqns for o in e.outvars}
+        unit.outputs = [k for k, v in enumerate(jaxpr.outvars) if is_var(v) and v in made]
+        unit.tails = _tails(jaxpr, unit, traced.n_updates_out)
+    in_pieces = {id(e) for unit in sliced.values() for e in unit.eqns}
+    stages = [[e for e in eqns if id(e) not in in_pieces] for eqns in stages]
+
+    whole = [[i for i in sorted(leaves) if units.uf.find(i) not in split]
+             for g in groups for leaves in [[i for item in g for i in item[0]]]]
     group_invars: list[list[Any]] = [[state_invars[i] for i in prologue if state_invars[i] in read]]
-    group_invars += [[state_invars[i] for i in sorted(g) if state_invars[i] in read] for g in groups]
+    group_invars += [[state_invars[i] for i in g if state_invars[i] in read] for g in whole]
     paths = traced.state_paths
+
+    def shown_paths(items: list[_Item]) -> list[str]:
+        """Paths in leaf order; a piece's with its rows, `"0/mu/layers/weight[0:2]"`."""
+        names: list[tuple[int, tuple[int, int]]] = []
+        for leaves, _, piece in items:
+            rows = (0, 0) if piece is None else piece.rows
+            names += [(i, rows) for i in leaves]
+        return [paths[i] + (f"[{a}:{b}]" if b else "") for i, (a, b) in sorted(names)]
+
     plan = StreamPlan(
-        groups=tuple(tuple(paths[i] for i in sorted(g)) for g in groups),
-        group_nbytes=tuple(sum(sizes[i] for i in g) for g in groups),
+        groups=tuple(tuple(shown_paths(g)) for g in groups),
+        group_nbytes=tuple(sum(item[1] for item in g) for g in groups),
         prologue=tuple(paths[i] for i in prologue),
         resident=tuple(p for p, off in zip(paths, offloaded, strict=True) if not off),
     )
     host_outputs = {traced.n_updates_out + i for i, off in enumerate(offloaded) if off}
-    return _Schedule(plan, stages, group_invars, host_outputs)
+    return _Schedule(plan, stages, group_invars, host_outputs, pieces, sliced)
 
 
 # ----------------------------------------------------------------------------------------
@@ -282,12 +551,19 @@ def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
 
 def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
          init_dtypes: Sequence[Any]) -> list[Any]:
-    """The flat outputs of the update, evaluated stage by stage."""
+    """The flat outputs of the update, evaluated stage by stage.
+
+    Values are kept under keys: `("out", k)` the jaxpr's output `k`; `("leaf", i)` the
+    host buffer of state leaf `i` of a split unit, as its pieces come back into it (one
+    `dynamic_update_slice` each, in place); `("read", j, root, index, i)` a piece's rows
+    of leaf `i`, on the device; `("upd", k, index)` a piece's rows of update `k`."""
     jaxpr = traced.jaxpr
+    n_updates = traced.n_updates_out
     env = Env()
     env.write(jaxpr.constvars, traced.consts)
     env.write(jaxpr.invars, traced.flat_args)
-    dtype_of = dict(zip(jaxpr.invars[traced.state_slice], init_dtypes, strict=True))
+    state_invars = jaxpr.invars[traced.state_slice]
+    dtype_of = dict(zip(state_invars, init_dtypes, strict=True))
     stage_of_output: dict[Any, int] = {}
     for stage, eqns in enumerate(schedule.stages):
         for eqn in eqns:
@@ -297,39 +573,172 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
     for k, v in enumerate(jaxpr.outvars):
         if is_var(v) and v in stage_of_output:
             outputs_of.setdefault(stage_of_output[v], []).append(k)
-    done: dict[int, Any] = {}  # output index -> value
-    fences: list[list[int]] = []  # per stage run: the outputs later groups wait for
+    vals: dict[Any, Any] = {}
+    sliced_leaves = {k - n_updates for unit in schedule.sliced.values()
+                     for k in unit.outputs if k >= n_updates}
+    for i in sliced_leaves.union(*(unit.read for unit in schedule.sliced.values())):
+        vals[("leaf", i)] = env.read(state_invars[i])
+    pending: dict[int, list[Any]] = {}  # leaf -> reads of its buffer not yet ordered before a write
+    updates_of: dict[int, list[Any]] = {}  # update k of a split unit -> its pieces' keys
+    # A split unit's update `k` is written row by row into the buffer of the gradient it
+    # is computed from (`_tails`; each piece reads its rows of the gradient before
+    # writing them, and the pieces cover every row).
+    gradients = jaxpr.invars[: traced.state_offset]
+    into: dict[int, tuple[Any, list[Any]]] = {}
+    source_of: dict[int, dict[Any, int]] = {}  # root -> {gradient: k}
+    for root, unit in schedule.sliced.items():
+        for k, (cut, tail) in unit.tails.items():
+            if k < len(gradients) and (gradients[k].aval.shape, gradients[k].aval.dtype) == (
+                    cut.aval.shape, cut.aval.dtype) and not is_host(env.read(gradients[k])):
+                into[k] = (cut, tail)
+                source_of.setdefault(root, {})[gradients[k]] = k
+                vals[("acc", k)] = env.read(gradients[k])
+    fences: list[list[Any]] = []  # per stage run: the keys later groups wait for
+    latest: list[Any] = []  # the new state of the last run, on the device
+    runs = [s for s, eqns in enumerate(schedule.stages) if s == 0 or eqns or schedule.pieces[s]]
 
-    for stage, eqns in enumerate(schedule.stages):
-        if stage > 0 and not eqns:
-            continue
+    def fetch(j: int) -> None:
+        """Bring run `j`'s state to the device: after the state of run `j - 1 -
+        lookahead` is back on host, and nothing else (traced as soon as that is known,
+        so a split leaf's later pieces are read before its earlier ones are written)."""
+        stage = runs[j]
         incoming = schedule.group_invars[stage]
-        waits_for = fences[-1 - options.lookahead] if len(fences) > options.lookahead else []
-        if waits_for:
+        waits_for = fences[j - 1 - options.lookahead] if j > options.lookahead else []
+        leaves = sorted({i for p in schedule.pieces[stage]
+                         for i in schedule.sliced[p.root].read})
+        # (with the host buffers the pieces read from: read after the barrier)
+        keys = list(dict.fromkeys(
+            [*waits_for, *(("leaf", i) for i in leaves)])) if waits_for else []
+        after = list(latest) if incoming or keys else []
+        if keys or after:
             # The barrier: this group's state (still on host) waits for the new state
-            # of the group `lookahead + 1` before it, already sent to host. Updates are
-            # not fenced: XLA then fuses them into their consumer (typically
-            # `apply_updates`, in place). Fenced, they would all be materialised and
-            # live until the end: on an H200, 1216 MiB at the peak instead of 256 MiB
-            # (16 x 64 MiB params, Adam; bench/gpu_peak.py).
-            fenced, state = jax.lax.optimization_barrier(
-                ([done[k] for k in waits_for], env.read_all(incoming))
+            # of the group `lookahead + 1` before it, already sent to host, and for the
+            # new state of the last group run, on the device (it only orders the copy).
+            # Updates are not fenced: XLA then fuses them into their consumer
+            # (typically `apply_updates`, in place). Fenced, they would all be
+            # materialised and live until the end: on an H200, 1216 MiB at the peak
+            # instead of 256 MiB (16 x 64 MiB params, Adam; bench/gpu_peak.py).
+            fenced, state, _ = jax.lax.optimization_barrier(
+                ([vals[k] for k in keys], env.read_all(incoming), after)
             )
-            done.update(zip(waits_for, fenced, strict=True))
+            vals.update(zip(keys, fenced, strict=True))
             env.write(incoming, state)
         env.write(incoming, options.fetch(env.read_all(incoming), [dtype_of[v] for v in incoming]))
-        env.run(eqns)
-        produced = outputs_of.get(stage, [])
-        done.update((k, env.read(jaxpr.outvars[k])) for k in produced)
-        to_host = [k for k in produced if k in schedule.host_outputs]
-        done.update(zip(to_host, options.store([done[k] for k in to_host], True, "pinned_host"),
+        for p in schedule.pieces[stage]:
+            a, b = p.rows
+            for i in schedule.sliced[p.root].read:
+                rows = jax.lax.slice_in_dim(vals[("leaf", i)], a, b, axis=0)
+                key = ("read", j, p.root, p.index, i)
+                (vals[key],) = options.fetch([rows], [dtype_of[state_invars[i]]])
+                if i in sliced_leaves:
+                    pending.setdefault(i, []).append(key)
+
+    def run_piece(j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Run a split unit's equations on its rows; returns the keys of what goes to
+        host and of the updates, and appends the new rows of state (on the device) to
+        `computed`."""
+        unit = schedule.sliced[p.root]
+        a, b = p.rows
+        local = {state_invars[i]: vals[("read", j, p.root, p.index, i)] for i in unit.read}
+
+        def read(v: Any) -> Any:
+            if not is_var(v):
+                return v.val
+            if v not in local:  # computed without the state: gradients, parameters, scalars
+                k = source_of.get(p.root, {}).get(v)
+                x = env.read(v) if k is None else vals[("acc", k)]
+                local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
+            return local[v]
+
+        for eqn in unit.eqns:
+            local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+        to_host: list[Any] = []
+        updates: list[Any] = []
+        for k in unit.outputs:
+            value = local[jaxpr.outvars[k]]
+            if k in into:
+                cut, tail = into[k]
+                key = ("acc", k)
+                # The barrier keeps the write in place, and out of `apply_updates`'s
+                # fusion (which would keep every piece's inputs until the last one).
+                vals[key] = jax.lax.optimization_barrier(
+                    jax.lax.dynamic_update_slice_in_dim(vals[key], local[cut], a, axis=0))
+                updates.append(key)
+                if p.last:
+                    whole = {cut: vals[key]}
+                    for eqn in tail:
+                        args = [whole[v] if is_var(v) and v in whole else env.read(v)
+                                for v in eqn.invars]
+                        whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
+                    vals[("out", k)] = whole[jaxpr.outvars[k]]
+                continue
+            if k < n_updates:
+                rows_key = ("upd", k, p.index)
+                vals[rows_key] = value
+                updates_of.setdefault(k, []).append(rows_key)
+                updates.append(rows_key)
+                if p.last:
+                    vals[("out", k)] = jax.numpy.concatenate(
+                        [vals[u] for u in updates_of[k]], axis=0)
+                continue
+            i = k - n_updates
+            computed.append(value)
+            (rows,) = options.store([value], True, "pinned_host")
+            key = ("leaf", i)
+            ahead = [r for r in pending.pop(i, []) if r[1] > j]
+            if ahead:
+                # Pieces of this leaf fetched ahead read its buffer before this write
+                # lands in it (in place): they need no copy of the buffer.
+                buffer, reads = jax.lax.optimization_barrier((vals[key], [vals[r] for r in ahead]))
+                vals[key] = buffer
+                vals.update(zip(ahead, reads, strict=True))
+            vals[key] = jax.lax.dynamic_update_slice_in_dim(vals[key], rows, a, axis=0)
+            to_host.append(key)
+        return to_host, updates
+
+    # A run's fetch is traced when its run starts, or, if it reads rows of a split leaf,
+    # as soon as its barrier can be (then its reads come before the writes of the runs
+    # in between, in place). The program's data flow is the same either way.
+    fetched: set[int] = set()
+
+    def fetch_early(j: int) -> None:
+        if j < len(runs) and schedule.pieces[runs[j]]:
+            fetch(j)
+            fetched.add(j)
+
+    for j in range(options.lookahead + 1):
+        fetch_early(j)
+    for j, stage in enumerate(runs):
+        if j not in fetched:
+            fetch(j)
+        env.run(schedule.stages[stage])
+        produced = [("out", k) for k in outputs_of.get(stage, [])]
+        vals.update((key, env.read(jaxpr.outvars[key[1]])) for key in produced)
+        to_host = [key for key in produced if key[1] in schedule.host_outputs]
+        computed = [vals[key] for key in to_host]
+        vals.update(zip(to_host, options.store([vals[key] for key in to_host], True, "pinned_host"),
                         strict=True))
+        for p in schedule.pieces[stage]:
+            host, updates = run_piece(j, p, computed)
+            to_host += host
+            produced += updates
+        if computed:
+            latest[:] = computed
         # What a later group waits for: this group's state on host; for a group whose
         # state is only read, its updates.
         fences.append(to_host if to_host or stage == 0 else produced)
+        fetch_early(j + 1 + options.lookahead)
 
     # Outputs no stage produced: literals, and inputs or constants returned as they are.
-    return [done[k] if k in done else env.read(v) for k, v in enumerate(jaxpr.outvars)]
+    outputs = []
+    for k, v in enumerate(jaxpr.outvars):
+        if ("out", k) in vals:
+            outputs.append(vals[("out", k)])
+        elif k >= n_updates and k - n_updates in sliced_leaves:
+            outputs.append(vals[("leaf", k - n_updates)])
+        else:
+            outputs.append(env.read(v))
+    return outputs
 
 
 def _trace_streamable(inner: Any, updates: Any, inner_state: Any, params: Any,
@@ -416,6 +825,6 @@ def stream_plan(
         assert len(plan.groups) == 2  # mu and nu of "a", then of "b"
         ```
     """
-    inner = optax.with_extra_args_support(inner)
+    inner = as_transformation(inner, "stream_plan(inner=...)")
     traced = _trace_streamable(inner, updates, inner_state, params, extra_args)
     return _schedule(traced, group_bytes).plan

@@ -5,14 +5,17 @@
 - where leaves live: `memory_kinds`, `kind_list`;
 - calling past the runtime type checks: `unchecked`;
 - counting compilations: `count_compiles`;
-- walking programs: `walk_eqns`.
+- walking programs: `walk_eqns`;
+- a model of layers stacked with `eqx.filter_vmap` and scanned: `Stacked`.
 """
 
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -135,3 +138,22 @@ def count_compiles(fun_name: Optional[str] = None) -> Iterator[list[str]]:
         yield names
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+class Stacked(eqx.Module):
+    """`depth` layers stacked with `eqx.filter_vmap` (one `(depth, width, width)` weight
+    leaf and one `(depth, width)` bias leaf for all of them), run with `lax.scan`."""
+
+    layers: eqx.nn.Linear
+
+    def __init__(self, width: int, depth: int, key: Any) -> None:
+        make = lambda k: eqx.nn.Linear(width, width, key=k)  # noqa: E731
+        self.layers = eqx.filter_vmap(make)(jax.random.split(key, depth))
+
+    def __call__(self, x: Any) -> Any:
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def layer(x: Any, weights: Any) -> tuple[Any, None]:
+            return jnp.tanh(eqx.combine(weights, static)(x)), None
+
+        return jax.lax.scan(layer, x, dynamic)[0]

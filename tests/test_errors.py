@@ -149,6 +149,22 @@ def test_not_a_gradient_transformation() -> None:
     eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2))  # type: ignore[arg-type]  # MultiSteps is converted
 
 
+@pytest.mark.parametrize("call", ["within_budget", "stream_plan", "abstract_init"])
+def test_not_a_gradient_transformation_elsewhere(call: str) -> None:
+    # Every function that takes an inner optimizer gives `offloaded`'s error for a
+    # factory, naming itself.
+    params = {"w": jnp.ones((4, 4))}
+    calls = {
+        "within_budget": lambda: unchecked(eqx_offload.within_budget)(optax.adam, params, 0),
+        "stream_plan": lambda: unchecked(eqx_offload.stream_plan)(optax.adam, params, None),
+        "abstract_init": lambda: unchecked(eqx_offload.abstract_init)(optax.adam, params),
+    }
+    name = {"abstract_init": "abstract_init(optimizer=...)"}.get(call, f"{call}(inner=...)")
+    with pytest.raises(eqx_offload.NotATransformationError) as info:
+        calls[call]()
+    assert name in str(info.value) and "call it first (`optax.adamw(1e-3)`)" in str(info.value)
+
+
 def test_state_of_the_unwrapped_optimizer() -> None:
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     plain_state = optax.adam(1e-3).init(params())

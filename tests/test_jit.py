@@ -19,6 +19,7 @@ from isolated import call_isolated
 
 import eqx_offload
 from eqx_offload._compat import host_compute
+from eqx_offload._jit import _flatten_call
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,3 +342,43 @@ def test_donation_checks_can_fail():
         ({"compiles": 2}, "all"),
     ]:
         assert _donation_failures({**good, **bad}, reference, donate), (bad, donate)
+
+
+def test_default_compiler_options_only_for_a_gpu_step_that_streams():
+    """`filter_jit` adds its scheduler options only where they do something: for a GPU
+    (the plan's `cuda`, a real `gpu`) when the step runs the streamed update. The whole
+    state at once keeps XLA's defaults (there the limit on copies in flight lets them
+    all start during the forward pass), and on the CPU nothing is added, so the program
+    and its results are those of before."""
+    from eqx_offload._jit import default_compiler_options, GPU_STREAMED_OPTIONS
+
+    assert default_compiler_options("cpu", True) == {}
+    assert default_compiler_options("cuda", False) == {}
+    for platform in ("cuda", "gpu", "rocm"):
+        assert default_compiler_options(platform, True) == GPU_STREAMED_OPTIONS
+    assert GPU_STREAMED_OPTIONS["xla_gpu_experimental_parallel_async_compute_limit"] > 2
+
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+
+    def lowered_for_gpu(**options):
+        opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
+        state = opt.init(params)
+
+        @eqx_offload.filter_jit(donate="all-except-first")
+        def step(params, state):
+            updates, state = opt.update(params, state, params)
+            return optax.apply_updates(params, updates), state
+
+        with eqx_offload._deviceless.compiling_for("cuda"):
+            gpu = step._lower_call(_flatten_call((params, state), {}, step._donate),
+                                   platforms=("cuda",))
+        return gpu, step, state
+
+    default, step, state = lowered_for_gpu()
+    assert default._default_options == GPU_STREAMED_OPTIONS
+    assert lowered_for_gpu(group_bytes=0)[0]._default_options == GPU_STREAMED_OPTIONS
+    assert lowered_for_gpu(group_bytes=None)[0]._default_options == {}
+    # On this machine's CPU: none, and the step runs as before.
+    assert step.lower(params, state)._default_options == {}
+    _, state = step(params, state)
+    assert kind_list(state) == ["device"] + ["pinned_host"] * 4

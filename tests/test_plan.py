@@ -20,6 +20,7 @@ import pytest
 
 import eqx_offload
 from eqx_offload import _deviceless
+from helpers import Stacked
 
 
 
@@ -178,3 +179,60 @@ def test_plain_function_and_host_pool(monkeypatch):
     assert planned.host_bytes == 256 * 256 * 4 and not planned.host_fits
     assert len(planned.copies_to("to_device")) == 1
     assert "does NOT fit" in planned.summary()
+
+
+def test_stacked_layers_stream_by_layer():
+    """A scanned stack of 8 layers built with `eqx.filter_vmap` has one `(8, 512, 512)`
+    weight leaf for all of them. The default step streams its state a layer's rows at a
+    time, so the state's share of the device peak (the peak less the plain step's peak
+    without its state) is below one stacked leaf; brought whole (`group_bytes=None`,
+    what the streamed default did before it could split a leaf), it is more than the
+    leaf's two moments. Every row crosses once each way, straight into the leaf's host
+    buffer (no host copy of it: the host bytes are the state's)."""
+    width, depth = 512, 8
+    model = Stacked(width, depth, jax.random.key(0))
+    x = jnp.ones((256, width))
+
+    def planned(optimizer):
+        state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
+            grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+            updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        return eqx_offload.gpu_plan(step, model, state, x)
+
+    plain = planned(optax.adamw(1e-3))
+    default = planned(eqx_offload.offloaded(optax.adamw(1e-3)))
+    whole = planned(eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=None))
+    leaf = depth * width * width * 4  # one moment of the stacked weight
+    state = 2 * 4 * depth * (width * width + width)
+    without_state = plain.device_peak_bytes - state
+    assert default.device_peak_bytes - without_state < leaf, (default.summary(), plain.summary())
+    assert whole.device_peak_bytes - without_state > 2 * leaf, whole.summary()
+    assert default.host_bytes == whole.host_bytes == state
+    for direction in ("to_device", "to_host"):
+        copies = default.copies_to(direction)
+        assert len(copies) == 2 * depth + 2  # mu and nu of each layer's weight, and of the biases
+        assert sum(c.nbytes for c in copies) == state
+
+
+@pytest.mark.parametrize("workload", [STATE_HEAVY, ACTIVATION_HEAVY], ids=["state", "activations"])
+def test_default_copies_overlap_compute(workload):
+    """At least 90% of the state's copies (both directions together) have a kernel under
+    them in XLA's schedule, and every copy to the device does: the streamed update waits
+    for each group's own gradients, and `filter_jit` lets XLA's scheduler keep more than
+    two copies in flight (its option is in the plan). What is left are copies to host of
+    the last group: nothing computes after the last update. The plans are those of the
+    tests above (no compile of its own)."""
+    default = plan("default", workload)
+    assert default.compiler_options["xla_gpu_experimental_parallel_async_compute_limit"] == 32
+    assert default.overlapped_fraction() >= 0.9, default.summary()
+    assert default.overlapped_fraction("to_device") == 1.0, default.summary()
+    # Without the option (XLA's default limit, 2) the same program overlaps far less.
+    if workload == ACTIVATION_HEAVY:
+        limited = plan("default", workload, compiler_options={
+            "xla_gpu_experimental_parallel_async_compute_limit": 2})
+        assert limited.overlapped_fraction() < 0.8, limited.summary()

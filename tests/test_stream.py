@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, count_compiles
+from helpers import assert_tree_equal, count_compiles, Stacked
 from jaxtyping import TypeCheckError
 
 import eqx_offload
@@ -267,25 +267,41 @@ def _lower_for_gpu(opt: Any, params: Any) -> str:
 
 def _group_kinds(n_groups: int, per_group: int, lookahead: int) -> list[str]:
     """The transfers and barriers a streamed update of `n_groups` groups of
-    `per_group` leaves lowers to: the first `lookahead + 1` groups wait for nothing."""
+    `per_group` leaves lowers to: the first group waits for nothing; every later one
+    waits in one barrier for the update before it (and, after the first
+    `lookahead + 1`, for an earlier group's state on host)."""
     kinds = []
     for g in range(n_groups):
-        kinds += ["barrier"] * (g > lookahead) + ["to_device"] * per_group + ["to_host"] * per_group
+        kinds += ["barrier"] * (g > 0) + ["to_device"] * per_group + ["to_host"] * per_group
     return kinds
+
+
+def _arguments(text: str, memory_kind: str = "") -> list[str]:
+    """The `main` function's arguments (those in `memory_kind`, if given), in order."""
+    header = text[text.index("func.func public @main"):]
+    header = header[: header.index("{\n")]
+    found = re.findall(r"(%arg\d+): tensor<[^>]*>( \{[^}]*\})?", header)
+    return [a for a, attrs in found if memory_kind in attrs]
 
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_streamed_program_structure(lookahead: int) -> None:
-    """Group g comes in after group g - 1 - lookahead is back on host, and after
-    nothing else: with lookahead=1 (double buffering) no transfer of group k + 1 to the
-    device depends on group k's update or on its copy back, so the copies in and out
-    overlap the update."""
+    """Group g comes in after group g - 1's update has run and group g - 1 - lookahead
+    is back on host, and after nothing else: with lookahead=1 (double buffering) no
+    transfer of group k + 1 to the device waits for group k's copy back, so the copies
+    in and out overlap the updates; no gradient is fenced (XLA sees their data flow as
+    in the unwrapped update)."""
     params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(5)}
     opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0, lookahead=lookahead)
-    events = _events(_lower_for_gpu(opt, params))
+    text = _lower_for_gpu(opt, params)
+    gradients = set(_arguments(text)[:5])  # `update(grads, state, params)`: grads first
+    host = set(_arguments(text, "pinned_host"))
+    assert len(host) == 10 and not host & gradients
+    events = _events(text)
     assert [kind for kind, _, _ in events] == _group_kinds(5, 2, lookahead)
-    # Each group's two moves in, in order, and the results of its two moves out.
-    groups_in, groups_out = [], []
+    # Each group's two moves in, in order, the values its two moves out send (its new
+    # state on the device) and their results (on host).
+    groups_in, groups_new, groups_out = [], [], []
     for i, (kind, result, (operand, *_)) in enumerate(events):
         if kind == "to_device" and (not groups_in or len(groups_in[-1]) == 2):
             groups_in.append([])
@@ -293,24 +309,32 @@ def test_streamed_program_structure(lookahead: int) -> None:
             groups_in[-1].append((operand, i))
         if kind == "to_host" and (not groups_out or len(groups_out[-1]) == 2):
             groups_out.append([])
+            groups_new.append([])
         if kind == "to_host":
             groups_out[-1].append(result)
+            groups_new[-1].append(operand)
     barriers = {result: operands for kind, result, operands in events if kind == "barrier"}
     for g, moves in enumerate(groups_in):
         sources = {operand.split("#")[0] for operand, _ in moves}
-        if g <= lookahead:
+        if g == 0:
             # straight from the arguments (host): free to start at the top of the step
-            assert all(s.startswith("%arg") for s in sources), (g, sources)
+            assert sources <= host, sources
             continue
         (barrier,) = sources  # what comes in passed through one barrier ...
         operands = barriers[barrier]
         # ... with the group's own state, straight from the arguments ...
-        assert sum(op.startswith("%arg") for op in operands) == 2, operands
+        assert len(host & set(operands)) == 2, operands
+        # ... after the new state of the group before it, as computed on the device ...
+        assert set(groups_new[g - 1]) <= set(operands), (g, operands)
+        assert not gradients & set(operands), (g, operands)
+        if g <= lookahead:
+            assert len(operands) == 4, (g, operands)
+            continue
         # ... and the state of group g - 1 - lookahead, already sent to host ...
         assert set(groups_out[g - 1 - lookahead]) <= set(operands), (g, operands)
-        # ... and nothing else: not the groups in between (they overlap this copy),
-        # and no device value (the updates are left to XLA, to fuse).
-        assert len(operands) == 4, operands
+        # ... and nothing else: not the groups in between on host (they overlap this
+        # copy), and no other device value (the updates are left to XLA, to fuse).
+        assert len(operands) == 6, operands
         for between in groups_out[g - lookahead: g]:
             assert not set(between) & set(operands), (g, operands)
 
@@ -324,7 +348,7 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
     state = opt.init(params)
     text = jax.jit(opt.update).lower(params, state, params).as_text()
     events = _events(text)
-    assert [kind for kind, _, _ in events] == ["barrier"] * (3 - lookahead)
+    assert [kind for kind, _, _ in events] == ["barrier"] * 3
     host_args = set(re.findall(r"(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", text))
     assert len(host_args) == 8
     for _, _, operands in events:
@@ -481,3 +505,141 @@ def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
     ref_updates, ref_state = jax.jit(ref.update)(grads, ref.init(params), params)
     assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
     assert_offloaded_kinds(state)
+
+
+# ---------------------------------------------------------------------------------- stacked layers
+
+def product_update() -> optax.GradientTransformation:
+    """An update made by a product that `apply_updates` adds to (no trailing scalar
+    operation): its rows are concatenated, not written into the gradient's buffer."""
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        m = jax.tree.map(lambda m, g: 0.5 * m + g, state, updates)
+        return jax.tree.map(lambda m, g: 1e-2 * m * g, m, updates), m
+
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+
+WIDTH, DEPTH = 32, 4
+LAYER_BYTES = 2 * WIDTH * WIDTH * 4  # two moments of one layer's weight, float32
+
+# (optimizer, whether the stacked weight's state is split by layer)
+STACKED: dict[str, tuple[Callable[[], Any], bool]] = {
+    "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), True),
+    # The global norm is taken on the whole gradients first; the pieces only scale them.
+    "clip_then_adam": (lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), True),
+    "product": (product_update, True),
+    # A trust ratio per leaf: norms over all rows of each leaf, so the leaf comes whole.
+    "lamb": (lambda: optax.lamb(1e-2), False),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKED))
+def test_stacked_leaves_stream_by_layer(name: str) -> None:
+    """A training step on a scanned stack of layers: the stacked weight's state streams
+    layer by layer (`group_bytes` of one layer's moments), bitwise equal to the
+    unwrapped optimizer, state donated and back in host memory, one compilation; an
+    update that reduces across the rows of a leaf brings it whole, still bitwise."""
+    make, split = STACKED[name]
+    model = Stacked(WIDTH, DEPTH, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, WIDTH))
+
+    def make_step(opt: Any) -> Callable[..., Any]:
+        def step(model: Any, state: Any) -> Any:
+            grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        return step
+
+    params = eqx.filter(model, eqx.is_array)
+    opt = eqx_offload.offloaded(make(), group_bytes=LAYER_BYTES)
+    state = opt.init(params)
+    plan = eqx_offload.stream_plan(make(), params, state.inner_state, params,
+                                   group_bytes=LAYER_BYTES)
+    rows = [path for group in plan.groups for path in group if path.endswith("]")]
+    if split:
+        # pieces of the weight's rows (the biases are matrices, brought whole)
+        assert len({path.rsplit("[", 1)[1] for path in rows}) >= 2, plan.groups
+        assert all("layers/weight[" in path for path in rows), plan.groups
+        assert max(plan.group_nbytes) <= LAYER_BYTES
+    else:
+        assert rows == [] and max(plan.group_nbytes) >= DEPTH * LAYER_BYTES
+
+    ref_opt = make()
+    ref_model = jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, model)
+    ref_state = ref_opt.init(eqx.filter(ref_model, eqx.is_array))
+    ref_step = eqx.filter_jit(make_step(ref_opt))
+    step = eqx_offload.filter_jit(make_step(opt), donate="all")
+    compiled: list[str] = []
+    for _ in range(2):
+        donated = jax.tree.leaves(state)
+        with count_compiles("step") as compiles:
+            model, state = step(model, state)
+        compiled += compiles
+        assert all(leaf.is_deleted() for leaf in donated)
+        ref_model, ref_state = ref_step(ref_model, ref_state)
+        assert_tree_equal(eqx.filter(model, eqx.is_array), eqx.filter(ref_model, eqx.is_array))
+        assert_tree_equal(state.inner_state, ref_state)
+        assert_offloaded_kinds(state)
+    assert len(compiled) == 1
+
+
+def test_stacked_rows_read_ahead_of_writes() -> None:
+    """With two groups ahead (the rows of the next two pieces are read from the host
+    buffer before earlier pieces are written into it, in place), `jax.jit(update)`
+    equals the unwrapped update, bitwise, and every state leaf stays in host memory;
+    `host_dtype` narrows the rows as it narrows whole leaves."""
+    rng = np.random.default_rng(4)
+    params = {"w": committed(rng.standard_normal((6, 16, 16))), "v": committed(rng.standard_normal((16, 4)))}
+    grads = [make_grads(params, step) for step in range(2)]
+    ref, opt = optax.adamw(1e-2), eqx_offload.offloaded(
+        optax.adamw(1e-2), group_bytes=2 * 16 * 16 * 4, lookahead=2)
+    ref_state, state = ref.init(params), opt.init(params)
+    for g in grads:
+        ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, params)
+        updates, state = jax.jit(opt.update)(g, state, params)
+        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+        assert_offloaded_kinds(state)
+    narrow = dict(host_dtype=jnp.bfloat16, lookahead=2)
+    sliced = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=0, **narrow)
+    whole = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=None, **narrow)
+    a, b = sliced.init(params), whole.init(params)
+    for g in grads:
+        ua, a = jax.jit(sliced.update)(g, a)
+        ub, b = jax.jit(whole.update)(g, b)
+        assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
+    assert a.inner_state[0].mu["w"].dtype == jnp.bfloat16
+    assert a.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
+def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
+    """A stacked leaf sharded across devices keeps its sharding and stays bitwise: split
+    by rows when its columns are sharded; brought whole when its rows are (JAX cannot
+    cut a few rows out of a leaf sharded along them), or when it is the only parameter
+    (its pieces would make Adam's bias corrections read by several operations, which XLA
+    rewrites differently from one; see `_keep_scalar_uses`)."""
+    mesh = jax.make_mesh((4,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    w = jnp.arange(8 * 16 * 16, dtype=jnp.float32).reshape(8, 16, 16) / 1000
+    params = {"w": jax.device_put(w, sharding), "b": jax.device_put(jnp.ones((8, 16)), sharding)}
+    group_bytes = 2 * 16 * 16 * 4
+
+    def split(params: Any) -> bool:
+        state = eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=group_bytes).init(params)
+        plan = eqx_offload.stream_plan(optax.adamw(1e-2), params, state.inner_state, params,
+                                       group_bytes=group_bytes)
+        return any(path.endswith("]") for group in plan.groups for path in group)
+
+    assert split(params) == (spec[0] is None)
+    assert not split({"w": params["w"]})
+    ref, opt = optax.adamw(1e-2), eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=group_bytes)
+    ref_state, state = ref.init(params), opt.init(params)
+    for step in range(2):
+        grads = jax.tree.map(lambda p: p * (step + 1) * 0.1, params)
+        ref_updates, ref_state = jax.jit(ref.update)(grads, ref_state, params)
+        updates, state = jax.jit(opt.update)(grads, state, params)
+        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+    for leaf in jax.tree.leaves(state.inner_state[0].mu):
+        assert leaf.sharding.memory_kind == "pinned_host"
+        assert tuple(leaf.sharding.spec)[: len(spec)] == spec

@@ -628,6 +628,14 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     assert printed[0] == printed[1] and printed[0].startswith(str(tmp_path / "cache")), printed
     assert (pathlib.Path(printed[0]) / "optax" / "__init__.pyi").read_bytes() == (
         stubs / "mypy" / "optax" / "__init__.pyi").read_bytes()
+    # The installed stubs are the checkout's, byte for byte: what the checker table
+    # (test_checker_reports_exactly_the_expected_errors) proves of typings/, with every
+    # checker over good_usage.py and every bad_*.py, holds for the wheel's. Here the
+    # docs' commands run once each against the wheel, on a file whose errors need the
+    # stubs (their exact set: nothing missed, nothing stray).
+    installed = _site_packages(venv) / "eqx_offload" / ".typings"
+    assert {p.relative_to(installed): p.read_bytes() for p in installed.rglob("*.pyi")} == {
+        p.relative_to(stubs): p.read_bytes() for p in stubs.rglob("*.pyi")}
 
     project = tmp_path / "project"
     project.mkdir()
@@ -643,12 +651,10 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     mypy = _docs_block("mypy --strict").strip().splitlines()[-1]
     pytype = _docs_block("pytype-single --pythonpath=$(python -m eqx_offload typings) train.py")
     pytype = pytype.strip().splitlines()[-1]
-    assert run(mypy, "train.py").strip().endswith("Success: no issues found in 1 source file")
     found = {(int(m[1]), m[2]) for m in re.finditer(r"bad_narrowing.py:(\d+): error: .*\[([a-z-]+)\]",
                                                      run(mypy, "bad_narrowing.py"))}
     assert found == expected["mypy"]
     if TABLE.PYTYPE_RUNS:
-        assert "error" not in run(pytype, "train.py")
         found = {(int(m[1]), m[2]) for m in re.finditer(
             r"bad_narrowing.py:(\d+):\d+: .*\[([a-z-]+)\]", run(pytype, "bad_narrowing.py"))}
         assert found == expected["pytype"]
