@@ -252,6 +252,7 @@ class _Output:
 
 GPU_STREAMED_OPTIONS: dict[str, Any] = {
     "xla_gpu_experimental_parallel_async_compute_limit": 32,
+    "xla_gpu_dot_merger_threshold_mb": 0,
 }
 """What `filter_jit` compiles with by default for a GPU when the step streams an
 offloaded state (see `default_compiler_options`)."""
@@ -262,28 +263,34 @@ _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 def default_compiler_options(platform: str, streamed: bool) -> dict[str, Any]:
     """The XLA options `filter_jit` compiles with unless its `compiler_options` (or
     `.compile(...)`'s) say otherwise: none, except for a GPU when the step runs
-    `offloaded`'s streamed update (its default under `jit`, or `group_bytes=N`). The
-    option changes the schedule, not what any kernel computes; the CPU backend gets
-    none, so its programs (and results) are unchanged.
+    `offloaded`'s streamed update (its default under `jit`, or `group_bytes=N`). They
+    change the schedule and which matrix products XLA merges, not what any kernel
+    computes element by element; the CPU backend gets none, so its programs (and
+    results) are unchanged.
 
-    `xla_gpu_experimental_parallel_async_compute_limit=32`: XLA's GPU latency-hiding
-    scheduler treats every host<->device copy as an asynchronous operation on one
-    resource (`kGpuAsyncStreamComputes`), of which this many may be in flight at once
-    (XLA's default: 2; `GpuAsyncTracker::GetNumAvailableResources` in
-    `xla/service/gpu/gpu_latency_hiding_scheduler.cc`). The streamed update moves
-    several state leaves each way per group (Adam: `mu` and `nu` of every parameter),
-    so with 2 the copies of a group wait for each other and run back to back with no
-    kernel under them. The barriers of the streamed update, not this limit, bound how
-    much state is on the device; without them (the whole state at once,
-    `group_bytes=None`) the limit lets every copy start during the forward pass (in the
-    plan of an MLP 2048 x 8: 580 MiB at the peak instead of 500 MiB), so that mode, and
-    any other program with host arrays, keeps XLA's defaults.
+    - `xla_gpu_experimental_parallel_async_compute_limit=32`: XLA's GPU latency-hiding
+        scheduler treats every host<->device copy as an asynchronous operation on one
+        resource (`kGpuAsyncStreamComputes`), of which this many may be in flight at
+        once (XLA's default: 2; `GpuAsyncTracker::GetNumAvailableResources` in
+        `xla/service/gpu/gpu_latency_hiding_scheduler.cc`). The streamed update moves
+        several state leaves each way per group (Adam: `mu` and `nu` of every
+        parameter), so with 2 the copies of a group wait for each other and run back to
+        back with no kernel under them. The barriers of the streamed update, not this
+        limit, bound how much state is on the device; without them (the whole state at
+        once, `group_bytes=None`) the limit lets every copy start during the forward
+        pass (in the plan of an MLP 2048 x 8: 580 MiB at the peak instead of 500 MiB),
+        so that mode, and any other program with host arrays, keeps XLA's defaults.
+    - `xla_gpu_dot_merger_threshold_mb=0`: XLA merges matrix products that share an
+        operand (a transformer's q, k and v projections) into one; in a step with the
+        copies, its scheduler then keeps the merged product alive from the forward pass
+        to the backward pass (in the plan of the benchmark's transformer, 8 x 48 MiB at
+        the peak), where separate products are freed one by one.
 
     In XLA's plan (H200, `eqx_offload.gpu_plan`), with the streamed update's barrier on
-    the previous group's update, it takes the default `offloaded(optax.adamw(...))` step
-    of the benchmark's 118M-parameter transformer from 4687 MiB with 51% of its state's
-    copies under compute to 4427 MiB with 100% (see the "GPU plan" docs page for every
-    workload)."""
+    the previous group's update, they take the default `offloaded(optax.adamw(...))`
+    step of the benchmark's 118M-parameter transformer from 4687 MiB with 51% of its
+    state's copies under compute to 4427 MiB with 100% (4683 MiB with the limit alone;
+    see the "GPU plan" docs page for every workload)."""
     if platform.lower() in _GPU_PLATFORMS and streamed:
         return dict(GPU_STREAMED_OPTIONS)
     return {}
@@ -302,7 +309,8 @@ def note_streamed() -> None:
 
 
 def _platform_of(call: _Call) -> str:
-    devices = [d for s in call.in_shardings for d in s.device_set]
+    """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
+    devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
     return str(devices[0].platform) if devices else jax.default_backend()
 
 
@@ -598,10 +606,11 @@ def filter_jit(
     - `compiler_options`: XLA options for this function's executables alone (as
         `jax.jit(f).lower(...).compile(compiler_options=...)`), e.g. the GPU
         latency-hiding scheduler's (see the "Modes" docs page). Default `None`. For a
-        GPU step that streams an `offloaded` state (its default), `filter_jit` raises
-        XLA's scheduler's limit on copies in flight
-        (`xla_gpu_experimental_parallel_async_compute_limit=32`, XLA's default 2; see
-        the "GPU plan" docs page) unless these set it. On the CPU it adds nothing.
+        GPU step that streams an `offloaded` state (its default), `filter_jit` adds
+        two options of its own, which these override: XLA's scheduler's limit on
+        copies in flight (`xla_gpu_experimental_parallel_async_compute_limit=32`,
+        XLA's default 2) and `xla_gpu_dot_merger_threshold_mb=0` (see the "GPU plan"
+        docs page). On the CPU it adds nothing.
 
     **Returns:**
 
