@@ -60,6 +60,9 @@ _PASS_THROUGH = frozenset({
     # or saved residuals live in host memory (parameter and activation offload) only
     # passes them through.
     "remat2",
+    # `jax.custom_batching.custom_vmap` (`scan_layers`' prefetched passes): its
+    # sub-jaxpr is checked in turn.
+    "custom_vmap_call",
     # Equinox's identities (used by its loops and by optimistix's solvers):
     # `select_if_vmap` returns its first operand as is outside `vmap`
     # (`equinox/internal/_loop/common.py`; under `vmap` it becomes the `select_n` this

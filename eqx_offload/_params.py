@@ -2,8 +2,9 @@
 during the step, and come to the device only while the layer that uses them computes.
 
 - `scan_layers`: stacked layers (built with `eqx.filter_vmap`) run by `jax.lax.scan`;
-  each iteration brings its layer's slice to the device inside a rematted body, so the
-  backward pass fetches it again instead of keeping device copies.
+  each iteration computes with one layer's slice on the device while it fetches the
+  next layer's (a custom VJP does the same in the backward pass, which recomputes each
+  layer and fetches its weights again instead of keeping device copies).
 - `HostWeights` / `host_weights`: the same for one module of an unscanned model.
 - `with_host_params`: an optax transformation that accepts host-resident gradients and
   parameters (its updates are on the device).
@@ -18,11 +19,12 @@ from typing import Any, Generic, Optional, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from ._errors import OptionError
+from ._errors import CompositionError, OptionError
 from ._move import move, to_host
 from ._leaves import is_traced
 from ._placement import is_host, memory_kind_of
@@ -57,6 +59,7 @@ def scan_layers(
     policy: Optional[Policy] = None,
     offload_input: bool = False,
     unroll: int = 1,
+    prefetch: bool = True,
 ) -> _C:
     """Runs stacked layers one after the other, each with its weights brought to the
     device only while it computes.
@@ -64,13 +67,25 @@ def scan_layers(
     `layers` is the Equinox idiom for a stack of identical layers: one module whose
     array leaves have a leading axis of length `L` (e.g.
     `eqx.filter_vmap(make_layer)(jax.random.split(key, L))`). `scan_layers` is
-    `jax.lax.scan` over that axis, with a rematted body (`jax.checkpoint`) that first
-    moves the layer's slice of every host-resident leaf to the device. Weights kept in
-    host memory (`eqx_offload.to_host(layers)`) are then on the device one layer at a
-    time, in the forward pass and again in the backward pass (which recomputes the
-    layer), and their gradients come back to host memory (`pinned_host`). Leaves
-    already on the device are used as they are; on the CPU backend every move is a
-    no-op and the result is bitwise that of the same scan without the moves.
+    `jax.lax.scan` over that axis with a rematted body (`jax.checkpoint`): the backward
+    pass recomputes each layer from its input. Weights kept in host memory
+    (`eqx_offload.to_host(layers)`) come to the device one layer at a time, in the
+    forward pass and again in the backward pass, and their gradients go back to host
+    memory (`pinned_host`). Leaves already on the device are used as they are; on the
+    CPU backend every move is a no-op and the result is bitwise that of the same
+    rematted scan without the moves.
+
+    By default (`prefetch=True`) the fetches are pipelined: while layer `i` computes,
+    layer `i + 1`'s weights come to the device (layer `i - 1`'s in the backward pass),
+    so a copy waits for nothing but the layer before it. That holds one more layer of
+    weights on the device. On a GPU, XLA's scheduler runs a layer's fetches (one per
+    host leaf) side by side only with room for them:
+    `compiler_options={"xla_gpu_experimental_parallel_async_compute_limit": 32}` on
+    `eqx_offload.filter_jit` (or `jax.jit(...).lower(...).compile(...)`); XLA's default
+    runs them one after the other, most before the layer's kernels. With a `policy`
+    or `prefetch=False`, each iteration fetches its own layer at its top instead.
+    Under `jax.vmap` (the model called per example) the layer is batched inside the
+    scan, so each weight gradient is one sum, as without offload.
 
     **Arguments:**
 
@@ -85,7 +100,11 @@ def scan_layers(
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
         `eqx_offload.LAYER_INPUT` and the policy offloads that name.
-    - `unroll`: as `jax.lax.scan`.
+    - `unroll`: as `jax.lax.scan`. (With weights in host memory, XLA's GPU compiler
+        of JAX 0.12 rejects `unroll=2`: a layout check fails.)
+    - `prefetch`: fetch the next layer's host-resident weights while this layer
+        computes (default `True`; used when some leaf is in host memory and `policy`
+        is `None`). `False`: fetch each layer in its own iteration.
 
     **Returns:**
 
@@ -112,9 +131,14 @@ def scan_layers(
     """
     if not isinstance(offload_input, bool):
         raise OptionError(f"scan_layers(offload_input={offload_input!r}): pass True or False.")
+    if not isinstance(prefetch, bool):
+        raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+    if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
+        prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+        return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)
-    dynamic, static = eqx.partition(layers, eqx.is_array)
 
     def layer_body(carry: Any, layer_arrays: Any) -> Any:
         if offload_input:
@@ -130,6 +154,233 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+# ----------------------------------------------------------------------------------------
+# The prefetched layer scan
+#
+# Fetching a layer's weights at the top of its own iteration leaves nothing for the
+# copy to overlap: every kernel of the layer needs them. Here iteration `i` computes
+# layer `i` with weights fetched by iteration `i - 1` (carried across the loop as device
+# arrays) while it fetches layer `i + 1`'s; the backward pass, a reverse scan written
+# out by a custom VJP, does the same downwards (computing layer `i`'s VJP while it
+# fetches layer `i - 1`). A custom VJP because JAX's own transpose of such a scan would
+# keep every iteration's carried device weights as residuals: `L` layers on the device.
+# The cost is one more layer of weights on the device (the one in flight), and one
+# fetch too many at each end (the index is clamped, so the last iteration of each pass
+# fetches a layer again rather than branching).
+
+
+def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
+    """Layer `i`'s slice of each stacked host leaf, moved to the device (sliced in host
+    memory, squeezed on the device: only the slice touches host memory)."""
+    slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
+              for a in host_leaves]
+    return [a[0] for a in _fetch(slices)]
+
+
+def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
+    fetched_it, device_it = iter(fetched), iter(device_slices)
+    return [next(fetched_it) if h else next(device_it) for h in on_host]
+
+
+def _zero_if_inexact(a: Any) -> Any:
+    return jnp.zeros_like(a) if eqx.is_inexact_array(a) else None
+
+
+def _zeros_like_inexact(tree: Any) -> Any:
+    return jtu.tree_map(_zero_if_inexact, tree)
+
+
+def _axis(batched: Optional[bool]) -> Optional[int]:
+    return 0 if batched else None
+
+
+def _axes(batched: Any) -> Any:
+    return jtu.tree_map(_axis, batched)
+
+
+def _broadcast(tree: Any, batched: Any, size: int) -> Any:
+    def one(a: Any, b: bool) -> Any:
+        return a if b else jnp.broadcast_to(a, (size, *a.shape))
+    return jtu.tree_map(one, tree, batched)
+
+
+def _all(tree: Any, value: bool) -> Any:
+    """`tree` with every leaf replaced by `value` (a vmap rule's batched flags)."""
+    def constant(_: Any) -> bool:
+        return value
+    return jtu.tree_map(constant, tree)
+
+
+def _add_unless_none(u: Any, v: Any) -> Any:
+    return None if u is None else u + v
+
+
+def _flag_unless_none(c: Any, b: Optional[bool]) -> Optional[bool]:
+    return None if c is None else b
+
+
+def _cotangent(g: Any, a: Any) -> Any:
+    """A symbolic zero cotangent (`None`) of an inexact output, made concrete."""
+    return jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g
+
+
+def _check_unbatched(batched_leaves: list[bool]) -> None:
+    if any(batched_leaves):
+        raise CompositionError(
+            "scan_layers(prefetch=True): `jax.vmap` maps over the stacked layers "
+            "themselves (an ensemble) with weights in host memory; the prefetch would "
+            "slice and stack them across the batch in host memory. Pass prefetch=False, "
+            "or vmap over the inputs only.")
+
+
+def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
+                     offload_input: bool, unroll: int) -> Any:
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    on_host = [is_host(a) for a in leaves]
+    length = leaves[0].shape[0]
+
+    def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
+        return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
+
+    # `call` may close over traced values (a mask, a differentiated scale): make them
+    # explicit, so that the custom VJP differentiates them too.
+    example = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
+    converted = eqx.filter_closure_convert(layer_call, example, x)
+    consts, conv_static = eqx.partition(converted, eqx.is_array)
+
+    def apply(layer: list[Any], h: Any, consts: Any, batched: Any) -> Any:
+        """One layer; under `vmap` (`batched`: which consts are batched; `h` is), the
+        layer is vmapped over the batch inside, its weights not."""
+        def one(h: Any, consts: Any) -> Any:
+            return eqx.combine(consts, conv_static)(layer, h)
+        if batched is None:
+            return one(h, consts)
+        return jax.vmap(one, in_axes=(0, _axes(batched)))(h, consts)
+
+    def split(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
+        return ([a for a, h in zip(leaves, on_host, strict=True) if h],
+                [a for a, h in zip(leaves, on_host, strict=True) if not h])
+
+    def forward(leaves: list[Any], x: Any, consts: Any, save: bool, batched: Any) -> Any:
+        host_leaves, device_leaves = split(leaves)
+
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
+            h, current = carry
+            i, device_slices = xs
+            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, length - 1))
+            saved = (to_host(h) if offload_input else h) if save else None
+            y = apply(_merge(current, device_slices, on_host), h, consts, batched)
+            return (y, following), saved
+
+        first = _fetch_layer(host_leaves, 0)
+        (out, _), inputs = jax.lax.scan(body, (x, first), (jnp.arange(length), device_leaves),
+                                        unroll=unroll)
+        return (out, inputs) if save else out
+
+    def backward(leaves: list[Any], consts: Any, inputs: Any, g: Any, batched: Any) -> Any:
+        host_leaves, device_leaves = split(leaves)
+        diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
+
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
+            g, current, g_consts = carry
+            i, device_slices, h = xs
+            preceding = _fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
+            if offload_input:
+                h = _fetch(h)
+
+            def f(layer: list[Any], h: Any, diff: Any) -> Any:
+                return apply(layer, h, eqx.combine(diff, nondiff), batched)
+
+            _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, on_host), h, diff)
+            g_layer, g_h, g_c = vjp(g)
+            g_host, g_device = split(g_layer)
+            g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=_is_none)
+            return (g_h, preceding, g_consts), (to_host(g_host), g_device)
+
+        zeros = _zeros_like_inexact(diff)
+        last = _fetch_layer(host_leaves, length - 1)
+        (g_x, _, g_consts), (g_host, g_device) = jax.lax.scan(
+            body, (g, last, zeros), (jnp.arange(length), device_leaves, inputs),
+            reverse=True, unroll=unroll)
+        return _merge(g_host, g_device, on_host), g_x, g_consts
+
+    # Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be
+    # batched whole, its backward pass computing every example's weight gradients; these
+    # rules batch the layer inside instead, so each weight gradient is one sum, as JAX's
+    # own transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks)
+    # are refused: their slices and gradients would need the batch axis moved in host
+    # memory.
+    @jax.custom_batching.custom_vmap
+    def forward_only(leaves: list[Any], x: Any, consts: Any) -> Any:
+        return forward(leaves, x, consts, False, None)
+
+    @forward_only.def_vmap
+    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
+        batched_leaves, batched_x, batched_consts = in_batched
+        _check_unbatched(batched_leaves)
+        out = forward(leaves, _broadcast(x, batched_x, size), consts, False, batched_consts)
+        return out, _all(out, True)
+
+    @jax.custom_batching.custom_vmap
+    def forward_saving(leaves: list[Any], x: Any, consts: Any) -> Any:
+        return forward(leaves, x, consts, True, None)
+
+    @forward_saving.def_vmap
+    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
+        batched_leaves, batched_x, batched_consts = in_batched
+        _check_unbatched(batched_leaves)
+        out, inputs = forward(leaves, _broadcast(x, batched_x, size), consts, True,
+                              batched_consts)
+        return (out, inputs), (_all(out, True), _all(inputs, False))
+
+    @jax.custom_batching.custom_vmap
+    def backward_batched(leaves: list[Any], consts: Any, inputs: Any, g: Any) -> Any:
+        if any(i.ndim == c.ndim + 2 for i, c in zip(jtu.tree_leaves(inputs), jtu.tree_leaves(g))):
+            # The layer inputs of the batched forward rule (`[L, batch, ...]`, marked
+            # unbatched: the batch axis is not in front). The backward pass is then
+            # batched too and only its rule below computes; `custom_vmap` still traces
+            # this function once for one example's types, which are these.
+            return _zeros_like_inexact((leaves, g, consts))
+        return backward(leaves, consts, inputs, g, None)
+
+    @backward_batched.def_vmap
+    def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, inputs: Any,
+          g: Any) -> Any:
+        batched_leaves, batched_consts, batched_inputs, batched_g = in_batched
+        _check_unbatched(batched_leaves)
+        if any(jtu.tree_leaves(batched_inputs)):  # vmapped twice: a second batch axis
+            raise CompositionError(
+                "scan_layers(prefetch=True): the backward pass is batched over two axes "
+                "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
+        g_leaves, g_x, g_consts = backward(leaves, consts, inputs,
+                                           _broadcast(g, batched_g, size), batched_consts)
+        flags = (_all(g_leaves, False), _all(g_x, True),
+                 jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
+        return (g_leaves, g_x, g_consts), flags
+
+    @eqx.filter_custom_vjp
+    def scan(vjp_arg: Any) -> Any:
+        return forward_only(*vjp_arg)
+
+    def scan_fwd(perturbed: Any, vjp_arg: Any) -> Any:
+        del perturbed
+        return forward_saving(*vjp_arg)
+
+    def scan_bwd(inputs: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
+        del perturbed
+        leaves, x, consts = vjp_arg
+        g = jtu.tree_map(_cotangent, g, x, is_leaf=_is_none)
+        g_leaves, g_x, g_consts = backward_batched(leaves, consts, inputs, g)
+        return g_leaves, g_x, g_consts
+
+    rules: Any = scan  # (Equinox's `def_fwd`/`def_bwd` are untyped)
+    rules.def_fwd(scan_fwd)
+    rules.def_bwd(scan_bwd)
+
+    out: Any = scan((leaves, x, consts))
+    return out
 
 
 class HostWeights(eqx.Module, Generic[_M]):

@@ -58,8 +58,8 @@ def test_parameter_offload_frees_what_it_moves() -> None:
     # ... and at least 80% of those bytes leave the device's peak
     freed = on_device.device_peak_bytes - on_host.device_peak_bytes
     assert freed >= 0.8 * 2 * WEIGHT_BYTES, (freed, on_device.summary(), on_host.summary())
-    # (XLA reads each layer's slice straight from host memory inside the loop: the
-    # plan has no separate copy instructions for them to count.)
+    # (XLA fetches each layer's slice with an asynchronous dynamic-slice from host
+    # memory inside the loop; test_prefetched_weight_fetches_... counts those.)
 
 
 def test_activation_offload_frees_what_it_moves() -> None:
@@ -103,3 +103,53 @@ def test_master_weights_keep_fp32_off_the_device() -> None:
     # on the device: at most what the plain step holds less the fp32 master and moments
     assert mixed.device_peak_bytes <= plain.device_peak_bytes - 2 * fp32, (
         plain.summary(), mixed.summary())
+
+
+class MLPBlock(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None:
+    """`scan_layers` fetches layer `i + 1`'s weights while layer `i` computes (and layer
+    `i - 1`'s in the backward pass). With room in XLA's scheduler for a layer's fetches
+    at once (`xla_gpu_experimental_parallel_async_compute_limit`), every fetch in the
+    plan has kernels between its start and its end, most of them the layer's, at the
+    cost of one layer of weights on the device; fetched at the top of their own
+    iteration they span only what runs before the layer first uses them."""
+    n, d, b = 4, 256, 128
+
+    def blocks() -> Any:
+        return eqx.filter_vmap(lambda k: MLPBlock(
+            eqx.nn.Linear(d, 4 * d, key=k), eqx.nn.Linear(4 * d, d, key=jax.random.fold_in(k, 1))))(
+            jax.random.split(jax.random.key(0), n))
+
+    def step_for(prefetch: bool) -> Any:
+        def step(layers: Any, x: jax.Array) -> Any:
+            def loss(layers: Any) -> jax.Array:
+                return jnp.sum(jax.vmap(
+                    lambda x: eqx_offload.scan_layers(layers, x, prefetch=prefetch))(x) ** 2)
+            return jax.grad(loss)(layers)
+        return step
+
+    x = jnp.ones((b, d))
+    options = {"xla_gpu_experimental_parallel_async_compute_limit": 32}
+    on_host = eqx_offload.to_host(blocks())
+    prefetched = eqx_offload.gpu_plan(step_for(True), on_host, x, compiler_options=options)
+    fetched = eqx_offload.gpu_plan(step_for(False), on_host, x, compiler_options=options)
+    # every to-device copy of these steps is a fetch of one layer's weights
+    fetches = prefetched.copies_to("to_device")
+    assert len(fetches) >= 4 * 2  # 4 leaves, both passes
+    assert prefetched.overlapped_fraction("to_device") >= 0.9, fetches
+    # ... and the layer's kernels run under it: the median prefetched fetch spans at
+    # least as many kernels as any fetched at the top of its own iteration (which has
+    # only what precedes the layer's first use of its weights)
+    under = sorted(c.kernels for c in fetches)
+    at_top = max(c.kernels for c in fetched.copies_to("to_device"))
+    assert under[len(under) // 2] > at_top, (under, fetched.copies)
+    layer_bytes = (2 * 4 * d * d + 4 * d + d) * 4
+    extra = prefetched.device_peak_bytes - fetched.device_peak_bytes
+    assert extra <= 1.1 * layer_bytes, (extra, layer_bytes)

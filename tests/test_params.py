@@ -5,6 +5,7 @@ On the CPU backend every move is a no-op, so each program is compared bitwise wi
 same program without the moves; the structure (what is fetched where, what the backward
 pass keeps) is read from the jaxpr and from the program lowered for CUDA."""
 
+import functools
 import re
 from typing import Any
 
@@ -78,25 +79,132 @@ def _scans(jaxpr: Any) -> list[Any]:
     return [e for e in walk_eqns(jaxpr) if e.primitive.name == "scan"]
 
 
-def test_scan_layers_fetches_one_layer_per_iteration_in_both_passes() -> None:
+def _carries_a_device_layer(body: Any) -> bool:
+    """Whether a scan body takes and returns one layer's weight in device memory."""
+    def device_layer(vs: Any) -> bool:
+        return any(v.aval.shape == (D, D) and v.aval.memory_space == jax.memory.Space.Device
+                   for v in vs)
+    return device_layer(body.jaxpr.invars) and device_layer(body.jaxpr.outvars)
+
+
+def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
     """The forward scan and the backward scan each take the stacked weights from host
-    memory and move one slice to the device inside their body; no stacked device copy
-    of a weight is kept between the passes (the forward scan's outputs, its residuals,
-    hold no `[L, D, D]` device array)."""
+    memory and, inside their body, move one layer's slice to the device: the next
+    layer's (forward) or the previous one's (backward), carried to the next iteration as
+    a device array. No stacked device copy of a weight is kept between the passes (the
+    forward scan's outputs, its residuals, hold no `[L, D, D]` device array), and the
+    weight gradients leave the backward scan in host memory."""
     on_host = eqx_offload.to_host(make_layers())
     jaxpr = jax.make_jaxpr(jax.grad(scan_loss))(on_host, jnp.ones(D))
-    forward, backward = (e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    forward, backward = _scans(jaxpr)
+    assert backward.params["reverse"]
     for scan in (forward, backward):
         weights_in = [v.aval for v in scan.invars if v.aval.shape == (L, D, D)]
         assert weights_in and all(a.memory_space == jax.memory.Space.Host for a in weights_in)
-        fetches = [e for e in walk_eqns(scan.params["jaxpr"]) if e.primitive.name == "device_put"
+        body = scan.params["jaxpr"]
+        fetches = [e for e in walk_eqns(body) if e.primitive.name == "device_put"
                    and jax.memory.Space.Device in e.params["devices"]]
-        assert any(v.aval.shape == (D, D) for e in fetches for v in e.outvars)
+        assert any(v.aval.shape == (1, D, D) for e in fetches for v in e.outvars)
+        # the prefetched layer is a carry: a device weight in and out of every iteration
+        assert _carries_a_device_layer(body)
     residuals = [v.aval for v in forward.outvars if v.aval.ndim == 3]
     assert all(a.memory_space == jax.memory.Space.Host for a in residuals if a.shape == (L, D, D))
-    # The gradients of the weights leave the backward scan in host memory.
     grads_out = [v.aval for v in backward.outvars if v.aval.shape == (L, D, D)]
     assert grads_out and all(a.memory_space == jax.memory.Space.Host for a in grads_out)
+
+
+def test_scan_layers_without_prefetch_fetches_each_layer_in_its_own_iteration() -> None:
+    """`prefetch=False` (and any `policy`): the rematted body fetches its own layer; the
+    same bits either way."""
+    on_host = eqx_offload.to_host(make_layers())
+    x = jax.random.normal(jax.random.key(1), (D,))
+
+    def loss(layers: Any, prefetch: bool) -> jax.Array:
+        return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer, prefetch=prefetch) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(on_host, False)
+    scans = _scans(jaxpr)
+    assert len(scans) == 2 and not any(_carries_a_device_layer(e.params["jaxpr"]) for e in scans)
+    fetched = jax.jit(jax.value_and_grad(loss), static_argnums=1)(on_host, False)
+    prefetched = jax.jit(jax.value_and_grad(loss), static_argnums=1)(on_host, True)
+    assert host_bytes(fetched) == host_bytes(prefetched)
+    assert memory_kinds(fetched[1]) == memory_kinds(prefetched[1])
+
+
+def test_scan_layers_prefetches_only_the_host_leaves() -> None:
+    """Weights in host memory, biases on the device: only the weights are prefetched
+    (carried), the biases are sliced on the device; the same bits, each gradient in its
+    leaf's memory."""
+    layers = make_layers()
+    x = jax.random.normal(jax.random.key(1), (D,))
+    mixed = eqx.tree_at(lambda m: m.weight, layers, replace_fn=eqx_offload.to_host)
+    got = jax.jit(jax.value_and_grad(scan_loss))(mixed, x)
+    want = jax.jit(jax.value_and_grad(plain_loss))(layers, x)
+    assert host_bytes(got) == host_bytes(want)
+    assert memory_kinds(got[1]) == {"weight": "pinned_host", "bias": "device"}
+    jaxpr = jax.make_jaxpr(jax.grad(scan_loss))(mixed, x)
+    assert all(_carries_a_device_layer(e.params["jaxpr"]) for e in _scans(jaxpr))
+
+
+@pytest.mark.parametrize("offload_input", [False, True])
+def test_scan_layers_under_vmap_is_bitwise_and_sums_weight_gradients_inside(
+    offload_input: bool,
+) -> None:
+    """The Equinox idiom: the model runs per example under `jax.vmap`. The weight
+    gradients are one sum computed inside the backward scan (no per-example weight
+    gradients in host memory), a differentiated value `call` closes over gets its
+    gradient, and everything is bitwise the plain rematted scan's (the layer inputs
+    kept in host memory or not)."""
+    layers = make_layers()
+    xs = jax.random.normal(jax.random.key(1), (3, D))
+    scales = jnp.arange(1.0, 4.0)
+
+    def loss(scan: Any, layers: Any, scale: jax.Array, scales: jax.Array) -> jax.Array:
+        def one(x: jax.Array, per_example: jax.Array) -> jax.Array:
+            def call(layer: Any, h: jax.Array) -> jax.Array:
+                return jnp.tanh(layer(h)) * scale * per_example
+            return scan(layers, x, call)
+        return jnp.sum(jax.vmap(one)(xs, scales) ** 2)
+
+    def plain(layers: Any, x: jax.Array, call: Any) -> jax.Array:
+        dynamic, static = eqx.partition(layers, eqx.is_array)
+
+        def body(h: jax.Array, arrays: Any) -> tuple[jax.Array, None]:
+            return jax.checkpoint(lambda h, a: call(eqx.combine(a, static), h))(h, arrays), None
+
+        return jax.lax.scan(body, x, dynamic)[0]
+
+    grad = jax.grad(loss, argnums=(1, 2, 3))
+    on_host = eqx_offload.to_host(layers)
+    scan = functools.partial(eqx_offload.scan_layers, offload_input=offload_input)
+    got = jax.jit(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
+    want = jax.jit(grad, static_argnums=0)(plain, layers, jnp.float32(0.5), scales)
+    assert host_bytes(got) == host_bytes(want)
+    assert memory_kinds(got[0]) == {"weight": "pinned_host", "bias": "pinned_host"}
+    jaxpr = jax.make_jaxpr(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
+    host_outputs = [v.aval.shape for e in _scans(jaxpr) for v in e.outvars
+                    if v.aval.memory_space == jax.memory.Space.Host]
+    assert (L, D, D) in host_outputs and (L, 3, D, D) not in host_outputs
+
+
+def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
+    """`filter_jit` lets a `dynamic_slice` of a host array through (the prefetch's
+    fetch, which XLA turns into one asynchronous copy) and still refuses computing on
+    the slice in host memory."""
+    stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), jax.memory.Space.Host)
+
+    def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
+        row = jax.lax.dynamic_slice(a, (i, 0), (1, 3))
+        return jax.device_put(row, jax.memory.Space.Device)[0] * 2
+
+    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
+    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
+
+    def compute(a: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2
+
+    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+        eqx_offload.filter_jit(compute)(stacked, jnp.int32(2))
 
 
 def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
@@ -125,7 +233,7 @@ def test_scan_layers_offload_input_offloads_the_residual_stream() -> None:
 
     def residual_spaces(offload_input: bool) -> list[Any]:
         jaxpr = jax.make_jaxpr(jax.grad(scan_loss), static_argnums=2)(on_host, x, offload_input)
-        forward = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+        forward = _scans(jaxpr)[0]
         return [v.aval.memory_space for v in forward.outvars if v.aval.shape == (L, D)]
 
     assert residual_spaces(True) == [jax.memory.Space.Host]
@@ -150,10 +258,31 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
     assert host_bytes(offloading) == host_bytes(saving)
 
 
-def test_scan_layers_rejects_a_non_bool_offload_input() -> None:
+def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
+    """`jax.vmap` over the stacked layers themselves (an ensemble) with weights in host
+    memory: the prefetch refuses, naming the fix; `prefetch=False` is bitwise."""
+    ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
+    x = jnp.ones((2, D))
+
+    def loss(layers: Any, prefetch: bool) -> jax.Array:
+        def one(layers: Any, x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(layers, x, tanh_layer, prefetch=prefetch)
+        return jnp.sum(jax.vmap(one)(layers, x) ** 2)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    with pytest.raises(eqx_offload.CompositionError, match="prefetch=False"):
+        grad(eqx_offload.to_host(ensemble), True)
+    got = grad(eqx_offload.to_host(ensemble), False)
+    assert host_bytes(got) == host_bytes(grad(ensemble, False))
+    assert memory_kinds(got) == {"weight": "pinned_host", "bias": "pinned_host"}
+
+
+def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
+    from helpers import unchecked
     with pytest.raises(eqx_offload.OptionError, match="offload_input"):
-        from helpers import unchecked
         unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
+    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
 
 
 def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None:

@@ -356,6 +356,7 @@ def scan_layers(
     policy: Optional[Policy] = None,
     offload_input: bool = False,
     unroll: int = 1,
+    prefetch: bool = True,
 ) -> _C: ...
 
 class HostWeights(eqx.Module, Generic[_M]):
