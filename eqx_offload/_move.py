@@ -207,8 +207,9 @@ def narrow_state(options: Options, tree: _T, where: Where = True) -> _T:
         return tree
     leaves, treedef = jtu.tree_flatten(tree)
     mask = leaf_mask(tree, where)
-    return jtu.tree_unflatten(treedef, [
+    narrowed: _T = jtu.tree_unflatten(treedef, [
         _narrow(options, x) if m else x for x, m in zip(leaves, mask, strict=True)])
+    return narrowed
 
 
 def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
