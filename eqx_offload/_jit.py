@@ -238,6 +238,7 @@ class _Output:
     leaves: list[Any]
     positions: list[int]
     streamed: bool = False
+    prefetched: bool = False
 
     def rebuild(self, arrays: Sequence[Any]) -> Any:
         leaves = list(self.leaves)
@@ -257,13 +258,23 @@ GPU_STREAMED_OPTIONS: dict[str, Any] = {
 """What `filter_jit` compiles with by default for a GPU when the step streams an
 offloaded state (see `default_compiler_options`)."""
 
+GPU_PREFETCHED_OPTIONS: dict[str, Any] = {
+    "xla_gpu_experimental_parallel_async_compute_limit": 32,
+}
+"""What `filter_jit` compiles with by default for a GPU when the step prefetches layer
+weights from host memory (`eqx_offload.scan_layers`) and streams no state."""
+
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 
-def default_compiler_options(platform: str, streamed: bool) -> dict[str, Any]:
+def default_compiler_options(platform: str, streamed: bool,
+                             prefetched: bool = False) -> dict[str, Any]:
     """The XLA options `filter_jit` compiles with unless its `compiler_options` (or
     `.compile(...)`'s) say otherwise: none, except for a GPU when the step runs
-    `offloaded`'s streamed update (its default under `jit`, or `group_bytes=N`). They
+    `offloaded`'s streamed update (its default under `jit`, or `group_bytes=N`), or
+    `scan_layers`' prefetch of host weights (then the copy limit alone: each layer's
+    fetches, one per host leaf, wait for the layer before by data flow, so the limit
+    lets them run side by side under that layer instead of one after the other). They
     change the schedule and which matrix products XLA merges, not what any kernel
     computes element by element; the CPU backend gets none, so its programs (and
     results) are unchanged.
@@ -291,21 +302,26 @@ def default_compiler_options(platform: str, streamed: bool) -> dict[str, Any]:
     step of the benchmark's 118M-parameter transformer from 4687 MiB with 51% of its
     state's copies under compute to 4427 MiB with 100% (4683 MiB with the limit alone;
     see the "GPU plan" docs page for every workload)."""
-    if platform.lower() in _GPU_PLATFORMS and streamed:
+    if platform.lower() not in _GPU_PLATFORMS:
+        return {}
+    if streamed:
         return dict(GPU_STREAMED_OPTIONS)
+    if prefetched:
+        return dict(GPU_PREFETCHED_OPTIONS)
     return {}
 
 
-_STREAMED: "contextvars.ContextVar[Optional[list[bool]]]" = contextvars.ContextVar(
+_STREAMED: "contextvars.ContextVar[Optional[list[str]]]" = contextvars.ContextVar(
     "eqx_offload_streamed", default=None)
 
 
-def note_streamed() -> None:
-    """Called by `offloaded` when it traces the streamed update: the program being traced
-    by `filter_jit` gets `default_compiler_options`."""
+def note_streamed(kind: str = "streamed") -> None:
+    """Called by `offloaded` when it traces the streamed update (`"streamed"`), and by
+    `scan_layers` when it traces its prefetch (`"prefetched"`): the program being
+    traced by `filter_jit` gets `default_compiler_options`."""
     found = _STREAMED.get()
     if found is not None:
-        found.append(True)
+        found.append(kind)
 
 
 def _platform_of(call: _Call) -> str:
@@ -344,7 +360,7 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
                       [path_parts(keyed_out[i][0]) for i in positions]]
         return [keyed_out[i][1] for i in positions]
 
-    streamed: list[bool] = []
+    streamed: list[str] = []
     token = _STREAMED.set(streamed)
     try:
         traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
@@ -374,7 +390,8 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
 
     jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    output.streamed = bool(streamed)
+    output.streamed = "streamed" in streamed
+    output.prefetched = "prefetched" in streamed
     return jitted, output
 
 
@@ -548,7 +565,7 @@ class _FilterJit(Generic[_P, _T]):
             lowered, output = _lower(self._fun, self._name, call, platforms)
         platform = platforms[0] if platforms else _platform_of(call)
         return Lowered(lowered, output, call.key, self._donate, self._name,
-                       default_compiler_options(platform, output.streamed))
+                       default_compiler_options(platform, output.streamed, output.prefetched))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # As a method: bind the instance like a function would.

@@ -25,6 +25,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from ._errors import CompositionError, OptionError
+from ._jit import note_streamed
 from ._move import move, to_host
 from ._leaves import is_traced
 from ._placement import is_host, memory_kind_of
@@ -80,9 +81,10 @@ def scan_layers(
     so a copy waits for nothing but the layer before it. That holds one more layer of
     weights on the device. On a GPU, XLA's scheduler runs a layer's fetches (one per
     host leaf) side by side only with room for them:
-    `compiler_options={"xla_gpu_experimental_parallel_async_compute_limit": 32}` on
-    `eqx_offload.filter_jit` (or `jax.jit(...).lower(...).compile(...)`); XLA's default
-    runs them one after the other, most before the layer's kernels. With a `policy`
+    `xla_gpu_experimental_parallel_async_compute_limit=32`, which
+    `eqx_offload.filter_jit` compiles such a step with by default on a GPU (with
+    `jax.jit`, pass it to `.lower(...).compile(...)`); XLA's default (2) runs them one
+    after the other, most before the layer's kernels. With a `policy`
     or `prefetch=False`, each iteration fetches its own layer at its top instead.
     Under `jax.vmap` (the model called per example) the layer is batched inside the
     scan, so each weight gradient is one sum, as without offload.
@@ -136,6 +138,7 @@ def scan_layers(
     dynamic, static = eqx.partition(layers, eqx.is_array)
     if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
         prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+        note_streamed("prefetched")  # filter_jit's GPU default: the copy limit
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)

@@ -224,6 +224,28 @@ def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
     assert "_xla_buffer_placement" not in plain
 
 
+def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
+    """A `filter_jit` step whose `scan_layers` prefetches host weights is compiled for a
+    GPU with the scheduler's copy limit raised (the layer's fetches then run side by
+    side under the layer before; see `_jit.default_compiler_options`), and with nothing
+    added without host weights, without the prefetch, or for the CPU."""
+    from eqx_offload._jit import _flatten_call, GPU_PREFETCHED_OPTIONS
+
+    def defaults(layers: Any, prefetch: bool, platforms: Any = ("cuda",)) -> dict[str, Any]:
+        step = eqx_offload.filter_jit(jax.grad(lambda l, x: jnp.sum(
+            eqx_offload.scan_layers(l, x, tanh_layer, prefetch=prefetch) ** 2)))
+        call = _flatten_call((layers, jnp.ones(D)), {}, step._donate)
+        with eqx_offload._deviceless.compiling_for(platforms[0]):
+            return step._lower_call(call, platforms=platforms)._default_options
+
+    on_host = eqx_offload.to_host(make_layers())
+    assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS
+    assert GPU_PREFETCHED_OPTIONS == {"xla_gpu_experimental_parallel_async_compute_limit": 32}
+    assert defaults(on_host, False) == {}
+    assert defaults(make_layers(), True) == {}
+    assert defaults(on_host, True, ("cpu",)) == {}
+
+
 def test_scan_layers_offload_input_offloads_the_residual_stream() -> None:
     """With `offload_input`, the layer inputs the backward pass needs wait in host
     memory (a `[L, D]` host residual), where without it the forward scan keeps them on
