@@ -232,8 +232,8 @@ def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> N
     from eqx_offload._jit import _flatten_call, GPU_PREFETCHED_OPTIONS
 
     def defaults(layers: Any, prefetch: bool, platforms: Any = ("cuda",)) -> dict[str, Any]:
-        step = eqx_offload.filter_jit(jax.grad(lambda l, x: jnp.sum(
-            eqx_offload.scan_layers(l, x, tanh_layer, prefetch=prefetch) ** 2)))
+        step = eqx_offload.filter_jit(jax.grad(lambda stack, x: jnp.sum(
+            eqx_offload.scan_layers(stack, x, tanh_layer, prefetch=prefetch) ** 2)))
         call = _flatten_call((layers, jnp.ones(D)), {}, step._donate)
         with eqx_offload._deviceless.compiling_for(platforms[0]):
             return step._lower_call(call, platforms=platforms)._default_options
