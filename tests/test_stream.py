@@ -83,9 +83,6 @@ def assert_offloaded_kinds(state: eqx_offload.OffloadedState) -> None:
         assert kind == ("pinned_host" if leaf.ndim else "device"), (leaf.shape, kind)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-
 def _two_steps_equal(step: Any, model: Any, state: Any, ref_step: Any, ref_model: Any,
                      ref_state: Any) -> None:
     """Two donated steps against the unwrapped optimizer's: bitwise equal model and
@@ -103,6 +100,9 @@ def _two_steps_equal(step: Any, model: Any, state: Any, ref_step: Any, ref_model
         assert_offloaded_kinds(state)
     assert len(compiled) == 1
 
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_bitwise_equal_to_unwrapped(name: str, mode: str) -> None:
     params = make_params()
     ref = OPTIMIZERS[name]()
