@@ -10,7 +10,10 @@
 # marked `once`: static checkers, docs, wheel, command line, GPU-plan scripts) runs in
 # the newest environment only, and so do the static gates (`scripts/gates.sh`: ruff,
 # mypy --strict, pytype, pyright, pyrefly, stubtest) and `mkdocs build --strict`; the
-# oldest runs the rest (`-m "not once"`). A per-stage time summary and the closing line
+# oldest runs the library's tests (`-m "not once"`), the newest those of them marked
+# `both` (the canaries of tests/upstream/ and the claims that differ between JAX
+# versions), or all of them with CHECK_FULL=1 (before a release, or after a change to
+# a JAX-version-dependent path). A per-stage time summary and the closing line
 # `check: N passed, M failed` (every test of every environment that ran) end the output,
 # failed or not.
 #
@@ -52,6 +55,9 @@ end() {
 
 summary() {
   local rc=$?
+  if [ -n "${SIDE_PID:-}" ]; then
+    wait "$SIDE_PID" 2>/dev/null || true
+  fi
   if [ -n "$CURRENT" ]; then
     end FAILED
   fi
@@ -185,9 +191,52 @@ run_pytest() {
   PASSED=$((PASSED + passed))
   FAILED=$((FAILED + failed))
   if [ "$rc" -eq 5 ] || [ "$passed" -eq 0 ]; then
-    fail "$env: pytest ran no test (exit status $rc)"
+    echo "check.sh: $env: pytest ran no test (exit status $rc)" >&2
+    return 1
   fi
-  [ "$rc" -eq 0 ] || fail "$env: pytest failed (exit status $rc)"
+  if [ "$rc" -ne 0 ]; then
+    echo "check.sh: $env: pytest failed (exit status $rc)" >&2
+    return 1
+  fi
+}
+
+# side_start: the static gates, then the strict docs build, in the background (output
+# to a file); side_wait prints that output and records both as stages. They run
+# alongside the newest environment's pytest: each is mostly one process on one core
+# (pytype's modules wait on each other), so together they fill the cores that pytest's
+# workers leave idle at the end of their queues.
+SIDE_PID=""
+side_start() {
+  SIDE_LOG=$(mktemp)
+  SIDE_TIMES=$(mktemp)
+  (
+    start=$SECONDS
+    gates=ok
+    bash scripts/gates.sh || gates=FAILED
+    middle=$SECONDS
+    docs=ok
+    site=$(mktemp -d)
+    printf '\n=== mkdocs build --strict (%s)\n' "$(date +%T)"
+    NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site" || docs=FAILED
+    rm -rf "$site"
+    echo "$gates $((middle - start)) $docs $((SECONDS - middle))" > "$SIDE_TIMES"
+  ) > "$SIDE_LOG" 2>&1 &
+  SIDE_PID=$!
+}
+
+side_wait() {
+  local gates gates_s docs docs_s
+  wait "$SIDE_PID" || true
+  SIDE_PID=""
+  printf '\n=== %s: static gates and mkdocs build --strict (run alongside pytest)\n' "$1"
+  cat "$SIDE_LOG"
+  read -r gates gates_s docs docs_s < "$SIDE_TIMES" || { gates=FAILED docs=FAILED gates_s=0 docs_s=0; }
+  rm -f "$SIDE_LOG" "$SIDE_TIMES"
+  STAGE_NAMES+=("$1: static gates (alongside pytest)" "$1: mkdocs build --strict (alongside)")
+  STAGE_SECONDS+=("$gates_s" "$docs_s")
+  STAGE_STATUS+=("$gates" "$docs")
+  [ "$gates" = ok ] || fail "$1: static gates failed"
+  [ "$docs" = ok ] || fail "$1: mkdocs build --strict failed"
 }
 
 ORIG_PATH=$PATH
@@ -207,19 +256,21 @@ for env in "${ENVS[@]}"; do
   hash -r
   if [ "$env" = oldest ]; then
     begin "$env: pytest -m 'not once' (the library)"
-    run_pytest "$env" -m "not once"
+    run_pytest "$env" -m "not once" || fail "$env: pytest failed"
     end
     continue
   fi
-  begin "$env: pytest (all)"
-  run_pytest "$env"
-  end
-  begin "$env: static gates"
-  bash scripts/gates.sh
-  end
-  begin "$env: mkdocs build --strict"
-  site=$(mktemp -d)
-  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
-  rm -rf "$site"
-  end
+  side_start
+  pytest_ok=1
+  if [ "${CHECK_FULL:-}" = 1 ]; then
+    begin "$env: pytest (all: CHECK_FULL=1)"
+    run_pytest "$env" || pytest_ok=0
+  else
+    begin "$env: pytest -m 'once or both'"
+    run_pytest "$env" -m "once or both" || pytest_ok=0
+  fi
+  if [ "$pytest_ok" = 1 ]; then end; else end FAILED; fi
+  # Failed or not, the gates' output is shown before the run stops.
+  side_wait "$env"
+  [ "$pytest_ok" = 1 ] || fail "$env: pytest failed"
 done

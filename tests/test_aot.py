@@ -14,6 +14,10 @@ from helpers import assert_tree_equal, count_compiles, unchecked
 import eqx_offload
 
 
+# JAX-version dependent: also run in the newest environment (scripts/check.sh).
+pytestmark = pytest.mark.both
+
+
 def _setup() -> tuple[Any, Any, Any, Any]:
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     opt = eqx_offload.offloaded(optax.adamw(1e-2))

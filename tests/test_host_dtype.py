@@ -26,6 +26,10 @@ from helpers import assert_tree_equal, tree_equal
 import eqx_offload
 
 
+# JAX-version dependent: also run in the newest environment (scripts/check.sh).
+pytestmark = pytest.mark.both
+
+
 def _params() -> dict[str, jax.Array]:
     rng = np.random.default_rng(0)
     return {

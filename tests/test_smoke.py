@@ -1,7 +1,12 @@
 import jax.numpy as jnp
 import optax
+import pytest
 
 import eqx_offload
+
+
+# JAX-version dependent: also run in the newest environment (scripts/check.sh).
+pytestmark = pytest.mark.both
 
 
 def test_smoke():

@@ -101,6 +101,7 @@ def _two_steps_equal(step: Any, model: Any, state: Any, ref_step: Any, ref_model
     assert len(compiled) == 1
 
 
+@pytest.mark.both  # the claim XLA versions could break: run in the newest environment too
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_bitwise_equal_to_unwrapped(name: str, mode: str) -> None:
