@@ -612,6 +612,13 @@ def with_host_params(
     `offloaded` to keep the optimizer state in host memory too:
     `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
     and weights then come to the device with their parameter's group of state.
+    Otherwise, in a step traced by `eqx_offload.filter_jit`, each host-resident
+    parameter waits for its gradient before it comes to the device (a
+    `jax.lax.optimization_barrier`, which passes values unchanged), and
+    `eqx_offload.apply_updates` fetches that same value: XLA's GPU scheduler then copies
+    each weight to the device once, after the backward pass made its gradient, rather
+    than wherever it would start the copy (for a `scan_layers` stack, before the
+    forward pass, holding the stacked weight on the device through both passes).
 
     **Arguments:**
 
