@@ -324,6 +324,19 @@ def note_streamed(kind: str = "streamed") -> None:
         found.append(kind)
 
 
+_LATE_PARAMS: "contextvars.ContextVar[Optional[dict[int, tuple[Any, Any]]]]" = (
+    contextvars.ContextVar("eqx_offload_late_params", default=None))
+
+
+def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
+    """While `filter_jit` traces a step: the table in which `with_host_params` records,
+    for each host-resident parameter it was given (by `id`, with the parameter itself),
+    that parameter made to wait for its gradient, so that `apply_updates` fetches the
+    same value (one copy to the device, after the gradient). `None` outside such a
+    trace."""
+    return _LATE_PARAMS.get()
+
+
 def _platform_of(call: _Call) -> str:
     """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
     devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
@@ -362,9 +375,11 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
 
     streamed: list[str] = []
     token = _STREAMED.set(streamed)
+    late_token = _LATE_PARAMS.set({})
     try:
         traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
     finally:
+        _LATE_PARAMS.reset(late_token)
         _STREAMED.reset(token)
     closed = traced.jaxpr
     _check_no_host_compute(closed.jaxpr, name)

@@ -25,7 +25,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from ._errors import CompositionError, OptionError
-from ._jit import note_streamed
+from ._jit import late_params, note_streamed
 from ._move import move, to_host
 from ._leaves import is_traced
 from ._placement import is_host, memory_kind_of
@@ -169,9 +169,11 @@ def scan_layers(
 # out by a custom VJP, does the same downwards (computing layer `i`'s VJP while it
 # fetches layer `i - 1`). A custom VJP because JAX's own transpose of such a scan would
 # keep every iteration's carried device weights as residuals: `L` layers on the device.
-# The cost is one more layer of weights on the device (the one in flight), and one
-# fetch too many at each end (the index is clamped, so the last iteration of each pass
-# fetches a layer again rather than branching).
+# The cost is one more layer of weights on the device (the one in flight). The index is
+# clamped, so the last iteration of each pass fetches a layer again rather than
+# branching: the forward pass's is the last layer, which the backward pass starts with
+# (a residual; fetched outside the backward loop instead, XLA's GPU scheduler starts
+# that fetch before the forward pass and keeps it through both).
 
 
 def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
@@ -278,12 +280,15 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             return (y, following), saved
 
         first = _fetch_layer(host_leaves, 0)
-        (out, _), inputs = jax.lax.scan(body, (x, first), (jnp.arange(length), device_leaves),
-                                        unroll=unroll)
-        return (out, inputs) if save else out
+        (out, last), inputs = jax.lax.scan(body, (x, first), (jnp.arange(length), device_leaves),
+                                           unroll=unroll)
+        # The last iteration fetched the last layer again (the clamped index): the
+        # backward pass starts with it, rather than fetching it outside its loop.
+        return (out, (inputs, last)) if save else out
 
-    def backward(leaves: list[Any], consts: Any, inputs: Any, g: Any, batched: Any) -> Any:
+    def backward(leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any) -> Any:
         host_leaves, device_leaves = split(leaves)
+        inputs, last = residuals
         diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
 
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
@@ -303,7 +308,6 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             return (g_h, preceding, g_consts), (to_host(g_host), g_device)
 
         zeros = _zeros_like_inexact(diff)
-        last = _fetch_layer(host_leaves, length - 1)
         (g_x, _, g_consts), (g_host, g_device) = jax.lax.scan(
             body, (g, last, zeros), (jnp.arange(length), device_leaves, inputs),
             reverse=True, unroll=unroll)
@@ -315,49 +319,51 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     # own transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks)
     # are refused: their slices and gradients would need the batch axis moved in host
     # memory.
+    def forward_pass(save: bool) -> Any:
+        """The forward pass as a `custom_vmap` function of `(leaves, x, consts)`:
+        `out`, or with `save` `(out, (inputs, last))` (each layer's input and the last
+        layer's weights on the device, for the backward pass; unbatched under `vmap`,
+        the batch axis inside)."""
+        @jax.custom_batching.custom_vmap
+        def run(leaves: list[Any], x: Any, consts: Any) -> Any:
+            return forward(leaves, x, consts, save, None)
+
+        @run.def_vmap
+        def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
+            batched_leaves, batched_x, batched_consts = in_batched
+            _check_unbatched(batched_leaves)
+            result = forward(leaves, _broadcast(x, batched_x, size), consts, save,
+                             batched_consts)
+            if not save:
+                return result, _all(result, True)
+            out, residuals = result
+            return result, (_all(out, True), _all(residuals, False))
+
+        return run
+
+    forward_only, forward_saving = forward_pass(False), forward_pass(True)
+
     @jax.custom_batching.custom_vmap
-    def forward_only(leaves: list[Any], x: Any, consts: Any) -> Any:
-        return forward(leaves, x, consts, False, None)
-
-    @forward_only.def_vmap
-    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
-        batched_leaves, batched_x, batched_consts = in_batched
-        _check_unbatched(batched_leaves)
-        out = forward(leaves, _broadcast(x, batched_x, size), consts, False, batched_consts)
-        return out, _all(out, True)
-
-    @jax.custom_batching.custom_vmap
-    def forward_saving(leaves: list[Any], x: Any, consts: Any) -> Any:
-        return forward(leaves, x, consts, True, None)
-
-    @forward_saving.def_vmap
-    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
-        batched_leaves, batched_x, batched_consts = in_batched
-        _check_unbatched(batched_leaves)
-        out, inputs = forward(leaves, _broadcast(x, batched_x, size), consts, True,
-                              batched_consts)
-        return (out, inputs), (_all(out, True), _all(inputs, False))
-
-    @jax.custom_batching.custom_vmap
-    def backward_batched(leaves: list[Any], consts: Any, inputs: Any, g: Any) -> Any:
-        if any(i.ndim == c.ndim + 2 for i, c in zip(jtu.tree_leaves(inputs), jtu.tree_leaves(g))):
+    def backward_batched(leaves: list[Any], consts: Any, residuals: Any, g: Any) -> Any:
+        if any(i.ndim == c.ndim + 2
+               for i, c in zip(jtu.tree_leaves(residuals[0]), jtu.tree_leaves(g))):
             # The layer inputs of the batched forward rule (`[L, batch, ...]`, marked
             # unbatched: the batch axis is not in front). The backward pass is then
             # batched too and only its rule below computes; `custom_vmap` still traces
             # this function once for one example's types, which are these.
             return _zeros_like_inexact((leaves, g, consts))
-        return backward(leaves, consts, inputs, g, None)
+        return backward(leaves, consts, residuals, g, None)
 
     @backward_batched.def_vmap
-    def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, inputs: Any,
+    def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, residuals: Any,
           g: Any) -> Any:
-        batched_leaves, batched_consts, batched_inputs, batched_g = in_batched
+        batched_leaves, batched_consts, batched_residuals, batched_g = in_batched
         _check_unbatched(batched_leaves)
-        if any(jtu.tree_leaves(batched_inputs)):  # vmapped twice: a second batch axis
+        if any(jtu.tree_leaves(batched_residuals)):  # vmapped twice: a second batch axis
             raise CompositionError(
                 "scan_layers(prefetch=True): the backward pass is batched over two axes "
                 "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
-        g_leaves, g_x, g_consts = backward(leaves, consts, inputs,
+        g_leaves, g_x, g_consts = backward(leaves, consts, residuals,
                                            _broadcast(g, batched_g, size), batched_consts)
         flags = (_all(g_leaves, False), _all(g_x, True),
                  jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
@@ -371,11 +377,11 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
         del perturbed
         return forward_saving(*vjp_arg)
 
-    def scan_bwd(inputs: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
+    def scan_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
         del perturbed
         leaves, x, consts = vjp_arg
         g = jtu.tree_map(_cotangent, g, x, is_leaf=_is_none)
-        g_leaves, g_x, g_consts = backward_batched(leaves, consts, inputs, g)
+        g_leaves, g_x, g_consts = backward_batched(leaves, consts, residuals, g)
         return g_leaves, g_x, g_consts
 
     rules: Any = scan  # (Equinox's `def_fwd`/`def_bwd` are untyped)
@@ -499,7 +505,8 @@ def apply_updates(model: _T, updates: Any) -> _T:
     u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
     home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]
     touched = [i for i, u in enumerate(u_leaves) if u is not None]
-    fetched_p, fetched_u = _fetch(([p_leaves[i] for i in touched], [u_leaves[i] for i in touched]))
+    fetched_p, fetched_u = _fetch(([_waited(p_leaves[i]) for i in touched],
+                                   [u_leaves[i] for i in touched]))
     sums = [p + u for p, u in zip(fetched_p, fetched_u, strict=True)]
     back = [i for i, j in enumerate(touched) if home[j] is not None]
     if back:
@@ -514,6 +521,52 @@ def apply_updates(model: _T, updates: Any) -> _T:
         new_leaves[i] = x
     out: _T = pairs_def.unflatten(new_leaves)
     return out
+
+
+def _same_trace(a: Any, b: Any) -> bool:
+    """Whether two tracers belong to the same trace (a value made from both can be used
+    wherever either can)."""
+    trace = getattr(a, "_trace", None)
+    return trace is not None and trace is getattr(b, "_trace", None)
+
+
+def _after_gradients(params: Any, grads: Any) -> Any:
+    """`params` with each host-resident leaf made to wait for its gradient (the leaf of
+    `grads` at the same place) by a `jax.lax.optimization_barrier`, while `filter_jit`
+    traces the step (`late_params`; as it is otherwise).
+
+    XLA's GPU scheduler starts the update's copy of a parameter to the device wherever
+    that hides it best, which for a stacked layer's weights in a `scan_layers` step is
+    before the forward pass: the copy then holds the whole stacked leaf on the device
+    through both passes (in the plan of the benchmark's transformer, 108 MiB, and with
+    it a step's peak 83 MiB above the same step fetching at the top of each
+    iteration). Waiting for the gradient, it comes in after the backward pass produced
+    that gradient. The table lets `apply_updates` fetch the same value, so XLA still
+    copies each parameter once; the barrier passes values through unchanged."""
+    table = late_params()
+    if table is None:
+        return params
+
+    def wait(p: Any, g: Any) -> Any:
+        if (p is None or g is None or not is_host(p) or not eqx.is_array(g)
+                or not _same_trace(p, g)):
+            return p
+        waited, _ = jax.lax.optimization_barrier((p, g))
+        table[id(p)] = (p, waited)
+        return waited
+
+    try:
+        return jtu.tree_map(wait, params, grads, is_leaf=_is_none)
+    except ValueError:  # not the same structure: nothing to pair
+        return params
+
+
+def _waited(p: Any) -> Any:
+    """The value `with_host_params` fetched for host parameter `p` in this trace (see
+    `_after_gradients`), or `p`."""
+    table = late_params()
+    found = None if table is None else table.get(id(p))
+    return found[1] if found is not None and found[0] is p else p
 
 
 def fetch_each(tree: _T) -> _T:
@@ -559,6 +612,13 @@ def with_host_params(
     `offloaded` to keep the optimizer state in host memory too:
     `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
     and weights then come to the device with their parameter's group of state.
+    Otherwise, in a step traced by `eqx_offload.filter_jit`, each host-resident
+    parameter waits for its gradient before it comes to the device (a
+    `jax.lax.optimization_barrier`, which passes values unchanged), and
+    `eqx_offload.apply_updates` fetches that same value: XLA's GPU scheduler then copies
+    each weight to the device once, after the backward pass made its gradient, rather
+    than wherever it would start the copy (for a `scan_layers` stack, before the
+    forward pass, holding the stacked weight on the device through both passes).
 
     **Arguments:**
 
@@ -593,6 +653,8 @@ def with_host_params(
         updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
+        if params is not None:
+            params = _after_gradients(params, updates)
         return transformation.update(
             fetch_each(updates), state, fetch_each(params), **extra_args)
 

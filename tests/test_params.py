@@ -471,6 +471,46 @@ def test_scan_layers_step_through_filter_jit() -> None:
     assert set(memory_kinds(layers).values()) == {"pinned_host"}
 
 
+def test_host_params_with_the_state_on_the_device_are_bitwise_and_wait_for_gradients() -> None:
+    """`with_host_params(adamw)` with its state on the device (no `offloaded`), weights
+    of a `scan_layers` stack in host memory, through `filter_jit`: two donated steps are
+    bitwise those on the device, one compile, and in the traced step each host weight
+    passes through an `optimization_barrier` with its gradient (so that XLA's GPU
+    scheduler fetches it for the update after the backward pass, once, for the update
+    and `apply_updates` both: `_params._after_gradients`)."""
+    opt = eqx_offload.with_host_params(optax.adamw(1e-2))
+    plain = optax.adamw(1e-2)
+    x = jax.random.normal(jax.random.key(3), (D,))
+
+    def step_of(loss: Any, opt: Any) -> Any:
+        def step(layers: Any, state: Any) -> Any:
+            grads = jax.grad(loss)(layers, x)
+            updates, state = opt.update(grads, state, layers)
+            return eqx_offload.apply_updates(layers, updates), state
+        return step
+
+    layers = eqx_offload.to_host(make_layers())
+    state = opt.init(layers)
+    want, want_state = make_layers(), plain.init(make_layers())
+    step = eqx_offload.filter_jit(step_of(scan_loss, opt), donate="all")
+    want_step = jax.jit(step_of(plain_loss, plain))
+    text = step.lower(layers, state).as_text()
+    assert text.count("stablehlo.optimization_barrier") == 2, text  # weight, bias
+    for i in range(2):
+        old = layers
+        with count_compiles("step") as compiles:
+            layers, state = step(layers, state)
+        assert len(compiles) == (i == 0)
+        assert old.weight.is_deleted()
+        want, want_state = want_step(want, want_state)
+    assert set(memory_kinds(layers).values()) == {"pinned_host"}
+    assert_tree_equal(layers, eqx_offload.to_host(want))
+    assert_tree_equal(state, want_state)
+    # Outside `filter_jit` nothing is tied: `jax.jit` traces the step as written.
+    plain_text = jax.jit(step_of(scan_loss, opt)).trace(layers, state).lower().as_text()
+    assert "optimization_barrier" not in plain_text
+
+
 def test_restore_lands_weights_in_host_memory(tmp_path: Any) -> None:
     """A checkpoint restored with the host placement as target comes back in host
     memory, ready for `scan_layers`, bitwise."""
