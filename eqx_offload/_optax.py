@@ -43,6 +43,7 @@ from ._jit import filter_jit, note_streamed
 from ._leaves import is_traced
 from ._move import fetch_state, store_state
 from ._options import Compute, normalise, Options
+from ._placement import is_host
 from ._state import (abstract_signature, check_state, eval_shape, first_line,
                      first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
@@ -59,8 +60,15 @@ def update_on_device(
     inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
     inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
 ) -> tuple[Any, Any]:
-    """The default strategy: the whole state to the device, then `inner.update`."""
+    """The whole-state strategy (`group_bytes=None`, and `"auto"` where the update is
+    not streamed): the whole state to the device, then `inner.update`, in one program
+    with no ordering of its own. Under `filter_jit` for a GPU, a state with leaves in
+    host memory makes the step compile with `_jit.GPU_WHOLE_STATE_OPTIONS`, under
+    which XLA's scheduler brings each leaf just before its update instead of before
+    the forward pass (`_jit.default_compiler_options`)."""
     leaves, treedef = jtu.tree_flatten(inner_state)
+    if any(is_traced(x) and is_host(x) for x in leaves):
+        note_streamed("whole")
     state = jtu.tree_unflatten(treedef, fetch_state(options, leaves, init_dtypes))
     return inner.update(updates, state, params, **extra_args)
 
@@ -149,8 +157,10 @@ def offloaded(
         nothing there and costs step time), the whole state at once. An int `N`:
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
-        streamed. `None`: the whole state at once (the smallest program; its device
-        peak holds all of the state). A parameter's state is split only along the
+        streamed. `None`: the whole state in one update (the smallest program,
+        no barriers; on a GPU `eqx_offload.filter_jit` has XLA bring each leaf just
+        before its update, so the state is on the device only around the update, and
+        none of its copies overlap compute). A parameter's state is split only along the
         layers of a stacked leaf (at least 3 dimensions, an update elementwise along
         them: "Stacked layers" in the "Modes" docs page). See
         `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.
