@@ -664,8 +664,11 @@ def filter_jit(
         GPU step that streams an `offloaded` state (its default), `filter_jit` adds
         two options of its own, which these override: XLA's scheduler's limit on
         copies in flight (`xla_gpu_experimental_parallel_async_compute_limit=32`,
-        XLA's default 2) and `xla_gpu_dot_merger_threshold_mb=0` (see the "GPU plan"
-        docs page). On the CPU it adds nothing.
+        XLA's default 2) and `xla_gpu_dot_merger_threshold_mb=0`; for one that brings
+        such a state whole (`group_bytes=None`),
+        `xla_gpu_enable_analytical_sol_latency_estimator=False`, so each leaf comes
+        just before its update (see the "GPU plan" docs page). On the CPU it adds
+        nothing.
 
     **Returns:**
 
