@@ -77,7 +77,7 @@ def update_on_device(
     if any(is_traced(x) and is_host(x) for x in leaves):
         note_streamed("whole")
         gradients = [x for x in jtu.tree_leaves(updates) if is_traced(x)]
-        fenced = [i for i, x in enumerate(leaves) if is_traced(x) and is_host(x)]
+        fenced = [i for i, x in enumerate(leaves) if is_traced(x)]
         if gradients:
             arrived, _ = jax.lax.optimization_barrier(([leaves[i] for i in fenced], gradients))
             for i, x in zip(fenced, arrived, strict=True):

@@ -374,17 +374,10 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
 
 
 def test_default_program_moves_the_whole_state_at_once() -> None:
-    """The contrast: without `group_bytes` every state leaf comes in before any goes out,
-    after one barrier of the whole state (still on host) with every gradient (so its
-    copies wait for the backward pass); the update reads the gradients themselves, not
-    the barrier's copies of them."""
+    """The contrast: without `group_bytes` every state leaf comes in before any goes out."""
     params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
-    events = _events(_lower_for_gpu(eqx_offload.offloaded(optax.adam(1e-3)), params))
-    assert [kind for kind, _, _ in events] == ["barrier"] + ["to_device"] * 8 + ["to_host"] * 8
-    _, fenced, operands = events[0]
-    assert len(operands) == 8 + 4  # mu and nu of each parameter, and the four gradients
-    # What comes to the device is the barrier's state, nothing else of it.
-    assert all(source[0].startswith(fenced) for _, _, source in events[1:9])
+    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(eqx_offload.offloaded(optax.adam(1e-3)), params))]
+    assert kinds == ["to_device"] * 8 + ["to_host"] * 8
 
 
 @pytest.mark.parametrize("lookahead", [0, 1])
@@ -510,13 +503,12 @@ def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
         update = jax.jit(lambda g, s, p: opt.update(g, s, p))
         return update.trace(grads, state, params).lower(lowering_platforms=("cuda",)).as_text()
 
-    # The whole state at once: its one barrier (the state with the gradients).
-    assert lowered_update(opt.init(params)).count("optimization_barrier") == 1
+    assert lowered_update(opt.init(params)).count("optimization_barrier") == 0
     with compiling_for("cuda"):
         streamed = lowered_update(opt.init(params))
         state = opt.init(params)
         updates, state = jax.jit(lambda g, s, p: opt.update(g, s, p))(grads, state, params)
-    assert (streamed.count("optimization_barrier") > 1) == (name != "apply_if_finite")
+    assert (streamed.count("optimization_barrier") > 0) == (name != "apply_if_finite")
     ref_updates, ref_state = jax.jit(ref.update)(grads, ref.init(params), params)
     assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
     assert_offloaded_kinds(state)
