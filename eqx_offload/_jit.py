@@ -315,27 +315,27 @@ def default_compiler_options(platform: str, streamed: bool,
     see the "GPU plan" docs page for every workload).
 
     - `xla_gpu_enable_analytical_sol_latency_estimator=False`, for the whole state in
-        one update only. That update holds the state's copies to the device until
-        every gradient exists (one barrier with the gradients, `_optax.update_on_device`);
-        with XLA's default speed-of-light cost model on Hopper and Blackwell the
-        scheduler still starts them all at once, then, and the update keeps every
-        gradient and the whole state on the device together (in the plan of an MLP
-        2048 x 8, batch 256: 594 MiB, more than the 506 MiB of the step without
-        offload). This option is XLA's escape hatch back to its older latency
-        estimator (`GpuLatencyEstimator`, the one XLA uses on GPUs before Hopper),
-        under which the scheduler keeps no kernel under a copy: each leaf comes just
-        before the update that reads it and goes back right after, a few leaves on the
-        device at a time (338 MiB). Without the barrier the option alone leaves the
-        copies where the scheduler puts them: on an MLP 1024 x 4, batch 8192, all
-        before the forward pass, next to the activations (288 MiB against 292 without
-        offload; with the barrier, 248). In XLA's plan (H200) of the benchmark's
-        workloads: MLP 2048 x 8: 340 MiB instead of 500 (no offload: 508); MLP 1024 x
-        4: 280 instead of 332 (324); 118M-parameter transformer: 4373 instead of 5492
-        (5262). The price: no copy of the state overlaps compute (before, the copies to
-        host did; the copies to the device ran back to back before the first kernel).
-        The option changes the estimates the scheduler orders by for the whole step:
-        what it does to the collectives of a multi-device step has not been planned
-        here."""
+        one update only. The update has no barriers, so where each state leaf's copy
+        to the device starts is the latency-hiding scheduler's choice. With its
+        speed-of-light cost model (XLA's default on Hopper and Blackwell) a copy is
+        worth hiding, and the scheduler starts every one of them before the first
+        forward kernel: the whole state is on the device through the forward and
+        backward passes, next to the activations, and the step holds more than the
+        step without offload (whose state, donated, is updated in place). This option
+        is XLA's escape hatch back to its older latency estimator
+        (`GpuLatencyEstimator`, XLA's only one on GPUs before Hopper), under which
+        the scheduler keeps no kernel under the copies: each leaf's copy to the device
+        starts just before the update that reads it and its new value goes back right
+        after, so the state is on the device only around its own update, a few leaves
+        at a time, after the backward pass has freed its activations. In XLA's plan
+        (H200): MLP 2048 x 8, batch 256: 244 MiB instead of 500 MiB (no offload: 508
+        MiB); MLP 1024 x 4, batch 8192: 320 MiB instead of 332 MiB (324); the
+        benchmark's 118M-parameter transformer: 4607 MiB instead of 5492 MiB (5262).
+        The price: no copy of the state overlaps compute (before, the copies to host
+        did; the copies to the device ran back to back before the first kernel either
+        way). The option changes the estimates the scheduler orders by for the whole
+        step: what it does to the collectives of a multi-device step has not been
+        planned here."""
     if platform.lower() not in _GPU_PLATFORMS:
         return {}
     if streamed:

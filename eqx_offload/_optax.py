@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union
 
 import equinox as eqx
-import jax
 import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
@@ -62,26 +61,14 @@ def update_on_device(
     inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
 ) -> tuple[Any, Any]:
     """The whole-state strategy (`group_bytes=None`, and `"auto"` where the update is
-    not streamed): the whole state to the device, then `inner.update`.
-
-    Traced with state in host memory, the state (still on host) first passes through
-    one `jax.lax.optimization_barrier` together with the gradients, so no copy of it
-    to the device can start before every gradient exists: the state arrives after
-    the backward pass, not next to its activations. The gradients only order the
-    copies: the barrier's copies of them are not used, so the update reads the
-    gradients as the unwrapped update does (bitwise on the CPU). Under `filter_jit`
-    for a GPU the step also compiles with `_jit.GPU_WHOLE_STATE_OPTIONS`, under which
-    XLA's scheduler brings each leaf just before its update
-    (`_jit.default_compiler_options`)."""
+    not streamed): the whole state to the device, then `inner.update`, in one program
+    with no ordering of its own. Under `filter_jit` for a GPU, a state with leaves in
+    host memory makes the step compile with `_jit.GPU_WHOLE_STATE_OPTIONS`, under
+    which XLA's scheduler brings each leaf just before its update instead of before
+    the forward pass (`_jit.default_compiler_options`)."""
     leaves, treedef = jtu.tree_flatten(inner_state)
     if any(is_traced(x) and is_host(x) for x in leaves):
         note_streamed("whole")
-        gradients = [x for x in jtu.tree_leaves(updates) if is_traced(x)]
-        fenced = [i for i, x in enumerate(leaves) if is_traced(x)]
-        if gradients:
-            arrived, _ = jax.lax.optimization_barrier(([leaves[i] for i in fenced], gradients))
-            for i, x in zip(fenced, arrived, strict=True):
-                leaves[i] = x
     state = jtu.tree_unflatten(treedef, fetch_state(options, leaves, init_dtypes))
     return inner.update(updates, state, params, **extra_args)
 
@@ -170,9 +157,9 @@ def offloaded(
         nothing there and costs step time), the whole state at once. An int `N`:
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
-        streamed. `None`: the whole state in one update, brought once every
-        gradient exists (the smallest program: one barrier; on a GPU
-        `eqx_offload.filter_jit` has XLA bring each leaf just before its update, so
+        streamed. `None`: the whole state in one update (the smallest program,
+        no barriers; on a GPU `eqx_offload.filter_jit` has XLA bring each leaf just
+        before its update, so the state is on the device only around the update, and
         none of its copies overlap compute). A parameter's state is split only along the
         layers of a stacked leaf (at least 3 dimensions, an update elementwise along
         them: "Stacked layers" in the "Modes" docs page). See

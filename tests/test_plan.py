@@ -106,18 +106,19 @@ def test_default_frees_the_state(workload):
 def test_never_more_than_plain(workload, mode):
     """Every mode, in XLA's plan. The whole state in one update (`group_bytes=None`)
     planned above the plain step on the activation-heavy MLP (4 MiB more here, 8 MiB
-    on the benchmark's MLP) while it came before the forward pass."""
+    on the benchmark's MLP) until `filter_jit` compiled it with XLA's older latency
+    estimator."""
     offloaded, plain = plan(mode, workload), plan("plain", workload)
     assert offloaded.device_peak_bytes <= plain.device_peak_bytes, (
         offloaded.summary(), plain.summary())
 
 
 def test_whole_state_mode_brings_each_leaf_for_its_update():
-    """`group_bytes=None` holds the state's copies until every gradient exists, and on
-    a GPU `filter_jit` compiles it with XLA's older latency estimator (in the plan),
-    under which each leaf comes to the device just before its update: the state is
-    not held at the peak (with XLA's default estimator all of it would be, next to
-    every gradient), and no copy overlaps compute."""
+    """`group_bytes=None` has no barriers; on a GPU `filter_jit` compiles it with XLA's
+    older latency estimator (in the plan), under which each leaf comes to the device
+    just before its update, after the backward pass: the state is not held at the
+    peak (where XLA's default estimator starts every copy before the forward pass and
+    holds all of it, as much as the plain step), and no copy overlaps compute."""
     plain, whole = plan("plain", STATE_HEAVY), plan("whole", STATE_HEAVY)
     assert whole.compiler_options == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
     assert whole.device_peak_bytes < plain.device_peak_bytes - 0.5 * state_bytes(STATE_HEAVY)
