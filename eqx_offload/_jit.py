@@ -323,19 +323,21 @@ def default_compiler_options(platform: str, streamed: bool,
         backward passes, next to the activations, and the step holds more than the
         step without offload (whose state, donated, is updated in place). This option
         is XLA's escape hatch back to its older latency estimator
-        (`GpuLatencyEstimator`, XLA's only one on GPUs before Hopper), under which
-        the scheduler keeps no kernel under the copies: each leaf's copy to the device
-        starts just before the update that reads it and its new value goes back right
-        after, so the state is on the device only around its own update, a few leaves
-        at a time, after the backward pass has freed its activations. In XLA's plan
-        (H200): MLP 2048 x 8, batch 256: 244 MiB instead of 500 MiB (no offload: 508
-        MiB); MLP 1024 x 4, batch 8192: 320 MiB instead of 332 MiB (324); the
+        (`GpuLatencyEstimator`, the one XLA uses on GPUs before Hopper), under which
+        the scheduler keeps no kernel under a copy: each new state leaf goes back to
+        host right after its update, and each copy to the device runs where the
+        scheduler puts it, with nothing under it. In XLA's plan (H200) of the MLP
+        2048 x 8, batch 256, each leaf then comes just before its update, after the
+        backward pass: 244 MiB instead of 500 MiB (no offload: 508 MiB); of the
         benchmark's 118M-parameter transformer: 4607 MiB instead of 5492 MiB (5262).
-        The price: no copy of the state overlaps compute (before, the copies to host
-        did; the copies to the device ran back to back before the first kernel either
-        way). The option changes the estimates the scheduler orders by for the whole
-        step: what it does to the collectives of a multi-device step has not been
-        planned here."""
+        Of the MLP 1024 x 4, batch 8192, the copies to the device still all run
+        before the forward pass, and the step plans at 320 MiB instead of 332 MiB
+        (324) only by how the rest is scheduled: a margin, not a bound. The price: no
+        copy of the state overlaps compute (before, the copies to host did; the copies
+        to the device ran back to back before the first kernel either way). The
+        option changes the estimates the scheduler orders by for the whole step: what
+        it does to the collectives of a multi-device step has not been planned
+        here."""
     if platform.lower() not in _GPU_PLATFORMS:
         return {}
     if streamed:
@@ -666,8 +668,8 @@ def filter_jit(
         copies in flight (`xla_gpu_experimental_parallel_async_compute_limit=32`,
         XLA's default 2) and `xla_gpu_dot_merger_threshold_mb=0`; for one that brings
         such a state whole (`group_bytes=None`),
-        `xla_gpu_enable_analytical_sol_latency_estimator=False`, so each leaf comes
-        just before its update (see the "GPU plan" docs page). On the CPU it adds
+        `xla_gpu_enable_analytical_sol_latency_estimator=False`, so its copies do not
+        all start before the forward pass (see the "GPU plan" docs page). On the CPU it adds
         nothing.
 
     **Returns:**

@@ -64,8 +64,11 @@ def update_on_device(
     not streamed): the whole state to the device, then `inner.update`, in one program
     with no ordering of its own. Under `filter_jit` for a GPU, a state with leaves in
     host memory makes the step compile with `_jit.GPU_WHOLE_STATE_OPTIONS`, under
-    which XLA's scheduler brings each leaf just before its update instead of before
-    the forward pass (`_jit.default_compiler_options`)."""
+    which XLA's scheduler no longer starts every copy before the forward pass
+    (`_jit.default_compiler_options`). No barrier orders the copies after the
+    gradients: a barrier with the gradients, even one whose copies of them are not
+    used, changes how XLA's CPU backend fuses a bias's gradient reduction, and with
+    it the last bits of the result."""
     leaves, treedef = jtu.tree_flatten(inner_state)
     if any(is_traced(x) and is_host(x) for x in leaves):
         note_streamed("whole")
@@ -158,9 +161,9 @@ def offloaded(
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
         streamed. `None`: the whole state in one update (the smallest program,
-        no barriers; on a GPU `eqx_offload.filter_jit` has XLA bring each leaf just
-        before its update, so the state is on the device only around the update, and
-        none of its copies overlap compute). A parameter's state is split only along the
+        no barriers; on a GPU `eqx_offload.filter_jit` compiles it with XLA's older
+        latency estimator, so that its copies do not all start before the forward
+        pass; none of them overlaps compute). A parameter's state is split only along the
         layers of a stacked leaf (at least 3 dimensions, an update elementwise along
         them: "Stacked layers" in the "Modes" docs page). See
         `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.

@@ -115,10 +115,11 @@ def test_never_more_than_plain(workload, mode):
 
 def test_whole_state_mode_brings_each_leaf_for_its_update():
     """`group_bytes=None` has no barriers; on a GPU `filter_jit` compiles it with XLA's
-    older latency estimator (in the plan), under which each leaf comes to the device
-    just before its update, after the backward pass: the state is not held at the
-    peak (where XLA's default estimator starts every copy before the forward pass and
-    holds all of it, as much as the plain step), and no copy overlaps compute."""
+    older latency estimator (in the plan), under which, where the state dominates,
+    each leaf comes to the device just before its update, after the backward pass:
+    the state is not held at the peak (XLA's default estimator starts every copy
+    before the forward pass and holds all of it, as much as the plain step), and no
+    copy overlaps compute."""
     plain, whole = plan("plain", STATE_HEAVY), plan("whole", STATE_HEAVY)
     assert whole.compiler_options == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
     assert whole.device_peak_bytes < plain.device_peak_bytes - 0.5 * state_bytes(STATE_HEAVY)
