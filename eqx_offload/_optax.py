@@ -43,6 +43,7 @@ from ._jit import filter_jit, note_streamed
 from ._leaves import is_traced
 from ._move import fetch_state, store_state
 from ._options import Compute, normalise, Options
+from ._placement import is_host
 from ._state import (abstract_signature, check_state, eval_shape, first_line,
                      first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
@@ -59,8 +60,18 @@ def update_on_device(
     inner: optax.GradientTransformationExtraArgs, options: Options, updates: Any,
     inner_state: Any, params: Any, extra_args: dict[str, Any], init_dtypes: Sequence[Any],
 ) -> tuple[Any, Any]:
-    """The default strategy: the whole state to the device, then `inner.update`."""
+    """The whole-state strategy (`group_bytes=None`, and `"auto"` where the update is
+    not streamed): the whole state to the device, then `inner.update`, in one program
+    with no ordering of its own. Under `filter_jit` for a GPU, a state with leaves in
+    host memory makes the step compile with `_jit.GPU_WHOLE_STATE_OPTIONS`, under
+    which XLA's scheduler no longer starts every copy before the forward pass
+    (`_jit.default_compiler_options`). No barrier orders the copies after the
+    gradients: a barrier with the gradients, even one whose copies of them are not
+    used, changes how XLA's CPU backend fuses a bias's gradient reduction, and with
+    it the last bits of the result."""
     leaves, treedef = jtu.tree_flatten(inner_state)
+    if any(is_traced(x) and is_host(x) for x in leaves):
+        note_streamed("whole")
     state = jtu.tree_unflatten(treedef, fetch_state(options, leaves, init_dtypes))
     return inner.update(updates, state, params, **extra_args)
 
@@ -149,8 +160,10 @@ def offloaded(
         nothing there and costs step time), the whole state at once. An int `N`:
         always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
         `CompositionError` at the first `update` for an optimizer that cannot be
-        streamed. `None`: the whole state at once (the smallest program; its device
-        peak holds all of the state). A parameter's state is split only along the
+        streamed. `None`: the whole state in one update (the smallest program,
+        no barriers; on a GPU `eqx_offload.filter_jit` compiles it with XLA's older
+        latency estimator, so that its copies do not all start before the forward
+        pass; none of them overlaps compute). A parameter's state is split only along the
         layers of a stacked leaf (at least 3 dimensions, an update elementwise along
         them: "Stacked layers" in the "Modes" docs page). See
         `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.

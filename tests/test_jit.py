@@ -346,17 +346,24 @@ def test_donation_checks_can_fail():
 
 def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     """`filter_jit` adds its scheduler options only where they do something: for a GPU
-    (the plan's `cuda`, a real `gpu`) when the step runs the streamed update. The whole
-    state at once keeps XLA's defaults (there the limit on copies in flight lets them
-    all start during the forward pass), and on the CPU nothing is added, so the program
-    and its results are those of before."""
-    from eqx_offload._jit import default_compiler_options, GPU_STREAMED_OPTIONS
+    (the plan's `cuda`, a real `gpu`) when the step runs the streamed update, and
+    another one when it brings a host state in one update (`group_bytes=None`: there
+    the copy limit would let every copy start during the forward pass, and XLA's
+    default estimator starts them all before it anyway). A streamed update in the same
+    step wins. On the CPU nothing is added, so the program and its results are those
+    of before."""
+    from eqx_offload._jit import (default_compiler_options, GPU_STREAMED_OPTIONS,
+                                  GPU_WHOLE_STATE_OPTIONS)
 
     assert default_compiler_options("cpu", True) == {}
+    assert default_compiler_options("cpu", False, whole=True) == {}
     assert default_compiler_options("cuda", False) == {}
     for platform in ("cuda", "gpu", "rocm"):
         assert default_compiler_options(platform, True) == GPU_STREAMED_OPTIONS
+        assert default_compiler_options(platform, True, whole=True) == GPU_STREAMED_OPTIONS
+        assert default_compiler_options(platform, False, whole=True) == GPU_WHOLE_STATE_OPTIONS
     assert GPU_STREAMED_OPTIONS["xla_gpu_experimental_parallel_async_compute_limit"] > 2
+    assert GPU_WHOLE_STATE_OPTIONS == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
 
     params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
 
@@ -377,7 +384,9 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     default, step, state = lowered_for_gpu()
     assert default._default_options == GPU_STREAMED_OPTIONS
     assert lowered_for_gpu(group_bytes=0)[0]._default_options == GPU_STREAMED_OPTIONS
-    assert lowered_for_gpu(group_bytes=None)[0]._default_options == {}
+    assert lowered_for_gpu(group_bytes=None)[0]._default_options == GPU_WHOLE_STATE_OPTIONS
+    # Nothing in host memory (`where=False`): nothing to order, XLA's defaults.
+    assert lowered_for_gpu(group_bytes=None, where=False)[0]._default_options == {}
     # On this machine's CPU: none, and the step runs as before.
     assert step.lower(params, state)._default_options == {}
     _, state = step(params, state)

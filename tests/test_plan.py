@@ -79,6 +79,7 @@ def plan(mode, workload, **kwargs):
             "default": lambda: eqx_offload.offloaded(optax.adamw(1e-3)),
             "whole": lambda: eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=None),
             "streamed": lambda: eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=4 * MiB),
+            "host": lambda: eqx_offload.offloaded(optax.adamw(1e-3), compute="host"),
         }[mode]()
         step, args = _step(optimizer, workload)
         _PLANS[key] = eqx_offload.gpu_plan(step, *args, **kwargs)
@@ -100,17 +101,35 @@ def test_default_frees_the_state(workload):
         default.summary(), plain.summary())
 
 
-@pytest.mark.parametrize("workload", [STATE_HEAVY, ACTIVATION_HEAVY], ids=["state", "activations"])
-@pytest.mark.parametrize("mode", ["default", "streamed"])
-def test_never_more_than_plain(workload, mode):
-    assert plan(mode, workload).device_peak_bytes <= plan("plain", workload).device_peak_bytes
+@pytest.mark.parametrize("mode, workload", [
+    *((mode, workload) for mode in ("default", "streamed", "whole")
+      for workload in (STATE_HEAVY, ACTIVATION_HEAVY)),
+    ("host", ACTIVATION_HEAVY),
+], ids=["default-state", "default-activations", "streamed-state", "streamed-activations",
+        "whole-state", "whole-activations", "host-activations"])
+def test_never_more_than_plain(mode, workload):
+    """Every mode, in XLA's plan. The whole state in one update (`group_bytes=None`)
+    planned above the plain step on the activation-heavy MLP (4 MiB more here, 8 MiB
+    on the benchmark's MLP) until `filter_jit` compiled it with XLA's older latency
+    estimator. Host compute (never above it: the state stays on the host) is checked
+    where its margin is smallest, the activation-heavy MLP (one compile)."""
+    offloaded, plain = plan(mode, workload), plan("plain", workload)
+    assert offloaded.device_peak_bytes <= plain.device_peak_bytes, (
+        offloaded.summary(), plain.summary())
 
 
-def test_whole_state_mode_holds_the_state():
-    """`group_bytes=None` brings the whole state at once: the plan shows it (the old
-    default, kept for comparison), so the streamed default is what frees it."""
+def test_whole_state_mode_brings_each_leaf_for_its_update():
+    """`group_bytes=None` has no barriers; on a GPU `filter_jit` compiles it with XLA's
+    older latency estimator (in the plan), under which, where the state dominates,
+    each leaf comes to the device just before its update, after the backward pass:
+    the state is not held at the peak (XLA's default estimator starts every copy
+    before the forward pass and holds all of it, as much as the plain step), and no
+    copy overlaps compute."""
     plain, whole = plan("plain", STATE_HEAVY), plan("whole", STATE_HEAVY)
-    assert whole.device_peak_bytes > plain.device_peak_bytes - 0.2 * state_bytes(STATE_HEAVY)
+    assert whole.compiler_options == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
+    assert whole.device_peak_bytes < plain.device_peak_bytes - 0.5 * state_bytes(STATE_HEAVY)
+    assert whole.host_bytes == pytest.approx(state_bytes(STATE_HEAVY), rel=0.01)
+    assert whole.overlapped_fraction() == 0.0
 
 
 def test_fits_where_plain_does_not():
