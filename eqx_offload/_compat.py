@@ -22,3 +22,13 @@ host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or 
 # `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
 # and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.
 JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _jex.Jaxpr))
+
+
+def same_trace(a: Any, b: Any) -> bool:
+    """Whether two tracers belong to the same trace (a value made from both can be used
+    wherever either can). JAX has no public way to ask; its tracers (0.10 to 0.12) keep
+    their trace in the private `_trace` attribute (`tests/upstream/test_upstream_trace.py`
+    is the canary). Without it this answers `False`: callers then leave the values as
+    they are."""
+    trace = getattr(a, "_trace", None)
+    return trace is not None and trace is getattr(b, "_trace", None)

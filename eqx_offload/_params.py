@@ -24,6 +24,7 @@ import jax.tree_util as jtu
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from ._compat import same_trace
 from ._errors import CompositionError, OptionError
 from ._jit import late_params, note_streamed
 from ._move import move, to_host
@@ -523,13 +524,6 @@ def apply_updates(model: _T, updates: Any) -> _T:
     return out
 
 
-def _same_trace(a: Any, b: Any) -> bool:
-    """Whether two tracers belong to the same trace (a value made from both can be used
-    wherever either can)."""
-    trace = getattr(a, "_trace", None)
-    return trace is not None and trace is getattr(b, "_trace", None)
-
-
 def _after_gradients(params: Any, grads: Any) -> Any:
     """`params` with each host-resident leaf made to wait for its gradient (the leaf of
     `grads` at the same place) by a `jax.lax.optimization_barrier`, while `filter_jit`
@@ -549,7 +543,7 @@ def _after_gradients(params: Any, grads: Any) -> Any:
 
     def wait(p: Any, g: Any) -> Any:
         if (p is None or g is None or not is_host(p) or not eqx.is_array(g)
-                or not _same_trace(p, g)):
+                or not same_trace(p, g)):
             return p
         waited, _ = jax.lax.optimization_barrier((p, g))
         table[id(p)] = (p, waited)
