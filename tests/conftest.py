@@ -4,6 +4,9 @@ import os
 # installed: without a GPU, JAX would try CUDA first and report a failed start.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import shutil
+import tempfile
+
 import jax
 import pytest
 
@@ -11,6 +14,28 @@ import pytest
 # 8 CPU devices for the multi-device tests; the default device stays CPU 0. Must run
 # before any backend is initialised.
 jax.config.update("jax_num_cpu_devices", 8)
+
+# JAX's persistent compilation cache, one for the whole run, shared by the xdist workers
+# (they inherit the variable from the process that made the folder) and by the optax
+# suite's children: about a third of the compilations of the library's tests are of a
+# module compiled before (the same step for the unwrapped and the wrapped optimizer,
+# eager optax `lax.cond`s, ...), and XLA compile is most of the suite's CPU time. A hit
+# is the executable of the identical module (same HLO, options and flags), so every
+# program runs the code it would have run; JAX still reports a hit as a compilation
+# (`tests/helpers.count_compiles`). The folder starts empty each run and is removed
+# at its end: nothing carries over between runs.
+CACHE_VARIABLE = "EQX_OFFLOAD_TEST_JAX_CACHE"
+_MADE_CACHE = CACHE_VARIABLE not in os.environ
+if _MADE_CACHE:
+    os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="eqx-offload-jax-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VARIABLE])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MADE_CACHE:
+        shutil.rmtree(os.environ.pop(CACHE_VARIABLE), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

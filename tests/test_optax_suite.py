@@ -38,13 +38,14 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
         "EQX_OFFLOAD_SUITE_REPORT": str(report),
         "JAX_PLATFORMS": "cpu",
-        # A compilation cache of this child's own (empty at its start): optax's eager
-        # `lax.cond`s (`MultiSteps`, `apply_if_finite`) compile the same program again at
-        # every step, about a quarter of the `transforms` group's compile time. A hit
-        # is the executable of an identical module, and JAX still logs it as a
-        # compilation ("Finished XLA compilation"), so optax's no-recompile checks
+        # The run's compilation cache (tests/conftest.py): optax's eager `lax.cond`s
+        # (`MultiSteps`, `apply_if_finite`) compile the same program again at every
+        # step, about a quarter of the `transforms` group's compile time. A hit is the
+        # executable of an identical module, and JAX still logs it as a compilation
+        # ("Finished XLA compilation"), so optax's no-recompile checks
         # (`test_utils.log_compilations`) see every compile they saw before.
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+            "EQX_OFFLOAD_TEST_JAX_CACHE", str(tmp_path / "jax-cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
