@@ -260,6 +260,13 @@ for env in "${ENVS[@]}"; do
     end
     continue
   fi
+  # typeshed's modules parsed once for every pytype run of this stage (the gate, the
+  # checker table; scripts/pytype_gate.py says how).
+  if "$ROOT/$dir/bin/python" -c 'import sys; sys.exit(sys.version_info >= (3, 13))'; then
+    EQX_OFFLOAD_PYTYPE_BUILTINS=$(mktemp -d)/builtins.pickle
+    python scripts/pytype_gate.py --write-builtins "$EQX_OFFLOAD_PYTYPE_BUILTINS"
+    export EQX_OFFLOAD_PYTYPE_BUILTINS
+  fi
   side_start
   pytest_ok=1
   if [ "${CHECK_FULL:-}" = 1 ]; then

@@ -26,6 +26,15 @@ to an empty `default.pyi` (everything `Any`). Tried: with the shipped stubs on i
 `pythonpath`, `pytype` passes a module that returns `jax.local_devices()` from a
 function annotated `-> str`, which this gate rejects. pytype-single, run here, reads the
 `.pyi` stubs from `--pythonpath` itself.
+
+Every pytype-single process would parse typeshed's standard library again (about 3 of a
+small module's 5 seconds), so the gate hands them pytype's `--precompiled-builtins`: the
+typeshed modules (standard library, `tqdm`, ...) that the package, the stubs and
+`tests/types/` import, with what they import, parsed once and pickled as pytype's own `--generate-builtins` does for
+all of typeshed (which takes over two minutes). A module missing from it is an
+import-error, never a silent `Any`. `--write-builtins FILE` writes it for several runs
+(scripts/check.sh makes one, exported as $EQX_OFFLOAD_PYTYPE_BUILTINS, for the gate and
+the tests that run pytype).
 """
 
 import argparse
@@ -66,6 +75,20 @@ _ERROR_LINE = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<col>\d+): .*\[(?
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+BUILTINS_VARIABLE = "EQX_OFFLOAD_PYTYPE_BUILTINS"
+# What pytype itself reads beyond a module's own imports (its overlays). Not
+# `_typeshed`: loaded first by name, its pickled `typing.Never` cannot be restored
+# ("This should not happen"); loaded as the stubs' dependency, it can.
+_BASE_MODULES = ("builtins", "typing", "typing_extensions", "collections", "collections.abc",
+                 "abc", "enum", "types", "dataclasses", "functools")
+
+
+# typeshed modules whose pickled form pytype cannot read back (tqdm's stubs:
+# "msgspec.ValidationError: Expected `object`, got `None`"): a module that imports one
+# runs without the precompiled builtins, reading typeshed as a plain run does.
+UNPICKLED = frozenset({"tqdm"})
+
+
 class Result(NamedTuple):
     target: str
     returncode: int
@@ -78,6 +101,54 @@ def pytype_single() -> list[str]:
     if exe is not None:
         return [exe]
     return [sys.executable, "-m", "pytype.main"]
+
+
+def builtin_sources() -> list[pathlib.Path]:
+    """The files whose standard-library imports the precompiled builtins hold."""
+    return [*(ROOT / PACKAGE).rglob("*.py"), *(ROOT / "typings").rglob("*.pyi"),
+            *GATE_STUBS.rglob("*.pyi"), *(ROOT / "tests" / "types").glob("*.py")]
+
+
+def imported_names(path: pathlib.Path) -> set[str]:
+    """The modules `path` imports absolutely, full names."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def typeshed_imports(paths: Sequence[pathlib.Path]) -> set[str]:
+    """The modules that `paths` import (absolute imports, full names) that typeshed may
+    hold: all but the package's and those the stub folders hold."""
+    names = set(_BASE_MODULES).union(*map(imported_names, paths))
+    ours = {PACKAGE} | {p.stem for d in [*SHIPPED_STUBS, GATE_STUBS] for p in d.iterdir()}
+    return {n for n in names
+            if n.split(".")[0] not in ours | UNPICKLED and n != "_typeshed"}
+
+
+def write_builtins(target: pathlib.Path, sources: Sequence[pathlib.Path]) -> pathlib.Path:
+    """pytype's precompiled builtins for `sources` (what `pytype-single
+    --generate-builtins` writes, for these modules and their imports only)."""
+    from pytype import config, load_pytd  # (imported here: only this function needs pytype)
+
+    loader = load_pytd.create_loader(config.Options.create(
+        python_version=sys.version_info[:2]))
+    for name in sorted(typeshed_imports(sources)):
+        loader.import_name(name)  # None for a name typeshed lacks: pytype reports it
+    target.parent.mkdir(parents=True, exist_ok=True)
+    loader.save_to_pickle(str(target))
+    return target
+
+
+def builtins_pickle(directory: pathlib.Path, sources: Sequence[pathlib.Path]) -> pathlib.Path:
+    """$EQX_OFFLOAD_PYTYPE_BUILTINS if it names a file, else a new pickle in `directory`."""
+    given = os.environ.get(BUILTINS_VARIABLE)
+    if given and pathlib.Path(given).is_file():
+        return pathlib.Path(given)
+    return write_builtins(directory / "builtins.pickle", sources)
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -160,11 +231,14 @@ def run_one(
     path: pathlib.Path,
     pythonpath: Sequence[pathlib.Path],
     output: Optional[pathlib.Path],
+    builtins: pathlib.Path,
     report: bool = True,
 ) -> Result:
+    plain = any(n.split(".")[0] in UNPICKLED for n in imported_names(path))
     command = [
         *pytype_single(),
         "-V=" + PYTHON_VERSION,
+        *([] if plain else ["--precompiled-builtins=" + str(builtins)]),
         "--module-name=" + (module_name(path) if path.is_relative_to(ROOT / PACKAGE) else path.stem),
         "--pythonpath=" + os.pathsep.join(str(p) for p in pythonpath),
         "--color=never",
@@ -201,8 +275,9 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
     wanted = {p.resolve() for p in paths}
     results = []
     with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
-        generated = pathlib.Path(tmp)
+        generated = pathlib.Path(tmp) / "pyi"
         pythonpath = [generated, *SHIPPED_STUBS, GATE_STUBS]
+        builtins = builtins_pickle(pathlib.Path(tmp), builtin_sources())
         def output(p: pathlib.Path) -> pathlib.Path:
             return generated / pathlib.Path(*module_name(p).split(".")).with_suffix(".pyi")
 
@@ -212,8 +287,8 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
                 # .pyi for each module of the cycle (its imports of the others are
                 # unresolved); the second pass reads them.
                 for p in cycle:
-                    run_one(p, pythonpath, output(p), report=False)
-            return [run_one(p, pythonpath, output(p)) for p in cycle]
+                    run_one(p, pythonpath, output(p), builtins, report=False)
+            return [run_one(p, pythonpath, output(p), builtins) for p in cycle]
 
         # Each cycle starts as soon as the cycles it imports are done. Modules that are
         # not asked for still run (later ones need their .pyi); their errors are not
@@ -253,8 +328,10 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
 
 def check_files(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
     """pytype over user scripts, against the shipped stubs only."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda p: run_one(p, SHIPPED_STUBS, None), paths))
+    with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
+        builtins = builtins_pickle(pathlib.Path(tmp), [*builtin_sources(), *paths])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(lambda p: run_one(p, SHIPPED_STUBS, None, builtins), paths))
 
 
 def report(results: Sequence[Result], total_seconds: float) -> int:
@@ -279,7 +356,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--check-file", action="append", type=pathlib.Path, default=[],
                         help="a user script to check against the public stubs")
     parser.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--write-builtins", type=pathlib.Path, metavar="FILE",
+                        help="only write the precompiled builtins to FILE (see above)")
     args = parser.parse_args(argv)
+    if args.write_builtins:
+        write_builtins(args.write_builtins.resolve(), builtin_sources())
+        return 0
     start = time.perf_counter()
     results: list[Result] = []
     if args.files or not args.check_file:
