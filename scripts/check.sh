@@ -178,18 +178,12 @@ install() {
   fi
 }
 
-# pytest-xdist workers: one more than the cores (CHECK_WORKERS to override). The suite
-# is CPU-bound (XLA compiles, pytype); a third worker takes the core that one leaves
-# while it starts a child process or waits for one, and on a machine whose other
-# core is busy it keeps three of the four runnable processes the suite's.
-WORKERS=${CHECK_WORKERS:-$(($(nproc) + 1))}
-
 # run_pytest ENV [ARGS]: the suite (narrowed by ARGS); a run that collects no test fails.
 run_pytest() {
   local env=$1 log rc=0 passed failed
   shift
   log=$(mktemp)
-  python -m pytest -n "$WORKERS" -q "$@" 2>&1 | tee "$log" || rc=$?
+  python -m pytest -n 2 -q "$@" 2>&1 | tee "$log" || rc=$?
   # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
   passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
   failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
