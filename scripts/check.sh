@@ -157,7 +157,12 @@ make_venv() {
 install() {
   local env=$1 py=$2 before after
   "$py" -m pip install --quiet uv
-  uvpip() { "$py" -m uv pip "$@" --python "$py" --quiet; }
+  # --compile-bytecode: uv writes no .pyc by default (pip does), and with
+  # PYTHONDONTWRITEBYTECODE set (as on these machines) no import writes one either, so
+  # every test process would compile jax, equinox, optax, flax... from source again
+  # (measured: 5.0 vs 2.1 CPU-seconds for `import jax, equinox, optax, jaxtyping,
+  # beartype, flax`, in each of the run's many processes).
+  uvpip() { "$py" -m uv pip "$@" --python "$py" --quiet --compile-bytecode; }
   if [ "$env" = oldest ]; then
     uvpip install -e ".[dev]" -c .ci/constraints-oldest.txt
     [ "$(jax_version "$py")" = "0.10.2 0.10.2" ] \
