@@ -27,11 +27,11 @@ to an empty `default.pyi` (everything `Any`). Tried: with the shipped stubs on i
 function annotated `-> str`, which this gate rejects. pytype-single, run here, reads the
 `.pyi` stubs from `--pythonpath` itself.
 
-Every pytype-single process would parse typeshed's standard library again (about 3 of a
-small module's 5 seconds), so the gate hands them pytype's `--precompiled-builtins`: the
-typeshed modules (standard library, `tqdm`, ...) that the package, the stubs and
-`tests/types/` import, with what they import, parsed once and pickled as pytype's own `--generate-builtins` does for
-all of typeshed (which takes over two minutes). A module missing from it is an
+Every pytype-single process would parse typeshed again (about 3 of a small module's 5
+seconds), so the gate hands them pytype's `--precompiled-builtins`: the typeshed modules
+(standard library, `tqdm`, ...) that the package, the stubs and `tests/types/` import,
+with what they import, parsed once and pickled as pytype's own `--generate-builtins`
+does for all of typeshed (which takes over two minutes). A module missing from it is an
 import-error, never a silent `Any`. `--write-builtins FILE` writes it for several runs
 (scripts/check.sh makes one, exported as $EQX_OFFLOAD_PYTYPE_BUILTINS, for the gate and
 the tests that run pytype).
@@ -104,7 +104,7 @@ def pytype_single() -> list[str]:
 
 
 def builtin_sources() -> list[pathlib.Path]:
-    """The files whose standard-library imports the precompiled builtins hold."""
+    """The files whose typeshed imports the precompiled builtins hold."""
     return [*(ROOT / PACKAGE).rglob("*.py"), *(ROOT / "typings").rglob("*.pyi"),
             *GATE_STUBS.rglob("*.pyi"), *(ROOT / "tests" / "types").glob("*.py")]
 
