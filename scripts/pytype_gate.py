@@ -109,21 +109,10 @@ def builtin_sources() -> list[pathlib.Path]:
             *GATE_STUBS.rglob("*.pyi"), *(ROOT / "tests" / "types").glob("*.py")]
 
 
-def imported_names(path: pathlib.Path) -> set[str]:
-    """The modules `path` imports absolutely, full names."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            names.add(node.module)
-    return names
-
-
 def typeshed_imports(paths: Sequence[pathlib.Path]) -> set[str]:
     """The modules that `paths` import (absolute imports, full names) that typeshed may
     hold: all but the package's and those the stub folders hold."""
-    names = set(_BASE_MODULES).union(*map(imported_names, paths))
+    names = set(_BASE_MODULES).union(*map(imported_modules, paths))
     ours = {PACKAGE} | {p.stem for d in [*SHIPPED_STUBS, GATE_STUBS] for p in d.iterdir()}
     return {n for n in names
             if n.split(".")[0] not in ours | UNPICKLED and n != "_typeshed"}
@@ -161,25 +150,34 @@ def package_modules() -> list[pathlib.Path]:
     return sorted((ROOT / PACKAGE).rglob("*.py"))
 
 
-def local_imports(path: pathlib.Path) -> set[str]:
-    """The modules of the package that `path` imports (relative or absolute)."""
-    package = module_name(path).rpartition(".")[0]
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """The modules `path` imports, full names; relative imports resolved in modules of
+    the package (and left out elsewhere). `from eqx_offload.x import name` also counts
+    `eqx_offload.x.name`, which may be a submodule."""
+    in_package = path.resolve().is_relative_to(ROOT / PACKAGE)
+    package = module_name(path).rpartition(".")[0] if in_package else ""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level and not in_package:
+                continue
             if node.level:
                 base = package.split(".")
                 base = base[: len(base) - node.level + 1]
                 absolute = ".".join(base + ([node.module] if node.module else []))
             else:
                 absolute = node.module or ""
+            found.add(absolute)
             if absolute == PACKAGE or absolute.startswith(PACKAGE + "."):
-                found.add(absolute)
-                # `from . import name` may import a submodule `name`.
                 found.update(f"{absolute}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
-    return found
+    return found - {""}
+
+
+def local_imports(path: pathlib.Path) -> set[str]:
+    """The modules of the package that `path` imports (relative or absolute)."""
+    return {n for n in imported_modules(path) if n.split(".")[0] == PACKAGE}
 
 
 def import_cycles(
@@ -234,7 +232,7 @@ def run_one(
     builtins: pathlib.Path,
     report: bool = True,
 ) -> Result:
-    plain = any(n.split(".")[0] in UNPICKLED for n in imported_names(path))
+    plain = any(n.split(".")[0] in UNPICKLED for n in imported_modules(path))
     command = [
         *pytype_single(),
         "-V=" + PYTHON_VERSION,
