@@ -61,6 +61,9 @@ summary() {
   if [ -n "$CURRENT" ]; then
     end FAILED
   fi
+  if [ -n "${BUILTINS_DIR:-}" ]; then
+    rm -rf "$BUILTINS_DIR"
+  fi
   printf '\n=== time per stage\n'
   local i
   for i in "${!STAGE_NAMES[@]}"; do
@@ -268,7 +271,8 @@ for env in "${ENVS[@]}"; do
   # typeshed's modules parsed once for every pytype run of this stage (the gate, the
   # checker table; scripts/pytype_gate.py says how).
   if "$ROOT/$dir/bin/python" -c 'import sys; sys.exit(sys.version_info >= (3, 13))'; then
-    EQX_OFFLOAD_PYTYPE_BUILTINS=$(mktemp -d)/builtins.pickle
+    BUILTINS_DIR=$(mktemp -d)
+    EQX_OFFLOAD_PYTYPE_BUILTINS=$BUILTINS_DIR/builtins.pickle
     python scripts/pytype_gate.py --write-builtins "$EQX_OFFLOAD_PYTYPE_BUILTINS"
     export EQX_OFFLOAD_PYTYPE_BUILTINS
   fi
