@@ -15,20 +15,27 @@ import pytest
 # before any backend is initialised.
 jax.config.update("jax_num_cpu_devices", 8)
 
-# JAX's persistent compilation cache, one for the whole run, shared by the xdist workers
-# (they inherit the variable from the process that made the folder) and by the optax
-# suite's children: about a third of the compilations of the library's tests are of a
-# module compiled before (the same step for the unwrapped and the wrapped optimizer,
-# eager optax `lax.cond`s, ...), and XLA compile is most of the suite's CPU time. A hit
-# is the executable of the identical module (same HLO, options and flags), so every
-# program runs the code it would have run; JAX still reports a hit as a compilation
-# (`tests/helpers.count_compiles`). The folder starts empty each run and is removed
-# at its end: nothing carries over between runs.
+# JAX's persistent compilation cache, one for the whole run: about a third of the
+# compilations of the library's tests are of a module compiled before (the same step for
+# the unwrapped and the wrapped optimizer, eager optax `lax.cond`s, ...), and XLA compile
+# is most of the suite's CPU time. A hit is the executable of the identical module (same
+# HLO, options and flags), so every program runs the code it would have run; JAX still
+# reports a hit as a compilation (`tests/helpers.count_compiles`). The process that
+# starts the run makes the folder (the xdist workers inherit the variable) and removes it
+# at the end: nothing carries over between runs. Each process has a subfolder of its own
+# (`jax.config.jax_compilation_cache_dir`, which the optax suite's children reuse, one at
+# a time): JAX writes an entry in place, without a lock unless eviction is on, so a
+# worker reading the entry another is writing got a truncated file (CI, 2026-12-02:
+# "Error reading persistent compilation cache entry", an error under
+# `filterwarnings = error`).
 CACHE_VARIABLE = "EQX_OFFLOAD_TEST_JAX_CACHE"
 _MADE_CACHE = CACHE_VARIABLE not in os.environ
 if _MADE_CACHE:
     os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix="eqx-offload-jax-cache-")
-jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VARIABLE])
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.path.join(os.environ[CACHE_VARIABLE], os.environ.get("PYTEST_XDIST_WORKER", "main")),
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
+import jax
 import optax
 import pytest
 
@@ -38,14 +39,14 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
         "EQX_OFFLOAD_SUITE_REPORT": str(report),
         "JAX_PLATFORMS": "cpu",
-        # The run's compilation cache (tests/conftest.py): optax's eager `lax.cond`s
+        # This process's compilation cache (tests/conftest.py): optax's eager `lax.cond`s
         # (`MultiSteps`, `apply_if_finite`) compile the same program again at every
         # step, about a quarter of the `transforms` group's compile time. A hit is the
         # executable of an identical module, and JAX still logs it as a compilation
         # ("Finished XLA compilation"), so optax's no-recompile checks
         # (`test_utils.log_compilations`) see every compile they saw before.
-        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-            "EQX_OFFLOAD_TEST_JAX_CACHE", str(tmp_path / "jax-cache")),
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir
+        or str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
