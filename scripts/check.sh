@@ -13,7 +13,9 @@
 # oldest runs the library's tests (`-m "not once"`), the newest those of them marked
 # `both` (the canaries of tests/upstream/ and the claims that differ between JAX
 # versions), or all of them with CHECK_FULL=1 (before a release, or after a change to
-# a JAX-version-dependent path). A per-stage time summary and the closing line
+# a JAX-version-dependent path). The oldest pytest runs in the background (its output
+# printed when it ends), alongside the newest environment's install, pytest and gates.
+# A per-stage time summary and the closing line
 # `check: N passed, M failed` (every test of every environment that ran) end the output,
 # failed or not.
 #
@@ -312,7 +314,7 @@ for env in "${ENVS[@]}"; do
   hash -r
   if [ "$env" = oldest ]; then
     # The library's tests; in the background, alongside the newest stage (bg_start).
-    bg_start "pytest -m 'not once' (the library)" "$env" -m "not once"
+    bg_start "pytest -m 'not once'" "$env" -m "not once"
     continue
   fi
   # typeshed's modules parsed once for every pytype run of this stage (the gate, the
