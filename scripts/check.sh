@@ -31,6 +31,9 @@ cd "$(dirname "$0")/.."
 # The CPU backend for every test, also where jax-cuda12-plugin (gpu_plan) is installed.
 export JAX_PLATFORMS=cpu
 ROOT=$PWD
+# xdist workers of the oldest environment's pytest (it runs in the background, alongside
+# the newest environment's stages; see bg_start).
+OLDEST_WORKERS=${CHECK_OLDEST_WORKERS:-3}
 
 # ------------------------------------------------------------------ stages and timing
 STAGE_NAMES=()
@@ -192,12 +195,13 @@ install() {
   fi
 }
 
-# run_pytest ENV [ARGS]: the suite (narrowed by ARGS); a run that collects no test fails.
+# run_pytest ENV WORKERS [ARGS]: the suite (narrowed by ARGS) in WORKERS xdist workers; a
+# run that collects no test fails.
 run_pytest() {
-  local env=$1 log rc=0 passed failed
-  shift
+  local env=$1 workers=$2 log rc=0 passed failed
+  shift 2
   log=$(mktemp)
-  python -m pytest -n 2 -q "$@" 2>&1 | tee "$log" || rc=$?
+  python -m pytest -n "$workers" -q "$@" 2>&1 | tee "$log" || rc=$?
   # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
   passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
   failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
@@ -214,7 +218,7 @@ run_pytest() {
   fi
 }
 
-# bg_start LABEL ENV [ARGS]: run_pytest ENV [ARGS] in the background, its output to a
+# bg_start LABEL ENV WORKERS [ARGS]: run_pytest ENV WORKERS [ARGS] in the background, its output to a
 # file; bg_collect waits for it, prints that output, records the stage and adds its
 # counts (the summary calls it after a failure); bg_wait also fails the run if it
 # failed. The oldest environment's pytest runs so, alongside the newest environment's
@@ -315,7 +319,7 @@ for env in "${ENVS[@]}"; do
   hash -r
   if [ "$env" = oldest ]; then
     # The library's tests; in the background, alongside the newest stage (bg_start).
-    bg_start "pytest -m 'not once'" "$env" -m "not once"
+    bg_start "pytest -m 'not once'" "$env" "$OLDEST_WORKERS" -m "not once"
     continue
   fi
   # typeshed's modules parsed once for every pytype run of this stage (the gate, the
@@ -330,10 +334,10 @@ for env in "${ENVS[@]}"; do
   pytest_ok=1
   if [ "${CHECK_FULL:-}" = 1 ]; then
     begin "$env: pytest (all: CHECK_FULL=1)"
-    run_pytest "$env" || pytest_ok=0
+    run_pytest "$env" 2 || pytest_ok=0
   else
     begin "$env: pytest -m 'once or both'"
-    run_pytest "$env" -m "once or both" || pytest_ok=0
+    run_pytest "$env" 2 -m "once or both" || pytest_ok=0
   fi
   if [ "$pytest_ok" = 1 ]; then end; else end FAILED; fi
   # Failed or not, the gates' output is shown before the run stops.
