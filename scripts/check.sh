@@ -13,8 +13,9 @@
 # oldest runs the library's tests (`-m "not once"`), the newest those of them marked
 # `both` (the canaries of tests/upstream/ and the claims that differ between JAX
 # versions), or all of them with CHECK_FULL=1 (before a release, or after a change to
-# a JAX-version-dependent path). The oldest pytest runs in the background (its output
-# printed when it ends), alongside the newest environment's install, pytest and gates.
+# a JAX-version-dependent path). The newest environment's install runs alongside the
+# oldest's, and the oldest pytest (3 xdist workers, the newest's 2) in the background
+# (its output printed when it ends), alongside the newest environment's pytest and gates.
 # A per-stage time summary and the closing line
 # `check: N passed, M failed` (every test of every environment that ran) end the output,
 # failed or not.
@@ -31,8 +32,13 @@ cd "$(dirname "$0")/.."
 # The CPU backend for every test, also where jax-cuda12-plugin (gpu_plan) is installed.
 export JAX_PLATFORMS=cpu
 ROOT=$PWD
-# xdist workers of the oldest environment's pytest (it runs in the background, alongside
-# the newest environment's stages; see bg_start).
+# xdist workers of the oldest environment's pytest, the longest stage (it runs in the
+# background, alongside the newest environment's stages; see bg_start); the newest's
+# pytest has 2. With the other core busy the scheduler shares the cores out per
+# runnable process, so a third worker gets the run more of the machine where it lags
+# most; on a quiet machine it changes little. Measured from clean clones (this machine,
+# `CI=true bash .ci/run`): other core busy 1064 s (2 workers: 1167, 1266 s); quiet
+# 904 s (2 workers: 910, 950, 1029 s).
 OLDEST_WORKERS=${CHECK_OLDEST_WORKERS:-3}
 
 # ------------------------------------------------------------------ stages and timing
@@ -63,6 +69,9 @@ summary() {
   if [ -n "${SIDE_PID:-}" ]; then
     wait "$SIDE_PID" 2>/dev/null || true
   fi
+  if [ -n "${INSTALL_PID:-}" ]; then
+    wait "$INSTALL_PID" 2>/dev/null || true
+  fi
   if [ -n "${BG_PID:-}" ]; then
     # A stage failed while the oldest pytest ran: that pytest's output still comes.
     bg_collect || [ "$rc" -ne 0 ] || rc=1
@@ -76,9 +85,9 @@ summary() {
   printf '\n=== time per stage (one "in the background" overlaps the stages after it)\n'
   local i
   for i in "${!STAGE_NAMES[@]}"; do
-    printf '  %-52s %6s  %5d s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}"
+    printf '  %-64s %6s  %5d s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}"
   done
-  printf '  %-52s %6s  %5d s\n' "total" "" $((SECONDS - RUN_START))
+  printf '  %-64s %6s  %5d s\n' "total" "" $((SECONDS - RUN_START))
   echo
   if [ "$rc" -eq 0 ]; then
     echo "all tests and gates passed"
@@ -224,7 +233,8 @@ run_pytest() {
 # failed. The oldest environment's pytest runs so, alongside the newest environment's
 # install, pytest and gates. On a quiet machine that changes little (the cores are busy
 # either way); with the other core busy, the run's many runnable processes get a larger
-# share of the machine (measured from clean clones: 1295 s in sequence, 1167-1266 s so).
+# share of the machine (measured from clean clones, 2 workers: 1295 s in sequence,
+# 1167-1266 s so).
 BG_PID=""
 bg_start() {
   BG_STAGE="$2: $1 (in the background)"
@@ -302,18 +312,65 @@ side_wait() {
   [ "$docs" = ok ] || fail "$1: mkdocs build --strict failed"
 }
 
+# install_stage ENV DIR PYTHON: ENV's venv in DIR (of PYTHON's version) and its install.
+install_stage() {
+  make_venv "$2" "$3"
+  install "$1" "$ROOT/$2/bin/python"
+  echo "$1: $("$2/bin/python" --version 2>&1), jax/jaxlib $(jax_version "$2/bin/python")"
+}
+
+# install_start ENV DIR PYTHON: install_stage in the background, its output to a file;
+# install_wait prints that output and records the stage (failing the run if it failed).
+# With both environments the newest's install starts so at the start, alongside the
+# oldest's: both are mostly downloads and unpacking, a core each at most.
+INSTALL_PID=""
+install_start() {
+  INSTALL_STAGE="$1: venv and install ($2, $("$3" --version 2>&1), alongside)"
+  INSTALL_LOG=$(mktemp)
+  INSTALL_RESULT=$(mktemp)
+  INSTALL_START=$SECONDS
+  (
+    # Not `install_stage || rc=1`: bash ignores `set -e` inside a command that `||`
+    # tests, so a failed install step would not stop it.
+    set +e
+    (set -e; install_stage "$@")
+    rc=$?
+    echo "$rc $((SECONDS - INSTALL_START))" > "$INSTALL_RESULT"
+  ) > "$INSTALL_LOG" 2>&1 &
+  INSTALL_PID=$!
+}
+
+install_wait() {
+  local rc seconds
+  wait "$INSTALL_PID" || true
+  INSTALL_PID=""
+  printf '\n=== %s: output\n' "$INSTALL_STAGE"
+  cat "$INSTALL_LOG"
+  read -r rc seconds < "$INSTALL_RESULT" || { rc=1 seconds=$((SECONDS - INSTALL_START)); }
+  rm -f "$INSTALL_LOG" "$INSTALL_RESULT"
+  STAGE_NAMES+=("$INSTALL_STAGE")
+  STAGE_SECONDS+=("$seconds")
+  if [ "$rc" = 0 ]; then STAGE_STATUS+=(ok); else STAGE_STATUS+=(FAILED); fi
+  [ "$rc" = 0 ] || fail "$1: venv and install failed"
+}
+
+env_dir() { if [ "$1" = oldest ]; then echo .venv; else echo .venv-new; fi; }
+env_python() { if [ "$1" = oldest ]; then echo "$PY_OLDEST"; else echo "$PY_NEWEST"; fi; }
+
 ORIG_PATH=$PATH
+if [ "${ENVS[*]}" = "oldest newest" ]; then
+  install_start newest "$(env_dir newest)" "$(env_python newest)"
+fi
 for env in "${ENVS[@]}"; do
-  if [ "$env" = oldest ]; then
-    dir=.venv python=$PY_OLDEST
+  dir=$(env_dir "$env")
+  python=$(env_python "$env")
+  if [ "$env" = newest ] && [ -n "$INSTALL_PID" ]; then
+    install_wait "$env"
   else
-    dir=.venv-new python=$PY_NEWEST
+    begin "$env: venv and install ($dir, $("$python" --version 2>&1))"
+    install_stage "$env" "$dir" "$python"
+    end
   fi
-  begin "$env: venv and install ($dir, $("$python" --version 2>&1))"
-  make_venv "$dir" "$python"
-  install "$env" "$ROOT/$dir/bin/python"
-  echo "$env: $("$dir/bin/python" --version 2>&1), jax/jaxlib $(jax_version "$dir/bin/python")"
-  end
   # What `activate` does: `python`, `mkdocs`, ... are this environment's.
   export VIRTUAL_ENV=$ROOT/$dir PATH=$ROOT/$dir/bin:$ORIG_PATH
   hash -r
