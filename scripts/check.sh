@@ -31,6 +31,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The CPU backend for every test, also where jax-cuda12-plugin (gpu_plan) is installed.
 export JAX_PLATFORMS=cpu
+# Python writes each module's bytecode when a process first imports it, and every later
+# process of the run reads it (where PYTHONDONTWRITEBYTECODE is set, as on these
+# machines, each of the run's ~100 Python processes compiled jax, flax, optax... from
+# source: 5.0 vs 2.1 CPU-s for their imports). Instead of compiling every installed
+# file at install time (uv's --compile-bytecode: 21 CPU-s per environment, most of it
+# for modules no test imports), only what is imported is compiled; see install().
+unset PYTHONDONTWRITEBYTECODE
 ROOT=$PWD
 # xdist workers of the oldest environment's pytest, the longest stage (it runs in the
 # background, alongside the newest environment's stages; see bg_start); the newest's
@@ -178,12 +185,9 @@ make_venv() {
 install() {
   local env=$1 py=$2 before after
   "$py" -m pip install --quiet uv
-  # --compile-bytecode: uv writes no .pyc by default (pip does), and with
-  # PYTHONDONTWRITEBYTECODE set (as on these machines) no import writes one either, so
-  # every test process would compile jax, equinox, optax, flax... from source again
-  # (measured: 5.0 vs 2.1 CPU-seconds for `import jax, equinox, optax, jaxtyping,
-  # beartype, flax`, in each of the run's many processes).
-  uvpip() { "$py" -m uv pip "$@" --python "$py" --quiet --compile-bytecode; }
+  # No --compile-bytecode (see PYTHONDONTWRITEBYTECODE above): the imports at the end
+  # write the bytecode of what the tests import, once, before the test processes start.
+  uvpip() { "$py" -m uv pip "$@" --python "$py" --quiet; }
   if [ "$env" = oldest ]; then
     uvpip install -e ".[dev]" -c .ci/constraints-oldest.txt
     [ "$(jax_version "$py")" = "0.10.2 0.10.2" ] \
@@ -202,6 +206,9 @@ install() {
     JAX_PLATFORMS=cpu "$py" -c 'from eqx_offload import _deviceless; _deviceless.check_available()' \
       || fail "newest: the GPU compiler for gpu_plan is not usable"
   fi
+  # What most test processes import, compiled to bytecode once here (else the first
+  # xdist workers, starting together, would each compile it).
+  JAX_PLATFORMS=cpu "$py" -c 'import eqx_offload, eqx_offload.cli, jax, equinox, optax, flax.nnx, orbax.checkpoint, optimistix, hypothesis, pytest, xdist'
 }
 
 # run_pytest ENV WORKERS [ARGS]: the suite (narrowed by ARGS) in WORKERS xdist workers; a
