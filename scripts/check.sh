@@ -45,7 +45,8 @@ ROOT=$PWD
 # runnable process, so a third worker gets the run more of the machine where it lags
 # most; on a quiet machine it changes little. Measured from clean clones (this machine,
 # `CI=true bash .ci/run`): other core busy 1064 s (2 workers: 1167, 1266 s); quiet
-# 904 s (2 workers: 910, 950, 1029 s).
+# 904 s (2 workers: 910, 950, 1029 s). On a faster machine of this kind, other core
+# busy: 868 s with 3 workers, 920 s with 4 (a fourth is not kept).
 OLDEST_WORKERS=${CHECK_OLDEST_WORKERS:-3}
 
 # ------------------------------------------------------------------ stages and timing
