@@ -33,7 +33,7 @@ cd "$(dirname "$0")/.."
 export JAX_PLATFORMS=cpu
 # Python writes each module's bytecode when a process first imports it, and every later
 # process of the run reads it (where PYTHONDONTWRITEBYTECODE is set, as on these
-# machines, each of the run's ~100 Python processes compiled jax, flax, optax... from
+# machines, each of the run's many Python processes compiled jax, flax, optax... from
 # source: 5.0 vs 2.1 CPU-s for their imports). Instead of compiling every installed
 # file at install time (uv's --compile-bytecode: 21 CPU-s per environment, most of it
 # for modules no test imports), only what is imported is compiled; see install().
