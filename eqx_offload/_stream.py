@@ -550,23 +550,10 @@ def _schedule(traced: TracedUpdate, group_bytes: Union[int, str]) -> _Schedule:
 # Running the schedule
 
 
-def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
-         init_dtypes: Sequence[Any]) -> list[Any]:
-    """The flat outputs of the update, evaluated stage by stage.
-
-    Values are kept under keys: `("out", k)` the jaxpr's output `k`; `("leaf", i)` the
-    host buffer of state leaf `i` of a split unit, as its pieces come back into it (one
-    `dynamic_update_slice` each, in place); `("read", j, root, index, i)` a piece's rows
-    of leaf `i`, on the device; `("upd", k, index)` a piece's rows of update `k`."""
-    jaxpr = traced.jaxpr
-    n_updates = traced.n_updates_out
-    env = Env()
-    env.write(jaxpr.constvars, traced.consts)
-    env.write(jaxpr.invars, traced.flat_args)
-    state_invars = jaxpr.invars[traced.state_slice]
-    dtype_of = dict(zip(state_invars, init_dtypes, strict=True))
+def _outputs_by_stage(jaxpr: Any, stages: list[list[Any]]) -> dict[int, list[int]]:
+    """For each stage, the indices of the jaxpr outputs its equations make."""
     stage_of_output: dict[Any, int] = {}
-    for stage, eqns in enumerate(schedule.stages):
+    for stage, eqns in enumerate(stages):
         for eqn in eqns:
             for o in eqn.outvars:
                 stage_of_output.setdefault(o, stage)
@@ -574,43 +561,110 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
     for k, v in enumerate(jaxpr.outvars):
         if is_var(v) and v in stage_of_output:
             outputs_of.setdefault(stage_of_output[v], []).append(k)
-    vals: dict[Any, Any] = {}
-    sliced_leaves = {k - n_updates for unit in schedule.sliced.values()
-                     for k in unit.outputs if k >= n_updates}
-    for i in sliced_leaves.union(*(unit.read for unit in schedule.sliced.values())):
-        vals[("leaf", i)] = env.read(state_invars[i])
-    pending: dict[int, list[Any]] = {}  # leaf -> reads of its buffer not yet ordered before a write
-    updates_of: dict[int, list[Any]] = {}  # update k of a split unit -> its pieces' keys
-    # A split unit's update `k` is written row by row into the buffer of the gradient it
-    # is computed from (`_tails`; each piece reads its rows of the gradient before
-    # writing them, and the pieces cover every row).
-    gradients = jaxpr.invars[: traced.state_offset]
-    into: dict[int, tuple[Any, list[Any]]] = {}
-    source_of: dict[int, dict[Any, int]] = {}  # root -> {gradient: k}
-    for root, unit in schedule.sliced.items():
-        for k, (cut, tail) in unit.tails.items():
-            if k < len(gradients) and (gradients[k].aval.shape, gradients[k].aval.dtype) == (
-                    cut.aval.shape, cut.aval.dtype) and not is_host(env.read(gradients[k])):
-                into[k] = (cut, tail)
-                source_of.setdefault(root, {})[gradients[k]] = k
-                vals[("acc", k)] = env.read(gradients[k])
-    fences: list[list[Any]] = []  # per stage run: the keys later groups wait for
-    latest: list[Any] = []  # the new state of the last run, on the device
-    runs = [s for s, eqns in enumerate(schedule.stages) if s == 0 or eqns or schedule.pieces[s]]
+    return outputs_of
 
-    def fetch(j: int) -> None:
+
+@dataclasses.dataclass
+class _Runner:
+    """One evaluation of a schedule, run by run (`_run`; run `j` is stage `runs[j]`, the
+    stages with something to do): the jaxpr's environment, the values made along the
+    way, and what later runs wait for.
+
+    Values are kept in `vals` under keys: `("out", k)` the jaxpr's output `k`;
+    `("leaf", i)` the host buffer of state leaf `i` of a split unit, as its pieces come
+    back into it (one `dynamic_update_slice` each, in place); `("read", j, root, index,
+    i)` a piece's rows of leaf `i`, on the device; `("upd", k, index)` a piece's rows of
+    update `k`; `("acc", k)` the gradient buffer a split unit's update `k` is written
+    into (`into`)."""
+
+    traced: TracedUpdate
+    schedule: _Schedule
+    options: Options
+    env: Env
+    dtype_of: dict[Any, Any]  # state variable -> the dtype of its leaf between steps
+    runs: list[int]  # the stages that run, in order
+    outputs_of: dict[int, list[int]]  # stage -> the jaxpr outputs its equations make
+    sliced_leaves: set[int]  # the state leaves split units write back row by row
+    vals: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    # update k of a split unit -> (what its pieces write into its gradient's buffer, the
+    # equations after that; see `_into_gradients`)
+    into: dict[int, tuple[Any, list[Any]]] = dataclasses.field(default_factory=dict)
+    # root -> {gradient: k}
+    source_of: dict[int, dict[Any, int]] = dataclasses.field(default_factory=dict)
+    # leaf -> reads of its buffer not yet ordered before a write
+    pending: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    # update k of a split unit -> its pieces' keys
+    updates_of: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    # per run: the keys later runs wait for
+    fences: list[list[Any]] = dataclasses.field(default_factory=list)
+    # the new state of the last run, on the device
+    latest: list[Any] = dataclasses.field(default_factory=list)
+    # the runs whose fetch is traced already (`fetch_early`)
+    fetched: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def jaxpr(self) -> Any:
+        return self.traced.jaxpr
+
+    @property
+    def n_updates(self) -> int:
+        return self.traced.n_updates_out
+
+    @property
+    def state_invars(self) -> Any:
+        return self.jaxpr.invars[self.traced.state_slice]
+
+    @classmethod
+    def start(cls, traced: TracedUpdate, schedule: _Schedule, options: Options,
+              init_dtypes: Sequence[Any]) -> "_Runner":
+        """The evaluation before its first run: the jaxpr's constants and arguments in
+        the environment, and under their keys the host buffers of the split units'
+        state leaves and the gradient buffers their updates go into."""
+        jaxpr = traced.jaxpr
+        env = Env()
+        env.write(jaxpr.constvars, traced.consts)
+        env.write(jaxpr.invars, traced.flat_args)
+        state_invars = jaxpr.invars[traced.state_slice]
+        n_updates = traced.n_updates_out
+        sliced_leaves = {k - n_updates for unit in schedule.sliced.values()
+                         for k in unit.outputs if k >= n_updates}
+        runs = [s for s, eqns in enumerate(schedule.stages) if s == 0 or eqns or schedule.pieces[s]]
+        runner = cls(traced, schedule, options, env, dict(zip(state_invars, init_dtypes, strict=True)),
+                     runs, _outputs_by_stage(jaxpr, schedule.stages), sliced_leaves)
+        for i in sliced_leaves.union(*(unit.read for unit in schedule.sliced.values())):
+            runner.vals[("leaf", i)] = env.read(state_invars[i])
+        runner._into_gradients()
+        return runner
+
+    def _into_gradients(self) -> None:
+        """Where a split unit's updates go: update `k` is written row by row into the
+        buffer of the gradient it is computed from (`_tails`; each piece reads its rows
+        of the gradient before writing them, and the pieces cover every row), if that
+        gradient is on the device and of the same type as what is written."""
+        gradients = self.jaxpr.invars[: self.traced.state_offset]
+        for root, unit in self.schedule.sliced.items():
+            for k, (cut, tail) in unit.tails.items():
+                if k < len(gradients) and (gradients[k].aval.shape, gradients[k].aval.dtype) == (
+                        cut.aval.shape, cut.aval.dtype) and not is_host(self.env.read(gradients[k])):
+                    self.into[k] = (cut, tail)
+                    self.source_of.setdefault(root, {})[gradients[k]] = k
+                    self.vals[("acc", k)] = self.env.read(gradients[k])
+
+    def fetch(self, j: int) -> None:
         """Bring run `j`'s state to the device: after the state of run `j - 1 -
         lookahead` is back on host, and nothing else (traced as soon as that is known,
         so a split leaf's later pieces are read before its earlier ones are written)."""
-        stage = runs[j]
+        schedule, vals, env = self.schedule, self.vals, self.env
+        stage = self.runs[j]
         incoming = schedule.group_invars[stage]
-        waits_for = fences[j - 1 - options.lookahead] if j > options.lookahead else []
+        lookahead = self.options.lookahead
+        waits_for = self.fences[j - 1 - lookahead] if j > lookahead else []
         leaves = sorted({i for p in schedule.pieces[stage]
                          for i in schedule.sliced[p.root].read})
         # (with the host buffers the pieces read from: read after the barrier)
         keys = list(dict.fromkeys(
             [*waits_for, *(("leaf", i) for i in leaves)])) if waits_for else []
-        after = list(latest) if incoming or keys else []
+        after = list(self.latest) if incoming or keys else []
         if keys or after:
             # The barrier: this group's state (still on host) waits for the new state
             # of the group `lookahead + 1` before it, already sent to host, and for the
@@ -624,126 +678,165 @@ def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
             )
             vals.update(zip(keys, fenced, strict=True))
             env.write(incoming, state)
-        env.write(incoming, fetch_state(options, env.read_all(incoming), [dtype_of[v] for v in incoming]))
+        env.write(incoming, fetch_state(self.options, env.read_all(incoming),
+                                        [self.dtype_of[v] for v in incoming]))
         for p in schedule.pieces[stage]:
             a, b = p.rows
             for i in schedule.sliced[p.root].read:
                 rows = jax.lax.slice_in_dim(vals[("leaf", i)], a, b, axis=0)
                 key = ("read", j, p.root, p.index, i)
-                (vals[key],) = fetch_state(options, [rows], [dtype_of[state_invars[i]]])
-                if i in sliced_leaves:
-                    pending.setdefault(i, []).append(key)
+                (vals[key],) = fetch_state(self.options, [rows], [self.dtype_of[self.state_invars[i]]])
+                if i in self.sliced_leaves:
+                    self.pending.setdefault(i, []).append(key)
 
-    def run_piece(j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
+    def fetch_early(self, j: int) -> None:
+        """Trace run `j`'s fetch now if it reads rows of a split leaf (see `_run`)."""
+        if j < len(self.runs) and self.schedule.pieces[self.runs[j]]:
+            self.fetch(j)
+            self.fetched.add(j)
+
+    def run(self, j: int) -> None:
+        """Run `j`: its fetch (unless traced early), its stage's equations, its new
+        state narrowed and sent to host, its pieces; then what later runs wait for (its
+        state on host; for a group whose state is only read, its updates), and the fetch
+        of run `j + 1 + lookahead` if that one is early."""
+        vals, stage = self.vals, self.runs[j]
+        if j not in self.fetched:
+            self.fetch(j)
+        self.env.run(self.schedule.stages[stage])
+        produced = [("out", k) for k in self.outputs_of.get(stage, [])]
+        vals.update((key, self.env.read(self.jaxpr.outvars[key[1]])) for key in produced)
+        to_host = [key for key in produced if key[1] in self.schedule.host_outputs]
+        # (as they go to host: a barrier on anything XLA would not materialise anyway,
+        # such as the float32 state that host_dtype narrows, changes its fusions)
+        computed = narrow_state(self.options, [vals[key] for key in to_host])
+        vals.update(zip(to_host, computed, strict=True))
+        vals.update(zip(to_host, store_state(self.options, [vals[key] for key in to_host], True,
+                                             "pinned_host"), strict=True))
+        for p in self.schedule.pieces[stage]:
+            host, updates = self.run_piece(j, p, computed)
+            to_host += host
+            produced += updates
+        if computed:
+            self.latest[:] = computed
+        self.fences.append(to_host if to_host or stage == 0 else produced)
+        self.fetch_early(j + 1 + self.options.lookahead)
+
+    def run_piece(self, j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
         """Run a split unit's equations on its rows; returns the keys of what goes to
         host and of the updates, and appends the new rows of state (on the device) to
         `computed`."""
-        unit = schedule.sliced[p.root]
+        local = self._piece_values(j, p)
+        to_host: list[Any] = []
+        updates: list[Any] = []
+        for k in self.schedule.sliced[p.root].outputs:
+            value = local[self.jaxpr.outvars[k]]
+            if k in self.into:
+                updates.append(self._write_update(k, p, local[self.into[k][0]]))
+            elif k < self.n_updates:
+                updates.append(self._keep_update_rows(k, p, value))
+            else:
+                to_host.append(self._write_state_rows(j, k - self.n_updates, p, value, computed))
+        return to_host, updates
+
+    def _piece_values(self, j: int, p: _Piece) -> dict[Any, Any]:
+        """The values of a split unit's equations on piece `p`'s rows, by variable: its
+        rows of state (fetched by run `j`) and of what it reads that is computed
+        without the state, and what its equations make of them."""
+        unit = self.schedule.sliced[p.root]
         a, b = p.rows
-        local = {state_invars[i]: vals[("read", j, p.root, p.index, i)] for i in unit.read}
+        local = {self.state_invars[i]: self.vals[("read", j, p.root, p.index, i)] for i in unit.read}
 
         def read(v: Any) -> Any:
             if not is_var(v):
                 return v.val
             if v not in local:  # computed without the state: gradients, parameters, scalars
-                k = source_of.get(p.root, {}).get(v)
-                x = env.read(v) if k is None else vals[("acc", k)]
+                k = self.source_of.get(p.root, {}).get(v)
+                x = self.env.read(v) if k is None else self.vals[("acc", k)]
                 local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
             return local[v]
 
         for eqn in unit.eqns:
             local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
-        to_host: list[Any] = []
-        updates: list[Any] = []
-        for k in unit.outputs:
-            value = local[jaxpr.outvars[k]]
-            if k in into:
-                cut, tail = into[k]
-                key = ("acc", k)
-                # The barrier keeps the write in place, and out of `apply_updates`'s
-                # fusion (which would keep every piece's inputs until the last one).
-                vals[key] = jax.lax.optimization_barrier(
-                    jax.lax.dynamic_update_slice_in_dim(vals[key], local[cut], a, axis=0))
-                updates.append(key)
-                if p.last:
-                    whole = {cut: vals[key]}
-                    for eqn in tail:
-                        args = [whole[v] if is_var(v) and v in whole else env.read(v)
-                                for v in eqn.invars]
-                        whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
-                    vals[("out", k)] = whole[jaxpr.outvars[k]]
-                continue
-            if k < n_updates:
-                rows_key = ("upd", k, p.index)
-                vals[rows_key] = value
-                updates_of.setdefault(k, []).append(rows_key)
-                updates.append(rows_key)
-                if p.last:
-                    vals[("out", k)] = jax.numpy.concatenate(
-                        [vals[u] for u in updates_of[k]], axis=0)
-                continue
-            i = k - n_updates
-            (value,) = narrow_state(options, [value])
-            computed.append(value)
-            (rows,) = store_state(options, [value], True, "pinned_host")
-            key = ("leaf", i)
-            ahead = [r for r in pending.pop(i, []) if r[1] > j]
-            if ahead:
-                # Pieces of this leaf fetched ahead read its buffer before this write
-                # lands in it (in place): they need no copy of the buffer.
-                buffer, reads = jax.lax.optimization_barrier((vals[key], [vals[r] for r in ahead]))
-                vals[key] = buffer
-                vals.update(zip(ahead, reads, strict=True))
-            vals[key] = jax.lax.dynamic_update_slice_in_dim(vals[key], rows, a, axis=0)
-            to_host.append(key)
-        return to_host, updates
+        return local
 
+    def _write_update(self, k: int, p: _Piece, rows: Any) -> Any:
+        """Write piece `p`'s `rows` of update `k` into its gradient's buffer (`into`);
+        after the last piece, the update is the buffer with the trailing operations of
+        `_tails` applied. Returns the buffer's key."""
+        cut, tail = self.into[k]
+        key = ("acc", k)
+        # The barrier keeps the write in place, and out of `apply_updates`'s
+        # fusion (which would keep every piece's inputs until the last one).
+        self.vals[key] = jax.lax.optimization_barrier(
+            jax.lax.dynamic_update_slice_in_dim(self.vals[key], rows, p.rows[0], axis=0))
+        if p.last:
+            whole = {cut: self.vals[key]}
+            for eqn in tail:
+                args = [whole[v] if is_var(v) and v in whole else self.env.read(v)
+                        for v in eqn.invars]
+                whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
+            self.vals[("out", k)] = whole[self.jaxpr.outvars[k]]
+        return key
+
+    def _keep_update_rows(self, k: int, p: _Piece, value: Any) -> Any:
+        """Keep piece `p`'s rows of update `k` (an update not written into a gradient's
+        buffer); after the last piece, the update is their concatenation. Returns the
+        rows' key."""
+        rows_key = ("upd", k, p.index)
+        self.vals[rows_key] = value
+        self.updates_of.setdefault(k, []).append(rows_key)
+        if p.last:
+            self.vals[("out", k)] = jax.numpy.concatenate(
+                [self.vals[u] for u in self.updates_of[k]], axis=0)
+        return rows_key
+
+    def _write_state_rows(self, j: int, i: int, p: _Piece, value: Any, computed: list[Any]) -> Any:
+        """Send piece `p`'s new rows of state leaf `i` (run `j`) to host, narrowed, and
+        write them into the leaf's host buffer, in place; appends them as computed (on
+        the device) to `computed`. Returns the buffer's key."""
+        (value,) = narrow_state(self.options, [value])
+        computed.append(value)
+        (rows,) = store_state(self.options, [value], True, "pinned_host")
+        key = ("leaf", i)
+        ahead = [r for r in self.pending.pop(i, []) if r[1] > j]
+        if ahead:
+            # Pieces of this leaf fetched ahead read its buffer before this write
+            # lands in it (in place): they need no copy of the buffer.
+            buffer, reads = jax.lax.optimization_barrier(
+                (self.vals[key], [self.vals[r] for r in ahead]))
+            self.vals[key] = buffer
+            self.vals.update(zip(ahead, reads, strict=True))
+        self.vals[key] = jax.lax.dynamic_update_slice_in_dim(self.vals[key], rows, p.rows[0], axis=0)
+        return key
+
+    def outputs(self) -> list[Any]:
+        """The jaxpr's outputs: those the runs made, the host buffers of the split
+        leaves, and what no stage produced (literals, and inputs or constants returned
+        as they are)."""
+        outputs = []
+        for k, v in enumerate(self.jaxpr.outvars):
+            if ("out", k) in self.vals:
+                outputs.append(self.vals[("out", k)])
+            elif k >= self.n_updates and k - self.n_updates in self.sliced_leaves:
+                outputs.append(self.vals[("leaf", k - self.n_updates)])
+            else:
+                outputs.append(self.env.read(v))
+        return outputs
+
+
+def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
+         init_dtypes: Sequence[Any]) -> list[Any]:
+    """The flat outputs of the update, evaluated stage by stage (see `_Runner`)."""
+    runner = _Runner.start(traced, schedule, options, init_dtypes)
     # A run's fetch is traced when its run starts, or, if it reads rows of a split leaf,
     # as soon as its barrier can be (then its reads come before the writes of the runs
     # in between, in place). The program's data flow is the same either way.
-    fetched: set[int] = set()
-
-    def fetch_early(j: int) -> None:
-        if j < len(runs) and schedule.pieces[runs[j]]:
-            fetch(j)
-            fetched.add(j)
-
     for j in range(options.lookahead + 1):
-        fetch_early(j)
-    for j, stage in enumerate(runs):
-        if j not in fetched:
-            fetch(j)
-        env.run(schedule.stages[stage])
-        produced = [("out", k) for k in outputs_of.get(stage, [])]
-        vals.update((key, env.read(jaxpr.outvars[key[1]])) for key in produced)
-        to_host = [key for key in produced if key[1] in schedule.host_outputs]
-        # (as they go to host: a barrier on anything XLA would not materialise anyway,
-        # such as the float32 state that host_dtype narrows, changes its fusions)
-        computed = narrow_state(options, [vals[key] for key in to_host])
-        vals.update(zip(to_host, computed, strict=True))
-        vals.update(zip(to_host, store_state(options, [vals[key] for key in to_host], True, "pinned_host"),
-                        strict=True))
-        for p in schedule.pieces[stage]:
-            host, updates = run_piece(j, p, computed)
-            to_host += host
-            produced += updates
-        if computed:
-            latest[:] = computed
-        # What a later group waits for: this group's state on host; for a group whose
-        # state is only read, its updates.
-        fences.append(to_host if to_host or stage == 0 else produced)
-        fetch_early(j + 1 + options.lookahead)
-
-    # Outputs no stage produced: literals, and inputs or constants returned as they are.
-    outputs = []
-    for k, v in enumerate(jaxpr.outvars):
-        if ("out", k) in vals:
-            outputs.append(vals[("out", k)])
-        elif k >= n_updates and k - n_updates in sliced_leaves:
-            outputs.append(vals[("leaf", k - n_updates)])
-        else:
-            outputs.append(env.read(v))
-    return outputs
+        runner.fetch_early(j)
+    for j in range(len(runner.runs)):
+        runner.run(j)
+    return runner.outputs()
 
 
 def _trace_streamable(inner: Any, updates: Any, inner_state: Any, params: Any,
