@@ -14,6 +14,7 @@ The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
 transposes the `device_put` that fetched it into a `device_put` back to host.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Generic, Optional, TypeVar
 
@@ -241,54 +242,66 @@ def _check_unbatched(batched_leaves: list[bool]) -> None:
             "or vmap over the inputs only.")
 
 
-def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
-                     offload_input: bool, unroll: int) -> Any:
-    leaves, treedef = jtu.tree_flatten(dynamic)
-    on_host = [is_host(a) for a in leaves]
-    length = leaves[0].shape[0]
+@dataclasses.dataclass(frozen=True)
+class _LayerScan:
+    """The two passes of one prefetched `scan_layers` call, over the flat stacked
+    leaves of the layers (`leaves`, in `jax.tree.leaves` order), the input `x` of the
+    first layer and the consts of the layer's computation (`consts`: what `call`
+    closes over, made explicit by `eqx.filter_closure_convert`).
 
-    def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
-        return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
+    **Fields:** `on_host` (per stacked leaf: whether it is in host memory, and so
+    prefetched), `length` (the number of layers), `converted` (the closure-converted
+    layer computation less its consts: `eqx.combine(consts, converted)(layer_leaves,
+    h)` runs one layer), `offload_input` and `unroll` (as `scan_layers`)."""
 
-    # `call` may close over traced values (a mask, a differentiated scale): make them
-    # explicit, so that the custom VJP differentiates them too.
-    example = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
-    converted = eqx.filter_closure_convert(layer_call, example, x)
-    consts, conv_static = eqx.partition(converted, eqx.is_array)
+    on_host: list[bool]
+    length: int
+    converted: Any
+    offload_input: bool
+    unroll: int
 
-    def apply(layer: list[Any], h: Any, consts: Any, batched: Any) -> Any:
+    def apply(self, layer: list[Any], h: Any, consts: Any, batched: Any) -> Any:
         """One layer; under `vmap` (`batched`: which consts are batched; `h` is), the
         layer is vmapped over the batch inside, its weights not."""
         def one(h: Any, consts: Any) -> Any:
-            return eqx.combine(consts, conv_static)(layer, h)
+            return eqx.combine(consts, self.converted)(layer, h)
         if batched is None:
             return one(h, consts)
         return jax.vmap(one, in_axes=(0, _axes(batched)))(h, consts)
 
-    def split(leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        return ([a for a, h in zip(leaves, on_host, strict=True) if h],
-                [a for a, h in zip(leaves, on_host, strict=True) if not h])
+    def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
+        """`leaves` (one per stacked leaf) as those of host leaves and the others."""
+        return ([a for a, h in zip(leaves, self.on_host, strict=True) if h],
+                [a for a, h in zip(leaves, self.on_host, strict=True) if not h])
 
-    def forward(leaves: list[Any], x: Any, consts: Any, save: bool, batched: Any) -> Any:
-        host_leaves, device_leaves = split(leaves)
+    def forward(self, leaves: list[Any], x: Any, consts: Any, save: bool, batched: Any) -> Any:
+        """The forward scan: layer `i` computes with the weights the iteration before
+        fetched while it fetches layer `i + 1`'s. Returns the last layer's output, with
+        `save` also the residuals of `backward`: each layer's input (in host memory with
+        `offload_input`) and the last layer's weights on the device."""
+        host_leaves, device_leaves = self.split(leaves)
 
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             h, current = carry
             i, device_slices = xs
-            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, length - 1))
-            saved = (to_host(h) if offload_input else h) if save else None
-            y = apply(_merge(current, device_slices, on_host), h, consts, batched)
+            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
+            saved = (to_host(h) if self.offload_input else h) if save else None
+            y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
             return (y, following), saved
 
         first = _fetch_layer(host_leaves, 0)
-        (out, last), inputs = jax.lax.scan(body, (x, first), (jnp.arange(length), device_leaves),
-                                           unroll=unroll)
+        (out, last), inputs = jax.lax.scan(
+            body, (x, first), (jnp.arange(self.length), device_leaves), unroll=self.unroll)
         # The last iteration fetched the last layer again (the clamped index): the
         # backward pass starts with it, rather than fetching it outside its loop.
         return (out, (inputs, last)) if save else out
 
-    def backward(leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any) -> Any:
-        host_leaves, device_leaves = split(leaves)
+    def backward(self, leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any) -> Any:
+        """The backward scan, from the last layer down: layer `i`'s VJP computes with the
+        weights the iteration before fetched while it fetches layer `i - 1`'s; the
+        gradients of host leaves go to host. Returns the cotangents of `(leaves, x,
+        consts)` (`None` for consts that are not inexact arrays)."""
+        host_leaves, device_leaves = self.split(leaves)
         inputs, last = residuals
         diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
 
@@ -296,54 +309,59 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             g, current, g_consts = carry
             i, device_slices, h = xs
             preceding = _fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
-            if offload_input:
+            if self.offload_input:
                 h = _fetch(h)
 
             def f(layer: list[Any], h: Any, diff: Any) -> Any:
-                return apply(layer, h, eqx.combine(diff, nondiff), batched)
+                return self.apply(layer, h, eqx.combine(diff, nondiff), batched)
 
-            _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, on_host), h, diff)
+            _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, self.on_host), h, diff)
             g_layer, g_h, g_c = vjp(g)
-            g_host, g_device = split(g_layer)
+            g_host, g_device = self.split(g_layer)
             g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=_is_none)
             return (g_h, preceding, g_consts), (to_host(g_host), g_device)
 
         zeros = _zeros_like_inexact(diff)
         (g_x, _, g_consts), (g_host, g_device) = jax.lax.scan(
-            body, (g, last, zeros), (jnp.arange(length), device_leaves, inputs),
-            reverse=True, unroll=unroll)
-        return _merge(g_host, g_device, on_host), g_x, g_consts
+            body, (g, last, zeros), (jnp.arange(self.length), device_leaves, inputs),
+            reverse=True, unroll=self.unroll)
+        return _merge(g_host, g_device, self.on_host), g_x, g_consts
 
-    # Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be
-    # batched whole, its backward pass computing every example's weight gradients; these
-    # rules batch the layer inside instead, so each weight gradient is one sum, as JAX's
-    # own transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks)
-    # are refused: their slices and gradients would need the batch axis moved in host
-    # memory.
-    def forward_pass(save: bool) -> Any:
-        """The forward pass as a `custom_vmap` function of `(leaves, x, consts)`:
-        `out`, or with `save` `(out, (inputs, last))` (each layer's input and the last
-        layer's weights on the device, for the backward pass; unbatched under `vmap`,
-        the batch axis inside)."""
-        @jax.custom_batching.custom_vmap
-        def run(leaves: list[Any], x: Any, consts: Any) -> Any:
-            return forward(leaves, x, consts, save, None)
 
-        @run.def_vmap
-        def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
-            batched_leaves, batched_x, batched_consts = in_batched
-            _check_unbatched(batched_leaves)
-            result = forward(leaves, _broadcast(x, batched_x, size), consts, save,
-                             batched_consts)
-            if not save:
-                return result, _all(result, True)
-            out, residuals = result
-            return result, (_all(out, True), _all(residuals, False))
+# Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be batched
+# whole, its backward pass computing every example's weight gradients; these rules
+# batch the layer inside instead, so each weight gradient is one sum, as JAX's own
+# transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks) are
+# refused: their slices and gradients would need the batch axis moved in host memory.
 
-        return run
 
-    forward_only, forward_saving = forward_pass(False), forward_pass(True)
+def _forward_pass(scan: _LayerScan, save: bool) -> Any:
+    """The forward pass as a `custom_vmap` function of `(leaves, x, consts)`: `out`, or
+    with `save` `(out, (inputs, last))` (each layer's input and the last layer's
+    weights on the device, for the backward pass; unbatched under `vmap`, the batch
+    axis inside)."""
+    @jax.custom_batching.custom_vmap
+    def run(leaves: list[Any], x: Any, consts: Any) -> Any:
+        return scan.forward(leaves, x, consts, save, None)
 
+    @run.def_vmap
+    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
+        batched_leaves, batched_x, batched_consts = in_batched
+        _check_unbatched(batched_leaves)
+        result = scan.forward(leaves, _broadcast(x, batched_x, size), consts, save,
+                              batched_consts)
+        if not save:
+            return result, _all(result, True)
+        out, residuals = result
+        return result, (_all(out, True), _all(residuals, False))
+
+    return run
+
+
+def _backward_pass(scan: _LayerScan) -> Any:
+    """The backward pass as a `custom_vmap` function of `(leaves, consts, residuals,
+    g)`: the cotangents of `(leaves, x, consts)`; under `vmap`, the batch axis inside
+    (the weight gradients unbatched, summed over it)."""
     @jax.custom_batching.custom_vmap
     def backward_batched(leaves: list[Any], consts: Any, residuals: Any, g: Any) -> Any:
         if any(i.ndim == c.ndim + 2
@@ -353,7 +371,7 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             # batched too and only its rule below computes; `custom_vmap` still traces
             # this function once for one example's types, which are these.
             return _zeros_like_inexact((leaves, g, consts))
-        return backward(leaves, consts, residuals, g, None)
+        return scan.backward(leaves, consts, residuals, g, None)
 
     @backward_batched.def_vmap
     def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, residuals: Any,
@@ -364,11 +382,33 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
             raise CompositionError(
                 "scan_layers(prefetch=True): the backward pass is batched over two axes "
                 "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
-        g_leaves, g_x, g_consts = backward(leaves, consts, residuals,
-                                           _broadcast(g, batched_g, size), batched_consts)
+        g_leaves, g_x, g_consts = scan.backward(leaves, consts, residuals,
+                                                _broadcast(g, batched_g, size), batched_consts)
         flags = (_all(g_leaves, False), _all(g_x, True),
                  jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
         return (g_leaves, g_x, g_consts), flags
+
+    return backward_batched
+
+
+def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
+                     offload_input: bool, unroll: int) -> Any:
+    """`scan_layers` with the next layer's host leaves prefetched in both passes: the
+    passes of a `_LayerScan`, tied together by a custom VJP."""
+    leaves, treedef = jtu.tree_flatten(dynamic)
+
+    def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
+        return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
+
+    # `call` may close over traced values (a mask, a differentiated scale): make them
+    # explicit, so that the custom VJP differentiates them too.
+    example = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
+    converted = eqx.filter_closure_convert(layer_call, example, x)
+    consts, conv_static = eqx.partition(converted, eqx.is_array)
+    layer_scan = _LayerScan([is_host(a) for a in leaves], leaves[0].shape[0], conv_static,
+                            offload_input, unroll)
+    forward_only, forward_saving = _forward_pass(layer_scan, False), _forward_pass(layer_scan, True)
+    backward_batched = _backward_pass(layer_scan)
 
     @eqx.filter_custom_vjp
     def scan(vjp_arg: Any) -> Any:
