@@ -25,6 +25,7 @@ import eqx_offload
 import jax
 import numpy as np
 
+from .config import BenchConfig, WORKLOADS
 from .copies import bench_movers, floor, state_copies, StateCopy
 from .losscurves import loss_curves
 from .measure import (
@@ -35,76 +36,10 @@ from .measure import (
     paired_ratio,
     summary,
 )
-from .models import LMShape, lm_workload, mlp_workload, num_params, OPTIMIZERS, Workload
+from .models import LMShape, num_params, OPTIMIZERS, Workload
 from .modes import DEFAULT_MODES, MODES, Runner
 from .plan import plan_record, plan_step
 from .targets import evaluate_targets
-
-
-WORKLOADS = ("mlp", "transformer")
-
-
-# --------------------------------------------------------------------------- configuration
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """What one benchmark run measures.
-
-    `sizes` are the MLP's parameter counts; `lm` sizes the transformer (one point per
-    optimizer of `lm_optimizers`, default `optimizers`). Workloads run in the order of
-    `workloads`. `loss_curves` names the modes whose loss curve is compared with the
-    baseline's over `loss_steps` steps of `loss_optimizer`. Once `time_limit` seconds
-    have passed, the points and loss curves not started yet are skipped (and listed),
-    so that a run on a rented machine ends with every file written."""
-
-    sizes: tuple[float, ...]
-    lm: LMShape = LMShape()
-    workloads: tuple[str, ...] = WORKLOADS
-    optimizers: tuple[str, ...] = ("adam", "adafactor")
-    lm_optimizers: Optional[tuple[str, ...]] = None
-    modes: tuple[str, ...] = DEFAULT_MODES
-    repeats: int = 13
-    warmup: int = 2
-    batch: int = 32
-    mover_mib: tuple[int, ...] = (1, 4, 16, 64, 256)
-    mover_repeats: int = 15
-    loss_curves: tuple[str, ...] = ()
-    loss_steps: int = 100
-    loss_optimizer: str = "adam"
-    target_min_params: float = 30e6
-    time_limit: Optional[float] = None
-    is_quick: bool = False
-    plan_targets: tuple[str, ...] = ()  # GPU targets to plan every point for (gpu_plan)
-
-    @staticmethod
-    def full() -> "BenchConfig":
-        return BenchConfig(sizes=(1e6, 3e6, 1e7, 3.2e7, 1e8))
-
-    @staticmethod
-    def quick() -> "BenchConfig":
-        return BenchConfig(sizes=(2e4,), lm=LMShape(vocab=64, width=32, layers=1, heads=2,
-                                                    seq=16, batch=4),
-                           lm_optimizers=("adam",), repeats=3, warmup=1, batch=8,
-                           mover_mib=(1, 16), mover_repeats=3, loss_steps=8, is_quick=True)
-
-    def replace(self, **changes: Any) -> "BenchConfig":
-        return dataclasses.replace(self, **changes)
-
-    def workload_list(self) -> list[Workload]:
-        """The benchmark's workloads in the order of `workloads`: every MLP size, the LM."""
-        points: list[Any] = []
-        for name in self.workloads:
-            if name == "mlp":
-                points += [mlp_workload(n, self.batch) for n in self.sizes]
-            elif name == "transformer":
-                points.append(lm_workload(self.lm))
-        return points
-
-    def optimizers_for(self, workload: Workload) -> tuple[str, ...]:
-        """The optimizers `workload` is measured with."""
-        if workload.name == "transformer" and self.lm_optimizers is not None:
-            return self.lm_optimizers
-        return self.optimizers
 
 
 # --------------------------------------------------------------------------- one point

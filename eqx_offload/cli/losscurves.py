@@ -4,18 +4,15 @@ trained for a number of steps both ways, to show what a mode that is not bitwise
 
 import sys
 from collections.abc import Callable
-from typing import Any, Optional, TYPE_CHECKING
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from .config import BenchConfig
 from .measure import bitwise_equal
 from .models import OPTIMIZERS, Workload
 from .modes import MODES
-
-
-if TYPE_CHECKING:  # (a cycle at run time: bench imports this module)
-    from .bench import BenchConfig
 
 
 def train_losses(mode: str, workload: Workload, optimizer_name: str, steps: int,
@@ -46,7 +43,7 @@ def compare(mode: str, baseline: np.ndarray, losses: np.ndarray) -> dict[str, An
     }
 
 
-def loss_curves(config: "BenchConfig", progress: bool = False,
+def loss_curves(config: BenchConfig, progress: bool = False,
                 out_of_time: Optional[Callable[[str], bool]] = None) -> list[dict[str, Any]]:
     """For every workload of `config` (the MLP at its smallest size) and every mode in
     `config.loss_curves`: the mode's loss curve next to the baseline's, over
