@@ -64,9 +64,9 @@ from ._errors import CompositionError
 from ._inner import as_transformation
 from ._jaxpr import bind, Env, is_var, trace_update, TracedUpdate, where_made
 from ._leaves import nbytes
-from ._move import fetch_state, narrow_state, store_state, widened_dtype
+from ._move import fetch_state, move, narrow_state, store_state, widened_dtype
 from ._options import Options
-from ._placement import is_host
+from ._placement import is_host, memory_kind_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,10 +283,17 @@ def _rows_sharded(aval: Any) -> bool:
     return len(spec) > 0 and spec[0] is not None
 
 
+def _is_fetch(eqn: Any) -> bool:
+    """A move of one value to device memory (`with_host_params` fetches each host
+    parameter so, `fetch_each`): rows `a:b` moved are the moved value's rows `a:b`."""
+    return (eqn.primitive.name == "device_put" and len(eqn.invars) == 1
+            and tuple(eqn.params.get("devices", ())) == (jax.memory.Space.Device,))
+
+
 def _row_wise(eqn: Any, rows: int) -> bool:
     """Whether `eqn` computes rows `a:b` of its results from rows `a:b` of its operands of
     at least one dimension, for every `a:b` along a leading axis of `rows`."""
-    if eqn.primitive.name not in _ELEMENTWISE:
+    if eqn.primitive.name not in _ELEMENTWISE and not _is_fetch(eqn):
         return False
     shapes = [tuple(v.aval.shape) for v in eqn.outvars]
     shape = shapes[0]
@@ -432,6 +439,10 @@ class _Sliced:
 
 
 _MULTIPLY = frozenset({"mul", "square", "integer_pow"})
+
+
+def _converts_only(tail: Sequence[Any]) -> bool:
+    return all(eqn.primitive.name == "convert_element_type" for eqn in tail)
 
 
 def _tails(jaxpr: Any, unit: _Sliced, n_updates: int) -> dict[int, tuple[Any, list[Any]]]:
@@ -589,6 +600,8 @@ class _Runner:
     # update k of a split unit -> (what its pieces write into its gradient's buffer, the
     # equations after that; see `_into_gradients`)
     into: dict[int, tuple[Any, list[Any]]] = dataclasses.field(default_factory=dict)
+    # updates of split units written row by row into their gradients' host buffers
+    into_host: set[int] = dataclasses.field(default_factory=set)
     # root -> {gradient: k}
     source_of: dict[int, dict[Any, int]] = dataclasses.field(default_factory=dict)
     # leaf -> reads of its buffer not yet ordered before a write
@@ -640,15 +653,30 @@ class _Runner:
         """Where a split unit's updates go: update `k` is written row by row into the
         buffer of the gradient it is computed from (`_tails`; each piece reads its rows
         of the gradient before writing them, and the pieces cover every row), if that
-        gradient is on the device and of the same type as what is written."""
+        gradient is on the device and of the same type as what is written. A gradient
+        in host memory (of a weight kept there) takes the update's rows in host memory
+        instead (`into_host`), where the update is of the gradient's type and made
+        from the `_tails` cut by dtype conversions alone (`master_weights`' new compute
+        weights): each piece's rows go to host as they are made, and no device buffer
+        holds the whole update (the same conversions on the same rows: bitwise)."""
         gradients = self.jaxpr.invars[: self.traced.state_offset]
         for root, unit in self.schedule.sliced.items():
             for k, (cut, tail) in unit.tails.items():
-                if k < len(gradients) and (gradients[k].aval.shape, gradients[k].aval.dtype) == (
-                        cut.aval.shape, cut.aval.dtype) and not is_host(self.env.read(gradients[k])):
+                if k >= len(gradients):
+                    continue
+                gradient = gradients[k]
+                on_host = is_host(self.env.read(gradient))
+                if not on_host and (gradient.aval.shape, gradient.aval.dtype) == (
+                        cut.aval.shape, cut.aval.dtype):
                     self.into[k] = (cut, tail)
-                    self.source_of.setdefault(root, {})[gradients[k]] = k
-                    self.vals[("acc", k)] = self.env.read(gradients[k])
+                elif on_host and _converts_only(tail) and (
+                        gradient.aval.shape, gradient.aval.dtype) == (
+                        self.jaxpr.outvars[k].aval.shape, self.jaxpr.outvars[k].aval.dtype):
+                    self.into_host.add(k)
+                else:
+                    continue
+                self.source_of.setdefault(root, {})[gradient] = k
+                self.vals[("acc", k)] = self.env.read(gradient)
 
     def fetch(self, j: int) -> None:
         """Bring run `j`'s state to the device: after the state of run `j - 1 -
@@ -733,6 +761,8 @@ class _Runner:
             value = local[self.jaxpr.outvars[k]]
             if k in self.into:
                 updates.append(self._write_update(k, p, local[self.into[k][0]]))
+            elif k in self.into_host:
+                updates.append(self._write_host_update(k, p, value))
             elif k < self.n_updates:
                 updates.append(self._keep_update_rows(k, p, value))
             else:
@@ -777,6 +807,18 @@ class _Runner:
                         for v in eqn.invars]
                 whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
             self.vals[("out", k)] = whole[self.jaxpr.outvars[k]]
+        return key
+
+    def _write_host_update(self, k: int, p: _Piece, rows: Any) -> Any:
+        """Send piece `p`'s `rows` of update `k` to host and write them into its
+        gradient's host buffer, in place (`into_host`); after the last piece, the update
+        is that buffer. Returns the buffer's key."""
+        key = ("acc", k)
+        (moved,) = move([rows], True, memory_kind_of(self.vals[key]), "memory_kind")
+        self.vals[key] = jax.lax.dynamic_update_slice_in_dim(self.vals[key], moved, p.rows[0],
+                                                             axis=0)
+        if p.last:
+            self.vals[("out", k)] = self.vals[key]
         return key
 
     def _keep_update_rows(self, k: int, p: _Piece, value: Any) -> Any:
