@@ -11,6 +11,7 @@ from ._budget import prefetch_options as prefetch_options, within_budget as with
 from ._checkpoint import (
     abstract_init as abstract_init,
     deserialise_filter_spec as deserialise_filter_spec,
+    filter_eval_shape as filter_eval_shape,
     host_shardings as host_shardings,
     restore_target as restore_target,
 )
@@ -50,6 +51,7 @@ from ._plan import (
     GPU_TARGETS as GPU_TARGETS,
     GpuPlan as GpuPlan,
     GpuTarget as GpuTarget,
+    PlannedCollective as PlannedCollective,
     PlannedCopy as PlannedCopy,
 )
 from ._remat import (
@@ -96,6 +98,7 @@ __all__ = [
     "deserialise_filter_spec",
     "Donate",
     "Filter",
+    "filter_eval_shape",
     "filter_jit",
     "filter_remat",
     "filter_shard",
@@ -132,6 +135,7 @@ __all__ = [
     "OptionError",
     "pattern",
     "PlanError",
+    "PlannedCollective",
     "PlannedCopy",
     "Policy",
     "prefetch_options",

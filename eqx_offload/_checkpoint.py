@@ -7,6 +7,7 @@ array onto the default device. Restored naively, an offloaded state arrives whol
 device memory. The helpers here say where each leaf goes before it is read.
 """
 
+from collections.abc import Callable
 from typing import Any, BinaryIO, Optional, TypeVar
 
 import equinox as eqx
@@ -237,7 +238,53 @@ class _InitOnly:
 def abstract_state(optimizer: Any, params: Any) -> Any:
     """`abstract_init` without the host pool check (`offloaded(...).init` checks it
     itself, naming itself)."""
-    dynamic, static = eqx.partition(params, _is_arraylike, is_leaf=_is_abstract)
+    return filter_eval_shape(optimizer.init, params)
+
+
+def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`eqx.filter_eval_shape` that keeps where each array would live: what
+    `fun(*args, **kwargs)` would return, with a `jax.ShapeDtypeStruct` at every array
+    leaf that carries the sharding and memory kind the real call gives it. Nothing is
+    computed or allocated, so a model or an optimizer state of any size can be
+    described on a laptop, and planned (`eqx_offload.gpu_plan` takes the result) or
+    restored into (`abstract_init` is this of `optimizer.init`).
+
+    **Arguments:**
+
+    - `fun`: any function, e.g. a model's constructor (`lambda: Model(key)`),
+        `optimizer.init`, `eqx_offload.master_weights(...).init`.
+    - `*args`, `**kwargs`: its arguments: arrays, `jax.ShapeDtypeStruct`s (with a
+        sharding, or on the default device without one) and anything else (passed as
+        is).
+
+    **Returns:**
+
+    `fun`'s result with `jax.ShapeDtypeStruct` array leaves. Their memory kinds are the
+    traced program's (`eqx_offload.to_host` inside `fun` gives `pinned_host`), their
+    layouts those of an input of the same shape (a state mirrors its parameters'
+    mesh and `PartitionSpec`), or the default device.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import optax
+        import eqx_offload
+
+        def make():
+            model = eqx.nn.MLP(4096, 4096, 4096, 64, key=jax.random.key(0))  # 1B params
+            return eqx.tree_at(lambda m: m.layers[1:], model, replace_fn=eqx_offload.to_host)
+
+        model = eqx_offload.filter_eval_shape(make)
+        assert model.layers[1].weight.sharding.memory_kind == "pinned_host"
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = eqx_offload.filter_eval_shape(lambda m: opt.init(eqx.filter(m, eqx.is_array)),
+                                              model)
+        assert state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
+        ```
+    """
+    dynamic, static = eqx.partition((args, kwargs), _is_arraylike, is_leaf=_is_abstract)
     leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=_is_abstract)
     in_shardings = input_shardings(leaves)
     abstract_in = [
@@ -246,18 +293,18 @@ def abstract_state(optimizer: Any, params: Any) -> Any:
     ]
     out_parts: list[Any] = []
 
-    def flat_init(*flat: Any) -> list[Any]:
-        state = optimizer.init(eqx.combine(jtu.tree_unflatten(treedef, flat), static))
-        dynamic_out, static_out = eqx.partition(state, eqx.is_array)
+    def flat_fun(*flat: Any) -> list[Any]:
+        call_args, call_kwargs = eqx.combine(jtu.tree_unflatten(treedef, flat), static)
+        dynamic_out, static_out = eqx.partition(fun(*call_args, **call_kwargs), eqx.is_array)
         keyed, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
         out_parts[:] = [static_out, out_treedef, [path_parts(p) for p, _ in keyed]]
         return [x for _, x in keyed]
 
-    out_avals = jax.jit(flat_init).trace(*abstract_in).jaxpr.out_avals
+    out_avals = jax.jit(flat_fun).trace(*abstract_in).jaxpr.out_avals
     static_out, out_treedef, out_paths = out_parts
     # The paths as `filter_jit` sees them (`(0, ...)`: the first argument), so that the
-    # layouts chosen here are those `offloaded`'s jitted `init` chooses.
-    in_paths = [("0",) + path_parts(p) for p, _ in jtu.tree_flatten_with_path(
+    # layouts chosen here are those a jitted call chooses (`offloaded`'s `init`).
+    in_paths = [path_parts(p)[1:] for p, _ in jtu.tree_flatten_with_path(
         jtu.tree_unflatten(treedef, leaves), is_leaf=_is_abstract)[0]]
     out_shardings = output_shardings(
         out_avals, out_paths, [jax.typeof(x) for x in abstract_in], in_paths, in_shardings
@@ -266,7 +313,8 @@ def abstract_state(optimizer: Any, params: Any) -> Any:
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=typed_sharding(s), weak_type=a.weak_type)
         for a, s in zip(out_avals, out_shardings)
     ]
-    return eqx.combine(jtu.tree_unflatten(out_treedef, abstract_out), static_out)
+    result: _T = eqx.combine(jtu.tree_unflatten(out_treedef, abstract_out), static_out)
+    return result
 
 
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:

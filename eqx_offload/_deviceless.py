@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from ._errors import PlanError
 
@@ -71,10 +72,14 @@ def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, An
     # Private modules, imported by name (no checker has stubs for them).
     compiler: Any = importlib.import_module("jax._src.compiler")
     xc: Any = importlib.import_module("jax._src.lib").xla_client
+    # One replica of `len(devices)` partitions (SPMD, as `jax.jit` compiles a sharded
+    # step): the assignment is a (replicas, partitions) array.
+    assignment = np.empty((1, len(devices)), dtype=object)
+    assignment[0, :] = devices
     options = compiler.get_compile_options(
         num_replicas=1,
         num_partitions=len(devices),
-        device_assignment=devices,
+        device_assignment=assignment,
         env_options_overrides=dict(compiler_options),
     )
     module = lowered.compiler_ir("stablehlo")

@@ -189,10 +189,15 @@ def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
     return shared
 
 
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str) -> _Call:
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str,
+                  abstract: bool = False) -> _Call:
+    """The call's arguments, flattened once. With `abstract` (`gpu_plan`), a
+    `jax.ShapeDtypeStruct` leaf stands for an array too: the step is traced and
+    compiled for it, and nothing is allocated (a caller checks it has a sharding)."""
     donate_first, donate_rest, _ = _DONATE_MODES[donate]
     all_leaves, treedef = jtu.tree_flatten((args, kwargs))
-    is_array = tuple(map(eqx.is_array, all_leaves))
+    is_array = tuple(
+        eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
     # Which leaves are the first argument's matters only if it is donated differently.
     first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
     n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
@@ -382,15 +387,16 @@ def _platform_of(call: _Call) -> str:
 
 
 def _lower(fun: Callable[..., Any], name: str, call: _Call,
-           platforms: Optional[tuple[str, ...]] = None) -> tuple[Any, _Output]:
+           platforms: Optional[tuple[str, ...]] = None) -> tuple[Any, _Output, Any]:
     """Trace `fun` once for `call`, check it, and lower a replay of the traced program
     with memory-kind-aware input and output shardings (for `platforms`, default the
-    arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments)."""
+    arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments). Returns the
+    lowering, how to rebuild its result, and the traced program (a closed jaxpr)."""
     jitted, output = _jitted(fun, name, call)
     traced = jitted.trace(*call.leaves)
     if platforms is None:
-        return traced.lower(), output
-    return traced.lower(lowering_platforms=platforms), output
+        return traced.lower(), output, traced.jaxpr
+    return traced.lower(lowering_platforms=platforms), output, traced.jaxpr
 
 
 def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
@@ -507,8 +513,9 @@ class Lowered:
     `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`."""
 
     def __init__(self, lowered: Any, output: _Output, key: Any, donate: str, name: str,
-                 default_options: Optional[dict[str, Any]] = None) -> None:
+                 default_options: Optional[dict[str, Any]] = None, jaxpr: Any = None) -> None:
         self._lowered = lowered
+        self._jaxpr = jaxpr  # the traced program (`gpu_plan` counts its flops)
         self._output = output
         self._key = key
         self._donate = donate
@@ -616,11 +623,11 @@ class _FilterJit(Generic[_P, _T]):
         with warnings.catch_warnings():
             if _DONATE_MODES[self._donate][2]:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            lowered, output = _lower(self._fun, self._name, call, platforms)
+            lowered, output, jaxpr = _lower(self._fun, self._name, call, platforms)
         platform = platforms[0] if platforms else _platform_of(call)
         return Lowered(lowered, output, call.key, self._donate, self._name,
                        default_compiler_options(platform, output.streamed, output.prefetched,
-                                                output.whole))
+                                                output.whole), jaxpr)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # As a method: bind the instance like a function would.
