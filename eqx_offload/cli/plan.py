@@ -23,6 +23,7 @@ import optax
 
 import eqx_offload
 
+from .capacity import CAPACITY_MODES, run_capacity
 from .models import LMShape, lm_workload, make_mlp, make_step, mse_loss, OPTIMIZERS, regression_batches
 from .modes import MODES
 
@@ -53,6 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                         help="plan within this much device memory (MiB) instead of the GPU's")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
+    capacity = parser.add_argument_group(
+        "capacity", "--capacity: the largest Llama-style model whose AdamW training step fits "
+        "each GPU, per mode (planned from shapes: nothing is allocated)")
+    capacity.add_argument("--capacity", action="store_true",
+                          help="search the size ladder (published Llama shapes 1B-70B and depths "
+                               "between them) for the largest model that fits, per mode")
+    capacity.add_argument("--gpus", default="h100,h200,h100x8",
+                          help="comma-separated GPUs to size for: h100, h200, and NAMExN for a "
+                               "node of N (FSDP over the node; default h100,h200,h100x8)")
+    capacity.add_argument("--host-memory", type=float, default=256, metavar="GB",
+                          help="host memory per GPU, in GB (default 256)")
+    capacity.add_argument("--capacity-modes", default=None, metavar="MODES",
+                          help="comma-separated modes (default all: "
+                               + ",".join(m.name for m in CAPACITY_MODES) + ")")
+    capacity.add_argument("--micro-batch", type=int, default=1,
+                          help="sequences per GPU per step (default 1)")
+    capacity.add_argument("--quick", action="store_true",
+                          help="a ladder of three small shapes (sequence 128) for a smoke test")
+    capacity.add_argument("--markdown", default=None, metavar="PATH",
+                          help="also write the capacity table as Markdown")
 
 
 def plan_record(plan: eqx_offload.GpuPlan) -> dict[str, Any]:
@@ -99,6 +120,8 @@ def _row(label: str, plan: eqx_offload.GpuPlan, baseline: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.capacity:
+        return run_capacity(args)
     kwargs: dict[str, Any] = {"target": args.target}
     if args.device_memory is not None:
         kwargs["device_memory"] = int(args.device_memory * MiB)

@@ -1,0 +1,440 @@
+"""What fits, and what it costs: the largest Llama-style model whose whole AdamW training
+step fits one GPU (or an 8-GPU node), for each way of offloading, planned from shapes.
+
+`python -m eqx_offload plan --capacity` builds every step abstractly
+(`eqx_offload.filter_eval_shape`: no array of the model or its state is allocated),
+compiles it for the target with `eqx_offload.gpu_plan` (XLA's GPU compiler, run
+without a GPU) and searches the size ladder (`llama.ladder()`: the published Llama
+shapes from 1B to 70B and depths between them) for the largest member whose step fits
+both the device's memory and the host memory given. Every device and host number is
+XLA's plan (its buffer assignment for the target), not a measurement; the floors are
+lower bounds computed from the plan (see `GpuPlan.compute_floor_seconds`), not
+predictions of the step time.
+"""
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TypeVar, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_offload
+
+from .llama import Llama, llama_loss, LlamaShape
+
+
+GB = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityMode:
+    """One way to train: what is in bf16 and what waits in host memory.
+
+    **Fields:** `name`, `what` (for a person); `bf16` (bf16 compute weights with fp32
+    master weights, `eqx_offload.master_weights`); `master_on_host` (the master
+    weights, and the state, in host memory); `state_on_host` (the optimizer state in
+    host memory, `eqx_offload.offloaded`); `params_on_host` (the blocks' weights in
+    host memory, fetched a layer at a time by `scan_layers`); `activations_on_host`
+    (each block's input kept in host memory for the backward pass).
+    """
+
+    name: str
+    what: str
+    bf16: bool = False
+    master_on_host: bool = False
+    state_on_host: bool = False
+    params_on_host: bool = False
+    activations_on_host: bool = False
+
+
+CAPACITY_MODES: tuple[CapacityMode, ...] = (
+    CapacityMode("fp32", "fp32 weights and AdamW state, all on the device"),
+    CapacityMode("bf16", "bf16 compute weights, fp32 master weights and state on the device",
+                 bf16=True),
+    CapacityMode("state", "fp32 weights on the device, AdamW state in host memory",
+                 state_on_host=True),
+    CapacityMode("+master", "bf16 weights on the device, fp32 master weights and state in "
+                 "host memory", bf16=True, master_on_host=True, state_on_host=True),
+    CapacityMode("+params", "+ the blocks' bf16 weights in host memory", bf16=True,
+                 master_on_host=True, state_on_host=True, params_on_host=True),
+    CapacityMode("+activations", "+ each block's input in host memory", bf16=True,
+                 master_on_host=True, state_on_host=True, params_on_host=True,
+                 activations_on_host=True),
+)
+"""The modes of the capacity table, from nothing offloaded to everything."""
+
+MODES_BY_NAME = {m.name: m for m in CAPACITY_MODES}
+
+
+def fsdp_spec(shape: tuple[int, ...], n: int, stacked: bool, axis: str = "data") -> Any:
+    """The `PartitionSpec` that shards a weight over `n` devices, FSDP style: its
+    largest axis that `n` divides (never a stack's layer axis, which the scan slices),
+    or replicated."""
+    spec: list[Optional[str]] = [None] * len(shape)
+    choices = [i for i in range(1 if stacked else 0, len(shape)) if shape[i] % n == 0]
+    if choices:
+        spec[max(choices, key=lambda i: shape[i])] = axis
+    return jax.sharding.PartitionSpec(*spec)
+
+
+def shard_abstract(model: Any, mesh: Optional[jax.sharding.Mesh]) -> Any:
+    """An abstract model (of `jax.ShapeDtypeStruct`s) sharded FSDP style over `mesh`'s
+    one axis, each leaf in its own memory kind; unchanged without a mesh."""
+    if mesh is None:
+        return model
+    n = int(np.prod(mesh.devices.shape))
+    axis = mesh.axis_names[0]
+
+    def shard(path: Any, x: Any) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        stacked = any(getattr(k, "name", None) == "blocks" for k in path)
+        sharding = jax.sharding.NamedSharding(
+            mesh, fsdp_spec(x.shape, n, stacked, axis), memory_kind=x.sharding.memory_kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(shard, model, is_leaf=_is_abstract)
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _blocks_to_host(model: Llama) -> Llama:
+    moved: Llama = eqx.tree_at(lambda m: m.blocks, model, replace_fn=eqx_offload.to_host)
+    return moved
+
+
+def _optimizer_step(opt: optax.GradientTransformation) -> Callable[..., Any]:
+    @eqx_offload.filter_jit(donate="all")
+    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
+        grads = eqx.filter_grad(llama_loss)(model, tokens)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx_offload.apply_updates(model, updates), state
+    return step
+
+
+def _master_step(mw: Any) -> Callable[..., Any]:
+    @eqx_offload.filter_jit(donate="all")
+    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
+        grads = eqx.filter_grad(llama_loss)(model, tokens)
+        return mw.update(grads, state, model)
+    return step
+
+
+def _init(opt: Any, model: Any) -> Any:
+    return opt.init(eqx.filter(model, eqx.is_array))
+
+
+def training_step(shape: LlamaShape, mode: CapacityMode,
+                  mesh: Optional[jax.sharding.Mesh] = None) -> tuple[Any, tuple[Any, ...]]:
+    """`(step, (model, state, tokens))` for one AdamW training step of a `Llama` of
+    `shape` in `mode`, every argument abstract (`jax.ShapeDtypeStruct`s with
+    shardings that carry memory kinds); over `mesh` (one axis), the weights and the
+    state sharded FSDP style and the batch (`shape.batch` sequences per device)
+    split over the devices. Nothing is allocated."""
+    def make() -> Llama:
+        model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
+        return _blocks_to_host(model) if mode.params_on_host else model
+
+    model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
+    adamw = optax.adamw(3e-4, weight_decay=0.1)
+    inner = eqx_offload.with_host_params(adamw) if mode.params_on_host else adamw
+    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    if mesh is None:
+        token_sharding: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+        token_sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(mesh.axis_names[0]))
+    tokens = jax.ShapeDtypeStruct((shape.batch * n, shape.seq + 1), jnp.int32,
+                                  sharding=token_sharding)
+    if mode.bf16:
+        mw = eqx_offload.master_weights(
+            inner, offload=eqx_offload.offloaded if mode.master_on_host else None)
+        model, state = eqx_offload.filter_eval_shape(mw.init, model)
+        return _master_step(mw), (model, state, tokens)
+    opt = eqx_offload.offloaded(inner) if mode.state_on_host else inner
+    state = eqx_offload.filter_eval_shape(functools.partial(_init, opt), model)
+    return _optimizer_step(opt), (model, state, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPoint:
+    """One planned step: a shape in a mode on a target. XLA's plan, not a measurement.
+
+    **Fields:** `shape`, `mode`, `target`, `n_devices`; `device_peak_bytes` (per
+    device), `device_memory_bytes`; `host_bytes` (all devices of the process),
+    `host_memory_bytes` (given), `host_pool_bytes` (the pinned pool XLA allows by
+    default); `fits` (device peak and host bytes both within their memories);
+    `bytes_to_device`, `bytes_to_host` (per device, every execution of every copy);
+    `collectives` (kind -> (count, bytes) per device); `compute_floor_s`,
+    `transfer_floor_s`, `floor_ratio` (lower bounds, see `GpuPlan`); `error` (XLA's,
+    where it could not compile); `plan_s` (seconds to trace and compile).
+    """
+
+    shape: LlamaShape
+    mode: str
+    target: str
+    n_devices: int
+    device_peak_bytes: int
+    device_memory_bytes: int
+    host_bytes: int
+    host_memory_bytes: int
+    host_pool_bytes: int
+    fits: bool
+    bytes_to_device: int
+    bytes_to_host: int
+    collectives: dict[str, tuple[int, int]]
+    compute_floor_s: float
+    transfer_floor_s: float
+    floor_ratio: float
+    error: Optional[str]
+    plan_s: float
+
+    @property
+    def params(self) -> int:
+        return self.shape.params
+
+
+def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
+               host_memory: int = 256 * GB, mesh: Optional[jax.sharding.Mesh] = None,
+               device_memory: Optional[int] = None) -> CapacityPoint:
+    """Plan one step (see `training_step`) and say whether it fits."""
+    start = time.perf_counter()
+    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    gpu = eqx_offload.GPU_TARGETS[target]
+    memory = gpu.device_memory_size if device_memory is None else device_memory
+    step, args = training_step(shape, mode, mesh)
+    try:
+        plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
+                                    host_memory=host_memory)
+    except eqx_offload.PlanError as error:
+        return CapacityPoint(shape, mode.name, target, n, 0, memory, 0, host_memory, 0, False,
+                             0, 0, {}, 0.0, 0.0, 0.0, str(error)[:500],
+                             time.perf_counter() - start)
+    collectives: dict[str, tuple[int, int]] = {}
+    for c in plan.collectives:
+        count, nbytes = collectives.get(c.kind, (0, 0))
+        collectives[c.kind] = (count + c.count, nbytes + c.nbytes * c.count)
+    fits = plan.fits and plan.host_total_bytes <= host_memory
+    return CapacityPoint(
+        shape, mode.name, target, n, plan.device_peak_bytes, plan.device_memory_size,
+        plan.host_total_bytes, host_memory, plan.host_limit_bytes, fits,
+        plan.bytes_moved("to_device"), plan.bytes_moved("to_host"), collectives,
+        plan.compute_floor_seconds, plan.transfer_floor_seconds, plan.floor_ratio, None,
+        time.perf_counter() - start)
+
+
+_S = TypeVar("_S")
+
+
+def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool]
+                    ) -> tuple[Optional[int], dict[int, bool]]:
+    """The index of the largest of `shapes` (sorted by size) for which `fits`, found by
+    bisection (a larger model of the ladder never fits where a smaller one does not:
+    its weights, state and activations are each at least as large), and every answer
+    asked for (index -> fits)."""
+    asked: dict[int, bool] = {}
+
+    def ask(i: int) -> bool:
+        if i not in asked:
+            asked[i] = fits(shapes[i])
+        return asked[i]
+
+    low, high = -1, len(shapes)  # shapes[low] fits (or none), shapes[high] does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if ask(middle):
+            low = middle
+        else:
+            high = middle
+    return (low if low >= 0 else None), asked
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """The answer for one mode on one target: the largest member of the ladder whose
+    step fits (`None` if not even the smallest does), and every point planned on the
+    way (the bisection's questions and their answers)."""
+
+    mode: CapacityMode
+    target: str
+    n_devices: int
+    largest: Optional[CapacityPoint]
+    first_too_large: Optional[CapacityPoint]
+    planned: tuple[CapacityPoint, ...]
+
+
+def capacity(shapes: Sequence[LlamaShape], mode: CapacityMode, target: str,
+             host_memory: int, mesh: Optional[jax.sharding.Mesh] = None,
+             device_memory: Optional[int] = None,
+             progress: Optional[Callable[[CapacityPoint], None]] = None) -> Capacity:
+    """The largest of `shapes` (sorted by size) that trains in `mode` on `target` (over
+    `mesh`'s devices, if given) within `host_memory` bytes of host memory (for all the
+    devices), by bisection (`largest_fitting`)."""
+    points: dict[int, CapacityPoint] = {}
+
+    def fits(shape: LlamaShape) -> bool:
+        point = plan_point(shape, mode, target, host_memory, mesh, device_memory)
+        points[shapes.index(shape)] = point
+        if progress is not None:
+            progress(point)
+        return point.fits
+
+    index, _ = largest_fitting(shapes, fits)
+    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    above = min((i for i in points if index is None or i > index), default=None)
+    return Capacity(mode, target, n, None if index is None else points[index],
+                    None if above is None else points[above],
+                    tuple(points[i] for i in sorted(points)))
+
+
+def _gib(n: Union[int, float]) -> str:
+    return f"{n / (1 << 30):.1f}"
+
+
+def capacity_table(results: Sequence[Capacity]) -> str:
+    """A Markdown table of `capacity` results: per target and mode, the largest model
+    that fits, what its step holds and moves, and its floors."""
+    lines = [
+        "| GPU | mode | largest that fits | params | device peak (GiB) | host (GiB) "
+        "| moved per step, to device / to host (GiB) | compute floor (ms) "
+        "| transfer floor (ms) | floor ratio | next size up: why not |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        gpu = r.target.upper() + ("" if r.n_devices == 1 else f" x {r.n_devices}")
+        why = "" if r.first_too_large is None else _why_not(r.first_too_large)
+        p = r.largest
+        if p is None:
+            lines.append(f"| {gpu} | {r.mode.name} | none | | | | | | | | {why} |")
+            continue
+        lines.append(
+            f"| {gpu} | {r.mode.name} | {p.shape.name} | {p.params / 1e9:.1f}B "
+            f"| {_gib(p.device_peak_bytes)} | {_gib(p.host_bytes)} "
+            f"| {_gib(p.bytes_to_device)} / {_gib(p.bytes_to_host)} "
+            f"| {p.compute_floor_s * 1e3:.0f} | {p.transfer_floor_s * 1e3:.0f} "
+            f"| {p.floor_ratio:.2f} | {why} |")
+    return "\n".join(lines)
+
+
+def _why_not(p: CapacityPoint) -> str:
+    if p.error is not None:
+        return f"{p.shape.name}: XLA could not compile it ({p.error[:80]}...)"
+    reasons = []
+    if p.device_peak_bytes > p.device_memory_bytes:
+        reasons.append(f"device peak {_gib(p.device_peak_bytes)} GiB > "
+                       f"{_gib(p.device_memory_bytes)}")
+    if p.host_bytes > p.host_memory_bytes:
+        reasons.append(f"host {_gib(p.host_bytes)} GiB > {_gib(p.host_memory_bytes)}")
+    return f"{p.shape.name} ({p.params / 1e9:.1f}B): " + ", ".join(reasons)
+
+
+def point_record(p: CapacityPoint) -> dict[str, Any]:
+    """A `CapacityPoint` as plain data (JSON)."""
+    record = dataclasses.asdict(p)
+    record["params"] = p.params
+    return record
+
+
+QUICK_LADDER: tuple[LlamaShape, ...] = (
+    LlamaShape("tiny 2L", 128, 2, 4, 2, 256, 512, seq=128),
+    LlamaShape("tiny 4L", 128, 4, 4, 2, 256, 512, seq=128),
+    LlamaShape("tiny 8L", 128, 8, 4, 2, 256, 512, seq=128),
+)
+"""The ladder of `--quick`: three small depths of one small shape."""
+
+
+def _gpus(spec: str) -> list[tuple[str, int]]:
+    gpus = []
+    for token in (t.strip().lower() for t in spec.split(",") if t.strip()):
+        name, _, count = token.partition("x")
+        if name not in eqx_offload.GPU_TARGETS or (count and not count.isdigit()):
+            raise SystemExit(f"eqx_offload plan --capacity: unknown GPU {token!r} (h100, h200, "
+                             "or NAMExN for a node of N)")
+        gpus.append((name, int(count or 1)))
+    return gpus
+
+
+def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
+    """A one-axis mesh of `n` of this machine's devices (the plan sizes a topology of as
+    many GPUs), or `None` for one."""
+    if n == 1:
+        return None
+    if len(jax.devices()) < n:
+        raise SystemExit(f"eqx_offload plan --capacity: a node of {n} GPUs needs {n} devices "
+                         f"here, and JAX has {len(jax.devices())} (it started before "
+                         "jax_num_cpu_devices could be set)")
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def jax_started() -> bool:
+    """Whether JAX has started a backend (then its device count is fixed)."""
+    from jax._src import xla_bridge
+
+    started: bool = bool(getattr(xla_bridge, "_backends", {}))
+    return started
+
+
+def run_capacity(args: Any) -> int:
+    """`python -m eqx_offload plan --capacity`: the capacity table."""
+    import json
+    import sys
+
+    gpus = _gpus(args.gpus)
+    most = max(n for _, n in gpus)
+    if most > 1:
+        try:  # before JAX starts its CPU backend (as the command line does)
+            jax.config.update("jax_num_cpu_devices", max(most, len(jax.devices("cpu"))
+                                                         if jax_started() else most))
+        except RuntimeError:
+            pass  # started already (e.g. in tests): `_mesh` checks what there is
+    names = (args.capacity_modes or ",".join(m.name for m in CAPACITY_MODES)).split(",")
+    unknown = [n for n in names if n not in MODES_BY_NAME]
+    if unknown:
+        print(f"eqx_offload plan --capacity: unknown mode(s) {', '.join(unknown)}; choose from "
+              f"{', '.join(MODES_BY_NAME)}", file=sys.stderr)
+        return 2
+    from .llama import ladder
+
+    base = QUICK_LADDER if args.quick else tuple(ladder())
+    shapes = [dataclasses.replace(s, batch=args.micro_batch) for s in base]
+    device_memory = None if args.device_memory is None else int(args.device_memory * (1 << 20))
+    results: list[Capacity] = []
+
+    def progress(p: CapacityPoint) -> None:
+        print(f"  {p.target}{'' if p.n_devices == 1 else f' x {p.n_devices}'} {p.mode:13s} "
+              f"{p.shape.name:32s} {p.params / 1e9:6.2f}B  device {_gib(p.device_peak_bytes):>6s} "
+              f"GiB  host {_gib(p.host_bytes):>7s} GiB  {'fits' if p.fits else 'does not fit'}"
+              f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}  [{p.plan_s:.0f} s]",
+              file=sys.stderr, flush=True)
+
+    for target, n in gpus:
+        mesh = _mesh(n)
+        for name in names:
+            results.append(capacity(shapes, MODES_BY_NAME[name], target,
+                                    int(args.host_memory * GB) * n, mesh, device_memory,
+                                    progress))
+    table = capacity_table(results)
+    print(table)
+    print(f"\nXLA's plan of one AdamW training step per point (compiled without a GPU, not a "
+          f"measurement), sequence {shapes[0].seq}, {args.micro_batch} sequence(s) per GPU, "
+          f"{args.host_memory:g} GB of host memory per GPU. The floors are lower bounds, not "
+          "predictions: matrix-product flops at the GPU's peak rate, and the larger "
+          "direction of the copies at the host link's rate (PCIe 5.0 x16, 64 GB/s each way).")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"mode": r.mode.name, "target": r.target, "n_devices": r.n_devices,
+                        "largest": None if r.largest is None else point_record(r.largest),
+                        "planned": [point_record(p) for p in r.planned]} for r in results],
+                      f, indent=1)
+    return 0

@@ -1,0 +1,211 @@
+"""What fits and what it costs (issue 26): `gpu_plan` of abstract arguments, the loop
+counts, collectives and floors it reads from XLA's plan, and the capacity search
+(`python -m eqx_offload plan --capacity`) on a small ladder.
+
+Every number here is XLA's plan for an H100 (its buffer assignment and schedule,
+compiled on the CPU without a GPU), not a measurement. These need the GPU compiler
+(the `plan` extra), which scripts/check.sh installs in the newest environment.
+"""
+
+import argparse
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_offload
+from eqx_offload import _deviceless
+from eqx_offload.cli import capacity, llama
+from eqx_offload.cli import plan as plan_command
+
+
+pytestmark = pytest.mark.once
+
+try:
+    _deviceless.check_available()
+except eqx_offload.PlanError as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+
+MiB = 1 << 20
+
+
+def _mlp_step():
+    model = eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0))
+    opt = eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=1 << 18)
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    return step, model, opt
+
+
+def test_abstract_arguments_plan_as_their_arrays():
+    step, model, opt = _mlp_step()
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    x = jnp.ones((64, 256))
+    concrete = eqx_offload.gpu_plan(step, model, state, x, target="h100")
+
+    abstract_model = eqx_offload.filter_eval_shape(
+        lambda: eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0)))
+    abstract_state = eqx_offload.filter_eval_shape(
+        lambda m: opt.init(eqx.filter(m, eqx.is_array)), abstract_model)
+    abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    assert abstract_state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
+    abstract = eqx_offload.gpu_plan(step, abstract_model, abstract_state, abstract_x,
+                                    target="h100")
+    for field in ("device_peak_bytes", "argument_bytes", "temp_bytes", "host_bytes",
+                  "copies", "matmul_flops"):
+        assert getattr(abstract, field) == getattr(concrete, field), field
+    assert concrete.copies_to("to_device") and concrete.host_bytes > 0
+    # The floors: flops of forward and backward (3 x the forward's), at TF32; the
+    # state's bytes cross both ways.
+    forward = 2 * 64 * (4 * 256 * 256)
+    assert concrete.matmul_flops == {"tf32": pytest.approx(3 * forward - 2 * 64 * 256 * 256)}
+    assert concrete.bytes_moved("to_device") == concrete.bytes_moved("to_host") > 0
+    assert concrete.transfer_floor_seconds == pytest.approx(
+        concrete.bytes_moved("to_device") / 64e9)
+    assert concrete.floor_ratio >= 1.0
+    assert "floors (lower bounds, not predictions)" in concrete.summary()
+
+
+def test_abstract_arguments_without_a_usable_sharding():
+    step, model, opt = _mlp_step()
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    with pytest.raises(eqx_offload.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
+                                                    r"sharding.*restore_target"):
+        eqx_offload.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
+    topology = _deviceless.topology(eqx_offload.GPU_TARGETS["h100"].config_text(), 1)
+    elsewhere = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    with pytest.raises(eqx_offload.PlanError, match=r"args\[2\].*not this process's"):
+        eqx_offload.gpu_plan(step, model, state,
+                             jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=elsewhere))
+    with pytest.raises(eqx_offload.OptionError, match="host_memory"):
+        eqx_offload.gpu_plan(step, model, state, jnp.ones((64, 256)), host_memory=-1)
+
+
+def test_matmul_flops_count_every_iteration():
+    w = jnp.ones((6, 32, 32))
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda x, w: (x @ w, None), x, w)[0]
+
+    def branch(p, x):
+        return jax.lax.cond(p, lambda x: x @ x.T @ x, lambda x: x, x)
+
+    x = jnp.ones((8, 32))
+    from eqx_offload._plan import matmul_flops
+
+    assert matmul_flops(jax.make_jaxpr(scanned)(w, x)) == {"tf32": 6 * 2 * 8 * 32 * 32}
+    assert matmul_flops(jax.make_jaxpr(branch)(True, x)) == {
+        "tf32": 2 * 8 * 32 * 8 + 2 * 8 * 8 * 32}
+    assert matmul_flops(jax.make_jaxpr(scanned)(w.astype(jnp.bfloat16),
+                                                x.astype(jnp.bfloat16))) == {
+        "bf16": 6 * 2 * 8 * 32 * 32}
+
+
+def test_largest_fitting_bisects():
+    asked = []
+
+    def fits(n):
+        asked.append(n)
+        return n <= 5
+
+    index, answers = capacity.largest_fitting(list(range(10)), fits)
+    assert index == 5 and answers[5] and not answers[6]
+    assert len(asked) <= 4  # of 10
+    assert capacity.largest_fitting([3, 4], lambda n: False)[0] is None
+
+
+def test_ladder_is_the_published_shapes_and_depths_between():
+    shapes = llama.ladder()
+    sizes = [s.params for s in shapes]
+    assert sizes == sorted(sizes)
+    published = {s.name: s.params / 1e9 for s in llama.LLAMA_SHAPES}
+    # Meta's counts (billions), with untied embeddings for the Llama 3.2 pair.
+    assert published["Llama 2 7B"] == pytest.approx(6.74, abs=0.01)
+    assert published["Llama 2 13B"] == pytest.approx(13.02, abs=0.01)
+    assert published["Llama 3.1 8B"] == pytest.approx(8.03, abs=0.01)
+    assert published["Llama 3.1 70B"] == pytest.approx(70.55, abs=0.01)
+    assert len(shapes) == len(llama.LLAMA_SHAPES) * 3 - 2
+
+
+def test_llama_model_trains():
+    shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
+    model = llama.Llama(shape, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, shape.seq + 1), 0, shape.vocab)
+    assert llama.llama_loss(model, tokens).shape == ()
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    assert sum(x.size for x in leaves) == shape.params
+    opt = optax.adamw(1e-2)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(model, state):
+        loss, grads = eqx.filter_value_and_grad(llama.llama_loss)(model, tokens)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, loss
+
+    losses = []
+    for _ in range(5):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+
+
+def test_capacity_command_quick(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    plan_command.add_arguments(parser)
+    out = tmp_path / "capacity.json"
+    args = parser.parse_args([
+        "--capacity", "--quick", "--gpus", "h100", "--capacity-modes", "fp32,+activations",
+        "--device-memory", "24", "--json", str(out)])
+    assert plan_command.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "| H100 | fp32 |" in printed and "| H100 | +activations |" in printed
+    results = {r["mode"]: r for r in json.loads(out.read_text())}
+    plain, everything = results["fp32"], results["+activations"]
+    assert plain["largest"] is not None and everything["largest"] is not None
+    # Everything in host memory trains at least as deep a model in the same 24 MiB as
+    # fp32 does, on less of the device; fp32 hits the budget within the ladder.
+    assert everything["largest"]["params"] >= plain["largest"]["params"]
+    assert everything["largest"]["device_peak_bytes"] < plain["largest"]["device_peak_bytes"]
+    assert any(not p["fits"] for p in plain["planned"])
+    largest = everything["largest"]
+    assert largest["host_bytes"] > 0 and largest["device_peak_bytes"] <= 24 * MiB
+    # The layers' weights come to the device once a layer in the forward pass and again
+    # in the backward pass (loop counts, not instructions): more than twice the blocks'
+    # bf16 weights cross to the device.
+    shape = llama.LlamaShape(**largest["shape"])
+    blocks = shape.layers * shape.block_params * 2
+    assert largest["bytes_to_device"] > 2 * blocks
+    assert largest["transfer_floor_s"] > 0 and largest["floor_ratio"] >= 1
+
+
+def test_node_plan_shards_the_state_over_the_devices():
+    """An 8-GPU node (the deviceless topology of 8 H100s): FSDP weights, the state
+    offloaded shard by shard; every byte count is per device."""
+    shape = llama.LlamaShape("tiny", 128, 2, 4, 2, 256, 512, seq=64)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"], mesh)
+    model, state, tokens = args
+    inner = state.inner_state.inner_state[0]
+    mu = inner.mu.blocks.mlp.up.weight
+    assert mu.sharding.memory_kind == "pinned_host"
+    assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data", None)
+    plan = eqx_offload.gpu_plan(step, *args, target="h100", host_memory=1 << 40)
+    assert plan.n_devices == 8
+    # fp32 master weights and Adam's two moments, a shard per device.
+    per_device = 3 * 4 * shape.params / 8
+    assert per_device * 0.9 < plan.host_bytes < per_device * 1.3
+    assert plan.host_total_bytes == 8 * plan.host_bytes and plan.host_fits
+    kinds = {c.kind for c in plan.collectives}
+    assert {"all-gather", "reduce-scatter"} <= kinds or "all-reduce" in kinds
+    assert "x 8 devices" in plan.summary() and "collectives:" in plan.summary()
