@@ -273,7 +273,7 @@ def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         import eqx_offload
 
         def make():
-            model = eqx.nn.MLP(4096, 4096, 4096, 64, key=jax.random.key(0))  # 1B params
+            model = eqx.nn.MLP(8192, 8192, 8192, 4, key=jax.random.key(0))  # 336M params
             return eqx.tree_at(lambda m: m.layers[1:], model, replace_fn=eqx_offload.to_host)
 
         model = eqx_offload.filter_eval_shape(make)

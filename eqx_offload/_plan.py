@@ -542,7 +542,7 @@ def _sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
 
 
 def _total(flops: dict[str, float]) -> float:
-    return sum(flops.values())
+    return float(sum(flops.values()))
 
 
 def matmul_flops(jaxpr: Any) -> dict[str, float]:

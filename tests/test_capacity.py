@@ -166,20 +166,19 @@ def test_capacity_command_quick(tmp_path, capsys):
     out = tmp_path / "capacity.json"
     args = parser.parse_args([
         "--capacity", "--quick", "--gpus", "h100", "--capacity-modes", "fp32,+activations",
-        "--device-memory", "24", "--json", str(out)])
+        "--device-memory", "12", "--json", str(out)])
     assert plan_command.run(args) == 0
     printed = capsys.readouterr().out
     assert "| H100 | fp32 |" in printed and "| H100 | +activations |" in printed
     results = {r["mode"]: r for r in json.loads(out.read_text())}
     plain, everything = results["fp32"], results["+activations"]
     assert plain["largest"] is not None and everything["largest"] is not None
-    # Everything in host memory trains at least as deep a model in the same 24 MiB as
-    # fp32 does, on less of the device; fp32 hits the budget within the ladder.
-    assert everything["largest"]["params"] >= plain["largest"]["params"]
-    assert everything["largest"]["device_peak_bytes"] < plain["largest"]["device_peak_bytes"]
+    # Everything in host memory trains a deeper model in the same 12 MiB than fp32
+    # does (in the plan: fp32 9.8 MiB at 2 layers, 14.5 at 4; everything 3.3 and 3.7).
+    assert everything["largest"]["params"] > plain["largest"]["params"]
     assert any(not p["fits"] for p in plain["planned"])
     largest = everything["largest"]
-    assert largest["host_bytes"] > 0 and largest["device_peak_bytes"] <= 24 * MiB
+    assert largest["host_bytes"] > 0 and largest["device_peak_bytes"] <= 12 * MiB
     # The layers' weights come to the device once a layer in the forward pass and again
     # in the backward pass (loop counts, not instructions): more than twice the blocks'
     # bf16 weights cross to the device.

@@ -374,14 +374,6 @@ def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
 
 
-def jax_started() -> bool:
-    """Whether JAX has started a backend (then its device count is fixed)."""
-    from jax._src import xla_bridge
-
-    started: bool = bool(getattr(xla_bridge, "_backends", {}))
-    return started
-
-
 def run_capacity(args: Any) -> int:
     """`python -m eqx_offload plan --capacity`: the capacity table."""
     import json
@@ -391,9 +383,8 @@ def run_capacity(args: Any) -> int:
     most = max(n for _, n in gpus)
     if most > 1:
         try:  # before JAX starts its CPU backend (as the command line does)
-            jax.config.update("jax_num_cpu_devices", max(most, len(jax.devices("cpu"))
-                                                         if jax_started() else most))
-        except RuntimeError:
+            jax.config.update("jax_num_cpu_devices", most)
+        except (RuntimeError, ValueError):
             pass  # started already (e.g. in tests): `_mesh` checks what there is
     names = (args.capacity_modes or ",".join(m.name for m in CAPACITY_MODES)).split(",")
     unknown = [n for n in names if n not in MODES_BY_NAME]
