@@ -254,3 +254,18 @@ def test_default_copies_overlap_compute(workload):
         limited = plan("default", workload, compiler_options={
             "xla_gpu_experimental_parallel_async_compute_limit": 2})
         assert limited.overlapped_fraction() < 0.8, limited.summary()
+
+
+def test_good_usage_plans_from_shapes() -> None:
+    # tests/types/good_usage.py's plan_the_step (type-checked there): the model and the
+    # state as `filter_eval_shape` gives them, planned; nothing of either allocated.
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "types" / "good_usage.py"
+    spec = importlib.util.spec_from_file_location("good_usage_plan", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Model(jax.random.key(0))
+    assert module.plan_the_step(model, jnp.ones((8, 4)), jnp.ones((8, 2)))

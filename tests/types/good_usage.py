@@ -186,14 +186,20 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
         return eqx.apply_updates(model, updates), state
 
     h100: eqx_offload.GpuTarget = eqx_offload.GPU_TARGETS["h100"]
+    # The same step planned from shapes: nothing of the model or the state allocated.
+    abstract_model = eqx_offload.filter_eval_shape(lambda: model)
+    # (`eqx.filter(..., eqx.is_array)` inside: a ShapeDtypeStruct is not an array.)
+    abstract_state = eqx_offload.filter_eval_shape(
+        lambda m: optimizer.init(eqx.filter(m, eqx.is_array)), abstract_model)
     try:
         plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
-            eqx_offload.filter_jit(step, donate="all"), model, state, x, y,
-            target=h100.with_memory(1 << 30))
+            eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
+            x, y, target=h100.with_memory(1 << 30))
     except eqx_offload.PlanError:
         return False
     copies: tuple[eqx_offload.PlannedCopy, ...] = plan.copies_to("to_device")
-    return plan.fits and all(c.nbytes > 0 for c in copies)
+    collectives: tuple[eqx_offload.PlannedCollective, ...] = plan.collectives
+    return plan.fits and all(c.nbytes > 0 for c in copies) and not collectives
 
 
 class Block(eqx.Module):
