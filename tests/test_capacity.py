@@ -124,6 +124,34 @@ def test_largest_fitting_bisects():
     assert capacity.largest_fitting([3, 4], lambda n: False)[0] is None
 
 
+@pytest.mark.parametrize("start", [0, 5, 6, 9])
+def test_largest_fitting_starts_from_a_guess(start):
+    # A guess (the answer of a mode that keeps more on the device) is asked first; right
+    # or wrong, the answer is the same.
+    asked = []
+
+    def fits(n):
+        asked.append(n)
+        return n <= 5
+
+    index, answers = capacity.largest_fitting(list(range(10)), fits, start)
+    assert index == 5 and answers[5] and not answers[6]
+    assert asked[0] == start and len(asked) <= 1 + 4
+
+
+def test_search_starts_where_a_mode_that_keeps_more_ended():
+    ladder = list(llama.ladder())
+    shape = ladder[3]
+    point = capacity.CapacityPoint(shape, "state", "h100", 1, 1, 2, 0, 1, 1, True, 0, 0, {},
+                                   0.0, 0.0, 0.0, None, 0.0)
+    done = [capacity.Capacity(capacity.MODES_BY_NAME["state"], "h100", 1, point, None, (point,))]
+    modes = capacity.MODES_BY_NAME
+    assert capacity._start(done, modes["+master"], "h100", 1, ladder) == 3
+    assert capacity._start(done, modes["state"], "h200", 1, ladder) == 3  # more memory
+    assert capacity._start(done, modes["bf16"], "h100", 1, ladder) is None
+    assert capacity._start(done, modes["+master"], "h100", 8, ladder) is None
+
+
 def test_ladder_is_the_published_shapes_and_depths_between():
     shapes = llama.ladder()
     sizes = [s.params for s in shapes]
@@ -160,15 +188,27 @@ def test_llama_model_trains():
     assert losses[-1] < losses[0]
 
 
-def test_capacity_command_quick(tmp_path, capsys):
+def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     plan_command.add_arguments(parser)
     out = tmp_path / "capacity.json"
-    args = parser.parse_args([
-        "--capacity", "--quick", "--gpus", "h100", "--capacity-modes", "fp32,+activations",
-        "--device-memory", "12", "--json", str(out)])
-    assert plan_command.run(args) == 0
+    cache = tmp_path / "points.jsonl"
+    argv = ["--capacity", "--quick", "--gpus", "h100", "--capacity-modes", "fp32,+activations",
+            "--device-memory", "12", "--json", str(out), "--cache", str(cache)]
+    assert plan_command.run(parser.parse_args(argv)) == 0
     printed = capsys.readouterr().out
+    # Run again on the same cache: every point comes from it (nothing is planned), and
+    # the table is the same.
+    planned = len(cache.read_text().splitlines())
+    assert planned >= 3
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned a point that is in the cache")
+
+    monkeypatch.setattr(capacity, "plan_point", no_planning)
+    assert plan_command.run(parser.parse_args(argv)) == 0
+    assert capsys.readouterr().out == printed
+    assert len(cache.read_text().splitlines()) == planned
     assert "| H100 | fp32 |" in printed and "| H100 | +activations |" in printed
     results = {r["mode"]: r for r in json.loads(out.read_text())}
     plain, everything = results["fp32"], results["+activations"]

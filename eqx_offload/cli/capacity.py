@@ -14,6 +14,8 @@ predictions of the step time.
 
 import dataclasses
 import functools
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar, Union
@@ -41,7 +43,9 @@ class CapacityMode:
     weights, and the state, in host memory); `state_on_host` (the optimizer state in
     host memory, `eqx_offload.offloaded`); `params_on_host` (the blocks' weights in
     host memory, fetched a layer at a time by `scan_layers`); `activations_on_host`
-    (each block's input kept in host memory for the backward pass).
+    (each block's input kept in host memory for the backward pass); `after` (the
+    modes that keep at least as much on the device: the largest model that fits one
+    of them is where the search for this one starts, see `largest_fitting`).
     """
 
     name: str
@@ -51,6 +55,7 @@ class CapacityMode:
     state_on_host: bool = False
     params_on_host: bool = False
     activations_on_host: bool = False
+    after: tuple[str, ...] = ()
 
 
 CAPACITY_MODES: tuple[CapacityMode, ...] = (
@@ -58,14 +63,15 @@ CAPACITY_MODES: tuple[CapacityMode, ...] = (
     CapacityMode("bf16", "bf16 compute weights, fp32 master weights and state on the device",
                  bf16=True),
     CapacityMode("state", "fp32 weights on the device, AdamW state in host memory",
-                 state_on_host=True),
+                 state_on_host=True, after=("fp32",)),
     CapacityMode("+master", "bf16 weights on the device, fp32 master weights and state in "
-                 "host memory", bf16=True, master_on_host=True, state_on_host=True),
+                 "host memory", bf16=True, master_on_host=True, state_on_host=True,
+                 after=("bf16", "state")),
     CapacityMode("+params", "+ the blocks' bf16 weights in host memory", bf16=True,
-                 master_on_host=True, state_on_host=True, params_on_host=True),
+                 master_on_host=True, state_on_host=True, params_on_host=True, after=("+master",)),
     CapacityMode("+activations", "+ each block's input in host memory", bf16=True,
                  master_on_host=True, state_on_host=True, params_on_host=True,
-                 activations_on_host=True),
+                 activations_on_host=True, after=("+params",)),
 )
 """The modes of the capacity table, from nothing offloaded to everything."""
 
@@ -234,12 +240,14 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
 _S = TypeVar("_S")
 
 
-def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool]
-                    ) -> tuple[Optional[int], dict[int, bool]]:
+def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool],
+                    start: Optional[int] = None) -> tuple[Optional[int], dict[int, bool]]:
     """The index of the largest of `shapes` (sorted by size) for which `fits`, found by
     bisection (a larger model of the ladder never fits where a smaller one does not:
     its weights, state and activations are each at least as large), and every answer
-    asked for (index -> fits)."""
+    asked for (index -> fits). `start`, if given, is asked first (a guess: the answer
+    of a mode that keeps more on the device, or of a smaller GPU); the bisection then
+    runs above or below it, so a wrong guess costs one question."""
     asked: dict[int, bool] = {}
 
     def ask(i: int) -> bool:
@@ -248,6 +256,11 @@ def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool]
         return asked[i]
 
     low, high = -1, len(shapes)  # shapes[low] fits (or none), shapes[high] does not
+    if start is not None and 0 <= start < len(shapes):
+        if ask(start):
+            low = start
+        else:
+            high = start
     while high - low > 1:
         middle = (low + high) // 2
         if ask(middle):
@@ -274,25 +287,69 @@ class Capacity:
 def capacity(shapes: Sequence[LlamaShape], mode: CapacityMode, target: str,
              host_memory: int, mesh: Optional[jax.sharding.Mesh] = None,
              device_memory: Optional[int] = None,
-             progress: Optional[Callable[[CapacityPoint], None]] = None) -> Capacity:
+             progress: Optional[Callable[[CapacityPoint], None]] = None,
+             start: Optional[int] = None,
+             cache: Optional["PointCache"] = None) -> Capacity:
     """The largest of `shapes` (sorted by size) that trains in `mode` on `target` (over
     `mesh`'s devices, if given) within `host_memory` bytes of host memory (for all the
-    devices), by bisection (`largest_fitting`)."""
+    devices), by bisection (`largest_fitting`, from `start` if given). Points found
+    in `cache` are not planned again; those planned are added to it."""
     points: dict[int, CapacityPoint] = {}
+    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
 
     def fits(shape: LlamaShape) -> bool:
-        point = plan_point(shape, mode, target, host_memory, mesh, device_memory)
+        point = None if cache is None else cache.get(shape, mode.name, target, n, host_memory,
+                                                     device_memory)
+        if point is None:
+            point = plan_point(shape, mode, target, host_memory, mesh, device_memory)
+            if cache is not None:
+                cache.add(point, device_memory)
         points[shapes.index(shape)] = point
         if progress is not None:
             progress(point)
         return point.fits
 
-    index, _ = largest_fitting(shapes, fits)
-    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    index, _ = largest_fitting(shapes, fits, start)
     above = min((i for i in points if index is None or i > index), default=None)
     return Capacity(mode, target, n, None if index is None else points[index],
                     None if above is None else points[above],
                     tuple(points[i] for i in sorted(points)))
+
+
+class PointCache:
+    """Planned points kept in a JSON-lines file (`--cache`), one line per point as it
+    is planned, so that a long `--capacity` run that stops (or is run again with more
+    GPUs or modes) plans nothing twice. A point is found again by its shape, mode,
+    target, device count, host memory and device memory."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+        self._points: dict[tuple[Any, ...], CapacityPoint] = {}
+        if path is not None and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if line.strip():
+                        record = json.loads(line)
+                        point = point_from_record(record)
+                        self._points[self._key(point.shape, point.mode, point.target,
+                                               point.n_devices, point.host_memory_bytes,
+                                               record.get("device_memory"))] = point
+
+    @staticmethod
+    def _key(shape: LlamaShape, mode: str, target: str, n: int, host_memory: int,
+             device_memory: Optional[int]) -> tuple[Any, ...]:
+        return (dataclasses.astuple(shape), mode, target, n, host_memory, device_memory)
+
+    def get(self, shape: LlamaShape, mode: str, target: str, n: int, host_memory: int,
+            device_memory: Optional[int]) -> Optional[CapacityPoint]:
+        return self._points.get(self._key(shape, mode, target, n, host_memory, device_memory))
+
+    def add(self, point: CapacityPoint, device_memory: Optional[int]) -> None:
+        self._points[self._key(point.shape, point.mode, point.target, point.n_devices,
+                               point.host_memory_bytes, device_memory)] = point
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(point_record(point), device_memory=device_memory)) + "\n")
 
 
 def _gib(n: Union[int, float]) -> str:
@@ -343,6 +400,15 @@ def point_record(p: CapacityPoint) -> dict[str, Any]:
     return record
 
 
+def point_from_record(record: dict[str, Any]) -> CapacityPoint:
+    """The `CapacityPoint` that `point_record` wrote."""
+    fields = {f.name for f in dataclasses.fields(CapacityPoint)}
+    values = {k: v for k, v in record.items() if k in fields}
+    values["shape"] = LlamaShape(**values["shape"])
+    values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in values["collectives"].items()}
+    return CapacityPoint(**values)
+
+
 QUICK_LADDER: tuple[LlamaShape, ...] = (
     LlamaShape("tiny 2L", 128, 2, 4, 2, 256, 512, seq=128),
     LlamaShape("tiny 4L", 128, 4, 4, 2, 256, 512, seq=128),
@@ -374,9 +440,22 @@ def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
 
 
+def _start(done: Sequence[Capacity], mode: CapacityMode, target: str, n: int,
+           shapes: Sequence[LlamaShape]) -> Optional[int]:
+    """Where the search for `mode` on `target` starts: the largest answer so far of a
+    mode in `mode.after` on the same GPUs, or of `mode` on as many GPUs with no more
+    memory each (a guess that `largest_fitting` checks first)."""
+    memory = eqx_offload.GPU_TARGETS[target].device_memory_size
+    found = [shapes.index(r.largest.shape) for r in done
+             if r.largest is not None and r.largest.shape in shapes and r.n_devices == n
+             and ((r.target == target and r.mode.name in mode.after)
+                  or (r.mode.name == mode.name
+                      and eqx_offload.GPU_TARGETS[r.target].device_memory_size <= memory))]
+    return max(found, default=None)
+
+
 def run_capacity(args: Any) -> int:
     """`python -m eqx_offload plan --capacity`: the capacity table."""
-    import json
     import sys
 
     gpus = _gpus(args.gpus)
@@ -406,12 +485,14 @@ def run_capacity(args: Any) -> int:
               f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}  [{p.plan_s:.0f} s]",
               file=sys.stderr, flush=True)
 
+    cache = PointCache(getattr(args, "cache", None))
     for target, n in gpus:
         mesh = _mesh(n)
         for name in names:
-            results.append(capacity(shapes, MODES_BY_NAME[name], target,
-                                    int(args.host_memory * GB) * n, mesh, device_memory,
-                                    progress))
+            mode = MODES_BY_NAME[name]
+            results.append(capacity(shapes, mode, target, int(args.host_memory * GB) * n, mesh,
+                                    device_memory, progress, _start(results, mode, target, n,
+                                                                    shapes), cache))
     table = capacity_table(results)
     print(table)
     print(f"\nXLA's plan of one AdamW training step per point (compiled without a GPU, not a "

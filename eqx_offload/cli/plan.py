@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="a ladder of three small shapes (sequence 128) for a smoke test")
     capacity.add_argument("--markdown", default=None, metavar="PATH",
                           help="also write the capacity table as Markdown")
+    capacity.add_argument("--cache", default=None, metavar="PATH",
+                          help="keep every planned point in this JSON-lines file and plan "
+                               "none of those already in it again (a long run that stops "
+                               "resumes where it was)")
 
 
 def plan_record(plan: eqx_offload.GpuPlan) -> dict[str, Any]:

@@ -178,7 +178,6 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
     """XLA's GPU plan of the step (type-checked here; run in tests/test_plan.py, as it
     needs the `plan` extra)."""
     optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
-    state = optimizer.init(eqx.filter(model, eqx.is_array))
 
     def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:
         grads = eqx.filter_grad(loss_fn)(model, x, y)
