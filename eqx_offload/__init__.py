@@ -18,6 +18,7 @@ from ._checkpoint import (
 from ._errors import (
     CheckpointError as CheckpointError,
     CompositionError as CompositionError,
+    DonationError as DonationError,
     MemoryKindError as MemoryKindError,
     NotATransformationError as NotATransformationError,
     OffloadError as OffloadError,
@@ -94,6 +95,7 @@ __all__ = [
     "CheckpointError",
     "Compiled",
     "CompositionError",
+    "DonationError",
     "Compute",
     "deserialise_filter_spec",
     "Donate",

@@ -58,6 +58,12 @@ class CheckpointError(OffloadError, ValueError):
     or a restore target that cannot be built."""
 
 
+class DonationError(OffloadError, RuntimeError):
+    """An array passed to a `filter_jit` function that an earlier donating call
+    consumed (deleted): JAX's "Array has been deleted", with the argument, the leaf's
+    path and the fix."""
+
+
 class PlanError(OffloadError, RuntimeError):
     """`gpu_plan` cannot compile for the GPU: the compiler is missing (the `plan` extra)
     or does not match the installed JAX, or the step cannot be planned."""

@@ -13,10 +13,13 @@ only with an output in the same memory). The user's function runs once per compi
 import contextvars
 import dataclasses
 import functools
+import inspect
 import os
+import sys
+import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar
+from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -24,7 +27,7 @@ import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
 from ._deviceless import compiling_for
-from ._errors import CompositionError, OptionError, SignatureError
+from ._errors import CompositionError, DonationError, OptionError, SignatureError
 from ._jaxpr import evaluate, is_var
 from ._leaves import path_parts
 from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
@@ -43,6 +46,119 @@ _DONATE_MODES: dict[str, tuple[bool, bool, bool]] = {
     "none": (False, False, False),
 }
 _UNUSABLE_DONATION = "Some donated buffers were not usable"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Donation:
+    """What a `filter_jit` function donates: by mode (`donate="all"`, ...: the first
+    argument and the rest), or by parameter name (`donate=("model", "opt_state")`)."""
+
+    first: bool
+    rest: bool
+    silence: bool  # JAX's warning about donated buffers it could not reuse
+    names: Optional[frozenset[str]] = None
+    positional: tuple[str, ...] = ()  # `fun`'s positional parameters, in order
+    varargs: Optional[str] = None  # its `*args`, if any
+
+    def per_argument(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[bool]:
+        """Whether each argument (of `args`, then `kwargs` by sorted key, the order of
+        `jax.tree.leaves`) is donated."""
+        if self.names is None:
+            return [self.first if i == 0 else self.rest for i in range(len(args))] + [
+                self.rest] * len(kwargs)
+        names = [self.argument_name(i) for i in range(len(args))]
+        return [n in self.names for n in names] + [k in self.names for k in sorted(kwargs)]
+
+    def argument_name(self, i: int) -> Optional[str]:
+        """The parameter that positional argument `i` binds to, if known."""
+        return self.positional[i] if i < len(self.positional) else self.varargs
+
+    def __str__(self) -> str:
+        if self.names is None:
+            mode = {v: k for k, v in _DONATE_MODES.items()}
+            return repr(mode[(self.first, self.rest, self.silence)])
+        return repr(tuple(sorted(self.names)))
+
+
+def _parameters(fun: Optional[Callable[..., Any]]
+                ) -> tuple[tuple[str, ...], Optional[str], set[str], bool]:
+    """`fun`'s positional parameters, its `*args` name, every name it accepts, and
+    whether it takes `**kwargs` (nothing known where it has no signature)."""
+    positional: list[str] = []
+    varargs: Optional[str] = None
+    accepted: set[str] = set()
+    var_keyword = fun is None
+    try:
+        parameters = [] if fun is None else list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a C callable: nothing known
+        parameters, var_keyword = [], True
+    for p in parameters:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            varargs = p.name
+        elif p.kind is p.VAR_KEYWORD:
+            var_keyword = True
+            continue
+        accepted.add(p.name)
+    return tuple(positional), varargs, accepted, var_keyword
+
+
+def _donation(donate: Any, fun: Optional[Callable[..., Any]]) -> _Donation:
+    """`filter_jit`'s `donate=` checked: a mode, or names of `fun`'s parameters."""
+    modes = ", ".join(repr(m) for m in _DONATE_MODES)
+    positional, varargs, accepted, var_keyword = _parameters(fun)
+    if isinstance(donate, str):
+        if donate not in _DONATE_MODES:
+            raise OptionError(
+                f"filter_jit(donate={donate!r}): donate must be one of {modes}, or a tuple "
+                "of the names of the parameters to donate."
+            )
+        return _Donation(*_DONATE_MODES[donate], None, positional, varargs)
+    if not (isinstance(donate, (tuple, list, frozenset, set))
+            and all(isinstance(n, str) for n in donate)):
+        raise OptionError(
+            f"filter_jit(donate={donate!r}): donate must be one of {modes}, or a tuple of "
+            "the names of the parameters to donate (e.g. donate=(\"model\", \"opt_state\"))."
+        )
+    unknown = sorted(set(donate) - accepted)
+    if unknown and not var_keyword:
+        raise OptionError(
+            f"filter_jit(donate={tuple(donate)!r}): {', '.join(map(repr, unknown))} "
+            f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} of "
+            f"{getattr(fun, '__qualname__', fun)!s}; its parameters are "
+            f"{', '.join(map(repr, sorted(accepted))) or 'none'}."
+        )
+    return _Donation(True, True, True, frozenset(donate), positional, varargs)
+
+
+def _check_not_deleted(all_leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                       donate: _Donation, name: str) -> None:
+    """A `DonationError` naming the argument and the leaf, where an array of the call
+    was deleted (an earlier call that donated it consumed it): JAX would only say
+    "Array has been deleted with shape=..."."""
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in all_leaves):
+        return
+    for path, x in jtu.tree_flatten_with_path((args, kwargs))[0]:
+        if not (isinstance(x, jax.Array) and x.is_deleted()):
+            continue
+        kind, key, rest = path[0], path[1], path[2:]
+        if getattr(kind, "idx", 0) == 0:  # args
+            i = getattr(key, "idx", 0)
+            parameter = donate.argument_name(i)
+            where = f"args[{i}]" + (f" (`{parameter}`)" if parameter else "")
+        else:
+            where = f"`{getattr(key, 'key', key)}`"
+        leaf = jtu.keystr(tuple(rest)) or "(the argument itself)"
+        raise DonationError(
+            f"filter_jit({name}): {where}, leaf {leaf} ({x.dtype}{list(x.shape)}) has been "
+            "deleted: an earlier call that donated it consumed it (with donate=\"all\" a "
+            "function consumes every array passed to it, also those it does not return). "
+            "Pass the value that call returned in its place; or, for an argument the "
+            "donating function only reads (a model passed to the other model's step), "
+            "donate only what it returns, by parameter name: "
+            "`filter_jit(step, donate=(\"model\", \"opt_state\"))`."
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,6 +204,34 @@ _GENERIC_HINT = (
 )
 _HINTS = {"select_n": _SELECT_HINT, "select_and_scatter_add": _SELECT_HINT}
 _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
+
+
+# Off only for the upstream canary (tests/upstream/test_upstream_donation.py), which
+# shows what plain JAX does without it.
+CHECK_FOREIGN_DONATION = True
+
+
+def foreign_donation() -> Optional[str]:
+    """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
+    `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
+    `eqx.filter_jit` with donation are such jits. Read from JAX's tracing frame
+    (`pjit._infer_params` or `_infer_params_impl`, whose `ji` holds the donation; JAX
+    0.10 to 0.12), as JAX
+    offers no public way to ask; `None` when no donating jit encloses the caller (or
+    the frame is not found: tests/test_programs.py's NNX test fails then)."""
+    if not CHECK_FOREIGN_DONATION or jax.config.jax_debug_nans:  # (no donation then)
+        return None
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.startswith("_infer_params") and code.co_filename.startswith(_JAX_DIR):
+            ji: Any = frame.f_locals.get("ji")
+            if ji is not None and (getattr(ji, "donate_argnums", None) or
+                                   getattr(ji, "donate_argnames", None)):
+                fun = frame.f_locals.get("fun")
+                return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
+        frame = frame.f_back
+    return None
 
 
 def _where_in_source(eqn: Any) -> str:
@@ -189,23 +333,28 @@ def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
     return shared
 
 
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str,
-                  abstract: bool = False) -> _Call:
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donation,
+                  abstract: bool = False, name: str = "fun") -> _Call:
     """The call's arguments, flattened once. With `abstract` (`gpu_plan`), a
     `jax.ShapeDtypeStruct` leaf stands for an array too: the step is traced and
     compiled for it, and nothing is allocated (a caller checks it has a sharding)."""
-    donate_first, donate_rest, _ = _DONATE_MODES[donate]
     all_leaves, treedef = jtu.tree_flatten((args, kwargs))
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
-    # Which leaves are the first argument's matters only if it is donated differently.
-    first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
-    n_first: int = first_def.num_leaves if donate_first != donate_rest else 0
+    # Which argument each leaf is of matters only where the arguments are donated
+    # differently (`n_first`, a part of the key, stays as it was for the modes).
+    per_argument = donate.per_argument(args, kwargs)
+    arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
+    flags = [d for d, n in zip(per_argument, sizes, strict=True) for _ in range(n)]
+    n_first: int = sizes[0] if args and donate.names is None and donate.first != donate.rest else 0
+    if not abstract:
+        _check_not_deleted(all_leaves, args, kwargs, donate, name)
     leaves: list[Any] = []
     donated: list[int] = []
-    for i, (x, a) in enumerate(zip(all_leaves, is_array, strict=True)):
+    for x, a, d in zip(all_leaves, is_array, flags, strict=True):
         if a:
-            if donate_first if i < n_first else donate_rest:
+            if d:
                 donated.append(len(leaves))
             leaves.append(x)
     shared = _unshare(leaves, donated) if donated else {}
@@ -216,7 +365,7 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: str,
     key = (
         treedef,
         is_array,
-        n_first,
+        n_first if donate.names is None else tuple(donated),
         # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
         # hashable: `1` and `1.0` or `True` must not share an executable).
         tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
@@ -475,7 +624,8 @@ class Compiled:
     `filter_jit(f).lower(...).compile()`). Call it with arguments of the same structure,
     static values, shapes, dtypes and shardings as those it was lowered for."""
 
-    def __init__(self, executable: Any, output: _Output, key: Any, donate: str, name: str) -> None:
+    def __init__(self, executable: Any, output: _Output, key: Any, donate: _Donation,
+                 name: str) -> None:
         self._executable = executable
         self._output = output
         self._key = key
@@ -483,7 +633,7 @@ class Compiled:
         self._name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = _flatten_call(args, kwargs, self._donate)
+        call = _flatten_call(args, kwargs, self._donate, name=self._name)
         if call.key != self._key:
             raise SignatureError(
                 f"filter_jit({self._name}).lower(...).compile(): called with arguments "
@@ -492,7 +642,7 @@ class Compiled:
                 "arguments, or call the `filter_jit` function itself (it compiles once "
                 "per configuration)."
             )
-        return _run(self._executable, self._output, call, _DONATE_MODES[self._donate][2])
+        return _run(self._executable, self._output, call, self._donate.silence)
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the executable (`jax.stages.Compiled.memory_analysis`)."""
@@ -512,7 +662,7 @@ class Lowered:
     """A `filter_jit` function lowered for one configuration of arguments (returned by
     `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`."""
 
-    def __init__(self, lowered: Any, output: _Output, key: Any, donate: str, name: str,
+    def __init__(self, lowered: Any, output: _Output, key: Any, donate: _Donation, name: str,
                  default_options: Optional[dict[str, Any]] = None, jaxpr: Any = None) -> None:
         self._lowered = lowered
         self._jaxpr = jaxpr  # the traced program (`gpu_plan` counts its flops)
@@ -530,7 +680,7 @@ class Lowered:
         over them."""
         options = {**self._default_options, **(compiler_options or {})}
         with warnings.catch_warnings():
-            if _DONATE_MODES[self._donate][2]:
+            if self._donate.silence:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
             executable = self._lowered.compile(options or None)
         return Compiled(executable, self._output, self._key, self._donate, self._name)
@@ -544,7 +694,7 @@ class Lowered:
 class _FilterJit(Generic[_P, _T]):
     """What `filter_jit` returns: call it, or `.lower(...)` it."""
 
-    def __init__(self, fun: Callable[_P, _T], donate: str,
+    def __init__(self, fun: Callable[_P, _T], donate: _Donation,
                  compiler_options: Optional[dict[str, Any]]) -> None:
         self._fun = fun
         self._donate = donate
@@ -554,13 +704,13 @@ class _FilterJit(Generic[_P, _T]):
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        call = _flatten_call(args, kwargs, self._donate)
+        call = _flatten_call(args, kwargs, self._donate, name=self._name)
         compiled = self._cache.get(call.key)
         if compiled is None:
             compiled = self._lower_call(call).compile(self._compiler_options)
             self._cache[call.key] = compiled
         out: _T = _run(compiled._executable, compiled._output, call,
-                       _DONATE_MODES[self._donate][2])
+                       self._donate.silence)
         return out
 
     def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
@@ -568,7 +718,7 @@ class _FilterJit(Generic[_P, _T]):
         compilation). `.compile()` on the result gives a callable `Compiled` with
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
         cache is not touched."""
-        return self._lower_call(_flatten_call(args, kwargs, self._donate))
+        return self._lower_call(_flatten_call(args, kwargs, self._donate, name=self._name))
 
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
         """`jax.export.export` for this function, memory kinds kept: returns a callable
@@ -605,9 +755,9 @@ class _FilterJit(Generic[_P, _T]):
         """
 
         def export(*args: Any, **kwargs: Any) -> Any:
-            call = _flatten_call(args, kwargs, self._donate)
+            call = _flatten_call(args, kwargs, self._donate, name=self._name)
             with warnings.catch_warnings():
-                if _DONATE_MODES[self._donate][2]:
+                if self._donate.silence:
                     warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
                 # Traced for the platform exported for: `offloaded`'s default streams
                 # for an accelerator even when exported from a CPU machine.
@@ -621,7 +771,7 @@ class _FilterJit(Generic[_P, _T]):
 
     def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
-            if _DONATE_MODES[self._donate][2]:
+            if self._donate.silence:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
             lowered, output, jaxpr = _lower(self._fun, self._name, call, platforms)
         platform = platforms[0] if platforms else _platform_of(call)
@@ -638,13 +788,13 @@ class _FilterJit(Generic[_P, _T]):
 
 @overload
 def filter_jit(
-    *, donate: Donate = "none", compiler_options: Optional[dict[str, Any]] = None
+    *, donate: Union[Donate, tuple[str, ...]] = "none", compiler_options: Optional[dict[str, Any]] = None
 ) -> Callable[[Callable[_P, _T]], _FilterJit[_P, _T]]: ...
 
 
 @overload
 def filter_jit(
-    fun: Callable[_P, _T], *, donate: Donate = "none",
+    fun: Callable[_P, _T], *, donate: Union[Donate, tuple[str, ...]] = "none",
     compiler_options: Optional[dict[str, Any]] = None,
 ) -> _FilterJit[_P, _T]: ...
 
@@ -652,7 +802,7 @@ def filter_jit(
 def filter_jit(
     fun: Optional[Callable[..., Any]] = None,
     *,
-    donate: Donate = "none",
+    donate: Union[Donate, tuple[str, ...]] = "none",
     compiler_options: Optional[dict[str, Any]] = None,
 ) -> Any:
     """A drop-in for `eqx.filter_jit` that is safe to donate host-resident state to.
@@ -681,7 +831,12 @@ def filter_jit(
     - `donate`: as `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
         `"warn-except-first"` or `"none"` (default). `"all"` and
         `"all-except-first"` silence JAX's warning about donated buffers it could not
-        reuse; the `"warn"` modes keep it.
+        reuse; the `"warn"` modes keep it. Or a tuple of parameter names (as
+        `jax.jit`'s `donate_argnames`): those arguments are donated, the others not,
+        e.g. `donate=("discriminator", "opt_state")` for a step that reads a second
+        model it does not return (Equinox's DCGAN: `donate="all"` would consume it).
+        An array that an earlier donating call consumed raises `DonationError` naming
+        its argument and leaf, where JAX says "Array has been deleted".
     - `compiler_options`: XLA options for this function's executables alone (as
         `jax.jit(f).lower(...).compile(compiler_options=...)`), e.g. the GPU
         latency-hiding scheduler's (see the "Modes" docs page). Default `None`. For a
@@ -700,12 +855,13 @@ def filter_jit(
 
     **Raises:**
 
-    `OptionError` for an unknown `donate`. `CompositionError` at the first call if
-    `fun` computes on a host-resident array (anything but moving it, placing it, or
-    passing it through a call, `cond`, `while` or `scan`) outside
-    `compute_on(..., compute_type="device_host")`: on a GPU, XLA would run that on the
-    host or refuse to compile it. The usual cause is a combinator that computes on the state of what it
-    wraps placed around `offloaded`, such as `optax.MultiSteps(offloaded(...))`; the
+    `OptionError` for an unknown `donate` (or a name that is not a parameter of
+    `fun`). `DonationError` for an argument that an earlier donating call deleted.
+    `CompositionError` at the first call if `fun` computes on a host-resident array
+    (anything but moving it, placing it, or passing it through a call, `cond`, `while`
+    or `scan`) outside `compute_on(..., compute_type="device_host")`: on a GPU, XLA
+    would run that on the host or refuse to compile it. The usual cause is a
+    combinator that computes on the state of what it wraps placed around `offloaded`, such as `optax.MultiSteps(offloaded(...))`; the
     message names the operation, where it is, and the fix for that kind of operation.
 
     !!! Example
@@ -732,11 +888,7 @@ def filter_jit(
         model, state = step(model, state, jnp.ones(4))
         ```
     """
-    if donate not in _DONATE_MODES:
-        raise OptionError(
-            f"filter_jit(donate={donate!r}): donate must be one of "
-            f"{', '.join(repr(m) for m in _DONATE_MODES)}."
-        )
+    donation = _donation(donate, fun)  # (checked here, also for the decorator form)
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise OptionError(
             f"filter_jit(compiler_options={compiler_options!r}): compiler_options must be "
@@ -744,4 +896,4 @@ def filter_jit(
         )
     if fun is None:
         return functools.partial(filter_jit, donate=donate, compiler_options=compiler_options)
-    return _FilterJit(fun, donate, compiler_options)
+    return _FilterJit(fun, donation, compiler_options)

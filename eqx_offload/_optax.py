@@ -39,7 +39,7 @@ from ._deviceless import target_platform
 from ._errors import CompositionError, StateError
 from ._inner import as_transformation
 from ._host_compute import host_update
-from ._jit import filter_jit, note_streamed
+from ._jit import filter_jit, foreign_donation, note_streamed
 from ._leaves import is_traced
 from ._move import fetch_state, store_state
 from ._options import Compute, normalise, Options
@@ -54,6 +54,33 @@ from ._where import leaf_mask, min_ndim, select
 DEFAULT_WHERE = min_ndim(1)
 
 Strategy = Callable[..., tuple[Any, Any]]
+
+
+def _check_no_foreign_donation(inner_state: Any) -> None:
+    """A `CompositionError` where a host-resident state is traced for a jit that donates
+    without memory-kind-aware output shardings (`nnx.jit(..., donate_argnums=...)`,
+    `eqx.filter_jit(donate=...)`, `jax.jit(..., donate_argnums=...)`): JAX would pair a
+    donated input with an output of the same shape and dtype in the other memory, and
+    XLA abort the process at the call. Raised while tracing: nothing has run, nothing
+    is donated."""
+    if not any(is_host(x) for x in jtu.tree_leaves(inner_state)):
+        return
+    name = foreign_donation()
+    if name is None:
+        return
+    raise CompositionError(
+        f"offloaded(...).update is traced for a jit that donates ({name}): "
+        "`nnx.jit(..., donate_argnums=...)`, `eqx.filter_jit(donate=...)` and "
+        "`jax.jit(..., donate_argnums=...)` hand JAX no output shardings with memory "
+        "kinds, so JAX pairs each donated input with the first output of the same shape "
+        "and dtype, whatever its memory; where it pairs this host-memory state with a "
+        "device output (or a device input with this state), XLA aborts the process "
+        "(\"PjRtBuffer's memory kind does not match sharding's memory kind\"). Nothing "
+        "has run and nothing was donated. Donate with `eqx_offload.filter_jit(step, "
+        "donate=\"all\")` (Flax NNX: the functional API, `nnx.split` / `nnx.merge` in a "
+        "step under `eqx_offload.filter_jit`; see the Flax NNX docs page), or drop the "
+        "donation."
+    )
 
 
 def update_on_device(
@@ -358,6 +385,8 @@ class _Offloaded:
         self._check_state(state, updates, params, extra_args)
         inner_state = state.inner_state
         mask = leaf_mask(inner_state, self.options.where)
+        if any(map(is_traced, jtu.tree_leaves(inner_state))):
+            _check_no_foreign_donation(inner_state)
         if _named_axes():
             on_device = first_on_device(inner_state, mask)
             if on_device is not None:

@@ -19,10 +19,15 @@ import eqx_offload
 STEPS = 3
 
 
-def harness(jit: str, donate: str, order: str) -> dict[str, Any]:
+def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[str, Any]:
     """`STEPS` steps of an `eqx.nn.MLP` trained with `offloaded(adamw)` (or plain adamw
     for `jit="reference"`), jitted by `jit`, donating per `donate`, returning
-    `(model, state, loss)` or `(state, model, loss)` per `order`. Runs in a child."""
+    `(model, state, loss)` or `(state, model, loss)` per `order`. Runs in a child.
+    Without `guarded`, `offloaded`'s check for a donating plain `jax.jit` /
+    `eqx.filter_jit` is off: what plain JAX does (the upstream canary)."""
+    from eqx_offload import _jit
+
+    _jit.CHECK_FOREIGN_DONATION = guarded
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     opt = optax.adamw(1e-2) if jit == "reference" else eqx_offload.offloaded(optax.adamw(1e-2))
     state = opt.init(eqx.filter(model, eqx.is_array))
@@ -64,3 +69,16 @@ def harness_many(configs: list[list[str]]) -> dict[str, Any]:
     """`harness` for each `[jit, donate, order]`, in one child (for the configurations
     that must not abort)."""
     return {json.dumps(c): harness(*c) for c in configs}
+
+
+def guarded_many(configs: list[list[str]]) -> dict[str, Any]:
+    """For each `[jit, donate, order]`, with `offloaded`'s check on: the error of the
+    run (its type and first words), or `None`."""
+    results: dict[str, Any] = {}
+    for config in configs:
+        try:
+            harness(*config, guarded=True)
+            results[json.dumps(config)] = {"error": None}
+        except Exception as e:  # (reported to the parent)
+            results[json.dumps(config)] = {"error": type(e).__name__, "message": str(e)[:300]}
+    return results

@@ -248,3 +248,29 @@ def test_node_plan_shards_the_state_over_the_devices():
     kinds = {c.kind for c in plan.collectives}
     assert {"all-gather", "reduce-scatter"} <= kinds or "all-reduce" in kinds
     assert "x 8 devices" in plan.summary() and "collectives:" in plan.summary()
+
+
+def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
+    # The weights and the state outlive the step: where they alone exceed the device's
+    # or the host's memory, no plan can fit, and the point says so without compiling
+    # (the largest models' compiles take minutes).
+    shape = capacity.QUICK_LADDER[0]
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled a step whose arguments alone do not fit")
+
+    monkeypatch.setattr(eqx_offload, "gpu_plan", no_compile)
+    step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"])
+    device, host = capacity.argument_bytes(args)
+    # bf16 weights on the device (and the tokens, the step counters); fp32 master
+    # weights and both AdamW moments in host memory.
+    assert 2 * shape.params < device < 2 * shape.params + 1024
+    assert host == 3 * 4 * shape.params
+    tight_host = capacity.plan_point(shape, capacity.MODES_BY_NAME["+master"], "h100",
+                                     host_memory=host - 1)
+    assert tight_host.from_arguments and not tight_host.fits
+    assert tight_host.host_bytes == host
+    assert "not compiled" in capacity._why_not(tight_host)
+    tight_device = capacity.plan_point(shape, capacity.MODES_BY_NAME["fp32"], "h100",
+                                       device_memory=3 * 4 * shape.params)
+    assert tight_device.from_arguments and not tight_device.fits  # weights, mu, nu, count

@@ -6,7 +6,7 @@ the results of the loop without offload, bit for bit. Each run is a fresh proces
 import json
 
 import pytest
-from donation_harness import harness_many, STEPS
+from donation_harness import guarded_many, harness_many, STEPS
 from isolated import result_of, run_isolated
 
 
@@ -32,3 +32,18 @@ def test_ours_passes_in_the_same_harness():
     assert len(results) == len(OURS) + len(sound)
     for config, result in results.items():
         assert result == expected, config
+
+
+@pytest.mark.slow
+def test_donating_plain_jits_fail_clearly_instead_of_aborting():
+    # The configurations of the upstream canary (where plain JAX and Equinox abort the
+    # process), with `offloaded`'s check on, as users get it: each fails while
+    # tracing, with a `CompositionError` that says why and what to use, and the
+    # process lives (one child for all of them).
+    from upstream.test_upstream_donation import TRAPS
+
+    results = result_of(run_isolated(guarded_many, [list(t) for t in TRAPS]))
+    assert len(results) == len(TRAPS)
+    for config, result in results.items():
+        assert result["error"] == "CompositionError", (config, result)
+        assert "traced for a jit that donates" in result["message"], (config, result)

@@ -181,7 +181,10 @@ class CapacityPoint:
     `bytes_to_device`, `bytes_to_host` (per device, every execution of every copy);
     `collectives` (kind -> (count, bytes) per device); `compute_floor_s`,
     `transfer_floor_s`, `floor_ratio` (lower bounds, see `GpuPlan`); `error` (XLA's,
-    where it could not compile); `plan_s` (seconds to trace and compile).
+    where it could not compile); `plan_s` (seconds to trace and compile);
+    `from_arguments` (not compiled: the step's arguments alone, the weights and the
+    state, exceed the device's or the host's memory, so no plan of it can fit; the
+    byte counts are then those of the arguments, lower bounds of the plan's).
     """
 
     shape: LlamaShape
@@ -202,10 +205,29 @@ class CapacityPoint:
     floor_ratio: float
     error: Optional[str]
     plan_s: float
+    from_arguments: bool = False
 
     @property
     def params(self) -> int:
         return self.shape.params
+
+
+def argument_bytes(args: Any) -> tuple[int, int]:
+    """`(device, host)`: the bytes the abstract arguments hold on one device (the
+    largest per-device total of their shards) and in host memory (all devices)."""
+    device: dict[Any, int] = {}
+    host = 0
+    for x in jax.tree.leaves(args):
+        if not isinstance(x, jax.ShapeDtypeStruct) or x.sharding is None:
+            continue
+        shard = int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        devices = x.sharding.device_set
+        if x.sharding.memory_kind in ("pinned_host", "unpinned_host"):
+            host += shard * len(devices)
+        else:
+            for d in devices:
+                device[d] = device.get(d, 0) + shard
+    return max(device.values(), default=0), host
 
 
 def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
@@ -217,6 +239,14 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
     gpu = eqx_offload.GPU_TARGETS[target]
     memory = gpu.device_memory_size if device_memory is None else device_memory
     step, args = training_step(shape, mode, mesh)
+    device_args, host_args = argument_bytes(args)
+    if device_args > memory or host_args > host_memory:
+        # The arguments outlive no step: a plan's device peak and host bytes are at least
+        # theirs. Compiling it (minutes for the largest models, most of it XLA's
+        # rematerialization trying) would only say so again.
+        return CapacityPoint(shape, mode.name, target, n, device_args, memory, host_args,
+                             host_memory, 0, False, 0, 0, {}, 0.0, 0.0, 0.0, None,
+                             time.perf_counter() - start, from_arguments=True)
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
@@ -384,6 +414,15 @@ def capacity_table(results: Sequence[Capacity]) -> str:
 def _why_not(p: CapacityPoint) -> str:
     if p.error is not None:
         return f"{p.shape.name}: XLA could not compile it ({p.error[:80]}...)"
+    if p.from_arguments:
+        reasons = []
+        if p.device_peak_bytes > p.device_memory_bytes:
+            reasons.append(f"its weights and state alone {_gib(p.device_peak_bytes)} GiB > "
+                           f"{_gib(p.device_memory_bytes)} on the device")
+        if p.host_bytes > p.host_memory_bytes:
+            reasons.append(f"its weights and state alone {_gib(p.host_bytes)} GiB > "
+                           f"{_gib(p.host_memory_bytes)} of host memory")
+        return f"{p.shape.name} ({p.params / 1e9:.1f}B): " + ", ".join(reasons) + " (not compiled)"
     reasons = []
     if p.device_peak_bytes > p.device_memory_bytes:
         reasons.append(f"device peak {_gib(p.device_peak_bytes)} GiB > "
@@ -403,9 +442,10 @@ def point_record(p: CapacityPoint) -> dict[str, Any]:
 def point_from_record(record: dict[str, Any]) -> CapacityPoint:
     """The `CapacityPoint` that `point_record` wrote."""
     fields = {f.name for f in dataclasses.fields(CapacityPoint)}
-    values = {k: v for k, v in record.items() if k in fields}
-    values["shape"] = LlamaShape(**values["shape"])
-    values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in values["collectives"].items()}
+    values: dict[str, Any] = {k: v for k, v in record.items() if k in fields}
+    values["shape"] = LlamaShape(**record["shape"])
+    collectives: dict[str, Any] = record["collectives"]
+    values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in collectives.items()}
     return CapacityPoint(**values)
 
 
@@ -482,7 +522,8 @@ def run_capacity(args: Any) -> int:
         print(f"  {p.target}{'' if p.n_devices == 1 else f' x {p.n_devices}'} {p.mode:13s} "
               f"{p.shape.name:32s} {p.params / 1e9:6.2f}B  device {_gib(p.device_peak_bytes):>6s} "
               f"GiB  host {_gib(p.host_bytes):>7s} GiB  {'fits' if p.fits else 'does not fit'}"
-              f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}  [{p.plan_s:.0f} s]",
+              f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}"
+              f"{' (the arguments alone)' if p.from_arguments else ''}  [{p.plan_s:.0f} s]",
               file=sys.stderr, flush=True)
 
     cache = PointCache(getattr(args, "cache", None))

@@ -160,7 +160,8 @@ def train(steps: int = 3) -> float:
         print("option or signature:", e)
     except (eqx_offload.StateError, eqx_offload.NotATransformationError) as e:
         print("state:", e)
-    except (eqx_offload.CompositionError, eqx_offload.CheckpointError) as e:
+    except (eqx_offload.CompositionError, eqx_offload.CheckpointError,
+            eqx_offload.DonationError) as e:
         print("composition or checkpoint:", e)
     except eqx_offload.OffloadError as e:
         print("other:", e)
