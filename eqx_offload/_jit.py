@@ -215,19 +215,19 @@ def foreign_donation() -> Optional[str]:
     """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
     `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
     `eqx.filter_jit` with donation are such jits. Read from JAX's tracing frame
-    (`pjit._infer_params` or `_infer_params_impl`, whose `ji` holds the donation; JAX
-    0.10 to 0.12), as JAX
-    offers no public way to ask; `None` when no donating jit encloses the caller (or
-    the frame is not found: tests/test_programs.py's NNX test fails then)."""
+    (`pjit._trace_for_jit`, which holds `donated_invars`, one flag per flattened
+    input, while it traces: JAX 0.10 to 0.12), as JAX offers no public way to ask; an
+    `eqx.filter_jit(donate="none")` passes `jax.jit` a `donate_argnums` whose argument
+    is empty, and does not count. `None` where no enclosing jit donates anything (or
+    the frame is not found: tests/test_trap.py and test_programs.py fail then)."""
     if not CHECK_FOREIGN_DONATION or jax.config.jax_debug_nans:  # (no donation then)
         return None
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_name.startswith("_infer_params") and code.co_filename.startswith(_JAX_DIR):
-            ji: Any = frame.f_locals.get("ji")
-            if ji is not None and (getattr(ji, "donate_argnums", None) or
-                                   getattr(ji, "donate_argnames", None)):
+        if code.co_name == "_trace_for_jit" and code.co_filename.startswith(_JAX_DIR):
+            donated: Any = frame.f_locals.get("donated_invars")
+            if donated is not None and any(donated):
                 fun = frame.f_locals.get("fun")
                 return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
         frame = frame.f_back

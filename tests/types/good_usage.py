@@ -103,6 +103,14 @@ def train(steps: int = 3) -> float:
     step_options: dict[str, Any] = eqx_offload.prefetch_options(device_bytes=None)
     print(sorted(step_options))
 
+    # Donating by parameter name: what the step returns, not a model it only reads.
+    def evaluate(model: Model, state: optax.OptState, x: jax.Array) -> optax.OptState:
+        del model, x
+        return state
+
+    keep_model = eqx_offload.filter_jit(evaluate, donate=("state",))
+    state = keep_model(model, state, x)
+
     report: eqx_offload.MemoryReport = eqx_offload.memory_report(state)
     largest: eqx_offload.LeafMemory = max(report.leaves, key=lambda leaf: leaf.nbytes)
     print(f"eqx_offload {eqx_offload.__version__}: {report.host_bytes} bytes on host, "
@@ -189,8 +197,10 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
     # The same step planned from shapes: nothing of the model or the state allocated.
     abstract_model = eqx_offload.filter_eval_shape(lambda: model)
     # (`eqx.filter(..., eqx.is_array)` inside: a ShapeDtypeStruct is not an array.)
-    abstract_state = eqx_offload.filter_eval_shape(
-        lambda m: optimizer.init(eqx.filter(m, eqx.is_array)), abstract_model)
+    def init(model: Model) -> optax.OptState:
+        return optimizer.init(eqx.filter(model, eqx.is_array))
+
+    abstract_state = eqx_offload.filter_eval_shape(init, abstract_model)
     try:
         plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
             eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
