@@ -139,6 +139,17 @@ def test_largest_fitting_starts_from_a_guess(start):
     assert asked[0] == start and len(asked) <= 1 + 4
 
 
+def test_largest_fitting_tries_the_guesses_from_the_largest_down():
+    asked = []
+
+    def fits(n):
+        asked.append(n)
+        return n <= 5
+
+    index, _ = capacity.largest_fitting(list(range(10)), fits, [8, 5, 2])
+    assert index == 5 and asked[:2] == [8, 5] and 2 not in asked
+
+
 def test_search_starts_where_a_mode_that_keeps_more_ended():
     ladder = list(llama.ladder())
     shape = ladder[3]
@@ -146,10 +157,10 @@ def test_search_starts_where_a_mode_that_keeps_more_ended():
                                    0.0, 0.0, 0.0, None, 0.0)
     done = [capacity.Capacity(capacity.MODES_BY_NAME["state"], "h100", 1, point, None, (point,))]
     modes = capacity.MODES_BY_NAME
-    assert capacity._start(done, modes["+master"], "h100", 1, ladder) == 3
-    assert capacity._start(done, modes["state"], "h200", 1, ladder) == 3  # more memory
-    assert capacity._start(done, modes["bf16"], "h100", 1, ladder) is None
-    assert capacity._start(done, modes["+master"], "h100", 8, ladder) is None
+    assert capacity._start(done, modes["+master"], "h100", 1, ladder) == [3]
+    assert capacity._start(done, modes["state"], "h200", 1, ladder) == [3]  # more memory
+    assert capacity._start(done, modes["bf16"], "h100", 1, ladder) == []
+    assert capacity._start(done, modes["+master"], "h100", 8, ladder) == []
 
 
 def test_ladder_is_the_published_shapes_and_depths_between():

@@ -271,13 +271,15 @@ _S = TypeVar("_S")
 
 
 def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool],
-                    start: Optional[int] = None) -> tuple[Optional[int], dict[int, bool]]:
+                    start: Union[None, int, Sequence[int]] = None
+                    ) -> tuple[Optional[int], dict[int, bool]]:
     """The index of the largest of `shapes` (sorted by size) for which `fits`, found by
     bisection (a larger model of the ladder never fits where a smaller one does not:
     its weights, state and activations are each at least as large), and every answer
-    asked for (index -> fits). `start`, if given, is asked first (a guess: the answer
-    of a mode that keeps more on the device, or of a smaller GPU); the bisection then
-    runs above or below it, so a wrong guess costs one question."""
+    asked for (index -> fits). `start`, if given, is a guess or several (the answers
+    of modes that keep more on the device, or of a smaller GPU), asked first from the
+    largest down until one fits; the bisection then runs between the largest that
+    fits and the smallest that does not, so a wrong guess costs one question."""
     asked: dict[int, bool] = {}
 
     def ask(i: int) -> bool:
@@ -286,11 +288,12 @@ def largest_fitting(shapes: Sequence[_S], fits: Callable[[_S], bool],
         return asked[i]
 
     low, high = -1, len(shapes)  # shapes[low] fits (or none), shapes[high] does not
-    if start is not None and 0 <= start < len(shapes):
-        if ask(start):
-            low = start
-        else:
-            high = start
+    starts = [start] if isinstance(start, int) else list(start or ())
+    for guess in sorted({g for g in starts if 0 <= g < len(shapes)}, reverse=True):
+        if ask(guess):
+            low = guess
+            break
+        high = guess
     while high - low > 1:
         middle = (low + high) // 2
         if ask(middle):
@@ -318,11 +321,11 @@ def capacity(shapes: Sequence[LlamaShape], mode: CapacityMode, target: str,
              host_memory: int, mesh: Optional[jax.sharding.Mesh] = None,
              device_memory: Optional[int] = None,
              progress: Optional[Callable[[CapacityPoint], None]] = None,
-             start: Optional[int] = None,
+             start: Union[None, int, Sequence[int]] = None,
              cache: Optional["PointCache"] = None) -> Capacity:
     """The largest of `shapes` (sorted by size) that trains in `mode` on `target` (over
     `mesh`'s devices, if given) within `host_memory` bytes of host memory (for all the
-    devices), by bisection (`largest_fitting`, from `start` if given). Points found
+    devices), by bisection (`largest_fitting`, from the guesses `start`). Points found
     in `cache` are not planned again; those planned are added to it."""
     points: dict[int, CapacityPoint] = {}
     n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
@@ -481,17 +484,17 @@ def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
 
 
 def _start(done: Sequence[Capacity], mode: CapacityMode, target: str, n: int,
-           shapes: Sequence[LlamaShape]) -> Optional[int]:
-    """Where the search for `mode` on `target` starts: the largest answer so far of a
-    mode in `mode.after` on the same GPUs, or of `mode` on as many GPUs with no more
-    memory each (a guess that `largest_fitting` checks first)."""
+           shapes: Sequence[LlamaShape]) -> list[int]:
+    """Where the search for `mode` on `target` starts: the answers so far of the modes
+    in `mode.after` on the same GPUs, and of `mode` on as many GPUs with no more memory
+    each (guesses that `largest_fitting` checks first, the largest first)."""
     memory = eqx_offload.GPU_TARGETS[target].device_memory_size
     found = [shapes.index(r.largest.shape) for r in done
              if r.largest is not None and r.largest.shape in shapes and r.n_devices == n
              and ((r.target == target and r.mode.name in mode.after)
                   or (r.mode.name == mode.name
                       and eqx_offload.GPU_TARGETS[r.target].device_memory_size <= memory))]
-    return max(found, default=None)
+    return sorted(set(found), reverse=True)
 
 
 def run_capacity(args: Any) -> int:
