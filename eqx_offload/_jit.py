@@ -73,12 +73,6 @@ class _Donation:
         """The parameter that positional argument `i` binds to, if known."""
         return self.positional[i] if i < len(self.positional) else self.varargs
 
-    def __str__(self) -> str:
-        if self.names is None:
-            mode = {v: k for k, v in _DONATE_MODES.items()}
-            return repr(mode[(self.first, self.rest, self.silence)])
-        return repr(tuple(sorted(self.names)))
-
 
 def _parameters(fun: Optional[Callable[..., Any]]
                 ) -> tuple[tuple[str, ...], Optional[str], set[str], bool]:
