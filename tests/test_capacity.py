@@ -9,6 +9,7 @@ compiled on the CPU without a GPU), not a measurement. These need the GPU compil
 
 import argparse
 import json
+import pathlib
 
 import equinox as eqx
 import jax
@@ -285,3 +286,38 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
     tight_device = capacity.plan_point(shape, capacity.MODES_BY_NAME["fp32"], "h100",
                                        device_memory=3 * 4 * shape.params)
     assert tight_device.from_arguments and not tight_device.fits  # weights, mu, nu, count
+
+
+@pytest.mark.once
+def test_published_capacity_table_is_the_json_and_meets_the_goals():
+    # docs/bench/gpu/capacity.json is what `plan --capacity` wrote (XLA's plan); the
+    # README's and the GPU plan page's tables are read from it, cell by cell, and the
+    # goals they state hold in it.
+    root = pathlib.Path(__file__).parent.parent
+    results = json.loads((root / "docs/bench/gpu/capacity.json").read_text())
+    best = {(r["target"], r["n_devices"], r["mode"]): r["largest"] for r in results}
+    assert len(best) == 3 * len(capacity.CAPACITY_MODES)
+    for largest in best.values():
+        assert largest is not None and largest["fits"]
+        assert largest["device_peak_bytes"] <= largest["device_memory_bytes"]
+        assert largest["host_bytes"] <= largest["host_memory_bytes"]
+    # 13B on one H100 within 256 GB of host memory; 70B on an 8 x H100 node with the
+    # state (and the master weights) in host memory.
+    assert best[("h100", 1, "+master")]["params"] >= 13e9
+    assert best[("h100", 8, "+master")]["params"] >= 70e9
+    assert best[("h100", 1, "+activations")]["host_memory_bytes"] == 256 * 10**9
+
+    def cell(key):
+        p = best[key]
+        return (f"{p['params'] / 1e9:.1f}B ({p['device_peak_bytes'] / 2**30:.0f} / "
+                f"{p['host_bytes'] / 2**30:.0f})")
+
+    def plain(text):  # the tables' cells without bold and units
+        return text.replace("**", "").replace(" GiB)", ")")
+
+    readme = plain((root / "README.md").read_text())
+    page = plain((root / "docs/gpu-plan.md").read_text())
+    for gpu, n in (("h100", 1), ("h200", 1), ("h100", 8)):
+        for mode in ("fp32", "state", "+master", "+activations"):
+            assert cell((gpu, n, mode)) in readme, (gpu, n, mode, cell((gpu, n, mode)))
+            assert cell((gpu, n, mode)) in page, (gpu, n, mode, cell((gpu, n, mode)))
