@@ -306,6 +306,12 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
     assert best[("h100", 1, "+master")]["params"] >= 13e9
     assert best[("h100", 8, "+master")]["params"] >= 70e9
     assert best[("h100", 1, "+activations")]["host_memory_bytes"] == 256 * 10**9
+    # With 2 TB of host memory (capacity_large_host.json) one H100 plans 10 x its
+    # plain fp32 model, and 70B.
+    large = json.loads((root / "docs/bench/gpu/capacity_large_host.json").read_text())
+    assert all(p["fits"] and p["target"] == "h100" and p["n_devices"] == 1 for p in large)
+    assert max(p["params"] for p in large) >= 70e9
+    assert min(p["params"] for p in large) >= 10 * best[("h100", 1, "fp32")]["params"]
 
     def cell(key):
         p = best[key]
