@@ -82,10 +82,12 @@ def _parameters(fun: Optional[Callable[..., Any]]
     varargs: Optional[str] = None
     accepted: set[str] = set()
     var_keyword = fun is None
+    parameters: list[inspect.Parameter] = []
     try:
-        parameters = [] if fun is None else list(inspect.signature(fun).parameters.values())
+        if fun is not None:
+            parameters = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):  # a builtin or a C callable: nothing known
-        parameters, var_keyword = [], True
+        var_keyword = True
     for p in parameters:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             positional.append(p.name)
@@ -214,7 +216,8 @@ def foreign_donation() -> Optional[str]:
     `eqx.filter_jit(donate="none")` passes `jax.jit` a `donate_argnums` whose argument
     is empty, and does not count. `None` where no enclosing jit donates anything (or
     the frame is not found: tests/test_trap.py and test_programs.py fail then)."""
-    if not CHECK_FOREIGN_DONATION or jax.config.jax_debug_nans:  # (no donation then)
+    if not CHECK_FOREIGN_DONATION or getattr(jax.config, "jax_debug_nans", False):
+        # (JAX donates nothing under debug_nans)
         return None
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
