@@ -62,12 +62,11 @@ class _Donation:
 
     def per_argument(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[bool]:
         """Whether each argument (of `args`, then `kwargs` by sorted key, the order of
-        `jax.tree.leaves`) is donated."""
-        if self.names is None:
-            return [self.first if i == 0 else self.rest for i in range(len(args))] + [
-                self.rest] * len(kwargs)
-        names = [self.argument_name(i) for i in range(len(args))]
-        return [n in self.names for n in names] + [k in self.names for k in sorted(kwargs)]
+        `jax.tree.leaves`) is donated by name (a mode needs no per-argument flags:
+        `_flatten_call`)."""
+        names = self.names or frozenset()
+        return ([self.argument_name(i) in names for i in range(len(args))]
+                + [k in names for k in sorted(kwargs)])
 
     def argument_name(self, i: int) -> Optional[str]:
         """The parameter that positional argument `i` binds to, if known."""
@@ -339,12 +338,19 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donati
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
     # Which argument each leaf is of matters only where the arguments are donated
-    # differently (`n_first`, a part of the key, stays as it was for the modes).
-    per_argument = donate.per_argument(args, kwargs)
-    arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
-    sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
-    flags = [d for d, n in zip(per_argument, sizes, strict=True) for _ in range(n)]
-    n_first: int = sizes[0] if args and donate.names is None and donate.first != donate.rest else 0
+    # differently: for a mode, the first argument's leaves (`n_first`, a part of the
+    # key); by name, every argument's (counted only then: this runs at every call).
+    n_first = 0
+    if donate.names is None:
+        if donate.first != donate.rest:
+            first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
+            n_first = first_def.num_leaves
+        flags = [donate.first if i < n_first else donate.rest for i in range(len(all_leaves))]
+    else:
+        arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
+        sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
+        flags = [d for d, n in zip(donate.per_argument(args, kwargs), sizes, strict=True)
+                 for _ in range(n)]
     if not abstract:
         _check_not_deleted(all_leaves, args, kwargs, donate, name)
     leaves: list[Any] = []
@@ -858,8 +864,9 @@ def filter_jit(
     (anything but moving it, placing it, or passing it through a call, `cond`, `while`
     or `scan`) outside `compute_on(..., compute_type="device_host")`: on a GPU, XLA
     would run that on the host or refuse to compile it. The usual cause is a
-    combinator that computes on the state of what it wraps placed around `offloaded`, such as `optax.MultiSteps(offloaded(...))`; the
-    message names the operation, where it is, and the fix for that kind of operation.
+    combinator that computes on the state of what it wraps placed around `offloaded`,
+    such as `optax.MultiSteps(offloaded(...))`; the message names the operation, where
+    it is, and the fix for that kind of operation.
 
     !!! Example
 

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar, Union
 
@@ -94,7 +95,7 @@ def shard_abstract(model: Any, mesh: Optional[jax.sharding.Mesh]) -> Any:
     one axis, each leaf in its own memory kind; unchanged without a mesh."""
     if mesh is None:
         return model
-    n = int(np.prod(mesh.devices.shape))
+    n = mesh.devices.size
     axis = mesh.axis_names[0]
 
     def shard(path: Any, x: Any) -> Any:
@@ -152,7 +153,7 @@ def training_step(shape: LlamaShape, mode: CapacityMode,
     model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
     adamw = optax.adamw(3e-4, weight_decay=0.1)
     inner = eqx_offload.with_host_params(adamw) if mode.params_on_host else adamw
-    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    n = 1 if mesh is None else mesh.devices.size
     if mesh is None:
         token_sharding: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     else:
@@ -212,6 +213,9 @@ class CapacityPoint:
         return self.shape.params
 
 
+HOST_KINDS: tuple[str, ...] = typing.get_args(eqx_offload.HostMemoryKind)
+
+
 def argument_bytes(args: Any) -> tuple[int, int]:
     """`(device, host)`: the bytes the abstract arguments hold on one device (the
     largest per-device total of their shards) and in host memory (all devices)."""
@@ -222,7 +226,7 @@ def argument_bytes(args: Any) -> tuple[int, int]:
             continue
         shard = int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
         devices = x.sharding.device_set
-        if x.sharding.memory_kind in ("pinned_host", "unpinned_host"):
+        if x.sharding.memory_kind in HOST_KINDS:
             host += shard * len(devices)
         else:
             for d in devices:
@@ -235,7 +239,7 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
                device_memory: Optional[int] = None) -> CapacityPoint:
     """Plan one step (see `training_step`) and say whether it fits."""
     start = time.perf_counter()
-    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    n = 1 if mesh is None else mesh.devices.size
     gpu = eqx_offload.GPU_TARGETS[target]
     memory = gpu.device_memory_size if device_memory is None else device_memory
     step, args = training_step(shape, mode, mesh)
@@ -328,7 +332,7 @@ def capacity(shapes: Sequence[LlamaShape], mode: CapacityMode, target: str,
     devices), by bisection (`largest_fitting`, from the guesses `start`). Points found
     in `cache` are not planned again; those planned are added to it."""
     points: dict[int, CapacityPoint] = {}
-    n = 1 if mesh is None else int(np.prod(mesh.devices.shape))
+    n = 1 if mesh is None else mesh.devices.size
 
     def fits(shape: LlamaShape) -> bool:
         point = None if cache is None else cache.get(shape, mode.name, target, n, host_memory,
