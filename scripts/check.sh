@@ -52,22 +52,69 @@ OLDEST_WORKERS=${CHECK_OLDEST_WORKERS:-3}
 # ------------------------------------------------------------------ stages and timing
 STAGE_NAMES=()
 STAGE_SECONDS=()
+STAGE_CPU=()
 STAGE_STATUS=()
 CURRENT=""
 CURRENT_START=0
+MEASURED_CPU=0
 RUN_START=$SECONDS
 PASSED=0
 FAILED=0
 
+# child_cpu: CHILD_CPU, the CPU seconds (user + system) of the processes this shell has
+# started and waited for so far, their own children included (bash's `times`, second
+# line: `1m2.500s 0m3.250s`). Run in the shell whose children count (not in `$(...)`:
+# a subshell counts only its own). Each stage runs in a subshell of its own and counts
+# there (`measured`, or the background stages' subshells): the main shell's count also
+# takes in a background stage whenever bash reaps it. The stage table shows it beside
+# the wall time: with stages side by side, wall seconds say when a stage ended, CPU
+# seconds what it cost.
+# A file per shell ($BASHPID): the background stages count at the same time.
+TIMES_DIR=$(mktemp -d)
+child_cpu() {
+  local file="$TIMES_DIR/$BASHPID"
+  times > "$file"
+  CHILD_CPU=$(awk 'NR == 2 {
+    s = 0
+    for (i = 1; i <= 2; i++) { v = $i; sub(/s$/, "", v); split(v, p, "m"); s += p[1] * 60 + p[2] }
+    printf "%d\n", s
+  }' "$file")
+  rm -f "$file"
+}
+
+# measured CMD...: CMD (with `set -e`) in a subshell; MEASURED_CPU is the CPU seconds it
+# used, and its exit status CMD's. (Not `( ... ) || rc=$?`: bash ignores `set -e` in all
+# of a command that `||` tests, a subshell's own `set -e` included.)
+measured() {
+  local file rc errexit=""
+  case $- in *e*) errexit=1 ;; esac
+  file=$(mktemp)
+  set +e
+  (
+    (set -e; "$@")
+    status=$?
+    child_cpu
+    echo "$CHILD_CPU" > "$file"
+    exit "$status"
+  )
+  rc=$?
+  [ -z "$errexit" ] || set -e
+  MEASURED_CPU=$(cat "$file" 2>/dev/null || echo 0)
+  rm -f "$file"
+  return "$rc"
+}
+
 begin() {
   CURRENT=$1
   CURRENT_START=$SECONDS
+  MEASURED_CPU=0
   printf '\n=== %s (%s)\n' "$CURRENT" "$(date +%T)"
 }
 
 end() {
   STAGE_NAMES+=("$CURRENT")
   STAGE_SECONDS+=($((SECONDS - CURRENT_START)))
+  STAGE_CPU+=("$MEASURED_CPU")
   STAGE_STATUS+=("${1:-ok}")
   CURRENT=""
 }
@@ -90,12 +137,17 @@ summary() {
   if [ -n "${BUILTINS_DIR:-}" ]; then
     rm -rf "$BUILTINS_DIR"
   fi
-  printf '\n=== time per stage (one "in the background" overlaps the stages after it)\n'
+  child_cpu
+  rm -rf "$TIMES_DIR"
+  printf '\n=== time per stage (one "in the background" overlaps the stages after it;\n'
+  printf '    CPU: user + system seconds of its processes, on %s cores)\n' "$(nproc 2>/dev/null || echo '?')"
+  printf '  %-64s %6s  %7s  %7s\n' "stage" "" "wall" "CPU"
   local i
   for i in "${!STAGE_NAMES[@]}"; do
-    printf '  %-64s %6s  %5d s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}"
+    printf '  %-64s %6s  %5d s  %5d s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" \
+      "${STAGE_SECONDS[$i]}" "${STAGE_CPU[$i]:-0}"
   done
-  printf '  %-64s %6s  %5d s\n' "total" "" $((SECONDS - RUN_START))
+  printf '  %-64s %6s  %5d s  %5d s\n' "total" "" $((SECONDS - RUN_START)) "$CHILD_CPU"
   echo
   if [ "$rc" -eq 0 ]; then
     echo "all tests and gates passed"
@@ -212,13 +264,21 @@ install() {
   JAX_PLATFORMS=cpu "$py" -c 'import eqx_offload, eqx_offload.cli, jax, equinox, optax, flax.nnx, orbax.checkpoint, optimistix, hypothesis, pytest, xdist'
 }
 
+# pytest_logged LOG WORKERS [ARGS]: pytest's output to the terminal and to LOG; pytest's
+# exit status (pipefail).
+pytest_logged() {
+  local log=$1 workers=$2
+  shift 2
+  python -m pytest -n "$workers" -q "$@" 2>&1 | tee "$log"
+}
+
 # run_pytest ENV WORKERS [ARGS]: the suite (narrowed by ARGS) in WORKERS xdist workers; a
 # run that collects no test fails.
 run_pytest() {
   local env=$1 workers=$2 log rc=0 passed failed
   shift 2
   log=$(mktemp)
-  python -m pytest -n "$workers" -q "$@" 2>&1 | tee "$log" || rc=$?
+  measured pytest_logged "$log" "$workers" "$@" || rc=$?
   # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
   passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
   failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
@@ -255,7 +315,7 @@ bg_start() {
   (
     PASSED=0 FAILED=0 rc=0
     run_pytest "$@" || rc=1
-    echo "$PASSED $FAILED $rc $((SECONDS - BG_START))" > "$BG_RESULT"
+    echo "$PASSED $FAILED $rc $((SECONDS - BG_START)) $MEASURED_CPU" > "$BG_RESULT"
   ) > "$BG_LOG" 2>&1 &
   BG_PID=$!
 }
@@ -265,18 +325,20 @@ bg_wait() {
 }
 
 bg_collect() {
-  local passed failed rc seconds
+  local passed failed rc seconds cpu
   [ -n "$BG_PID" ] || return 0
   wait "$BG_PID" || true
   BG_PID=""
   printf '\n=== %s: output\n' "$BG_STAGE"
   cat "$BG_LOG"
-  read -r passed failed rc seconds < "$BG_RESULT" || { passed=0 failed=0 rc=1 seconds=$((SECONDS - BG_START)); }
+  read -r passed failed rc seconds cpu < "$BG_RESULT" \
+    || { passed=0 failed=0 rc=1 seconds=$((SECONDS - BG_START)) cpu=0; }
   rm -f "$BG_LOG" "$BG_RESULT"
   PASSED=$((PASSED + passed))
   FAILED=$((FAILED + failed))
   STAGE_NAMES+=("$BG_STAGE")
   STAGE_SECONDS+=("$seconds")
+  STAGE_CPU+=("$cpu")
   if [ "$rc" = 0 ]; then STAGE_STATUS+=(ok); else STAGE_STATUS+=(FAILED); fi
   [ "$rc" = 0 ]
 }
@@ -295,26 +357,32 @@ side_start() {
     gates=ok
     bash scripts/gates.sh || gates=FAILED
     middle=$SECONDS
+    child_cpu
+    gates_cpu=$CHILD_CPU
     docs=ok
     site=$(mktemp -d)
     printf '\n=== mkdocs build --strict (%s)\n' "$(date +%T)"
     NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site" || docs=FAILED
     rm -rf "$site"
-    echo "$gates $((middle - start)) $docs $((SECONDS - middle))" > "$SIDE_TIMES"
+    child_cpu
+    echo "$gates $((middle - start)) $docs $((SECONDS - middle)) $gates_cpu" \
+      "$((CHILD_CPU - gates_cpu))" > "$SIDE_TIMES"
   ) > "$SIDE_LOG" 2>&1 &
   SIDE_PID=$!
 }
 
 side_wait() {
-  local gates gates_s docs docs_s
+  local gates gates_s docs docs_s gates_cpu docs_cpu
   wait "$SIDE_PID" || true
   SIDE_PID=""
   printf '\n=== %s: static gates and mkdocs build --strict (run alongside pytest)\n' "$1"
   cat "$SIDE_LOG"
-  read -r gates gates_s docs docs_s < "$SIDE_TIMES" || { gates=FAILED docs=FAILED gates_s=0 docs_s=0; }
+  read -r gates gates_s docs docs_s gates_cpu docs_cpu < "$SIDE_TIMES" \
+    || { gates=FAILED docs=FAILED gates_s=0 docs_s=0 gates_cpu=0 docs_cpu=0; }
   rm -f "$SIDE_LOG" "$SIDE_TIMES"
   STAGE_NAMES+=("$1: static gates (alongside pytest)" "$1: mkdocs build --strict (alongside)")
   STAGE_SECONDS+=("$gates_s" "$docs_s")
+  STAGE_CPU+=("$gates_cpu" "$docs_cpu")
   STAGE_STATUS+=("$gates" "$docs")
   [ "$gates" = ok ] || fail "$1: static gates failed"
   [ "$docs" = ok ] || fail "$1: mkdocs build --strict failed"
@@ -343,21 +411,23 @@ install_start() {
     set +e
     (set -e; install_stage "$@")
     rc=$?
-    echo "$rc $((SECONDS - INSTALL_START))" > "$INSTALL_RESULT"
+    child_cpu
+    echo "$rc $((SECONDS - INSTALL_START)) $CHILD_CPU" > "$INSTALL_RESULT"
   ) > "$INSTALL_LOG" 2>&1 &
   INSTALL_PID=$!
 }
 
 install_wait() {
-  local rc seconds
+  local rc seconds cpu
   wait "$INSTALL_PID" || true
   INSTALL_PID=""
   printf '\n=== %s: output\n' "$INSTALL_STAGE"
   cat "$INSTALL_LOG"
-  read -r rc seconds < "$INSTALL_RESULT" || { rc=1 seconds=$((SECONDS - INSTALL_START)); }
+  read -r rc seconds cpu < "$INSTALL_RESULT" || { rc=1 seconds=$((SECONDS - INSTALL_START)) cpu=0; }
   rm -f "$INSTALL_LOG" "$INSTALL_RESULT"
   STAGE_NAMES+=("$INSTALL_STAGE")
   STAGE_SECONDS+=("$seconds")
+  STAGE_CPU+=("$cpu")
   if [ "$rc" = 0 ]; then STAGE_STATUS+=(ok); else STAGE_STATUS+=(FAILED); fi
   [ "$rc" = 0 ] || fail "$1: venv and install failed"
 }
@@ -376,7 +446,7 @@ for env in "${ENVS[@]}"; do
     install_wait "$env"
   else
     begin "$env: venv and install ($dir, $("$python" --version 2>&1))"
-    install_stage "$env" "$dir" "$python"
+    measured install_stage "$env" "$dir" "$python"
     end
   fi
   # What `activate` does: `python`, `mkdocs`, ... are this environment's.
