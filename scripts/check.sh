@@ -68,8 +68,8 @@ FAILED=0
 # there (`measured`, or the background stages' subshells): the main shell's count also
 # takes in a background stage whenever bash reaps it. The stage table shows it beside
 # the wall time: with stages side by side, wall seconds say when a stage ended, CPU
-# seconds what it cost.
-# A file per shell ($BASHPID): the background stages count at the same time.
+# seconds what it cost. A file per shell ($BASHPID): the background stages count at the
+# same time.
 TIMES_DIR=$(mktemp -d)
 child_cpu() {
   local file="$TIMES_DIR/$BASHPID"
@@ -406,13 +406,12 @@ install_start() {
   INSTALL_RESULT=$(mktemp)
   INSTALL_START=$SECONDS
   (
-    # Not `install_stage || rc=1`: bash ignores `set -e` inside a command that `||`
-    # tests, so a failed install step would not stop it.
+    # (`measured`, not `install_stage || rc=1`: bash ignores `set -e` inside a command
+    # that `||` tests, so a failed install step would not stop it.)
     set +e
-    (set -e; install_stage "$@")
+    measured install_stage "$@"
     rc=$?
-    child_cpu
-    echo "$rc $((SECONDS - INSTALL_START)) $CHILD_CPU" > "$INSTALL_RESULT"
+    echo "$rc $((SECONDS - INSTALL_START)) $MEASURED_CPU" > "$INSTALL_RESULT"
   ) > "$INSTALL_LOG" 2>&1 &
   INSTALL_PID=$!
 }
