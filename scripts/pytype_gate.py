@@ -35,19 +35,29 @@ does for all of typeshed (which takes over two minutes). A module missing from i
 import-error, never a silent `Any`. `--write-builtins FILE` writes it for several runs
 (scripts/check.sh makes one, exported as $EQX_OFFLOAD_PYTYPE_BUILTINS, for the gate and
 the tests that run pytype).
+
+Each module is checked by what `pytype-single` runs (`pytype.io.process_one_file` on the
+same command-line options), called in a worker process that imported pytype once: a
+`pytype-single` process spends about half a second of a small module's second importing
+pytype. pytype supports such long-lived callers (`process_one_file` drops each file's
+analysis for them); every file still gets a loader of its own, as in a `pytype-single`
+process, so nothing that one module's check loads reaches the next.
 """
 
 import argparse
 import ast
 import concurrent.futures
+import contextlib
+import io
+import logging
+import multiprocessing
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
@@ -96,11 +106,60 @@ class Result(NamedTuple):
     seconds: float
 
 
-def pytype_single() -> list[str]:
-    exe = shutil.which("pytype-single", path=str(pathlib.Path(sys.executable).parent))
-    if exe is not None:
-        return [exe]
-    return [sys.executable, "-m", "pytype.main"]
+class _CurrentStderr:
+    """A stream that writes to whatever `sys.stderr` is at the time: pytype's logging
+    handler, set up once per process, then follows each file's captured output."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _start_worker() -> None:
+    os.chdir(ROOT)
+    logging.basicConfig(stream=_CurrentStderr())  # (pytype's own basicConfig is then a no-op)
+
+
+def _pytype_single(argv: list[str]) -> tuple[int, str]:
+    """`pytype-single ARGV`, in this process: its exit status and its output."""
+    from pytype import config, io as pytype_io  # (imported by `Workers` before the fork)
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            rc = pytype_io.process_one_file(config.Options(argv, command_line=True))
+        except SystemExit as e:  # a usage error: pytype-single prints it and exits
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 (as pytype-single: the traceback, exit status 1)
+            traceback.print_exc()
+            rc = 1
+    return rc, output.getvalue()
+
+
+class Workers:
+    """`jobs` worker processes that run `pytype-single`'s entry point. pytype is imported
+    here first, and the workers are forked at once (before any thread of the gate
+    starts), so each has it."""
+
+    def __init__(self, jobs: int) -> None:
+        import pytype.config
+        import pytype.io  # noqa: F401
+
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=jobs, mp_context=multiprocessing.get_context("fork"),
+            initializer=_start_worker)
+        self.pool.submit(int).result()  # forks all the workers (a fork pool starts them together)
+
+    def run(self, argv: list[str]) -> tuple[int, str]:
+        return self.pool.submit(_pytype_single, argv).result()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown()
 
 
 def builtin_sources() -> list[pathlib.Path]:
@@ -226,6 +285,7 @@ def import_cycles(
 
 
 def run_one(
+    workers: Workers,
     path: pathlib.Path,
     pythonpath: Sequence[pathlib.Path],
     output: Optional[pathlib.Path],
@@ -234,7 +294,6 @@ def run_one(
 ) -> Result:
     plain = any(n.split(".")[0] in UNPICKLED for n in imported_modules(path))
     command = [
-        *pytype_single(),
         "-V=" + PYTHON_VERSION,
         *([] if plain else ["--precompiled-builtins=" + str(builtins)]),
         "--module-name=" + (module_name(path) if path.is_relative_to(ROOT / PACKAGE) else path.stem),
@@ -249,11 +308,11 @@ def run_one(
         command.append("--output=" + str(output))
     command.append(str(path))
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    returncode, text = workers.run(command)
     return Result(
         str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
-        proc.returncode,
-        _ANSI.sub("", proc.stdout + proc.stderr),
+        returncode,
+        _ANSI.sub("", text),
         time.perf_counter() - start,
     )
 
@@ -272,10 +331,13 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
     all_modules = package_modules()
     wanted = {p.resolve() for p in paths}
     results = []
-    with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pytype-gate-"))
         generated = pathlib.Path(tmp) / "pyi"
         pythonpath = [generated, *SHIPPED_STUBS, GATE_STUBS]
         builtins = builtins_pickle(pathlib.Path(tmp), builtin_sources())
+        workers = stack.enter_context(Workers(jobs))
+
         def output(p: pathlib.Path) -> pathlib.Path:
             return generated / pathlib.Path(*module_name(p).split(".")).with_suffix(".pyi")
 
@@ -285,8 +347,8 @@ def check_package(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
                 # .pyi for each module of the cycle (its imports of the others are
                 # unresolved); the second pass reads them.
                 for p in cycle:
-                    run_one(p, pythonpath, output(p), builtins, report=False)
-            return [run_one(p, pythonpath, output(p), builtins) for p in cycle]
+                    run_one(workers, p, pythonpath, output(p), builtins, report=False)
+            return [run_one(workers, p, pythonpath, output(p), builtins) for p in cycle]
 
         # Each cycle starts as soon as the cycles it imports are done. Modules that are
         # not asked for still run (later ones need their .pyi); their errors are not
@@ -328,8 +390,9 @@ def check_files(paths: Sequence[pathlib.Path], jobs: int) -> list[Result]:
     """pytype over user scripts, against the shipped stubs only."""
     with tempfile.TemporaryDirectory(prefix="pytype-gate-") as tmp:
         builtins = builtins_pickle(pathlib.Path(tmp), [*builtin_sources(), *paths])
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            return list(pool.map(lambda p: run_one(p, SHIPPED_STUBS, None, builtins), paths))
+        with Workers(jobs) as workers, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda p: run_one(workers, p, SHIPPED_STUBS, None, builtins),
+                                 paths))
 
 
 def report(results: Sequence[Result], total_seconds: float) -> int:
