@@ -10,9 +10,11 @@ platform, and the StableHLO module is compiled with the compile-only client (as 
 `tests/deviceless_aot_test.py` compiles for a topology).
 """
 
+import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import os
@@ -66,9 +68,36 @@ def topology(target_config: str, n_devices: int) -> Any:
                         + _install_hint()) from error
 
 
+# The executables `compile_for` made last, by what was compiled: the same module with the
+# same options for the same devices is the same executable (XLA's compile is
+# deterministic), and a GPU compile takes seconds (a plan compared with the plain step's
+# plan, a search that plans a point twice). Only read from (memory statistics, HLO text).
+_COMPILED: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
+_COMPILED_MAX = 16
+
+
 def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
     """Compile a `jax.stages.Lowered` (lowered for `cuda`) for compile-only `devices`.
-    Returns XLA's executable: `get_compiled_memory_stats()`, `as_text()`."""
+    Returns XLA's executable: `get_compiled_memory_stats()`, `as_text()`. The last 16
+    are kept, by module text, options and devices: compiling one of them again returns
+    it."""
+    module = lowered.compiler_ir("stablehlo")
+    key = hashlib.sha256("\n".join([
+        # (Without source locations: XLA keeps them as metadata, which neither its
+        # schedule nor the plan reads.)
+        str(module), repr(sorted(compiler_options.items())),
+        repr([(id(d.client), d.id) for d in devices])]).encode()).hexdigest()
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    executable = _compile(module, devices, compiler_options)
+    _COMPILED[key] = executable
+    if len(_COMPILED) > _COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    return executable
+
+
+def _compile(module: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
     # Private modules, imported by name (no checker has stubs for them).
     compiler: Any = importlib.import_module("jax._src.compiler")
     xc: Any = importlib.import_module("jax._src.lib").xla_client
@@ -82,7 +111,6 @@ def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, An
         device_assignment=assignment,
         env_options_overrides=dict(compiler_options),
     )
-    module = lowered.compiler_ir("stablehlo")
     return compiler.backend_compile_and_load(
         devices[0].client, module, xc.DeviceList(tuple(devices)), options, []
     )

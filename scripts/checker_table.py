@@ -26,6 +26,7 @@ report it (so a checker that starts catching it makes the table stale, and
 import argparse
 import collections
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -95,9 +96,11 @@ def _tool(name: str) -> list[str]:
     return [exe]
 
 
+@functools.cache
 def stub_paths() -> tuple[str, str]:
     """(pytype's `--pythonpath`, mypy's `mypy_path`) as `python -m eqx_offload typings`
-    prints them for the installed package."""
+    prints them for the installed package (asked once per process: each asking is a
+    Python that imports jax, 1.5 CPU-seconds)."""
     def ask(*extra: str) -> str:
         return subprocess.run(
             [sys.executable, "-m", "eqx_offload", "typings", *extra],

@@ -190,6 +190,24 @@ def test_targets_and_errors():
         eqx_offload.gpu_plan(step, *args, device_memory=-1)
 
 
+def test_the_same_step_is_compiled_once(monkeypatch):
+    """A plan of a module compiled before (same options, same GPUs) reuses its
+    executable; other options, another GPU or another module compile again."""
+    compiled = []
+    compile_ = _deviceless._compile
+    monkeypatch.setattr(_deviceless, "_compile", lambda *a: compiled.append(1) or compile_(*a))
+    step, args = _step(optax.sgd(1e-3), Workload(8, 1, 3))
+    first = eqx_offload.gpu_plan(step, *args, target="h100")
+    again = eqx_offload.gpu_plan(step, *args, target="h100")
+    assert len(compiled) == 1 and again == first
+    eqx_offload.gpu_plan(step, *args, target="h200")
+    eqx_offload.gpu_plan(step, *args, target="h100",
+                         compiler_options={"xla_gpu_memory_limit_slop_factor": 50})
+    other, other_args = _step(optax.sgd(1e-3), Workload(8, 1, 4))
+    eqx_offload.gpu_plan(other, *other_args, target="h100")
+    assert len(compiled) == 4
+
+
 def test_plain_function_and_host_pool(monkeypatch):
     """A function that is not a `filter_jit` one is planned as `filter_jit(fun)`; the
     host bytes are checked against the pinned pool's cap."""
