@@ -10,6 +10,7 @@ The workloads are those of the issue: an MLP where the state dominates the step'
 memory and one where the activations do. Every number is XLA's plan, not a measurement.
 """
 
+import collections
 import dataclasses
 
 import equinox as eqx
@@ -195,6 +196,7 @@ def test_the_same_step_is_compiled_once(monkeypatch):
     executable; other options, another GPU or another module compile again."""
     compiled = []
     compile_ = _deviceless._compile
+    monkeypatch.setattr(_deviceless, "_COMPILED", collections.OrderedDict())
     monkeypatch.setattr(_deviceless, "_compile", lambda *a: compiled.append(1) or compile_(*a))
     step, args = _step(optax.sgd(1e-3), Workload(8, 1, 3))
     first = eqx_offload.gpu_plan(step, *args, target="h100")
