@@ -17,7 +17,7 @@
 # oldest's, and the oldest pytest (3 xdist workers, the newest's 2) in the background
 # (its output printed when it ends), alongside the newest environment's pytest and gates.
 # A per-stage time summary and the closing line
-# `check: N passed, M failed` (every test of every environment that ran) end the output,
+# `check: N passed, M failed, K skipped` (every test of every environment that ran) end the output,
 # failed or not.
 #
 #   bash scripts/check.sh                  # both environments (what .ci/run runs)
@@ -60,6 +60,7 @@ MEASURED_CPU=0
 RUN_START=$SECONDS
 PASSED=0
 FAILED=0
+SKIPPED=0
 
 # child_cpu: CHILD_CPU, the CPU seconds (user + system) of the processes this shell has
 # started and waited for so far, their own children included (bash's `times`, second
@@ -154,8 +155,10 @@ summary() {
   else
     echo "check FAILED (exit status $rc)"
   fi
-  # The closing line: the tests of every environment that ran, added up.
-  echo "check: $PASSED passed, $FAILED failed"
+  # The closing line: the tests of every environment that ran, added up. A skip is
+  # counted, not failed: in CI nothing should skip (the GPU-plan tests need the GPU
+  # compiler, which the newest environment's install checks), and the count shows it.
+  echo "check: $PASSED passed, $FAILED failed, $SKIPPED skipped"
   exit "$rc"
 }
 trap summary EXIT
@@ -275,16 +278,18 @@ pytest_logged() {
 # run_pytest ENV WORKERS [ARGS]: the suite (narrowed by ARGS) in WORKERS xdist workers; a
 # run that collects no test fails.
 run_pytest() {
-  local env=$1 workers=$2 log rc=0 passed failed
+  local env=$1 workers=$2 log rc=0 passed failed skipped
   shift 2
   log=$(mktemp)
   measured pytest_logged "$log" "$workers" "$@" || rc=$?
   # pytest's closing line, e.g. "2 failed, 480 passed, 1 error in 300.00s (0:05:00)".
   passed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ passed' || true; } | awk '{n = $1} END {print n + 0}')
   failed=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ (failed|errors?)' || true; } | awk '{s += $1} END {print s + 0}')
+  skipped=$(tail -n 5 "$log" | { grep -Eo '[0-9]+ skipped' || true; } | awk '{n = $1} END {print n + 0}')
   rm -f "$log"
   PASSED=$((PASSED + passed))
   FAILED=$((FAILED + failed))
+  SKIPPED=$((SKIPPED + skipped))
   if [ "$rc" -eq 5 ] || [ "$passed" -eq 0 ]; then
     echo "check.sh: $env: pytest ran no test (exit status $rc)" >&2
     return 1
@@ -313,9 +318,9 @@ bg_start() {
   BG_START=$SECONDS
   printf '\n=== %s (%s): its output follows when it ends\n' "$BG_STAGE" "$(date +%T)"
   (
-    PASSED=0 FAILED=0 rc=0
+    PASSED=0 FAILED=0 SKIPPED=0 rc=0
     run_pytest "$@" || rc=1
-    echo "$PASSED $FAILED $rc $((SECONDS - BG_START)) $MEASURED_CPU" > "$BG_RESULT"
+    echo "$PASSED $FAILED $SKIPPED $rc $((SECONDS - BG_START)) $MEASURED_CPU" > "$BG_RESULT"
   ) > "$BG_LOG" 2>&1 &
   BG_PID=$!
 }
@@ -325,17 +330,18 @@ bg_wait() {
 }
 
 bg_collect() {
-  local passed failed rc seconds cpu
+  local passed failed skipped rc seconds cpu
   [ -n "$BG_PID" ] || return 0
   wait "$BG_PID" || true
   BG_PID=""
   printf '\n=== %s: output\n' "$BG_STAGE"
   cat "$BG_LOG"
-  read -r passed failed rc seconds cpu < "$BG_RESULT" \
-    || { passed=0 failed=0 rc=1 seconds=$((SECONDS - BG_START)) cpu=0; }
+  read -r passed failed skipped rc seconds cpu < "$BG_RESULT" \
+    || { passed=0 failed=0 skipped=0 rc=1 seconds=$((SECONDS - BG_START)) cpu=0; }
   rm -f "$BG_LOG" "$BG_RESULT"
   PASSED=$((PASSED + passed))
   FAILED=$((FAILED + failed))
+  SKIPPED=$((SKIPPED + skipped))
   STAGE_NAMES+=("$BG_STAGE")
   STAGE_SECONDS+=("$seconds")
   STAGE_CPU+=("$cpu")

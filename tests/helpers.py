@@ -6,7 +6,8 @@
 - calling past the runtime type checks: `unchecked`;
 - counting compilations: `count_compiles`;
 - walking programs: `walk_eqns`;
-- a model of layers stacked with `eqx.filter_vmap` and scanned: `Stacked`.
+- a model of layers stacked with `eqx.filter_vmap` and scanned: `Stacked`;
+- the marks of a module that needs the GPU compiler: `gpu_plan_marks`.
 """
 
 import contextlib
@@ -15,10 +16,13 @@ from typing import Any, Optional
 
 import equinox as eqx
 import jax
+import pytest
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+import eqx_offload
+from eqx_offload import _deviceless
 from eqx_offload._leaves import path_to_str
 
 
@@ -157,3 +161,17 @@ class Stacked(eqx.Module):
             return jnp.tanh(eqx.combine(weights, static)(x)), None
 
         return jax.lax.scan(layer, x, dynamic)[0]
+
+
+def gpu_plan_marks() -> list[Any]:
+    """`pytestmark` of a module of GPU-plan tests: `once` (the plan does not depend on
+    the JAX version under test, and the plugin is installed in the newest environment
+    only, scripts/check.sh) and, where the GPU compiler is missing, a skip with its
+    install command. A mark, not a module-level `pytest.skip`: it is evaluated for the
+    selected tests only, so a run that deselects `once` (the oldest environment's)
+    collects none of the module's tests and reports no skip."""
+    try:
+        _deviceless.check_available()
+    except eqx_offload.PlanError as error:
+        return [pytest.mark.once, pytest.mark.skip(reason=str(error))]
+    return [pytest.mark.once]

@@ -22,14 +22,10 @@ import eqx_offload
 from eqx_offload import _deviceless
 from eqx_offload.cli import capacity, llama
 from eqx_offload.cli import plan as plan_command
+from helpers import gpu_plan_marks
 
 
-pytestmark = pytest.mark.once
-
-try:
-    _deviceless.check_available()
-except eqx_offload.PlanError as error:
-    pytest.skip(str(error), allow_module_level=True)
+pytestmark = gpu_plan_marks()
 
 
 MiB = 1 << 20

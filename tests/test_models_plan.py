@@ -9,21 +9,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless
+from helpers import gpu_plan_marks
 
 
-try:
-    _deviceless.check_available()
-    PLAN = None
-except eqx_offload.PlanError as error:
-    PLAN = str(error)
-
-# The plugin is installed in the newest environment only (scripts/check.sh).
-pytestmark = [pytest.mark.once,
-              pytest.mark.skipif(PLAN is not None, reason=f"no GPU compiler: {PLAN}")]
+pytestmark = gpu_plan_marks()
 
 L, D, B = 8, 512, 256
 WEIGHT_BYTES = L * (D * D + D) * 4

@@ -21,18 +21,11 @@ import pytest
 
 import eqx_offload
 from eqx_offload import _deviceless
-from helpers import Stacked
+from helpers import Stacked, gpu_plan_marks
 
 
 
-# The GPU compiler's plan does not depend on the JAX version under test, and the
-# plugin is installed in the newest environment only (scripts/check.sh).
-pytestmark = pytest.mark.once
-
-try:
-    _deviceless.check_available()
-except eqx_offload.PlanError as error:
-    pytest.skip(str(error), allow_module_level=True)
+pytestmark = gpu_plan_marks()
 
 
 MiB = 1 << 20
