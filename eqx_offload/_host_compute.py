@@ -21,13 +21,14 @@ from ._options import Options
 from ._where import leaf_mask
 
 
-def _has_subprogram(eqn: Any) -> bool:
-    def is_program(x: Any) -> bool:
-        return isinstance(x, JAXPR_TYPES) or (
-            isinstance(x, (tuple, list)) and any(is_program(y) for y in x)
-        )
+def _is_program(x: Any) -> bool:
+    return isinstance(x, JAXPR_TYPES) or (
+        isinstance(x, (tuple, list)) and any(_is_program(y) for y in x)
+    )
 
-    return any(is_program(v) for v in eqn.params.values())
+
+def _has_subprogram(eqn: Any) -> bool:
+    return any(_is_program(v) for v in eqn.params.values())
 
 
 def on_host(eqn: Any, invals: list[Any]) -> list[Any]:

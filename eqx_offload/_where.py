@@ -205,26 +205,28 @@ def structure_divergence(
 
     Returns `None` if it is a prefix (every `is_leaf` node of `prefix` stands on some
     subtree of `tree`), else the path where they diverge and a description."""
+    return _divergence(prefix, tree, (), is_leaf)
 
-    def walk(a: Any, b: Any, path: KeyPath) -> Optional[tuple[str, str]]:
-        if is_leaf(a):
-            return None
-        a_data, a_children = _one_level(a)
-        b_data, b_children = _one_level(b)
-        if a_data is None and b_data is None:
-            return None
-        if a_data != b_data or len(a_children) != len(b_children):
-            return (
-                shown(path_to_str(path)),
-                f"{_describe(a)} where the tree has {_describe(b)}",
-            )
-        for (ka, ca), (_, cb) in zip(a_children, b_children):
-            found = walk(ca, cb, path + ka)
-            if found is not None:
-                return found
+
+def _divergence(
+    a: Any, b: Any, path: KeyPath, is_leaf: Callable[[Any], bool]
+) -> Optional[tuple[str, str]]:
+    if is_leaf(a):
         return None
-
-    return walk(prefix, tree, ())
+    a_data, a_children = _one_level(a)
+    b_data, b_children = _one_level(b)
+    if a_data is None and b_data is None:
+        return None
+    if a_data != b_data or len(a_children) != len(b_children):
+        return (
+            shown(path_to_str(path)),
+            f"{_describe(a)} where the tree has {_describe(b)}",
+        )
+    for (ka, ca), (_, cb) in zip(a_children, b_children):
+        found = _divergence(ca, cb, path + ka, is_leaf)
+        if found is not None:
+            return found
+    return None
 
 
 def _describe(node: Any) -> str:
