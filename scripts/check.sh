@@ -16,9 +16,8 @@
 # a JAX-version-dependent path). The newest environment's install runs alongside the
 # oldest's, and the oldest pytest (3 xdist workers, the newest's 2) in the background
 # (its output printed when it ends), alongside the newest environment's pytest and gates.
-# A per-stage time summary and the closing line
-# `check: N passed, M failed, K skipped` (every test of every environment that ran) end the output,
-# failed or not.
+# A per-stage time summary and the closing line `check: N passed, M failed, K skipped`
+# (every test of every environment that ran) end the output, failed or not.
 #
 #   bash scripts/check.sh                  # both environments (what .ci/run runs)
 #   bash scripts/check.sh newest           # one environment: oldest or newest

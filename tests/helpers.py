@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import equinox as eqx
 import jax
-import pytest
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
 
 import eqx_offload
 from eqx_offload import _deviceless
