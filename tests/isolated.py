@@ -26,26 +26,29 @@ print({mark!r} + json.dumps(result), flush=True)
 
 
 def run_isolated(
-    func: Callable[..., Any], *args: Any, timeout: float = 600
+    func: Callable[..., Any], *args: Any, timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs `func(*args)` in a fresh Python (with `-W error`, 8 CPU devices, CPU only)
-    and returns the finished process; `func` must be a module-level function of a
-    file in `tests/`, its arguments and result JSON-serialisable."""
+    """Runs `func(*args)` in a fresh Python (with `-W error`, 8 CPU devices, CPU only,
+    this environment updated with `env`) and returns the finished process; `func` must
+    be a module-level function of a file in `tests/`, its arguments and result
+    JSON-serialisable."""
     file = sys.modules[func.__module__].__file__
     assert file is not None
     code = _CHILD.format(
         tests=_TESTS, file=os.path.abspath(file), name=func.__name__,
         args=json.dumps(args), mark=_MARK,
     )
-    env = {
+    child_env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": "8",
         "PYTHONHASHSEED": "0",
+        **(env or {}),
     }
     return subprocess.run(
         [sys.executable, "-W", "error", "-c", code],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=_TESTS,
+        capture_output=True, text=True, timeout=timeout, env=child_env, cwd=_TESTS,
     )
 
 
@@ -60,6 +63,9 @@ def result_of(process: subprocess.CompletedProcess) -> Any:
     return json.loads(lines[-1][len(_MARK):])
 
 
-def call_isolated(func: Callable[..., Any], *args: Any, timeout: float = 600) -> Any:
+def call_isolated(
+    func: Callable[..., Any], *args: Any, timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> Any:
     """`run_isolated` and `result_of` in one."""
-    return result_of(run_isolated(func, *args, timeout=timeout))
+    return result_of(run_isolated(func, *args, timeout=timeout, env=env))

@@ -1,0 +1,64 @@
+"""Canary (upstream behaviour, not the library's): XLA:CPU computes the same bits with
+LLVM at -O1 as at its default -O3.
+
+The suite compiles at -O1 (`tests/conftest.py`: a fifth less CPU for its compiles), so
+every bitwise claim of the suite is checked at -O1. This pins that a training step's
+numbers do not depend on the level, in each JAX version the suite runs: 20 steps of an
+MLP with attention and `offloaded(chain(clip, adamw))` give the same parameters and
+losses here as in a fresh process at -O3. If it fails after a JAX upgrade, the suite's
+bitwise tests no longer speak for the default level: drop the flag from conftest.py.
+(At -O0 the numbers do differ, measured with JAX 0.10.2 and 0.12: not used.)
+"""
+
+import hashlib
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_offload
+from isolated import call_isolated
+
+
+STEPS = 20
+
+
+def train_digest() -> str:
+    """sha256 of the parameters and losses after STEPS offloaded AdamW steps."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = (eqx.nn.MLP(32, 8, 64, 3, activation=jax.nn.gelu, key=k1),
+              eqx.nn.MultiheadAttention(4, 32, key=k2))
+    x = jax.random.normal(k3, (16, 32))
+    tx = eqx_offload.offloaded(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)))
+    state = tx.init(eqx.filter(params, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(params, state):
+        def loss(p):
+            mlp, attention = p
+            h = attention(x, x, x)
+            return jnp.mean(jax.nn.log_softmax(jax.vmap(mlp)(h + x)) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(params)
+        updates, state = tx.update(grads, state, eqx.filter(params, eqx.is_array))
+        return eqx.apply_updates(params, updates), state, value
+
+    losses = []
+    for _ in range(STEPS):
+        params, state, value = step(params, state)
+        losses.append(value)
+    digest = hashlib.sha256()
+    for leaf in [*jax.tree_util.tree_leaves(eqx.filter(params, eqx.is_array)), *losses]:
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+def test_o1_computes_the_bits_of_the_default_level():
+    assert "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]  # conftest.py
+    at_default = call_isolated(
+        train_digest, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"}
+    )
+    assert train_digest() == at_default
