@@ -10,24 +10,24 @@ bitwise tests no longer speak for the default level: drop the flag from conftest
 (At -O0 the numbers do differ, measured with JAX 0.10.2 and 0.12: not used.)
 """
 
-import hashlib
 import os
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import eqx_offload
+from helpers import hex_bits
 from isolated import call_isolated
 
 
 STEPS = 20
 
 
-def train_digest() -> str:
-    """sha256 of the parameters and losses after STEPS offloaded AdamW steps."""
+def train_bits() -> list[str]:
+    """The bits of the parameters and losses after STEPS offloaded AdamW steps
+    (`helpers.hex_bits`)."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     params = (eqx.nn.MLP(32, 8, 64, 3, activation=jax.nn.gelu, key=k1),
               eqx.nn.MultiheadAttention(4, 32, key=k2))
@@ -50,15 +50,12 @@ def train_digest() -> str:
     for _ in range(STEPS):
         params, state, value = step(params, state)
         losses.append(value)
-    digest = hashlib.sha256()
-    for leaf in [*jax.tree_util.tree_leaves(eqx.filter(params, eqx.is_array)), *losses]:
-        digest.update(np.asarray(leaf).tobytes())
-    return digest.hexdigest()
+    return hex_bits((eqx.filter(params, eqx.is_array), losses))
 
 
 def test_o1_computes_the_bits_of_the_default_level():
     assert "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]  # conftest.py
     at_default = call_isolated(
-        train_digest, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"}
+        train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"}
     )
-    assert train_digest() == at_default
+    assert train_bits() == at_default
