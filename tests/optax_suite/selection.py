@@ -1,9 +1,9 @@
 """Which of Optax's own test files run with offloaded optimizers, in which groups, and
 which parametrised cases of the slow ones.
 
-Each group runs as one child pytest process (one test of `tests/test_optax_suite.py`),
-so the outer `pytest -n 2` spreads the groups over both workers. Paths are relative to
-the installed `optax` package.
+All groups run in one child pytest process (`tests/test_optax_suite.py`), which checks
+each group's counts on its own; a group is also what one runs by hand. Paths are
+relative to the installed `optax` package.
 
 A test is named by its key: its pytest node id, then (for absl's parametrised tests)
 its parameters as absl writes them with memory addresses removed, e.g.
