@@ -1,12 +1,12 @@
 """Optax's own test files, run with every optimizer they build wrapped in
 `eqx_offload.offloaded` (issue 10).
 
-Each group of `tests/optax_suite/selection.py` runs in a child pytest over the test
+The groups of `tests/optax_suite/selection.py` run in one child pytest over the test
 files shipped in the installed optax wheel, with `tests/optax_suite/plugin.py` loaded
-(so the patching cannot leak into this process). Every test must pass, except the
-adapted and expected failures listed, with their reasons, in
-`tests/optax_suite/adaptations.py` (and in `docs/optax-tests.md`). A child that fails
-prints each failing test with its message.
+(so the patching cannot leak into this process); each group is checked on its own.
+Every test must pass, except the adapted and expected failures listed, with their
+reasons, in `tests/optax_suite/adaptations.py` (and in `docs/optax-tests.md`). A
+child that fails prints each failing test with its message.
 """
 
 import json
