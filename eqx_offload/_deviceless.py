@@ -97,6 +97,27 @@ def compile_for(lowered: Any, devices: list[Any], compiler_options: dict[str, An
     return executable
 
 
+# XLA's GPU autotuner cannot profile without a GPU: for a deviceless target it gives each
+# matrix product and fusion its default configuration. At a level above 0 (XLA's default
+# is 4) it first compiles candidate kernels of the fusions all the same (ptxas, for
+# nothing it can time): a quarter to a third of a small step's plan, a few seconds of a
+# large one's. At level 0 it skips that, and the compiled program is the same: identical
+# optimized HLO (fusions, schedule, buffers) but for the autotuner's note that a fusion
+# keeps its default emitter (tests/upstream/test_upstream_deviceless.py pins it; the same
+# HLO for Llama steps of 0.01B and 1B parameters, the same plan for 8B). A level set in
+# the options or in XLA_FLAGS is kept.
+AUTOTUNE_LEVEL = "xla_gpu_autotune_level"
+
+
+def deviceless_options(compiler_options: dict[str, Any]) -> dict[str, Any]:
+    """`compiler_options` for a compile-only GPU: with `xla_gpu_autotune_level=0` unless
+    they or XLA_FLAGS set a level (see `AUTOTUNE_LEVEL`)."""
+    options = dict(compiler_options)
+    if AUTOTUNE_LEVEL not in options and AUTOTUNE_LEVEL not in os.environ.get("XLA_FLAGS", ""):
+        options[AUTOTUNE_LEVEL] = 0
+    return options
+
+
 def _compile(module: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
     # Private modules, imported by name (no checker has stubs for them).
     compiler: Any = importlib.import_module("jax._src.compiler")
@@ -109,7 +130,7 @@ def _compile(module: Any, devices: list[Any], compiler_options: dict[str, Any]) 
         num_replicas=1,
         num_partitions=len(devices),
         device_assignment=assignment,
-        env_options_overrides=dict(compiler_options),
+        env_options_overrides=deviceless_options(compiler_options),
     )
     return compiler.backend_compile_and_load(
         devices[0].client, module, xc.DeviceList(tuple(devices)), options, []

@@ -77,3 +77,70 @@ def test_lowering_for_the_cpu_loses_the_copies():
     assert placements.findall(jitted.trace(x).lower().as_text()) == ["pinned_host"]
     assert placements.findall(jitted.trace(x).lower(lowering_platforms=("cuda",)).as_text()) == [
         "device", "pinned_host", "pinned_host"]
+
+
+def _program(executable) -> str:
+    """The optimized HLO without what no plan reads: source locations, the fingerprint
+    of the module before scheduling, and the autotuner's note on a fusion that keeps
+    its default emitter (written at autotune levels above 0 only). Any other
+    configuration the autotuner chose stays in the text."""
+    text = "\n".join(m.to_string() for m in executable.hlo_modules())
+    text = re.sub(r"metadata=\{[^}]*\}", "", text)
+    text = re.sub(r'fingerprint_before_lhs="[0-9a-f]*"', "", text)
+    default_emitter = (', backend_config={"operation_queue_id":"0","force_earliest_schedule":'
+                       'false,"reification_cost":[],"device_type":"DEVICE_TYPE_INVALID",'
+                       '"native_emitter_backend_config":{"type":"NATIVE_EMITTER_TYPE_INVALID",'
+                       '"unroll_factor":0}}')
+    return text.replace(default_emitter, "")
+
+
+def test_autotune_level_0_compiles_the_program_of_the_default_level():
+    """Why `_deviceless.deviceless_options` compiles at `xla_gpu_autotune_level=0`:
+    without a GPU, XLA's autotuner takes every default configuration at any level, so
+    the program (fusions, kernels' configurations, schedule, buffers) is the one of
+    XLA's default level 4, compiled without the candidate kernels it cannot time. A
+    training step with matrix products, loop fusions and host copies: if this fails
+    after a JAX upgrade, drop the level from `deviceless_options`."""
+    import equinox as eqx
+    import optax
+
+    model = eqx.nn.MLP(64, 64, 128, 2, key=jax.random.key(0))
+    tx = eqx_offload.offloaded(optax.adamw(1e-3))
+    state = tx.init(eqx.filter(model, eqx.is_array))
+    x = jnp.ones((32, 64))
+
+    @eqx_offload.filter_jit
+    def step(model, state):
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    compiled = []
+    compile_ = _deviceless._compile
+
+    def keep(module, devices, options):
+        compiled.append(compile_(module, devices, options))
+        return compiled[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_deviceless, "_compile", keep)
+        patch.delenv("XLA_FLAGS", raising=False)  # conftest.py's has no GPU level
+        # From one line: the HLO's table of source locations holds the caller's.
+        at_0, at_4 = (eqx_offload.gpu_plan(step, model, state, target="h100",
+                                           compiler_options=options)
+                      for options in (None, {"xla_gpu_autotune_level": 4}))
+    assert len(compiled) == 2
+    level_0, level_4 = (_program(e) for e in compiled)
+    assert "gemm_fusion" in level_4 and "copy-start" in level_4  # what it is meant to cover
+    assert level_0 == level_4
+    assert (at_0.device_peak_bytes, at_0.host_bytes, at_0.copies) == (
+        at_4.device_peak_bytes, at_4.host_bytes, at_4.copies)
+
+
+def test_deviceless_options_keep_a_level_given():
+    assert _deviceless.deviceless_options({"a": 1}) == {"a": 1, "xla_gpu_autotune_level": 0}
+    assert _deviceless.deviceless_options({"xla_gpu_autotune_level": 2}) == {
+        "xla_gpu_autotune_level": 2}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=3")
+        assert _deviceless.deviceless_options({}) == {}
