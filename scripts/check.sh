@@ -171,10 +171,11 @@ fail() {
 }
 
 # speed_probe: the CPU seconds that a fixed piece of Python (ten million additions)
-# takes now. Machines of this kind run the same work at different speeds from hour to
-# hour (the whole run: 1470 CPU-s at one hour, 2500 at another, the same commit); the
-# probe at the start and at the end of the run, under the stage table, tells a slow run
-# from a slow machine (measured: 1.4-1.7 s at the hour of the 2500).
+# takes now. Machines of this kind run the same work at different speeds (the whole run,
+# the same code but for comments: 1470 CPU-s in one session, 2500-2600 in the next); the
+# probe at the start and at the end of the run, under the stage table, is there to tell
+# a slow run from a slow machine (first readings: 1.3-1.8 s in the session of the 2500;
+# from the next run on, compare runs by it too).
 speed_probe() {
   "${PY_OLDEST:-python3}" -c 'import time
 t = time.process_time()
