@@ -16,9 +16,8 @@
 # a JAX-version-dependent path). The newest environment's install runs alongside the
 # oldest's, and the oldest pytest (3 xdist workers, the newest's 2) in the background
 # (its output printed when it ends), alongside the newest environment's pytest and gates.
-# A per-stage time summary (with the machine's speed at the start and at the end, see
-# speed_probe) and the closing line `check: N passed, M failed, K skipped` (every test
-# of every environment that ran) end the output, failed or not.
+# A per-stage time summary and the closing line `check: N passed, M failed, K skipped`
+# (every test of every environment that ran) end the output, failed or not.
 #
 #   bash scripts/check.sh                  # both environments (what .ci/run runs)
 #   bash scripts/check.sh newest           # one environment: oldest or newest
@@ -149,8 +148,6 @@ summary() {
       "${STAGE_SECONDS[$i]}" "${STAGE_CPU[$i]:-0}"
   done
   printf '  %-64s %6s  %5d s  %5d s\n' "total" "" $((SECONDS - RUN_START)) "$CHILD_CPU"
-  printf '  machine speed (speed_probe, CPU seconds; lower is faster): %s s at the start, %s s at the end\n' \
-    "${SPEED_START:-?}" "$(speed_probe)"
   echo
   if [ "$rc" -eq 0 ]; then
     echo "all tests and gates passed"
@@ -168,21 +165,6 @@ trap summary EXIT
 fail() {
   echo "check.sh: $*" >&2
   exit 1
-}
-
-# speed_probe: the CPU seconds that a fixed piece of Python (ten million additions)
-# takes now. Machines of this kind run the same work at different speeds (the whole run,
-# the same code but for comments: 1470 CPU-s in one session, 2500-2600 in the next); the
-# probe at the start and at the end of the run, under the stage table, is there to tell
-# a slow run from a slow machine (first readings: 1.3-1.8 s in the session of the 2500;
-# from the next run on, compare runs by it too).
-speed_probe() {
-  "${PY_OLDEST:-python3}" -c 'import time
-t = time.process_time()
-s = 0
-for i in range(10_000_000):
-    s += i
-print("%.2f" % (time.process_time() - t))' 2>/dev/null || echo "?"
 }
 
 # ------------------------------------------------------------------ interpreters
@@ -457,7 +439,6 @@ install_wait() {
 env_dir() { if [ "$1" = oldest ]; then echo .venv; else echo .venv-new; fi; }
 env_python() { if [ "$1" = oldest ]; then echo "$PY_OLDEST"; else echo "$PY_NEWEST"; fi; }
 
-SPEED_START=$(speed_probe)
 ORIG_PATH=$PATH
 if [ "${ENVS[*]}" = "oldest newest" ]; then
   install_start newest "$(env_dir newest)" "$(env_python newest)"
