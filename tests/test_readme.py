@@ -1,6 +1,8 @@
 """The README's "Training step" example is the recommended pattern, complete and
 runnable: it runs (in a fresh process, as it donates host-resident state), and it is
-the same code as `docs/examples/training_step.py`."""
+the same code as `docs/examples/training_step.py`. The README keeps the shape of a
+front page (Equinox's, Optax's): short, code early, the CI command, and a GPU table
+whose every row says whether it is measured or planned."""
 
 import os
 import pathlib
@@ -24,6 +26,13 @@ def training_step_blocks() -> list[str]:
     sections = re.split(r"^## ", text, flags=re.MULTILINE)
     [section] = [s for s in sections if s.startswith("Training step\n")]
     return re.findall(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
+
+
+def _section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    [section] = [s for s in re.split(r"^## ", text, flags=re.MULTILINE)
+                 if s.startswith(f"{title}\n")]
+    return section
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -63,3 +72,33 @@ def test_example_file_runs():
     )
     assert process.returncode == 0, process.stderr[-6000:]
     assert "pinned_host" in process.stdout
+
+
+def test_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= 1000
+    assert len(text[:text.index("```")].split()) <= 300  # code within the first 300 words
+    # The model techniques are named, and the history lives in CHANGELOG.md.
+    for name in ("master_weights", "host_weights", "scan_layers", "CHANGELOG.md"):
+        assert name in text, name
+    assert (ROOT / "CHANGELOG.md").is_file()
+
+
+def test_readme_quickstart_has_the_two_commands():
+    section = _section("Quickstart")
+    # The demo from a fresh clone, and the command CI runs (.ci/run execs exactly it).
+    assert ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[cli]" && '
+            ".venv/bin/python -m eqx_offload demo") in section
+    assert "\nbash scripts/check.sh\n" in section
+    assert "exec bash scripts/check.sh\n" in (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/check.sh fast" in section
+
+
+def test_readme_gpu_numbers_say_measured_or_plan():
+    rows = [line for line in _section("On a GPU").splitlines()
+            if line.startswith("|") and not line.startswith("| ---")]
+    header, *body = rows
+    assert header.rstrip(" |").endswith("kind")
+    assert len(body) >= 3
+    for row in body:
+        assert row.rstrip(" |").rsplit("|", 1)[-1].strip() in ("measured", "plan"), row

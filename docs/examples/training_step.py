@@ -17,7 +17,8 @@ def step(model, opt_state, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    params = eqx.filter(model, eqx.is_array)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
     return eqx.apply_updates(model, updates), opt_state, loss
 
 
@@ -26,7 +27,7 @@ y = jnp.sum(x, axis=1, keepdims=True)
 for _ in range(5):
     model, opt_state, loss = step(model, opt_state, x, y)
 
-# Between steps the moments live in host memory; the step counter stays on the device.
+# Between steps the moments are in host memory, the step counter on the device.
 adam_state = opt_state.inner_state[0]
 assert adam_state.mu.layers[0].weight.sharding.memory_kind == "pinned_host"
 assert adam_state.count.sharding.memory_kind == "device"
