@@ -7,6 +7,10 @@ examples cannot rot. (The README's example runs in `tests/test_readme.py`.)
   `py` for Python that must only be shown (e.g. the pattern that aborts the process).
 - In a docstring of a public name of `eqx_offload`, the `python` blocks (inside
   `!!! Example`) run in one namespace per docstring.
+- Every command line of the package that a shell block of a page or of the README
+  shows (`python -m eqx_offload ...`, `eqx-offload ...`, `bench/gpu_run.sh ...`) is
+  parsed by the command line's own argument parser (parsed, not run), so a renamed
+  option or mode fails here.
 
 Why a fence reader of our own rather than a pytest plugin (checked December 2026):
 pytest-markdown-docs 0.9.2 makes each fence a test and shares state only through a
@@ -18,9 +22,13 @@ docstrings; mktestdocs 0.2.5 is not a plugin, and its reader toggles on any line
 three backticks. None runs a page's blocks in one namespace, once, as mkdocs shows them.
 """
 
+import argparse
+import contextlib
 import inspect
+import io
 import pathlib
 import re
+import shlex
 import textwrap
 from typing import Any
 
@@ -144,3 +152,103 @@ def test_extractor_is_not_blind():
 def test_a_failing_block_fails():
     with pytest.raises(AssertionError):
         _run_blocks([(1, "assert 1 + 1 == 3")], "inline")
+
+
+# ------------------------------------------------------------ the documented commands
+
+_SHELL_LANGUAGES = {"bash", "sh", "shell", "console", "zsh"}
+# `python -m eqx_offload ARGS`, `.venv/bin/python3 -m eqx_offload ARGS`, `eqx-offload
+# ARGS`, or `bench/gpu_run.sh ARGS` (whose ARGS go to `bench`); ARGS end at a shell
+# operator, a command substitution's `)` or a backtick.
+_COMMAND = re.compile(
+    r"(?:(?<![\w.-])\S*python3?(?:\.\d+)?\s+-m\s+eqx_offload|(?<![\w.-])eqx-offload"
+    r"|(?P<gpu_run>bench/gpu_run\.sh))(?![\w.-])(?P<args>[^;&|)`\n]*)")
+
+
+def shell_commands(text: str) -> list[tuple[int, list[str]]]:
+    """`(line number, argv)` of each command of the package in the shell blocks of a
+    Markdown text: continuation lines joined, comments and `$ ` prompts dropped."""
+    found = []
+    for line, language, code in code_blocks(text):
+        if language not in _SHELL_LANGUAGES:
+            continue
+        joined = re.sub(r"\\\n", " ", code)
+        for offset, command in enumerate(joined.splitlines()):
+            command = re.sub(r"^\s*\$ ", "", command)
+            for m in _COMMAND.finditer(command):
+                argv = shlex.split(m["args"], comments=True)
+                found.append((line + offset, ["bench", *argv] if m["gpu_run"] else argv))
+    return found
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def parse_command(argv: list[str]) -> str:
+    """Parses `argv` as `python -m eqx_offload` would, without running it: "" if it
+    parses, else argparse's message."""
+    from eqx_offload.cli import _parser
+
+    parser, _ = _parser()
+    if argv[:1] == ["typings"] and "typings" not in _subcommands(parser):
+        # `typings` lives in eqx_offload.__main__ and only prints a folder: run it.
+        from eqx_offload.__main__ import main
+
+        parse = lambda: main(argv)  # noqa: E731 - one call, named for the try below
+    else:
+        parse = lambda: parser.parse_args(argv)  # noqa: E731
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            parse()
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):  # `--help` exits 0
+            # argparse's last line is the error; the usage above it is long
+            return (stderr.getvalue().strip().splitlines() or [f"exit {exit_.code}"])[-1]
+    return ""
+
+
+def _documents() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *_pages()]
+
+
+_DOCUMENTS_WITH_COMMANDS = [p for p in _documents() if shell_commands(p.read_text())]
+
+
+@pytest.mark.parametrize("document", _DOCUMENTS_WITH_COMMANDS, ids=_page_id)
+def test_documented_commands_parse(document):
+    errors = [f"{_page_id(document)}:{line}: eqx_offload {shlex.join(argv)}: {error}"
+              for line, argv in shell_commands(document.read_text())
+              if (error := parse_command(argv))]
+    assert not errors, "\n".join(errors)
+
+
+def test_command_finder_is_not_blind():
+    text = (
+        "```bash\n"
+        "python -m eqx_offload bench --out x \\\n    --modes baseline  # a comment\n"
+        ".venv/bin/python3 -m eqx_offload demo && eqx-offload plan --capacity\n"
+        "MYPYPATH=$(python -m eqx_offload typings --mypy) mypy train.py\n"
+        "OUT=/tmp/x bash bench/gpu_run.sh --platform cpu\n"
+        "python -m eqx_offload_other demo\n"
+        "```\n"
+        "```python\nprint('python -m eqx_offload demo')\n```\n"
+    )
+    assert [argv for _, argv in shell_commands(text)] == [
+        ["bench", "--out", "x", "--modes", "baseline"], ["demo"], ["plan", "--capacity"],
+        ["typings", "--mypy"], ["bench", "--platform", "cpu"],
+    ]
+    ids = {_page_id(p) for p in _DOCUMENTS_WITH_COMMANDS}
+    for document in ("README.md", "docs/getting-started.md", "docs/benchmark.md",
+                     "docs/gpu-plan.md", "docs/typing.md"):
+        assert document in ids, document
+
+
+def test_a_stale_command_fails():
+    assert parse_command(["demo", "--steps", "3"]) == ""
+    assert parse_command(["bench", "--help"]) == ""
+    assert "invalid choice" in parse_command(["bench", "--modes", "no_such_mode"])
+    assert "unrecognized arguments" in parse_command(["plan", "--no-such-option"])
+    assert parse_command(["no_such_command"]) != ""
