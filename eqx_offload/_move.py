@@ -130,7 +130,8 @@ def to_host(
 def to_device(tree: _T, where: Where = True) -> _T:
     """Moves the selected array leaves of a pytree to the device's default memory.
 
-    The inverse of `to_host`: `to_device(to_host(tree))` equals `tree` leaf by leaf.
+    The inverse of `to_host`: `to_device(to_host(tree))` equals `tree` leaf by leaf. It
+    warns as `to_host` does where nothing moves that surely was meant to.
 
     **Arguments:**
 
