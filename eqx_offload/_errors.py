@@ -67,3 +67,101 @@ class DonationError(OffloadError, RuntimeError):
 class PlanError(OffloadError, RuntimeError):
     """`gpu_plan` cannot compile for the GPU: the compiler is missing (the `plan` extra)
     or does not match the installed JAX, or the step cannot be planned."""
+
+
+# ----------------------------------------------------------------------------------------
+# The messages of the mistakes a newcomer makes: the fix first, then where (argument,
+# leaf path), then the docs section that explains it, in at most 4 lines and 80 words.
+
+DOCS = "docs/errors.md"
+"""The page the messages below link to (a path in the repository, as the docs site is
+built from it); each mistake has a section with a fixed anchor there."""
+
+
+def see(anchor: str) -> str:
+    """The docs link that ends a message: `"See docs/errors.md#<anchor>."`."""
+    return f"See {DOCS}#{anchor}."
+
+
+def foreign_donation_error(name: str) -> CompositionError:
+    """`offloaded(...).update` traced under a plain donating jit (`eqx.filter_jit(donate=
+    ...)`, `jax.jit(donate_argnums=...)`, `nnx.jit`): JAX would pair a donated host
+    buffer with a device output and XLA abort the process. Raised while tracing."""
+    return CompositionError(
+        'Jit the step with `eqx_offload.filter_jit(step, donate="all")` (Flax NNX: its '
+        "functional API, `nnx.split`/`nnx.merge` inside that step).\n"
+        f"offloaded(...).update is traced for a jit that donates ({name}); it passes JAX "
+        "no memory kinds, so XLA would abort the process. Nothing has run.\n"
+        + see("a-jit-that-donates")
+    )
+
+
+def device_state_error(path: str) -> CompositionError:
+    """A host-resident state leaf that arrived in device memory under `pmap` (or another
+    transformation with named axes), which places every argument on the device."""
+    return CompositionError(
+        "Use `eqx_offload.filter_jit` with sharded arguments instead of pmap "
+        "(`jax.shard_map` inside it works).\n"
+        f"offloaded(...).update: state leaf inner_state/{path} arrived in device memory "
+        "under a transformation with named axes (`pmap`, `shard_map`, `vmap(axis_name=...)`).\n"
+        + see("pmap")
+    )
+
+
+def where_signature_error(argument: str, fn: object, at: str) -> WhereError:
+    """A `where` callable that takes more than one argument (e.g. `(path, leaf)`)."""
+    return WhereError(
+        "Give `where` a callable of one leaf that returns a bool, e.g. `lambda x: x.ndim "
+        "> 1`; select by path with `eqx_offload.pattern(regex)`.\n"
+        f"{argument}: {_name(fn)} at path {at} takes more than one argument.\n"
+        + see("where-callables")
+    )
+
+
+def where_dtype_error(argument: str, dtype: object, at: str) -> WhereError:
+    """A dtype (`jnp.float32`) given as a `where`."""
+    return WhereError(
+        f"Select by dtype with `where=lambda x: x.dtype == jnp.{_name(dtype)}`.\n"
+        f"{argument}: {_name(dtype)} at path {at} is a dtype, not a filter.\n"
+        + see("where-callables")
+    )
+
+
+def where_result_error(argument: str, fn: object, result: object, at: str) -> WhereError:
+    """A `where` callable that returned something else than a bool for a leaf (an array,
+    which under `jit` is a tracer that has no truth value)."""
+    return WhereError(
+        "Make the `where` callable return a Python bool for each leaf, e.g. `lambda x: "
+        "x.ndim > 1`.\n"
+        f"{argument}: {_name(fn)} returned {type(result).__name__}, not a bool, for the "
+        f"leaf at path {at}.\n"
+        + see("where-callables")
+    )
+
+
+def selects_nothing_message(argument: str, where: object, paths: list[str]) -> str:
+    """The `OffloadWarning` for a `where` that selects no array leaf of a tree that has
+    some: most often a `pattern` of a name (`"mu"`) where it matches whole paths."""
+    shown_paths = ", ".join(repr(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+    regex = getattr(where, "regex", None)
+    fix = (f'`pattern(".*{regex}.*")`' if isinstance(regex, str)
+           else '`pattern(".*mu.*")` (a regex over whole paths)')
+    return (
+        f"Use a `where` that matches some leaf, e.g. {fix}: `pattern` matches whole paths.\n"
+        f"{argument}={where!r} selects no array leaf, so nothing moves. Paths: "
+        f"{shown_paths}\n" + see("a-where-that-selects-nothing")
+    )
+
+
+def nothing_to_move_message(function: str, count: int) -> str:
+    """The `OffloadWarning` for `to_host`/`to_device` of a tree of leaves none of which is
+    an array (`[1, 2, 3]`, `3.0`): it is returned as it is."""
+    return (
+        f"Make arrays first, e.g. `{function}(jnp.asarray(x))` or `jax.device_put(x)`.\n"
+        f"{function}: none of the tree's {count} leaves is an array, so nothing moved "
+        "(non-array leaves are returned as they are).\n" + see("nothing-to-move")
+    )
+
+
+def _name(obj: object) -> str:
+    return str(getattr(obj, "__name__", None) or type(obj).__name__)

@@ -2,6 +2,7 @@
 array leaves; and the two transfers of `offloaded`'s state (`fetch_state`,
 `store_state`), which apply its `host_dtype`."""
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, TypeVar
 
@@ -11,21 +12,24 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import OptionError, TreeError
+from ._errors import nothing_to_move_message, OptionError, TreeError
 from ._leaves import is_traced, path_to_str
 from ._memory import check_host_kind, default_kind
 from ._options import Options
 from ._placement import destination, memory_kind_of, space_of, traced_move_error
 from ._types import HostMemoryKind, Where
-from ._where import leaf_mask
+from ._where import leaf_mask, warn_if_selects_nothing
 
 
 _T = TypeVar("_T")
 
 
-def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _T:
+def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
+         caller: Optional[str] = None) -> _T:
     """Move the array leaves of `tree` selected by `where` to `memory_kind` (`None`: the
-    device's default memory) with one `jax.device_put`; return everything else as is."""
+    device's default memory) with one `jax.device_put`; return everything else as is.
+    `caller`: the public function a user called (`"to_host"`), which warns where there
+    is nothing to move or `where` selects nothing."""
     if isinstance(tree, Iterator):
         raise TreeError(
             f"tree=<{type(tree).__name__}>: an iterator is not a pytree; JAX "
@@ -37,9 +41,10 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
     indices: list[int] = []
     paths: list[Any] = []
     destinations: list[Any] = []
-    for i, ((path, leaf), selected) in enumerate(
-        zip(keyed_leaves, leaf_mask(tree, where), strict=True)
-    ):
+    mask = leaf_mask(tree, where)
+    if caller is not None:
+        _warn_if_nothing_moves(tree, leaves, where, mask, caller)
+    for i, ((path, leaf), selected) in enumerate(zip(keyed_leaves, mask, strict=True)):
         target = destination(leaf, memory_kind, argument, path_to_str(path)) if selected else None
         if target is not None:
             indices.append(i)
@@ -56,6 +61,22 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str) -> _
             leaves[i] = leaf
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
+
+
+def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],
+                           caller: str) -> None:
+    """`OffloadWarning`s for a call that is valid but moves nothing it was surely meant
+    to: leaves none of which is an array (`to_host([1, 2, 3])`, whose leaves JAX would
+    make arrays of), or a `where` that selects none of the arrays. Converting instead
+    would break the promise that non-array leaves come back as they are (the Python
+    floats and functions of an `eqx.Module`)."""
+    if leaves and not any(map(eqx.is_array, leaves)):
+        from ._state import OffloadWarning  # (`_state` imports this module)
+
+        warnings.warn(nothing_to_move_message(caller, len(leaves)), OffloadWarning,
+                      stacklevel=4)
+        return
+    warn_if_selects_nothing(tree, where, mask, "where", stacklevel=5)
 
 
 def to_host(
@@ -85,7 +106,9 @@ def to_host(
 
     `MemoryKindError` if the device lacks `memory_kind`; `WhereError` for a bad `where`;
     `TracedMoveError` for `"unpinned_host"` under `jit`; `TreeError` for an iterator
-    (such as a generator) in place of a pytree.
+    (such as a generator) in place of a pytree. An `OffloadWarning` where nothing
+    moves that surely was meant to: no leaf is an array (`to_host([1, 2, 3])`: make
+    arrays first with `jnp.asarray`), or `where` selects none of the arrays.
 
     !!! Example
 
@@ -101,13 +124,14 @@ def to_host(
         ```
     """
     check_host_kind(memory_kind, "memory_kind")
-    return move(tree, where, memory_kind, "memory_kind")
+    return move(tree, where, memory_kind, "memory_kind", "to_host")
 
 
 def to_device(tree: _T, where: Where = True) -> _T:
     """Moves the selected array leaves of a pytree to the device's default memory.
 
-    The inverse of `to_host`: `to_device(to_host(tree))` equals `tree` leaf by leaf.
+    The inverse of `to_host`: `to_device(to_host(tree))` equals `tree` leaf by leaf. It
+    warns as `to_host` does where nothing moves that surely was meant to.
 
     **Arguments:**
 
@@ -118,7 +142,7 @@ def to_device(tree: _T, where: Where = True) -> _T:
 
     A pytree of the same structure.
     """
-    return move(tree, where, None, "to_device")
+    return move(tree, where, None, "to_device", "to_device")
 
 
 def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:

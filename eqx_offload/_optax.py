@@ -36,7 +36,7 @@ import optax
 
 from ._checkpoint import check_init_fits_host_pool
 from ._deviceless import target_platform
-from ._errors import CompositionError, StateError
+from ._errors import CompositionError, device_state_error, foreign_donation_error, StateError
 from ._inner import as_transformation
 from ._host_compute import host_update
 from ._jit import filter_jit, foreign_donation, note_streamed
@@ -48,7 +48,7 @@ from ._state import (abstract_signature, check_state, eval_shape, first_line,
                      first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
-from ._where import leaf_mask, min_ndim, select
+from ._where import leaf_mask, min_ndim, select, warn_if_selects_nothing
 
 
 DEFAULT_WHERE = min_ndim(1)
@@ -68,19 +68,7 @@ def _check_no_foreign_donation(inner_state: Any) -> None:
     name = foreign_donation()
     if name is None:
         return
-    raise CompositionError(
-        f"offloaded(...).update is traced for a jit that donates ({name}): "
-        "`nnx.jit(..., donate_argnums=...)`, `eqx.filter_jit(donate=...)` and "
-        "`jax.jit(..., donate_argnums=...)` hand JAX no output shardings with memory "
-        "kinds, so JAX pairs each donated input with the first output of the same shape "
-        "and dtype, whatever its memory; where it pairs this host-memory state with a "
-        "device output (or a device input with this state), XLA aborts the process "
-        "(\"PjRtBuffer's memory kind does not match sharding's memory kind\"). Nothing "
-        "has run and nothing was donated. Donate with `eqx_offload.filter_jit(step, "
-        "donate=\"all\")` (Flax NNX: the functional API, `nnx.split` / `nnx.merge` in a "
-        "step under `eqx_offload.filter_jit`; see the Flax NNX docs page), or drop the "
-        "donation."
-    )
+    raise foreign_donation_error(name)
 
 
 def update_on_device(
@@ -301,6 +289,8 @@ class _Offloaded:
             state = self.jitted_init(params)
         if self.options.memory_kind != "pinned_host":
             state = self._store(state, leaf_mask(state, self.options.where))
+        warn_if_selects_nothing(state, self.options.where, leaf_mask(state, self.options.where),
+                                "offloaded(...).init: where", stacklevel=4)
         return OffloadedState(state)
 
     def _abstract_state(self, updates: Any, params: Any) -> Any:
@@ -390,7 +380,7 @@ class _Offloaded:
         if _named_axes():
             on_device = first_on_device(inner_state, mask)
             if on_device is not None:
-                raise _device_state_error(on_device)
+                raise device_state_error(on_device)
         if not self.warned:
             self.warned = warn_if_on_device(inner_state, mask, self.options.memory_kind)
         init_dtypes = self._init_dtypes(inner_state, updates, params)
@@ -418,19 +408,6 @@ def _named_axes() -> tuple[Any, ...]:
     """The named axes of the trace in progress (`pmap`, `shard_map`, `vmap(axis_name=...)`)."""
     names = getattr(jex, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())()
     return tuple(names)
-
-
-def _device_state_error(path: str) -> CompositionError:
-    return CompositionError(
-        f"offloaded(...).update: state leaf inner_state/{path} arrived in device memory "
-        "inside a transformation with named axes (`pmap`, e.g. `eqx.filter_pmap`, "
-        "`shard_map` or `vmap(axis_name=...)`). pmap places every argument in device "
-        "memory, so a state kept in host memory cannot pass through it. Use "
-        "`eqx_offload.filter_jit` with sharded arguments instead (`eqx.filter_shard` "
-        "inside the step, `eqx_offload.filter_shard` outside it; see the \"Multi-device\" "
-        "docs page), as JAX recommends over pmap; `jax.shard_map` inside "
-        "`eqx_offload.filter_jit` works when the state comes in in host memory."
-    )
 
 
 def _pinned(options: Options) -> Options:

@@ -34,8 +34,9 @@ class MemoryReport:
     - `leaves`: one `LeafMemory` per array leaf, in tree order.
 
     `device_bytes` sums the device kinds and `host_bytes` the JAX host kinds
-    (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, and traced
-    PRNG keys (whose memory JAX's type does not tell) under `"unknown"`, in neither.
+    (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, traced
+    PRNG keys (whose memory JAX's type does not tell) under `"unknown"`, and
+    `jax.ShapeDtypeStruct`s without a sharding under `"unplaced"`, in neither.
     Sizes are global (a sharded array counts once, at its full size). `str(report)` is
     a plain-text table; with `rich` installed, `rich.print(report)` draws one.
 
@@ -125,14 +126,25 @@ def format_bytes(n: Union[int, float]) -> str:
     raise AssertionError("unreachable")
 
 
-_UNPLACED = ("numpy", "unknown")
+_UNPLACED = ("numpy", "unknown", "unplaced")
 
 
 def _kind_of(leaf: Any) -> str:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        # An abstract leaf (`eqx.filter_eval_shape`, `abstract_init`): the memory kind
+        # its sharding names, or "unplaced" where it has no sharding.
+        sharding = leaf.sharding
+        if sharding is None:
+            return "unplaced"
+        return str(getattr(sharding, "memory_kind", None) or "device")
     kind = memory_kind_of(leaf)
     if kind is not None:
         return kind
     return "unknown" if isinstance(leaf, jax.Array) else "numpy"
+
+
+def _counted(leaf: Any) -> bool:
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
 
 
 def memory_report(tree: Any) -> MemoryReport:
@@ -141,7 +153,9 @@ def memory_report(tree: Any) -> MemoryReport:
     **Arguments:**
 
     - `tree`: any pytree; its array leaves are counted (NumPy arrays under the kind
-        `"numpy"`), everything else is ignored.
+        `"numpy"`), and so are the `jax.ShapeDtypeStruct`s of an abstract tree (such as
+        `eqx.filter_eval_shape` makes) under their sharding's memory kind, or
+        `"unplaced"` without a sharding; everything else is ignored.
 
     **Returns:**
 
@@ -163,7 +177,7 @@ def memory_report(tree: Any) -> MemoryReport:
     by_kind: dict[str, int] = {}
     concrete = [x for x in jtu.tree_leaves(tree) if isinstance(x, jax.Array) and not is_traced(x)]
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        if not eqx.is_array(leaf):  # tracers are `jax.Array`s too
+        if not _counted(leaf):  # (tracers are `jax.Array`s too)
             continue
         kind = _kind_of(leaf)
         size = nbytes(leaf)

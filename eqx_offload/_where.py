@@ -2,15 +2,19 @@
 
 import dataclasses
 import functools
+import inspect
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, cast, Optional
 
 import equinox as eqx
 import jax.tree_util as jtu
+import numpy as np
 
-from ._errors import WhereError
-from ._leaves import KeyPath, nbytes, path_to_str, shown
+from ._errors import (selects_nothing_message, where_dtype_error, where_result_error,
+                      where_signature_error, WhereError)
+from ._leaves import is_traced, KeyPath, nbytes, path_to_str, shown
 
 
 class Filter:
@@ -118,11 +122,44 @@ class _OnLeaf(Filter):
     fn: Callable[[Any], Any]
 
     def __call__(self, leaf: Any, path: str = "") -> bool:
-        return bool(self.fn(leaf))
+        return _flag(self.fn, self.fn(leaf), "where", path)
 
 
 def _as_filter(f: Callable[[Any], Any]) -> Filter:
-    return f if isinstance(f, Filter) else _OnLeaf(f)
+    if isinstance(f, Filter):
+        return f
+    _check_leaf_callable("where", f, "<root>")
+    return _OnLeaf(f)
+
+
+def _is_dtype(x: Any) -> bool:
+    """`jnp.float32`, `np.float32`, `np.dtype("float32")`: a dtype, not a filter."""
+    return isinstance(x, np.dtype) or (isinstance(x, type) and (
+        issubclass(x, np.generic) or isinstance(getattr(x, "dtype", None), np.dtype)))
+
+
+def _check_leaf_callable(argument: str, fn: Callable[..., Any], at: str) -> None:
+    """A `where` callable is called with one leaf: refuse a dtype or a callable of
+    another arity (`lambda path, leaf: ...`) with the fix, before it is called."""
+    if _is_dtype(fn):
+        raise where_dtype_error(argument, fn, at)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: call it and see
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise where_signature_error(argument, fn, at) from None
+
+
+def _flag(fn: Callable[..., Any], result: Any, argument: str, path: str) -> bool:
+    """A `where` callable's answer for one leaf: anything with a truth value (a bool, a
+    NumPy or concrete JAX boolean), not a traced value (no truth value under `jit`) or
+    an array of several elements (none either)."""
+    if is_traced(result) or (eqx.is_array(result) and result.size != 1):
+        raise where_result_error(argument, fn, result, shown(path))
+    return bool(result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +294,11 @@ def _select_by_path(path_filter: "Filter", prefix: KeyPath, path: KeyPath, x: An
     return eqx.is_array(x) and bool(path_filter(x, path_to_str(prefix + path)))
 
 
-def _select_by_leaf(leaf_filter: Callable[[Any], Any], x: Any) -> bool:
-    return eqx.is_array(x) and bool(leaf_filter(x))
+def _select_by_leaf(argument: str, leaf_filter: Callable[[Any], Any], prefix: KeyPath,
+                    path: KeyPath, x: Any) -> bool:
+    if not eqx.is_array(x):
+        return False
+    return _flag(leaf_filter, leaf_filter(x), argument, path_to_str(prefix + path))
 
 
 def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any:
@@ -269,7 +309,11 @@ def _expand_spec(argument: str, prefix: KeyPath, spec: Any, subtree: Any) -> Any
     if isinstance(spec, Filter):
         return jtu.tree_map_with_path(functools.partial(_select_by_path, spec, prefix), subtree)
     if callable(spec) and not isinstance(spec, eqx.Module):
-        return jtu.tree_map(functools.partial(_select_by_leaf, spec), subtree)
+        _check_leaf_callable(argument, spec, shown(path_to_str(prefix)))
+        return jtu.tree_map_with_path(
+            functools.partial(_select_by_leaf, argument, spec, prefix), subtree)
+    if _is_dtype(spec):
+        raise where_dtype_error(argument, spec, shown(path_to_str(prefix)))
     raise WhereError(
         f"{argument} has {spec!r} at path {shown(path_to_str(prefix))}, which is "
         "not a filter. A `where` is a bool, a callable on a leaf (such as "
@@ -304,3 +348,23 @@ def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
             "tree)`), or use a callable such as `eqx_offload.pattern(...)`."
         ) from e
     return jtu.tree_leaves(mask_tree)
+
+
+def warn_if_selects_nothing(tree: Any, where: Any, mask: list[bool], argument: str,
+                            stacklevel: int = 3) -> None:
+    """An `OffloadWarning` where a `where` with a `pattern` selects no array leaf of a
+    tree that has arrays of one or more dimensions: valid, but almost never meant (most
+    often `pattern("mu")`, a name, where `pattern` matches whole paths). Not for the
+    other filters: a size or dtype filter that selects nothing in a small tree is
+    meant, as is a prefix of bools; nor for a tree of scalars only."""
+    if any(mask) or isinstance(where, Selection):
+        return
+    if not any(isinstance(x, pattern) for x in jtu.tree_leaves(where, is_leaf=_is_spec_leaf)):
+        return
+    paths = [path_to_str(path) for path, x in jtu.tree_flatten_with_path(tree)[0]
+             if eqx.is_array(x) and x.ndim >= 1]
+    if paths:
+        from ._state import OffloadWarning  # (`_state` imports this module)
+
+        warnings.warn(selects_nothing_message(argument, where, paths), OffloadWarning,
+                      stacklevel=stacklevel)

@@ -118,7 +118,21 @@ def test_help_lists_the_commands(capsys):
     assert proc.returncode == 0, proc.stderr
     for command in COMMANDS:
         assert command.name in proc.stdout
-    assert [c.name for c in COMMANDS][:2] == ["demo", "bench"]
+    assert [c.name for c in COMMANDS] == ["demo", "bench", "plan", "typings"]
+    # One default platform for every command that has the option.
+    assert {c.platform for c in COMMANDS} == {"cpu", None}
+    assert [c.name for c in COMMANDS if c.platform is None] == ["typings"]
+
+
+def test_typings_through_the_command_list(capsys):
+    # `typings` as `--help` lists it (through `eqx_offload.cli.main`) prints what
+    # `python -m eqx_offload typings` prints.
+    from eqx_offload.cli import main
+
+    assert main(["typings", "--mypy"]) == 0
+    via_cli = capsys.readouterr().out
+    proc = _run(capsys, "typings", "--mypy")
+    assert proc.returncode == 0 and proc.stdout == via_cli and via_cli.strip()
 
 
 # --------------------------------------------------------------------------- demo
@@ -128,8 +142,17 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path, capsys):
     proc = _run(capsys, "demo", *_SMALL_DEMO, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss trajectories (12 steps): bitwise equal" in proc.stdout
+    # What it shows on the CPU: placement and equality, no saving (one RAM), no peak
+    # memory (the backend reports none), and why 4 bytes stay on the device.
+    assert "placement: every opt-state array" in proc.stdout
+    assert "device and host memory are the same RAM: nothing is saved here" in proc.stdout
+    assert "peak device memory: not reported on the CPU" in proc.stdout
+    assert "left on the device: 4 B, inner_state/0/count int32[]" in proc.stdout
+    assert "saved between steps" not in proc.stdout
     result = json.loads(out.read_text())
     assert result["losses_bitwise_equal"] and result["final_params_bitwise_equal"]
+    assert result["opt_state_placement_ok"] and result["backend"] == "cpu"
+    assert result["offloaded"]["peak_device_bytes"] is None
     plain, off = result["plain"], result["offloaded"]
     assert plain["losses"] == off["losses"] and len(off["losses"]) == 12
     # Loss goes down, i.e. the demo trains.
@@ -224,7 +247,7 @@ def test_floor_arithmetic():
 
 def test_bench_quick(tmp_path, capsys):
     # Every default mode and the loss curves, through the command line, on the MLP (the
-    # transformer: below; `--quick` alone runs both).
+    # transformer: below; `--quick` alone runs the MLP with Adam).
     out = tmp_path / "bench"
     proc = _run(capsys, "bench", "--quick", "--no-progress", "--platform", "cpu", "--out", str(out),
                 "--workloads", "mlp", "--optimizers", "adam", "--loss-curves", "streamed")
@@ -243,7 +266,7 @@ def test_bench_quick(tmp_path, capsys):
             assert p["opt_state_device_bytes"] == 0 and p["opt_state_host_bytes"] > 0
         elif p["mode"] != "baseline":
             assert p["opt_state_nonscalar_device_bytes"] == 0 and p["opt_state_host_bytes"] > 0
-    assert [m["mib"] for m in result["movers"]] == [1, 16]
+    assert [m["mib"] for m in result["movers"]] == [1]
     assert all(m["to_host_gbps"] > 0 and m["numpy_copy_gbps"] > 0 for m in result["movers"])
     [curve] = result["loss_curves"]
     assert (curve["workload"], curve["mode"], curve["steps"]) == ("mlp", "streamed", 8)
@@ -253,8 +276,11 @@ def test_bench_quick(tmp_path, capsys):
     assert all(s in ("pass", "FAIL", "n/a") for s in statuses.values())
     assert statuses["exactly one compilation per configuration (eqx_offload)"] == "pass"
     md = (out / "bench.md").read_text()
-    assert "| target | result | numbers |" in md and "floor: full duplex ms" in md
+    assert "| target | result | numbers |" in md and "estimate: full duplex ms" in md
     assert "Loss curves against the baseline" in md
+    # The console tables fit 100 columns.
+    assert max(map(len, proc.stdout.splitlines())) <= 100, proc.stdout
+    assert "× est." in proc.stdout and "× floor" not in proc.stdout
 
 
 def _check_point(p):
@@ -358,8 +384,9 @@ def test_offload_modes_keep_the_state_in_host_memory(name):
 
 
 def test_time_limit_skips_points_but_writes_the_results():
-    config = bench.BenchConfig.quick().replace(time_limit=0.0, mover_mib=(),
-                                               loss_curves=("streamed",))
+    config = bench.BenchConfig.quick().replace(
+        time_limit=0.0, mover_mib=(), loss_curves=("streamed",),
+        workloads=("mlp", "transformer"), optimizers=("adam", "adafactor"))
     result = bench.run_bench(config, progress=False)
     assert result["points"] == [] and result["loss_curves"] == []
     # 1 MLP size x (adam, adafactor), the LM x adam, then the loss curves of both
@@ -371,6 +398,7 @@ def test_time_limit_skips_points_but_writes_the_results():
 
 def test_lm_optimizers_and_workload_order():
     config = bench.BenchConfig.quick().replace(workloads=("transformer", "mlp"),
+                                               optimizers=("adam", "adafactor"),
                                                lm_optimizers=("adam",))
     names = [w.name for w in config.workload_list()]
     assert names == ["transformer", "mlp"]
@@ -390,7 +418,8 @@ def test_bench_command_line_overrides():
     assert config.sizes == (1e5,) and config.lm.width == 64 and config.lm.vocab == 64
     assert config.lm_optimizers == ("adam",) and config.mover_mib == ()
     assert config.time_limit == 5.0 and config.modes == ("baseline", "host_bf16")
-    assert config.is_quick and config.optimizers == ("adam", "adafactor")
+    assert config.is_quick and config.optimizers == ("adam",)
+    assert config.workloads == ("mlp",)
 
 
 # --------------------------------------------------------------------------- the GPU scripts

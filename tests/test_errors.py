@@ -8,6 +8,7 @@ rejected by beartype before the library's own check runs. Users without the hook
 the library's checks; `unchecked(f)` calls `f` without the hook's wrapper to test those.
 """
 
+import pathlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -379,3 +380,112 @@ def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
         assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
     assert state.inner_state.inner_state[0].mu["a"].dtype == jnp.float32
     assert state.inner_state.inner_state[0].mu["a"].sharding.memory_kind == "pinned_host"
+
+
+# --- the mistakes a newcomer makes ---------------------------------------------------------
+
+
+def _offloaded_step(jit: Callable[..., Any]) -> Callable[[], Any]:
+    """A training step of an offloaded Adam jitted by `jit`, lowered (traced, never run:
+    were the donation check to miss, nothing would run to abort the process)."""
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    p = params()
+    state = opt.init(p)
+
+    def step(p: Any, state: Any) -> Any:
+        updates, state = opt.update(p, state, p)
+        return optax.apply_updates(p, updates), state
+
+    return lambda: jit(step).lower(p, state)
+
+
+def _init_with(where: Any) -> Callable[[], Any]:
+    return lambda: eqx_offload.offloaded(optax.adam(1e-3), where=where).init(params())
+
+
+_MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
+    # A plain donating jit around an offloaded step (XLA would abort the process).
+    "eqx.filter_jit(donate='all')": (
+        _offloaded_step(lambda f: eqx.filter_jit(f, donate="all")),
+        eqx_offload.CompositionError, "eqx_offload.filter_jit(step"),
+    # A name where `pattern` matches whole paths: selects nothing.
+    "offloaded(where=pattern('mu'))": (
+        _init_with(eqx_offload.pattern("mu")), eqx_offload.OffloadWarning, 'pattern(".*mu.*")'),
+    "to_host(where=pattern('w'))": (
+        lambda: eqx_offload.to_host([params()], where=eqx_offload.pattern("w")),
+        eqx_offload.OffloadWarning, 'pattern(".*w.*")'),
+    # A callable of (path, leaf).
+    "where=lambda path, leaf": (
+        _init_with(lambda path, leaf: True), eqx_offload.WhereError, "lambda x:"),
+    "to_host(where=lambda path, leaf)": (
+        lambda: eqx_offload.to_host(params(), where=lambda path, leaf: True),
+        eqx_offload.WhereError, "eqx_offload.pattern("),
+    # A dtype as a filter, eagerly and under jit.
+    "where=jnp.float32": (
+        _init_with(jnp.float32), eqx_offload.WhereError, "lambda x: x.dtype == jnp.float32"),
+    "where=jnp.float32 under jit": (
+        lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(p, where=jnp.float32))(
+            params()), eqx_offload.WhereError, "x.dtype == jnp.float32"),
+    # A callable that returns an array (a tracer under jit) instead of a bool.
+    "where returns an array": (
+        lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(
+            p, where=lambda x: x > 0))(params()), eqx_offload.WhereError, "Python bool"),
+    # Nothing to move.
+    "to_host([1, 2, 3])": (lambda: eqx_offload.to_host([1, 2, 3]),
+                           eqx_offload.OffloadWarning, "jnp.asarray"),
+    "to_host(3.0)": (lambda: eqx_offload.to_host(3.0), eqx_offload.OffloadWarning,
+                     "jnp.asarray"),
+    "to_device(3.0)": (lambda: eqx_offload.to_device(3.0), eqx_offload.OffloadWarning,
+                       "jax.device_put"),
+}
+
+
+def _check_message(text: str, fix: str) -> None:
+    """At most 4 lines and 80 words; the fix in the first line; a docs link last, to a
+    section that exists."""
+    lines = text.strip().splitlines()
+    assert len(lines) <= 4 and len(text.split()) <= 80, text
+    assert fix in lines[0], text
+    anchor = lines[-1].removeprefix(f"See {eqx_offload._errors.DOCS}#").removesuffix(".")
+    assert anchor != lines[-1], text
+    page = (pathlib.Path(__file__).parents[1] / eqx_offload._errors.DOCS).read_text()
+    assert "{#" + anchor + "}" in page, anchor
+
+
+@pytest.mark.parametrize("mistake", list(_MISTAKES))
+def test_newcomer_mistakes(mistake: str) -> None:
+    # Each mistake the issue lists gets its class (an `OffloadError`, or an
+    # `OffloadWarning` where the input is valid but surely not meant), never a bare
+    # `TypeError` or a tracer error from inside the package, in at most 4 lines:
+    # the fix first, then where, then the docs section. (`memory_report` of an
+    # abstract state counts it: tests/test_report.py.)
+    call, kind, fix = _MISTAKES[mistake]
+    if issubclass(kind, Warning):
+        with pytest.warns(kind) as record:
+            call()
+        [warning] = [w for w in record if issubclass(w.category, kind)]
+        _check_message(str(warning.message), fix)
+    else:
+        with pytest.raises(kind) as info:
+            call()
+        assert isinstance(info.value, eqx_offload.OffloadError)
+        _check_message(str(info.value), fix)
+
+
+def test_pmap_message() -> None:
+    # (Raised under `pmap`, which the multi-device tests run; its shape here.)
+    from eqx_offload._errors import device_state_error
+
+    _check_message(str(device_state_error("0/mu/w")), "eqx_offload.filter_jit")
+
+
+def test_defaults_that_select_nothing_do_not_warn() -> None:
+    # The default `where` on a state of scalars only, `where=False`, a size filter that
+    # selects nothing in a small tree, and an empty tree: meant, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqx_offload.offloaded(optax.scale_by_schedule(lambda n: 1.0)).init(params())
+        eqx_offload.to_host(params(), where=False)
+        eqx_offload.to_host(params(), where=eqx_offload.min_bytes(1 << 20))
+        eqx_offload.to_host({}, where=eqx_offload.pattern("mu"))
+        eqx_offload.to_host(None)

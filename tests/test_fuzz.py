@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, HealthCheck, Phase, settings
 
 import eqx_offload
@@ -45,6 +46,9 @@ settings.register_profile(
     "long", max_examples=400, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# Random patterns (among them "nothing") select no leaf on purpose: the warning a user
+# gets for that is tests/test_errors.py's.
+pytestmark = pytest.mark.filterwarnings("ignore:.*selects no array leaf:eqx_offload.OffloadWarning")
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 STEPS = 3
 

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,12 +78,26 @@ def test_sharded_counts_global_size() -> None:
     assert report.leaves[0].shape == (8, 4)
 
 
-def test_not_arrays_are_ignored() -> None:
-    """Things with a `shape` and a `dtype` that hold no memory are not counted."""
-    tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2)}
+def test_abstract_leaves_count_where_their_sharding_says() -> None:
+    """An abstract tree (`eqx.filter_eval_shape`) reports what it would hold: each
+    `ShapeDtypeStruct` under its sharding's memory kind, or "unplaced" without one
+    (in neither `device_bytes` nor `host_bytes`); other leaves are ignored."""
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2),
+            "host": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=host),
+            "on_device": jax.ShapeDtypeStruct((2,), jnp.int32,
+                                              sharding=jax.sharding.SingleDeviceSharding(device)),
+            "text": "not an array"}
     report = memory_report(tree)
-    assert [leaf.path for leaf in report.leaves] == ["x"]
-    assert report.total_bytes == 8
+    assert [leaf.path for leaf in report.leaves] == ["abstract", "host", "on_device", "x"]
+    assert report.by_kind == {"unplaced": 4096, "pinned_host": 16, "device": 16}
+    assert (report.device_bytes, report.host_bytes, report.total_bytes) == (16, 16, 4128)
+    # What `filter_eval_shape` gives for an offloaded state is counted, not 0 B.
+    params = {"w": jnp.ones((8, 4))}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    abstract = eqx.filter_eval_shape(opt.init, params)
+    assert memory_report(abstract).total_bytes == memory_report(opt.init(params)).total_bytes
 
 
 def test_typed_prng_keys() -> None:

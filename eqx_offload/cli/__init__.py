@@ -3,6 +3,7 @@
     python -m eqx_offload demo    train a model with and without offload, compare bit for bit
     python -m eqx_offload bench   measure step time, memory and transfers side by side
     python -m eqx_offload plan    XLA's GPU plan of a step, compiled without a GPU
+    python -m eqx_offload typings the stub folder for pytype (--mypy: for mypy)
 
 (also installed as the `eqx-offload` console script). The demo and the benchmark need
 the `cli` extra (`pip install "eqx_offload[cli]"`: rich, tqdm, matplotlib); they use only
@@ -14,6 +15,9 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Optional
+
+
+from eqx_offload.__main__ import _TYPINGS_DESCRIPTION
 
 
 _PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu", "default")
@@ -33,7 +37,10 @@ class Command:
     - `needs`: the packages the command imports that the library does not depend on
         (checked before it runs, with a one-line message naming the extra).
     - `platform`: the default of its `--platform` option (which must take effect
-        before JAX starts a backend), or `None` for a command without one.
+        before JAX starts a backend), or `None` for a command without one. Every
+        command that has one runs on the CPU by default (`--platform gpu` or `default`
+        for an accelerator): the same command gives the same kind of result on every
+        machine, and `plan` compiles for a GPU without one.
     """
 
     name: str
@@ -52,24 +59,27 @@ COMMANDS: list[Command] = [
         description="Trains a small Equinox MLP on synthetic data twice: plain "
                     "optax.<optimizer> under eqx.filter_jit(donate='all'), and "
                     "offloaded(optax.<optimizer>) under eqx_offload.filter_jit(donate='all'). "
-                    "Prints where the bytes live between steps, the median step time and "
-                    "the final loss side by side. Exits 1 if the loss trajectories or the "
-                    "final parameters are not bitwise equal.",
+                    "Prints where the bytes live between steps, the median step time, the "
+                    "peak device memory (where the backend reports it) and the final loss "
+                    "side by side, and what the run shows on its backend (on the CPU, where "
+                    "device and host are the same RAM: placement and bitwise equality, no "
+                    "saving). Exits 1 if the loss trajectories or the final parameters are "
+                    "not bitwise equal, or a state array is not in host memory.",
         module=".demo", needs=("rich", "tqdm"), platform="cpu"),
     Command(
         "bench",
-        help="benchmark baseline vs the manual pattern vs eqx_offload against the transfer "
-             "floor; write JSON, Markdown and plots",
+        help="benchmark baseline vs the manual pattern vs eqx_offload, with the bare "
+             "copies of the state; write JSON, Markdown and plots",
         description="Measures, on the same model and data and interleaved: no offload "
                     "(baseline), the manual pattern of JAX's host-offloading tutorial, and "
                     "eqx_offload and its modes; on an MLP over a sweep of sizes and on a "
                     "small transformer LM, for Adam and Adafactor; and in the same rotation "
-                    "one bare copy of the optimizer state each way (the transfer floor). "
+                    "one bare copy of the optimizer state each way (the copy estimate). "
                     "Also measures the eager movers against a NumPy copy, and optionally "
                     "loss curves of a mode against the baseline. Writes bench.json, "
                     "bench.md and PNG plots to --out, and states pass/fail per target. "
-                    "Runs on whatever backend JAX picks (use --platform cpu to force CPU).",
-        module=".bench", needs=("rich", "tqdm", "matplotlib"), platform="default"),
+                    "Runs on the CPU unless --platform says otherwise.",
+        module=".bench", needs=("rich", "tqdm", "matplotlib"), platform="cpu"),
     Command(
         "plan",
         help="XLA's plan of a step for an H100/H200, compiled without a GPU: device peak, "
@@ -81,8 +91,11 @@ COMMANDS: list[Command] = [
                     "copies between host and device XLA schedules under compute. XLA's plan, "
                     "not a measurement. Needs the `plan` extra.",
         module=".plan", platform="cpu"),
-    # Further commands are one more `Command(...)` entry here. (`typings`, which reports
-    # where the package keeps its own stubs, is handled by `eqx_offload.__main__`.)
+    Command(
+        "typings",
+        help="print the stub folder for pytype's --pythonpath (--mypy: for mypy's mypy_path)",
+        description=_TYPINGS_DESCRIPTION, module=".typings"),
+    # Further commands are one more `Command(...)` entry here.
 ]
 """The subcommands, in the order `--help` lists them."""
 
@@ -119,7 +132,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Nam
         if command.platform is not None:
             parser_.add_argument(
                 "--platform", choices=_PLATFORMS, default=command.platform,
-                help=f"JAX platform (default {command.platform}; 'default' lets JAX choose)")
+                help=f"JAX platform (default {command.platform}; gpu for a GPU, 'default' "
+                     "lets JAX choose)")
         runners[command.name] = module.run
     return parser, runners
 

@@ -47,10 +47,14 @@ class BenchConfig:
 
     @staticmethod
     def quick() -> "BenchConfig":
+        """A smoke test: one small MLP with Adam in every default mode, three timed
+        steps, one mover size. The transformer (`--workloads transformer`, whose five
+        compilations cost most of a quick run) and Adafactor are there for the asking."""
         return BenchConfig(sizes=(2e4,), lm=LMShape(vocab=64, width=32, layers=1, heads=2,
                                                     seq=16, batch=4),
-                           lm_optimizers=("adam",), repeats=3, warmup=1, batch=8,
-                           mover_mib=(1, 16), mover_repeats=3, loss_steps=8, is_quick=True)
+                           workloads=("mlp",), optimizers=("adam",), lm_optimizers=("adam",),
+                           repeats=3, warmup=1, batch=8, mover_mib=(1,), mover_repeats=3,
+                           loss_steps=8, is_quick=True)
 
     def replace(self, **changes: Any) -> "BenchConfig":
         return dataclasses.replace(self, **changes)

@@ -1,5 +1,5 @@
 """The benchmark's plots (PNG, matplotlib): step time against the baseline and against
-the transfer floor, device bytes between steps, the eager movers, and loss curves."""
+the copy estimate, device bytes between steps, the eager movers, and loss curves."""
 
 import os
 from typing import Any
@@ -33,7 +33,7 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
                     line_label="1.05× target (CPU)"),
         _ratio_plot(points, "ratio_to_floor",
                     "step time / max(baseline, one-way copy) (median, IQR)",
-                    "Step time relative to the full-duplex transfer floor\n" + subtitle,
+                    "Step time relative to the copy estimate\n" + subtitle,
                     os.path.join(out, "floor_ratio.png"), line=1.2,
                     line_label="1.2× target (streamed, 100M)"),
         _bytes_plot(points, subtitle, os.path.join(out, "device_bytes.png")),

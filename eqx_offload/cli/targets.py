@@ -1,6 +1,6 @@
 """The benchmark's targets: pass, FAIL or n/a per target, with the numbers behind each
 verdict. The step-time targets of the CPU run hold for the CPU backend; those against
-the transfer floor (issue 12) for an accelerator, where the copies cross a link."""
+the copy estimate (issue 12) for an accelerator, where the copies cross a link."""
 
 from collections.abc import Callable
 from typing import Any, Optional
@@ -83,7 +83,7 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
         "; ".join(f"{p['mode']} ({_name(p)}): {p['error']}" for p in failed))
     _movers_target(movers, add)
 
-    # --- against the transfer floor (issue 12), for an accelerator
+    # --- against the copy estimate (issue 12), for an accelerator
     gpu = None if on_cpu else True
     lm = [p for p in points if p["workload"] == "transformer" and p["mode"] == "baseline"]
     add("transformer sizing: baseline step >= 2x the state's one-way copy"
@@ -99,7 +99,7 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
     if streamed:
         largest = max(streamed, key=lambda p: p["params"])
         r = largest["ratio_to_floor"]
-        add("streamed, Adam, largest MLP: step <= 1.2x the full-duplex floor",
+        add("streamed, Adam, largest MLP: step <= 1.2x the copy estimate",
             gpu and _within(r, 1.2) if largest["params"] >= 90e6 else None,
             f"{_name(largest)}: {r['median']:.3f}x [{r['p25']:.3f}, {r['p75']:.3f}] of "
             f"max(baseline, one-way copy) = "
