@@ -5,7 +5,7 @@ JAX version changed what, so it can go once the oldest supported JAX has the cha
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.extend.core as _jex
 from jax.experimental import compute_on as _compute_on
@@ -32,3 +32,28 @@ def same_trace(a: Any, b: Any) -> bool:
     they are."""
     trace = getattr(a, "_trace", None)
     return trace is not None and trace is getattr(b, "_trace", None)
+
+
+class MultiStepsParts(NamedTuple):
+    """What `optax.MultiSteps(...)` was built from, as its `update` uses it."""
+
+    opt: Any  # the wrapped optimizer, a `GradientTransformationExtraArgs`
+    every_k_schedule: Callable[[Any], Any]  # gradient step -> mini-steps per step
+    acc_update: Callable[..., Any]  # (grad, acc, *, n_acc) -> acc (mean or sum)
+    should_skip_update_fn: Callable[..., Any]  # (updates, gradient_step, params) -> (skip, state)
+    accumulator_dtype: Any
+
+
+def multi_steps_parts(multi: Any) -> MultiStepsParts:
+    """The parts of an `optax.MultiSteps`, so that `offloaded(MultiSteps(...))` can run
+    MultiSteps' own arithmetic with the inner update inside the applying branch (optax's
+    `update` runs the inner update at every mini-step and selects its result). Optax
+    (0.2.8) keeps them in private attributes and has no public way to read them but
+    `inner_opt`; `tests/upstream/test_upstream_multisteps.py` is the canary."""
+    return MultiStepsParts(
+        opt=multi._opt,
+        every_k_schedule=multi._every_k_schedule,
+        acc_update=multi._acc_update,
+        should_skip_update_fn=multi._should_skip_update_fn,
+        accumulator_dtype=multi._accumulator_dtype,
+    )

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ._errors import PlanError
+from ._memory import host_pool_limit
 
 
 def _install_hint() -> str:
@@ -139,9 +140,12 @@ def _compile(module: Any, devices: list[Any], compiler_options: dict[str, Any]) 
 
 def host_pool_limit_bytes() -> int:
     """The cap on XLA's pinned host allocator on CUDA (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`,
-    64 GB when unset): `pinned_host` arrays beyond it fail to allocate."""
-    gigabytes = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
-    return int(gigabytes * (1 << 30))
+    64 GB when unset): `pinned_host` arrays beyond it fail to allocate. Read as XLA
+    reads it, by the one reader init's check and the restores use
+    (`_memory.host_pool_limit`)."""
+    limit = host_pool_limit("cuda")
+    assert limit is not None  # CUDA always has the pool
+    return limit
 
 
 _COMPILING_FOR: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, get_args
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import MemoryKindError
+from ._errors import MemoryKindError, OptionError
 from ._types import Device, HostMemoryKind, MemoryKind
 
 
@@ -117,12 +118,18 @@ def host_pool_limit(platform: str, environ: Optional[Mapping[str, str]] = None) 
     no such cap applies (the CPU backend, TPUs)."""
     if platform.lower() not in _POOLED_PLATFORMS:
         return None
-    value = (os.environ if environ is None else environ).get(HOST_LIMIT_VARIABLE, "")
-    try:
-        gigabytes = int(value.strip()) if value.strip() else DEFAULT_HOST_LIMIT_GB
-    except ValueError:
-        gigabytes = DEFAULT_HOST_LIMIT_GB
-    return gigabytes * (1 << 30)
+    value = (os.environ if environ is None else environ).get(HOST_LIMIT_VARIABLE)
+    return _xla_int64(value, DEFAULT_HOST_LIMIT_GB) * (1 << 30)
+
+
+def _xla_int64(value: Optional[str], default: int) -> int:
+    """`value` read as XLA reads an integer environment variable (`tsl::
+    ReadInt64FromEnvVar`, `safe_strto64`): an optional `-` and digits, spaces around
+    them; `default` when unset or anything else ("1.5", "+2", "1_0", "abc": XLA logs an
+    error and keeps its default)."""
+    if value is None or not re.fullmatch(r"\s*-?[0-9]+\s*", value):
+        return default
+    return int(value)
 
 
 def pooled_bytes(leaf: Any) -> int:
@@ -215,3 +222,55 @@ def check_tree_fits_host_pool(leaves: Iterable[Any], what: str) -> None:
     if host_pool_limit(platform) is None:
         return
     check_host_pool(sum(map(pooled_bytes, leaves)), platform, what)
+
+
+# ----------------------------------------------------------------------------------------
+# The device memory JAX's GPU client allocates
+
+MEM_FRACTION_VARIABLE = "XLA_CLIENT_MEM_FRACTION"
+"""The variable that sets the fraction of a GPU's memory JAX's client allocates (read by
+`jaxlib/xla_client.py`, JAX 0.10 to 0.12; `XLA_PYTHON_CLIENT_MEM_FRACTION` is its
+deprecated name, read when it is not set, and an error together with it). Unset, XLA's
+GPU client takes 0.75 (`GpuAllocatorConfig::memory_fraction`), with or without
+`XLA_PYTHON_CLIENT_PREALLOCATE` (which decides when the memory is taken, not how much);
+`XLA_PYTHON_CLIENT_ALLOCATOR=platform` allocates from the whole device on demand."""
+
+_DEPRECATED_MEM_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEM_FRACTION = 0.75
+
+
+def client_memory_fraction(environ: Optional[Mapping[str, str]] = None) -> tuple[float, str]:
+    """The fraction of each GPU's memory a JAX process started with `environ` (default:
+    this one's) can allocate, and what set it: a variable's name, or `"XLA's default"`.
+    A value JAX would refuse raises an `OptionError` naming the variable."""
+    env = os.environ if environ is None else environ
+    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0, "XLA_PYTHON_CLIENT_ALLOCATOR=platform"
+    for name in (MEM_FRACTION_VARIABLE, _DEPRECATED_MEM_FRACTION_VARIABLE):
+        value = env.get(name, "")
+        if value:
+            try:
+                fraction = float(value)
+            except ValueError:
+                fraction = -1.0
+            if not 0.0 < fraction <= 1.0:
+                raise OptionError(
+                    f"Set {name} to a fraction in (0, 1] (JAX's GPU client reads it); it "
+                    f"is {value!r}.")
+            return fraction, name
+    return DEFAULT_MEM_FRACTION, "XLA's default"
+
+
+def run_settings(device_peak: int, device_memory: int, fraction: float, host_bytes: int,
+                 host_limit: int) -> list[str]:
+    """The environment a run of a planned step needs beyond `fraction` and `host_limit`:
+    `XLA_CLIENT_MEM_FRACTION=...` where the device peak is above the fraction JAX
+    allocates but within the device, `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=...` where the
+    host bytes are above the pinned pool. Empty when none is needed (or none helps)."""
+    settings = []
+    if fraction * device_memory < device_peak <= device_memory:
+        needed = math.ceil(100 * device_peak / device_memory) / 100
+        settings.append(f"{MEM_FRACTION_VARIABLE}={min(needed, 1.0):.2f}")
+    if host_bytes > host_limit:
+        settings.append(f"{HOST_LIMIT_VARIABLE}={math.ceil(host_bytes / (1 << 30))}")
+    return settings

@@ -34,6 +34,7 @@ import jax.extend.core as jex
 import jax.tree_util as jtu
 import optax
 
+from ._accumulate import as_multi_steps, offloaded_multi_steps
 from ._checkpoint import check_init_fits_host_pool
 from ._deviceless import target_platform
 from ._errors import CompositionError, device_state_error, foreign_donation_error, StateError
@@ -230,6 +231,9 @@ def offloaded(
         updates, state = opt.update(params, state, params)
         ```
     """
+    if (multi := as_multi_steps(inner)) is not None and compute == "device" and group_bytes in ("auto", None):
+        return offloaded_multi_steps(multi, normalise(
+            where, memory_kind, group_bytes, lookahead, compute, host_dtype))
     transformation = as_transformation(inner)
     options = normalise(where, memory_kind, group_bytes, lookahead, compute, host_dtype)
     return _Offloaded(transformation, options).as_transformation()

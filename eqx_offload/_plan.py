@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from . import _deviceless
 from ._errors import OptionError, PlanError
+from ._memory import client_memory_fraction, run_settings
 
 
 MiB = 1 << 20
@@ -108,7 +109,10 @@ class PlannedCopy:
     `overlapped` (at least one kernel is scheduled between the copy's start and its
     completion), `kernels` (how many), `name` (the `copy-start` instruction), `count`
     (how many times the step runs it: the trip counts of the loops around it, e.g. a
-    layer's weight fetch in a scan over 32 layers runs 32 times)."""
+    layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
+    in a branch of a conditional, so it runs only when that branch is taken: the
+    applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
+    `GpuPlan.bytes_moved` count it as taken)."""
 
     direction: Direction
     nbytes: int
@@ -116,6 +120,7 @@ class PlannedCopy:
     kernels: int
     name: str
     count: int = 1
+    conditional: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +170,10 @@ class GpuPlan:
         copy's bytes.
     - `gpu`: the `GpuTarget` planned for (its rates give the floors).
     - `compiler_options`: the XLA options the step was compiled with.
+    - `memory_fraction`: the share of `device_memory_size` a JAX process can allocate
+        (`XLA_CLIENT_MEM_FRACTION`, default 0.75, read when the plan is made; 1.0 for a
+        `device_memory` given to `gpu_plan`, which is taken as what the step may use);
+        `memory_fraction_source`: what set it.
     """
 
     target: str
@@ -184,11 +193,27 @@ class GpuPlan:
     matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
     hbm_bytes: int = 0
     gpu: Optional[GpuTarget] = None
+    memory_fraction: float = 1.0
+    memory_fraction_source: str = "the given device_memory"
+
+    @property
+    def usable_device_bytes(self) -> int:
+        """The device memory a JAX process can allocate: `memory_fraction` of
+        `device_memory_size`."""
+        return int(self.device_memory_size * self.memory_fraction)
 
     @property
     def fits(self) -> bool:
-        """Whether the device peak fits in `device_memory_size`."""
-        return self.device_peak_bytes <= self.device_memory_size
+        """Whether the device peak fits in the memory JAX allocates
+        (`usable_device_bytes`), as the run is set up now."""
+        return self.device_peak_bytes <= self.usable_device_bytes
+
+    def run_settings(self) -> list[str]:
+        """The environment variables (`NAME=value`) a run of this step needs beyond the
+        current ones: a memory fraction where the peak is above the share JAX allocates
+        but within the device, a pinned host pool where the host bytes exceed it."""
+        return run_settings(self.device_peak_bytes, self.device_memory_size,
+                            self.memory_fraction, self.host_total_bytes, self.host_limit_bytes)
 
     @property
     def host_total_bytes(self) -> int:
@@ -271,7 +296,9 @@ class GpuPlan:
             f"XLA's plan for {self.target}{devices} (compiled without a GPU; a plan, "
             "not a measurement)",
             f"  device peak  {self.device_peak_bytes / MiB:10.1f} MiB of "
-            f"{self.device_memory_size / MiB:.1f} MiB: {verdict}",
+            f"{self.usable_device_bytes / MiB:.1f} MiB JAX allocates "
+            f"({self.memory_fraction:.0%} of {self.device_memory_size / MiB:.1f} MiB: "
+            f"{self.memory_fraction_source}): {verdict}",
             f"    arguments {self.argument_bytes / MiB:.1f} + temporaries "
             f"{self.temp_bytes / MiB:.1f} + outputs {self.output_bytes / MiB:.1f} "
             f"- aliased {self.alias_bytes / MiB:.1f} MiB",
@@ -293,6 +320,9 @@ class GpuPlan:
                 f"{self.compute_floor_seconds * 1e3:.2f} ms, transfer "
                 f"{self.transfer_floor_seconds * 1e3:.2f} ms, ratio {self.floor_ratio:.2f}")
         lines.append(f"  compiler options: {dict(self.compiler_options) or 'XLA defaults'}")
+        settings = self.run_settings()
+        if settings:
+            lines.append("  run with: " + " ".join(settings))
         return "\n".join(lines)
 
 
@@ -395,6 +425,8 @@ def gpu_plan(
     from ._jit import _flatten_call, _FilterJit, filter_jit
 
     resolved = resolve_target(target, device_memory)
+    fraction, source = (1.0, "the given device_memory") if device_memory is not None else (
+        client_memory_fraction())
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise OptionError(
             f"gpu_plan(compiler_options={compiler_options!r}): compiler_options must be a "
@@ -451,6 +483,8 @@ def gpu_plan(
         matmul_flops={kind: n / n_devices for kind, n in matmul_flops(lowered._jaxpr).items()},
         hbm_bytes=int(hbm),
         gpu=resolved,
+        memory_fraction=fraction,
+        memory_fraction_source=source,
     )
 
 
@@ -633,7 +667,7 @@ def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)")
 _WHILE_BODY = re.compile(r"\bbody=%(?P<body>[^\s,]+)")
 _CALLED = re.compile(r"\b(?:condition|calls|to_apply|body|branch_computations|"
-                     r"async_execution_thread)=\{?(?P<names>%[^\s,}]+(?:,\s*%[^\s,}]+)*)")
+                     r"true_computation|false_computation|async_execution_thread)=\{?(?P<names>%[^\s,}]+(?:,\s*%[^\s,}]+)*)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>[0-9]+)"')
 
 
@@ -649,6 +683,37 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
         if current is not None:
             current.append(line)
     return found
+
+
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _calls(hlo_text: str) -> dict[str, list[tuple[str, bool]]]:
+    """Per computation of an HLO module's text: the computations it calls, each with
+    whether it is a branch of a conditional."""
+    found: dict[str, list[tuple[str, bool]]] = {}
+    for name, lines in _computations(hlo_text).items():
+        for line in lines:
+            for match in _CALLED.finditer(line):
+                branch = match.group(0).startswith(_BRANCHES)
+                found.setdefault(name, []).extend(
+                    (callee.strip().lstrip("%"), branch)
+                    for callee in match.group("names").split(","))
+    return found
+
+
+def conditional_computations(hlo_text: str) -> frozenset[str]:
+    """The computations of an HLO module that run only when a conditional takes a
+    branch: its branches and everything they call."""
+    calls = _calls(hlo_text)
+    found: set[str] = set()
+    pending = [callee for callees in calls.values() for callee, branch in callees if branch]
+    while pending:
+        name = pending.pop()
+        if name not in found:
+            found.add(name)
+            pending.extend(callee for callee, _ in calls.get(name, []))
+    return frozenset(found)
 
 
 def run_counts(hlo_text: str) -> dict[str, int]:
@@ -716,6 +781,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
     `dynamic-slice` or `dynamic-update-slice`), with whether a kernel runs between them
     (per computation, in its schedule order) and how many times the step runs it."""
     counts = run_counts(hlo_text)
+    conditional = conditional_computations(hlo_text)
+    in_branch = False
     copies: list[PlannedCopy] = []
     open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
     kernels = 0
@@ -726,6 +793,7 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             kernels = 0
             computation = _COMPUTATION.match(line)
             runs = counts.get(computation.group("name"), 1) if computation else 1
+            in_branch = computation is not None and computation.group("name") in conditional
             continue
         match = _INSTRUCTION.match(line)
         if match is None:
@@ -751,7 +819,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             direction, nbytes, before = started
             between = kernels - before
             name = _OPERAND.findall(rest[op.end():])[0]
-            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name, runs))
+            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name, runs,
+                                      in_branch))
         elif opcode not in _NOT_COMPUTE:
             kernels += 1
     return tuple(copies)

@@ -12,6 +12,7 @@ from jaxtyping import TypeCheckError
 
 import eqx_offload
 import eqx_offload._memory
+from eqx_offload import _deviceless
 from eqx_offload import MemoryKindError
 
 
@@ -123,3 +124,44 @@ def test_memory_kind_errors_are_value_errors(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(eqx_offload._memory, "device_memory_kinds", _without("pinned_host"))
     with pytest.raises(ValueError):
         eqx_offload.to_host(jnp.ones(1))
+
+
+def test_host_pool_limit_is_read_as_xla_reads_it(monkeypatch):
+    # XLA reads `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` with `tsl::ReadInt64FromEnvVar`: an
+    # integer (spaces around it allowed), else its default of 64 GiB. The planner's
+    # `host_limit_bytes` and init's check read it the same way.
+    gib = 1 << 30
+    variable = eqx_offload._memory.HOST_LIMIT_VARIABLE
+    for value, gigabytes in [(None, 64), ("", 64), ("192", 192), (" 8 ", 8), ("1.5", 64),
+                             ("abc", 64), ("+2", 64), ("1_0", 64), ("2e3", 64)]:
+        environ = {} if value is None else {variable: value}
+        assert eqx_offload._memory.host_pool_limit("cuda", environ) == gigabytes * gib, value
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+        assert _deviceless.host_pool_limit_bytes() == gigabytes * gib, value
+
+
+def test_client_memory_fraction_is_read_as_jax_reads_it():
+    read = eqx_offload._memory.client_memory_fraction
+    assert read({}) == (0.75, "XLA's default")
+    assert read({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == (0.75, "XLA's default")
+    assert read({"XLA_CLIENT_MEM_FRACTION": ".9"}) == (0.9, "XLA_CLIENT_MEM_FRACTION")
+    assert read({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == (
+        0.5, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert read({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})[0] == 1.0
+    for bad in ("abc", "0", "1.5"):
+        with pytest.raises(eqx_offload.OptionError, match="XLA_CLIENT_MEM_FRACTION"):
+            read({"XLA_CLIENT_MEM_FRACTION": bad})
+
+
+def test_run_settings():
+    settings = eqx_offload._memory.run_settings
+    gib = 1 << 30
+    assert settings(70 * gib, 80 * gib, 0.9, 10 * gib, 64 * gib) == []
+    assert settings(70 * gib, 80 * gib, 0.75, 10 * gib, 64 * gib) == [
+        "XLA_CLIENT_MEM_FRACTION=0.88"]
+    assert settings(90 * gib, 80 * gib, 0.75, 10 * gib, 64 * gib) == []  # nothing helps
+    assert settings(1, 80 * gib, 0.75, 145 * gib, 64 * gib) == [
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=145"]

@@ -38,7 +38,8 @@ def _unwrap(tree: Any) -> Any:
 
 def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min_ndim(1)) -> None:
     """Every leaf inside an `OffloadedState` that `where` selects is in `pinned_host`;
-    every other array leaf of the whole state is in device memory."""
+    every other array leaf of the whole state is in device memory (as is the
+    accumulator of `offloaded(MultiSteps(...))`, `acc_grads`)."""
 
     def visit(tree: Any, offloaded: bool) -> None:
         for path, leaf in jtu.tree_flatten_with_path(
@@ -47,10 +48,24 @@ def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min
             if isinstance(leaf, OffloadedState):
                 visit(leaf.inner_state, True)
             elif isinstance(leaf, jax.Array):
-                want = "pinned_host" if offloaded and where(leaf) else "device"
+                on_host = offloaded and where(leaf) and ".acc_grads" not in jtu.keystr(path)
+                want = "pinned_host" if on_host else "device"
                 assert leaf.sharding.memory_kind == want, (jtu.keystr(path), leaf.sharding)
 
     visit(state, False)
+
+
+def _assert_updates_equal(name: str, expected: Any, got: Any) -> None:
+    """Bitwise, but for `offloaded(MultiSteps(...))`: on a mini-step that does not apply,
+    MultiSteps returns `0 * u` for the inner update `u` it discards (-0.0 where `u < 0`);
+    `offloaded` does not compute `u` there (its state stays on host) and returns +0.0.
+    Equal as numbers (docs/how-to/gradient-accumulation.md)."""
+    if not name.startswith("offloaded(MultiSteps"):
+        assert_tree_equal(expected, got)
+        return
+    assert jtu.tree_structure(expected) == jtu.tree_structure(got)
+    for a, b in zip(jtu.tree_leaves(expected), jtu.tree_leaves(got)):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
 
 
 def _host_operand_eqns(jaxpr: Any, allowed: frozenset[str]) -> list[str]:
@@ -365,7 +380,7 @@ def test_composition_transparent(name, mode):
             grads = {**grads, "b": grads["b"].at[0].set(jnp.nan)}  # the rejecting branch
         plain_updates, plain_state = plain_update(grads, plain_state, plain_params)
         updates, state = wrapped_update(grads, state, params)
-        assert_tree_equal(plain_updates, updates)
+        _assert_updates_equal(name, plain_updates, updates)
         assert_tree_equal(plain_state, _unwrap(state))
         _assert_placement(state)
         plain_params = optax.apply_updates(plain_params, plain_updates)
@@ -395,7 +410,10 @@ def test_recommended_order_no_compute_on_host(name):
         getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
         for v in jaxpr.jaxpr.invars
     ), "the state should enter in host memory"
-    assert _host_operand_eqns(jaxpr.jaxpr, TRANSFERS_AND_CALLS) == []
+    # `offloaded(MultiSteps(...))` hands its inner state through the `cond`s that apply
+    # it only on the last mini-step (and moves it inside them).
+    allowed = TRANSFERS_AND_CALLS | ({"cond"} if "MultiSteps" in name else set())
+    assert _host_operand_eqns(jaxpr.jaxpr, allowed) == []
 
 
 def test_apply_if_finite_around_offloaded_only_routes_state():
@@ -430,7 +448,7 @@ def test_working_orders_pass_filter_jit(name):
         for i in range(3):
             plain_updates, plain_state = plain.update(_grads(params, i), plain_state, params)
             updates, state = step(_grads(params, i), state, params)
-            assert_tree_equal(plain_updates, updates)
+            _assert_updates_equal(name, plain_updates, updates)
             assert_tree_equal(plain_state, _unwrap(state))
             _assert_placement(state)
     assert len(compiles) == 1
@@ -490,10 +508,10 @@ def test_multi_steps_passes_extra_args(every_k: int) -> None:
     for _ in range(3):
         updates, state = opt.update(params, state, params, scale=5.0)
         ref_updates, ref_state = inner.update(params, ref_state, params, scale=5.0)
-        assert_tree_equal(updates, ref_updates)
+        _assert_updates_equal("offloaded(MultiSteps", ref_updates, updates)
     assert_tree_equal(state.inner_state, ref_state)
     assert ref_state.acc_grads["w"].sharding.memory_kind == "device"
-    assert state.inner_state.acc_grads["w"].sharding.memory_kind == "pinned_host"
+    assert state.inner_state.acc_grads["w"].sharding.memory_kind == "device"  # (by design)
 
 
 class _ScalarState(NamedTuple):

@@ -205,18 +205,42 @@ def test_the_same_step_is_compiled_once(monkeypatch):
 
 def test_plain_function_and_host_pool(monkeypatch):
     """A function that is not a `filter_jit` one is planned as `filter_jit(fun)`; the
-    host bytes are checked against the pinned pool's cap."""
-    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.0001")
+    host bytes are checked against the pinned pool's cap (read as XLA reads it: an
+    integer number of GiB), and the summary gives the cap the run needs."""
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
     state = eqx_offload.to_host({"w": jnp.ones((256, 256))})
 
     def double(tree):
         return jax.tree.map(lambda x: 2 * x, eqx_offload.to_device(tree))
 
     planned = eqx_offload.gpu_plan(double, state)
-    assert planned.host_limit_bytes == int(0.0001 * (1 << 30))
+    assert planned.host_limit_bytes == 0
     assert planned.host_bytes == 256 * 256 * 4 and not planned.host_fits
     assert len(planned.copies_to("to_device")) == 1
     assert "does NOT fit" in planned.summary()
+    assert planned.run_settings() == ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=1"]
+    assert "run with: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=1" in planned.summary()
+
+
+def test_fits_judges_the_memory_jax_allocates(monkeypatch):
+    """`fits` compares the peak with the share of the GPU a JAX process allocates
+    (XLA's default 0.75, or `XLA_CLIENT_MEM_FRACTION`); the summary and `run_settings`
+    give the fraction the run needs. A `device_memory` given is taken whole."""
+    step, args = _step(optax.sgd(1e-3), Workload(8, 1, 2))
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    default = eqx_offload.gpu_plan(step, *args, target="h100")
+    assert default.memory_fraction == 0.75 and default.fits and default.run_settings() == []
+    assert default.usable_device_bytes == int(0.75 * default.device_memory_size)
+    assert "75% of" in default.summary() and "run with" not in default.summary()
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "1e-9")
+    tight = eqx_offload.gpu_plan(step, *args, target="h100")
+    assert tight.memory_fraction == 1e-9 and not tight.fits
+    assert tight.device_peak_bytes == default.device_peak_bytes
+    assert tight.run_settings() == ["XLA_CLIENT_MEM_FRACTION=0.01"]
+    assert "run with: XLA_CLIENT_MEM_FRACTION=0.01" in tight.summary()
+    given = eqx_offload.gpu_plan(step, *args, target="h100", device_memory=1 << 30)
+    assert given.memory_fraction == 1.0 and given.fits
 
 
 def test_stacked_layers_stream_by_layer():

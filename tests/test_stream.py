@@ -148,6 +148,14 @@ def test_streaming_rejects_coupled_state(name: str) -> None:
     plain, ref = eqx_offload.offloaded(REJECTED_STREAMING[name]()), REJECTED_STREAMING[name]()
     updates, state = jax.jit(plain.update)(make_grads(params, 0), plain.init(params), params)
     ref_updates, ref_state = jax.jit(ref.update)(make_grads(params, 0), ref.init(params), params)
+    if name == "multi_steps":
+        # `offloaded(MultiSteps)` keeps its accumulator on the device and returns +0.0
+        # where MultiSteps returns `0 * u` for the update it discards (-0.0 for u < 0):
+        # docs/how-to/gradient-accumulation.md; tests/test_accumulate.py tests it.
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(updates),
+                                                        jax.tree.leaves(ref_updates)))
+        assert_tree_equal(state.inner_state, ref_state)
+        return
     assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
     assert_offloaded_kinds(state)
 

@@ -1,0 +1,241 @@
+"""`offloaded(optax.MultiSteps(...))`: the same training as the plain `MultiSteps`, bit for
+bit, with the inner optimizer's state moved only on the mini-step that applies it."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_offload
+from eqx_offload import _accumulate, _options
+from helpers import assert_tree_equal, gpu_plan_marks, walk_eqns
+
+
+K = 3
+
+
+def _params() -> dict[str, jax.Array]:
+    return {"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.linspace(-1.0, 1.0, 4),
+            "s": jnp.asarray(0.5)}
+
+
+def _grads(params: Any, i: int) -> Any:
+    grads = jax.tree.map(lambda p: jnp.sin(p * (i + 1)) - 0.3, params)
+    if i == 4:  # a NaN mini-step: skipped with `skip_not_finite`
+        grads = {**grads, "b": grads["b"].at[0].set(jnp.nan)}
+    return grads
+
+
+def _multi(schedule: str, skip: bool) -> optax.MultiSteps:
+    every_k = K if schedule == "int" else (lambda step: jnp.where(step < 1, 2, K))
+    return optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=every_k,
+                            should_skip_update_fn=optax.skip_not_finite if skip else None)
+
+
+def _offloaded(multi: optax.MultiSteps, accumulator: str) -> Any:
+    if accumulator == "device":
+        return eqx_offload.offloaded(multi)
+    options = _options.normalise(eqx_offload.min_ndim(1), "pinned_host", "auto", 1, "device",
+                                 None)
+    return _accumulate.offloaded_multi_steps(multi, options, "host")
+
+
+def _assert_placement(state: Any, accumulator: str) -> None:
+    """The inner optimizer's arrays (but 0-d counters) in pinned_host, the accumulator
+    where chosen, MultiSteps' counters on the device."""
+    multi = state.inner_state
+    for x in jax.tree.leaves(multi.inner_opt_state):
+        assert x.sharding.memory_kind == ("pinned_host" if x.ndim else "device")
+    for x in jax.tree.leaves(multi.acc_grads):
+        want = "pinned_host" if accumulator == "host" and x.ndim else "device"
+        assert x.sharding.memory_kind == want
+    assert multi.mini_step.sharding.memory_kind == "device"
+
+
+# One matrix: the accumulator on the device in every combination, in host memory under
+# `jit` and eagerly with an int schedule (each eager host-compute call compiles).
+@pytest.mark.parametrize("accumulator,mode,schedule,skip", [
+    (accumulator, mode, schedule, skip)
+    for accumulator in ("device", "host") for mode in ("eager", "jit")
+    for schedule in ("int", "callable") for skip in (False, True)
+    if not (accumulator == "host" and mode == "eager" and schedule == "callable")
+])
+def test_bitwise_multi_steps(accumulator, mode, schedule, skip):
+    plain, multi = _multi(schedule, skip), _multi(schedule, skip)
+    opt = _offloaded(multi, accumulator)
+    plain_update, update = plain.update, opt.update
+    if mode == "jit":
+        plain_update, update = jax.jit(plain_update), eqx_offload.filter_jit(update)
+    params = plain_params = _params()
+    plain_state, state = plain.init(params), opt.init(params)
+    _assert_placement(state, accumulator)
+    applied = []
+    for i in range(8):
+        grads = _grads(params, i) if skip else _grads(params, i + (i >= 4))
+        plain_updates, plain_state = plain_update(grads, plain_state, plain_params)
+        updates, state = update(grads, state, params)
+        # The state, leaf for leaf, as users read it.
+        assert_tree_equal(plain_state, state.inner_state)
+        assert_tree_equal(plain_state.mini_step, state.mini_step)
+        assert_tree_equal(plain_state.gradient_step, state.gradient_step)
+        assert_tree_equal(plain_state.acc_grads, state.acc_grads)
+        _assert_placement(state, accumulator)
+        # The updates as numbers: on a mini-step that does not apply, MultiSteps gives
+        # `0 * u` (-0.0 where its discarded update `u` is negative), this zeros.
+        for a, b in zip(jax.tree.leaves(plain_updates), jax.tree.leaves(updates)):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        applied.append(bool(plain.has_updated(plain_state)))
+        assert bool(plain.has_updated(state)) == applied[-1]
+        plain_params = optax.apply_updates(plain_params, plain_updates)
+        params = optax.apply_updates(params, updates)
+        assert_tree_equal(plain_params, params)
+    assert sum(applied) >= 2  # the test applies the inner update more than once
+
+
+def test_gradient_transformation_form_and_extra_args():
+    # `MultiSteps(...).gradient_transformation()` is recognised too; extra arguments
+    # reach the inner optimizer (`optax.contrib.reduce_on_plateau` reads `value`).
+    inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1))
+    plain = optax.MultiSteps(inner, every_k_schedule=2)
+    opt = eqx_offload.offloaded(optax.MultiSteps(inner, 2).gradient_transformation())
+    params = _params()
+    plain_state, state = plain.init(params), opt.init(params)
+    assert type(state.inner_state).__name__ == "MultiStepsState"
+    for i in range(4):
+        grads = _grads(params, i)
+        plain_updates, plain_state = jax.jit(plain.update)(grads, plain_state, params,
+                                                           value=jnp.asarray(1.0))
+        updates, state = eqx_offload.filter_jit(opt.update)(grads, state, params,
+                                                            value=jnp.asarray(1.0))
+        assert_tree_equal(plain_state, state.inner_state)
+
+
+def test_state_crosses_only_in_the_applying_branch():
+    # In the traced update every copy of the inner state (and every computation on it)
+    # is inside a `cond` branch: outside, host values are only passed along.
+    opt = eqx_offload.offloaded(_multi("int", True))
+    params = _params()
+    jaxpr = jax.make_jaxpr(opt.update)(_grads(params, 0), opt.init(params), params).jaxpr
+    host = jax.memory.Space.Host
+
+    def touches_host(eqn: Any) -> bool:
+        return any(getattr(getattr(v, "aval", None), "memory_space", None) == host
+                   for v in (*eqn.invars, *eqn.outvars))
+
+    outer = [e.primitive.name for e in jaxpr.eqns if touches_host(e)]
+    assert outer == ["cond"]  # the skip cond, whose branches hold the applying cond
+    (skip_cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    do_update = skip_cond.params["branches"][0].jaxpr  # (false, true): not skipped
+    inner = [e.primitive.name for e in do_update.eqns if touches_host(e)]
+    assert inner == ["cond"]  # the applying cond: the state moves inside it only
+    (apply_cond,) = [e for e in do_update.eqns if touches_host(e)]
+    keep, apply = (b.jaxpr for b in apply_cond.params["branches"])
+    assert not any(e.primitive.name == "device_put" for e in walk_eqns(keep))
+    assert sum(e.primitive.name == "device_put" for e in walk_eqns(apply)) >= 2  # down, up
+
+
+def test_donation():
+    model = eqx.nn.MLP(4, 1, width_size=8, depth=1, key=jax.random.key(0))
+    opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=2))
+    state = opt.init(eqx.filter(model, eqx.is_array))
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    x = jnp.ones((8, 4))
+    for _ in range(3):
+        old = jax.tree.leaves((eqx.filter(model, eqx.is_array), state))
+        model, state = step(model, state, x)
+        assert all(leaf.is_deleted() for leaf in old if leaf.ndim)
+        _assert_placement(state, "device")
+    assert int(state.gradient_step) == 1
+
+
+def test_host_dtype_narrows_the_inner_state():
+    opt = eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2), host_dtype=jnp.bfloat16)
+    params = _params()
+    state = opt.init(params)
+    for i in range(2):
+        updates, state = eqx_offload.filter_jit(opt.update)(_grads(params, i), state, params)
+    mu = state.inner_state.inner_opt_state[0].mu["w"]
+    assert mu.dtype == jnp.bfloat16 and mu.sharding.memory_kind == "pinned_host"
+    assert jax.tree.leaves(updates)[0].dtype == jnp.float32
+    assert all(bool(jnp.isfinite(u).all()) and bool(jnp.any(u != 0))
+               for u in jax.tree.leaves(updates) if u.ndim)
+
+
+def test_other_modes_keep_the_whole_wrapper_offloaded():
+    # `compute="host"` and streaming (`group_bytes=N`) wrap the whole `MultiSteps` as
+    # any transformation: its accumulator is offloaded too.
+    for options in ({"compute": "host"}, {"group_bytes": 1 << 20}):
+        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2), **options)
+        state = opt.init(_params())
+        assert state.inner_state.acc_grads["w"].sharding.memory_kind == "pinned_host"
+
+
+# ------------------------------------------------------------------------------ GPU plan
+
+
+def _mlp_step(optimizer: Any, k: int, scan: bool) -> tuple[Any, tuple[Any, ...], Any]:
+    """A donated step of a small MLP: one mini-step of `optimizer`, or (`scan`) `k`
+    micro-batches scanned and one update; its arguments; its optimizer state."""
+    model = eqx.nn.MLP(256, 256, 256, 2, key=jax.random.key(0))
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def grads_of(model: Any, x: Any) -> Any:
+        return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(model, state, x):
+        if scan:
+            zero = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_array))
+            grads, _ = jax.lax.scan(
+                lambda acc, xi: (jax.tree.map(jnp.add, acc, grads_of(model, xi)), None), zero, x)
+            grads = jax.tree.map(lambda g: g / k, grads)
+        else:
+            grads = grads_of(model, x)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    x = jnp.ones((k, 32, 256) if scan else (32, 256))
+    return step, (model, state, x), state
+
+
+def _host_bytes(state: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state)
+               if x.sharding.memory_kind == "pinned_host")
+
+
+def _plan_marks(test: Any) -> Any:
+    for mark in gpu_plan_marks():
+        test = mark(test)
+    return test
+
+
+@pytest.mark.parametrize("idiom", ["multi_steps", "scan"])
+@_plan_marks
+def test_plan_state_crosses_once_per_optimizer_step(idiom):
+    k = 4
+    if idiom == "multi_steps":
+        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=k))
+    else:
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+    step, args, state = _mlp_step(opt, k, idiom == "scan")
+    plan = eqx_offload.gpu_plan(step, *args, target="h100")
+    state_bytes = _host_bytes(state)
+    assert plan.copies
+    runs = 1 if idiom == "scan" else k  # steps of the program per optimizer step
+    for direction in ("to_device", "to_host"):
+        copies = plan.copies_to(direction)
+        if idiom == "multi_steps":  # every copy in the applying branch: once per k
+            assert all(c.conditional for c in copies)
+        every_time = sum(c.nbytes * c.count for c in copies if not c.conditional)
+        once = sum(c.nbytes * c.count for c in copies if c.conditional)
+        assert every_time * runs + once <= 1.1 * state_bytes, direction
