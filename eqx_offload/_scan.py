@@ -140,8 +140,6 @@ def scan_layers(
     return result
 
 
-
-
 # ----------------------------------------------------------------------------------------
 # The prefetched layer scan
 #
@@ -152,8 +150,8 @@ def scan_layers(
 # of such a scan would keep every iteration's carried device weights as residuals (`L`
 # layers on the device). The index is clamped, so the last iteration of each pass
 # fetches a layer again rather than branching: the forward pass's is the last layer,
-# which the backward pass starts with (a residual; why not a fetch of its own:
-# "Stacked layers" in `docs/models.md`).
+# which the backward pass starts with (a residual; why not a fetch of its own: "Why
+# the prefetch once raised the peak" in `docs/models.md`).
 
 
 def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
