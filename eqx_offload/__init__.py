@@ -44,7 +44,6 @@ from ._params import (
     apply_updates as apply_updates,
     host_weights as host_weights,
     HostWeights as HostWeights,
-    scan_layers as scan_layers,
     with_host_params as with_host_params,
 )
 from ._plan import (
@@ -69,6 +68,7 @@ from ._report import (
     MemoryReport as MemoryReport,
 )
 from ._runtime import install_runtime_checks as install_runtime_checks
+from ._scan import scan_layers as scan_layers
 from ._state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
 from ._stream import stream_plan as stream_plan, StreamPlan as StreamPlan
 from ._types import (
