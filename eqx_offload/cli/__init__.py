@@ -81,6 +81,16 @@ COMMANDS: list[Command] = [
                     "copies between host and device XLA schedules under compute. XLA's plan, "
                     "not a measurement. Needs the `plan` extra.",
         module=".plan", platform="cpu"),
+    Command(
+        "bench-host",
+        help="the host side of compute='host': AdamW's update on this CPU against a NumPy "
+             "copy and torch's CPU AdamW; the Modes page's condition with the measured H",
+        description="Measures, on this machine, AdamW's update as offloaded(..., "
+                    "compute='host') runs it on the CPU backend, plain jax.jit of optax, a "
+                    "hand-fused update and torch's CPU AdamW (if torch is installed), in GB/s "
+                    "of state touched (28 B a parameter), beside a NumPy copy; then evaluates "
+                    "H > 3.5 L for PCIe 4.0, PCIe 5.0 and an H200's link.",
+        module=".hostbench", platform="cpu"),
     # Further commands are one more `Command(...)` entry here. (`typings`, which reports
     # where the package keeps its own stubs, is handled by `eqx_offload.__main__`.)
 ]
