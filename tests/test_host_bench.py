@@ -55,6 +55,9 @@ def test_quick_writes_positive_numbers(tmp_path, capsys, monkeypatch):
     summary = result["summary"]
     host = result["sizes"][-1]["results"]["eqx_offload"]["gbps"]
     assert summary["H_gbps"] == host and summary["copy_over_H"] > 0
+    # XLA's program: at least one loop over each leaf, at least the 28 B a parameter.
+    assert summary["xla"]["passes_per_leaf"] >= 1
+    assert summary["xla"]["bytes_per_parameter"] >= 28
     assert [c["link"] for c in summary["condition"]] == [
         "PCIe 4.0 x16", "PCIe 5.0 x16", "H200 link, measured"]
     for c in summary["condition"]:

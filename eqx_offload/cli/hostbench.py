@@ -145,7 +145,7 @@ def _hlo_facts(compiled: Any, n_leaves: int) -> dict[str, Any]:
            if " fusion(" in line and "f32[" in line and "f32[]" not in line.split("fusion(")[0]]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    split = sorted({line.split('"outer_dimension_partitions":[')[1].split("]")[0]
+    split = sorted({line.split('"outer_dimension_partitions":[')[1].split("]")[0].strip('"')
                     for line in big if "outer_dimension_partitions" in line})
     return {"passes_per_leaf": len(big) / max(n_leaves, 1),
             "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
@@ -298,6 +298,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                            "copy_over_H": top["copy"]["gbps"] / h, "condition": _condition(h)}
     if "torch" in top["results"]:
         out["torch_over_H"] = top["results"]["torch"]["gbps"] / h
+    out["xla"] = {**top["hlo"]["eqx_offload"], "bytes_per_parameter":
+                  top["hlo"]["eqx_offload"]["bytes_accessed"] / top["parameters"]}
     return out
 
 
@@ -308,6 +310,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"\nAt {s['parameters'] / 1e6:.0f}M parameters: H = {s['H_gbps']:.1f} GB/s "
           f"(eqx_offload's host update); copy/H = {s['copy_over_H']:.2f}"
           + (f", torch/H = {s['torch_over_H']:.2f}" if "torch_over_H" in s else ""))
+    xla = s["xla"]
+    print(f"XLA: {xla['passes_per_leaf']:.0f} loops a leaf, {xla['bytes_per_parameter']:.0f} B "
+          f"a parameter (its estimate; one pass: {BYTES_PER_PARAMETER}), each loop in "
+          f"{'/'.join(xla['outer_dimension_partitions']) or '1'} parallel parts")
     print(f"{'link':<22} {'L GB/s':>7} {'fp32 needs H >':>15} {'wins':>5} "
           f"{'bf16 needs H >':>15} {'wins':>5} {'host/device time':>17}")
     for c in s["condition"]:
