@@ -2,6 +2,7 @@
 
     python -m eqx_offload demo    train a model with and without offload, compare bit for bit
     python -m eqx_offload bench   measure step time, memory and transfers side by side
+    python -m eqx_offload bench-host  AdamW's host-compute update on this CPU against a copy
     python -m eqx_offload plan    XLA's GPU plan of a step, compiled without a GPU
     python -m eqx_offload typings the stub folder for pytype (--mypy: for mypy)
 
@@ -95,6 +96,16 @@ COMMANDS: list[Command] = [
         "typings",
         help="print the stub folder for pytype's --pythonpath (--mypy: for mypy's mypy_path)",
         description=_TYPINGS_DESCRIPTION, module=".typings"),
+    Command(
+        "bench-host",
+        help="the host side of compute='host': AdamW's update on this CPU against a NumPy "
+             "copy and torch's CPU AdamW; the Modes page's condition with the measured H",
+        description="Measures, on this machine, AdamW's update as offloaded(..., "
+                    "compute='host') runs it on the CPU backend, plain jax.jit of optax, a "
+                    "hand-fused update and torch's CPU AdamW (if torch is installed), in GB/s "
+                    "of state touched (28 B a parameter), beside a NumPy copy; then evaluates "
+                    "H > 3.5 L for PCIe 4.0, PCIe 5.0 and an H200's link.",
+        module=".hostbench", platform="cpu"),
     # Further commands are one more `Command(...)` entry here.
 ]
 """The subcommands, in the order `--help` lists them."""
