@@ -118,7 +118,7 @@ def test_help_lists_the_commands(capsys):
     assert proc.returncode == 0, proc.stderr
     for command in COMMANDS:
         assert command.name in proc.stdout
-    assert [c.name for c in COMMANDS] == ["demo", "bench", "plan", "typings"]
+    assert [c.name for c in COMMANDS] == ["demo", "bench", "plan", "typings", "bench-host"]
     # One default platform for every command that has the option.
     assert {c.platform for c in COMMANDS} == {"cpu", None}
     assert [c.name for c in COMMANDS if c.platform is None] == ["typings"]
