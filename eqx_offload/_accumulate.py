@@ -26,15 +26,15 @@ import optax
 from jax import lax
 
 from ._checkpoint import check_init_fits_host_pool
+from ._checks import check_state, check_trace
 from ._compat import host_compute, multi_steps_parts, MultiStepsParts
-from ._errors import CompositionError
-from ._jit import filter_jit, foreign_donation
+from ._jit import filter_jit
 from ._leaves import is_traced
-from ._move import fetch_state, move, store_state
+from ._layout import fetch_state, store_leaves
+from ._move import move
 from ._options import Options
-from ._placement import is_host
-from ._state import check_state, OffloadedState
-from ._where import leaf_mask, select
+from ._state import OffloadedState
+from ._where import leaf_mask
 
 
 Accumulator = Literal["device", "host"]
@@ -80,7 +80,7 @@ def offloaded_multi_steps(
 
     def init_to_host(params: Any) -> Any:
         state = multi.init(params)
-        return store_state(host_options, state, select(_host_mask(state, options, accumulator)))
+        return _store(host_options, state, _host_mask(state, options, accumulator))
 
     jitted_init = filter_jit(init_to_host)
 
@@ -107,7 +107,8 @@ def offloaded_multi_steps(
         abstract = abstract_state(
             eqx.filter(updates if params is None else params, eqx.is_array))
         check_state(state, abstract)
-        _check_no_foreign_donation(state.inner_state)
+        leaves, treedef = jtu.tree_flatten(state.inner_state)
+        check_trace(treedef, leaves, _host_mask(state.inner_state, options, accumulator))
         # The dtypes `init` gives each leaf: what `host_dtype` narrowed is widened back.
         init_dtypes = [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
         step = _Step(parts, host_options, accumulator, params, extra_args, init_dtypes)
@@ -186,7 +187,7 @@ class _Step:
             **self.extra_args)
         new_state = jax.tree.map(lambda st, nst: jnp.astype(jnp.where(emit, nst, st), st.dtype),
                                  fetched, new_state)
-        return final, store_state(self.options, new_state, select(inner_mask))
+        return final, _store(self.options, new_state, inner_mask)
 
     def _accumulate(self, updates: Any, state: optax.MultiStepsState, acc_mask: list[bool]) -> Any:
         def add(acc_grads: Any, updates: Any, n_acc: Any) -> Any:
@@ -223,6 +224,13 @@ def _on_host(fn: Callable[..., Any], acc_mask: list[bool], acc_grads: Any,
     run = host_compute(lambda *args: jtu.tree_leaves(fn(*args)),
                        compute_type="device_host", out_memory_spaces=spaces)
     return jtu.tree_unflatten(treedef, run(acc_grads, *others))
+
+
+def _store(options: Options, tree: Any, mask: list[bool]) -> Any:
+    """The leaves of `tree` that `mask` selects, narrowed and sent to host."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return jtu.tree_unflatten(
+        treedef, store_leaves(options, leaves, mask, options.memory_kind, treedef))
 
 
 def _fetch(options: Options, tree: Any, mask: list[bool], init_dtypes: list[Any]) -> Any:
@@ -265,23 +273,8 @@ def _unpinned(options: Options, state: Any, accumulator: Accumulator) -> Any:
     `jit` only `pinned_host` can be reached, so the program stores there)."""
     if options.memory_kind == "pinned_host" or any(map(is_traced, jtu.tree_leaves(state))):
         return state
-    return store_state(options, state, select(_host_mask(state, options, accumulator)))
+    return _store(options, state, _host_mask(state, options, accumulator))
 
 
 def _pinned(options: Options) -> Options:
     return dataclasses.replace(options, memory_kind="pinned_host")
-
-
-def _check_no_foreign_donation(state: Any) -> None:
-    """As `offloaded`'s: a jit that donates without memory-kind-aware output shardings
-    would make XLA abort the process at the call; refuse while tracing."""
-    if not any(is_host(x) for x in jtu.tree_leaves(state)):
-        return
-    name = foreign_donation()
-    if name is not None:
-        raise CompositionError(
-            f"offloaded(MultiSteps(...)).update is traced for a jit that donates ({name}) "
-            "without memory kinds in its output shardings: XLA would abort the process. "
-            "Donate with `eqx_offload.filter_jit(step, donate=\"all\")`, or drop the "
-            "donation."
-        )

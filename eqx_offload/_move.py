@@ -1,21 +1,17 @@
 """`to_host`, `to_device` and `filter_shard`: one `jax.device_put` for the selected
-array leaves; and the two transfers of `offloaded`'s state (`fetch_state`,
-`store_state`), which apply its `host_dtype`."""
+array leaves."""
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Optional, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 
 from ._errors import nothing_to_move_message, OptionError, TreeError
 from ._leaves import is_traced, path_to_str
 from ._memory import check_host_kind, default_kind
-from ._options import Options
 from ._placement import destination, memory_kind_of, space_of, traced_move_error
 from ._types import HostMemoryKind, Where
 from ._where import leaf_mask, warn_if_selects_nothing
@@ -200,70 +196,3 @@ def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:
         leaves[i] = x
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
-
-
-# ----------------------------------------------------------------------------------------
-# The two transfers of `offloaded`'s state. Every update strategy (`_optax`'s, `_stream`,
-# `_host_compute`) moves state only through these, so `host_dtype` (narrow on the way
-# to host, widen on the way back) holds in every mode.
-
-
-def fetch_state(options: Options, leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
-    """State leaves to the device's default memory for the update, each widened back to
-    the dtype `inner.init` gives it (`init_dtypes`) if `store_state` narrowed it."""
-    moved = move(list(leaves), True, None, "to_device")
-    return [_widen(options, x, d) for x, d in zip(moved, init_dtypes, strict=True)]
-
-
-def store_state(options: Options, tree: _T, where: Where = True,
-                memory_kind: Optional[str] = None) -> _T:
-    """The leaves of `tree` that `where` selects, narrowed to `options.host_dtype`
-    (where that is narrower), then sent to host (`memory_kind`, default the option's)."""
-    return move(narrow_state(options, tree, where), where,
-                memory_kind or options.memory_kind, "memory_kind")
-
-
-def narrow_state(options: Options, tree: _T, where: Where = True) -> _T:
-    """The leaves of `tree` that `where` selects, narrowed to `options.host_dtype`
-    (where that is narrower), on the device: what `store_state` sends to host (narrowing
-    twice changes nothing)."""
-    if options.host_dtype is None:
-        return tree
-    leaves, treedef = jtu.tree_flatten(tree)
-    mask = leaf_mask(tree, where)
-    narrowed: _T = jtu.tree_unflatten(treedef, [
-        _narrow(options, x) if m else x for x, m in zip(leaves, mask, strict=True)])
-    return narrowed
-
-
-def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
-    """The dtype `fetch_state` gives a leaf of `dtype` whose `inner.init` dtype is
-    `init_dtype`."""
-    host_dtype = options.host_dtype
-    if (
-        host_dtype is None
-        or init_dtype is None
-        or dtype != host_dtype
-        or not jnp.issubdtype(init_dtype, jnp.floating)
-        or np.dtype(init_dtype).itemsize <= host_dtype.itemsize
-    ):
-        return dtype
-    return init_dtype
-
-
-def _widen(options: Options, leaf: Any, init_dtype: Any) -> Any:
-    dtype = widened_dtype(options, getattr(leaf, "dtype", None), init_dtype)
-    return leaf if dtype == getattr(leaf, "dtype", None) else leaf.astype(dtype)
-
-
-def _narrow(options: Options, leaf: Any) -> Any:
-    """`leaf` in `host_dtype` if it is a real floating array wider than that."""
-    host_dtype = options.host_dtype
-    if (
-        host_dtype is None
-        or not isinstance(leaf, jax.Array)
-        or not jnp.issubdtype(leaf.dtype, jnp.floating)
-        or leaf.dtype.itemsize <= host_dtype.itemsize
-    ):
-        return leaf
-    return leaf.astype(host_dtype)

@@ -1,6 +1,5 @@
-"""The options of `offloaded`, checked and normalised once (`normalise`) into an
-`Options` record. The transfers they imply (`fetch_state`, `store_state`) live with the
-other moves, in `_move`."""
+"""The options of `offloaded`, checked and normalised once (`normalise`) into a frozen
+`Options` record."""
 
 import dataclasses
 from typing import Any, Literal, Optional, Union

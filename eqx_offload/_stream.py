@@ -64,7 +64,8 @@ from ._errors import CompositionError
 from ._inner import as_transformation
 from ._jaxpr import bind, Env, is_var, trace_update, TracedUpdate, where_made
 from ._leaves import nbytes
-from ._move import fetch_state, move, narrow_state, store_state, widened_dtype
+from ._layout import fetch_state, narrow_state, store_state, widened_dtype
+from ._move import move
 from ._options import Options
 from ._placement import is_host, memory_kind_of
 
@@ -739,7 +740,7 @@ class _Runner:
         # such as the float32 state that host_dtype narrows, changes its fusions)
         computed = narrow_state(self.options, [vals[key] for key in to_host])
         vals.update(zip(to_host, computed, strict=True))
-        vals.update(zip(to_host, store_state(self.options, [vals[key] for key in to_host], True,
+        vals.update(zip(to_host, store_state(self.options, [vals[key] for key in to_host],
                                              "pinned_host"), strict=True))
         for p in self.schedule.pieces[stage]:
             host, updates = self.run_piece(j, p, computed)
@@ -839,7 +840,7 @@ class _Runner:
         the device) to `computed`. Returns the buffer's key."""
         (value,) = narrow_state(self.options, [value])
         computed.append(value)
-        (rows,) = store_state(self.options, [value], True, "pinned_host")
+        (rows,) = store_state(self.options, [value], "pinned_host")
         key = ("leaf", i)
         ahead = [r for r in self.pending.pop(i, []) if r[1] > j]
         if ahead:

@@ -1,0 +1,114 @@
+"""The update strategies of `offloaded`, behind one signature:
+
+    strategy(inner, layout, traced, updates, leaves, params, extra_args)
+        -> (updates, new_inner_state)
+
+Each brings the state it needs to the device (`Layout.fetch`, or `_layout.fetch_state`
+group by group), runs `inner.update`, and returns the new inner state; `offloaded`'s
+update then stores it (`Layout.store`). `leaves` are the inner state's flat leaves;
+`traced` says whether any argument is traced.
+
+- `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
+  accelerator where the update allows it, else `update_on_device`;
+- `update_on_device` (`group_bytes=None`): the whole state at once;
+- `streamed` (`group_bytes=N`): `_stream.streamed_update`;
+- `host` (`compute="host"`): `_host_compute.host_update`.
+
+Called eagerly, the default and `group_bytes=None` run op by op, bitwise as
+`inner.update` called eagerly. The streamed and host-compute updates are properties of
+one compiled program, so eagerly they run compiled (through `eqx_offload.filter_jit`),
+bitwise as `jax.jit(inner.update)`.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax.tree_util as jtu
+
+from ._deviceless import target_platform
+from ._errors import CompositionError
+from ._host_compute import host_update
+from ._jit import filter_jit, note_streamed
+from ._layout import Layout
+from ._options import Options
+from ._placement import is_host
+from ._stream import streamed_update
+
+
+Strategy = Callable[..., tuple[Any, Any]]
+
+
+def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
+                     leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """The whole state to the device, then `inner.update`, in one program with no
+    ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
+    memory makes the step compile with `_jit.GPU_WHOLE_STATE_OPTIONS`, so that XLA's
+    scheduler does not start every copy before the forward pass. No barrier orders the
+    copies after the gradients: one changes how XLA's CPU backend fuses a bias's
+    gradient reduction, and with it the last bits of the result."""
+    if traced and any(is_host(x) for x in leaves):
+        note_streamed("whole")
+    state = layout.unflatten(layout.fetch(leaves))
+    result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
+    return result
+
+
+def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
+                leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """Under `jit` for an accelerator, `streamed` with an automatic group size, or the
+    whole state where the update cannot be streamed (it couples all of the state, e.g.
+    `apply_if_finite`, or has side effects). Eagerly, or compiled for the CPU backend
+    (one RAM: streaming frees nothing and its barriers cost step time), the whole
+    state at once."""
+    arguments = (inner, layout, traced, updates, leaves, params, extra_args)
+    if traced and target_platform() != "cpu":
+        try:
+            return streamed(*arguments)
+        except CompositionError:
+            pass
+    return update_on_device(*arguments)
+
+
+def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
+             leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """`_stream.streamed_update`; the `filter_jit` being traced compiles with the
+    scheduler options that let its copies overlap compute on a GPU."""
+    result = streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
+                             params, extra_args, layout.init_dtypes)
+    note_streamed()
+    return result
+
+
+def host(inner: Any, layout: Layout, traced: bool, updates: Any,
+         leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """`_host_compute.host_update`: `inner.update` on the host CPU."""
+    return host_update(inner, layout.options, updates, layout.unflatten(leaves), params,
+                       extra_args, layout.init_dtypes)
+
+
+def _compiled_when_eager(strategy: Strategy, compiled: Strategy, inner: Any,
+                         layout: Layout, traced: bool, updates: Any, leaves: list[Any],
+                         params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    if traced:
+        return strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    # The state as a tree: `filter_jit` gives each output the sharding of the input
+    # whose path ends like its own.
+    return compiled(inner, layout, updates, layout.unflatten(leaves), params, extra_args)
+
+
+def _on_tree(strategy: Strategy, inner: Any, layout: Layout, updates: Any,
+             inner_state: Any, params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    return strategy(inner, layout, True, updates, jtu.tree_leaves(inner_state), params,
+                    extra_args)
+
+
+def choose(options: Options) -> Strategy:
+    """The strategy for these options."""
+    if options.group_bytes == "auto" and options.compute == "device":
+        return auto_update
+    if options.group_bytes is None and options.compute == "device":
+        return update_on_device
+    strategy = host if options.compute == "host" else streamed
+    compiled = filter_jit(functools.partial(_on_tree, strategy))
+    return functools.partial(_compiled_when_eager, strategy, compiled)
