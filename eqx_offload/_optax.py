@@ -26,12 +26,9 @@ from ._types import HostMemoryKind, Where
 from ._where import leaf_mask, min_ndim, warn_if_selects_nothing
 
 
-DEFAULT_WHERE = min_ndim(1)
-
-
 def offloaded(
     inner: Union[optax.GradientTransformation, optax.MultiSteps],
-    where: Where = DEFAULT_WHERE,
+    where: Where = min_ndim(1),
     *,
     memory_kind: HostMemoryKind = "pinned_host",
     group_bytes: Union[int, Literal["auto"], None] = "auto",
@@ -39,76 +36,46 @@ def offloaded(
     compute: Compute = "device",
     host_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """Wraps an optax transformation so that its state lives in host memory.
+    """Wraps an optax transformation so that its state lives in host memory between steps.
 
-    `init` creates the state directly in host memory (the full state never exists on
-    the device). `update` moves the selected state leaves to the device, runs
-    `inner.update` there, and moves the new state back; its updates and new state are
-    bitwise equal to those of `inner` (unless `host_dtype` is set).
+    `init` makes the state directly in host memory. `update` brings the selected leaves
+    to the device, runs `inner.update` there and sends the new state back; its updates
+    and state are bitwise those of `inner` (unless `host_dtype` is set).
 
     **Arguments:**
 
-    - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)` or a whole
-        `optax.chain(...)`, or an `optax.MultiSteps`.
-    - `where`: which leaves of the inner state to keep in host memory (see `to_host`;
-        paths are those of the inner state). Default `eqx_offload.min_ndim(1)`: every
-        array except 0-d scalars, so step counters stay on the device (offloading 4
-        bytes costs a transfer and saves nothing). `eqx_offload.within_budget` computes
-        one that keeps as much state on the device as a budget allows.
-    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
-    - `group_bytes`: how the state comes to the device for the update. `"auto"`
-        (default): under `jit` for an accelerator (and in `eqx_offload.gpu_plan`),
-        streamed (below) in groups of about 1/16 of the
-        offloaded state (at most 256 MiB), in the order the backward pass produces
-        the gradients, so the state's share of peak device memory is a few groups
-        and most of its copies can overlap the backward pass; where the update cannot
-        be streamed (it combines the new state of several parameters, as
-        `apply_if_finite`, `MultiSteps` or a global norm after a stateful
-        transformation do, or it has side effects) the whole state comes at once;
-        called eagerly, or compiled for the CPU backend (one RAM: streaming frees
-        nothing there and costs step time), the whole state at once. An int `N`:
-        always stream, in groups of at most `N` bytes (`0`: one parameter at a time), and raise a
-        `CompositionError` at the first `update` for an optimizer that cannot be
-        streamed. `None`: the whole state in one update (the smallest program,
-        no barriers; on a GPU `eqx_offload.filter_jit` compiles it with XLA's older
-        latency estimator, so that its copies do not all start before the forward
-        pass; none of them overlaps compute). A parameter's state is split only along the
-        layers of a stacked leaf (at least 3 dimensions, an update elementwise along
-        them: "Stacked layers" in the "Modes" docs page). See
-        `eqx_offload.stream_plan`, `eqx_offload.gpu_plan` and the "Modes" docs page.
-    - `lookahead`: when streamed, how many groups come to the device ahead of
-        the one being updated (default 1: double buffering, so copies in both
-        directions overlap the update; 0: one group at a time, the smallest peak).
-    - `compute`: `"device"` (default) or `"host"`: run `inner.update` on the host CPU
-        (`compute_on(..., compute_type="device_host")`), so the state never comes to
-        the device; gradients go to host and updates come back.
-    - `host_dtype`: keep floating state leaves in host memory in this narrower dtype
-        (e.g. `jnp.bfloat16`): narrowed on the device before each copy to host and
-        widened back to the dtype `inner.init` gives them after each copy to the
-        device, halving the bytes that cross for float32 state. **Not bitwise**: the
-        state loses precision between steps (see the "Modes" docs page for its
-        measured effect on the loss). Default `None`.
+    - `inner`: any `optax.GradientTransformation` (a whole `optax.chain(...)` too), or
+        an `optax.MultiSteps`, whose inner state then crosses only on the micro-step
+        that applies it (docs: "Gradient accumulation").
+    - `where`: which leaves of the inner state live in host memory (a filter, as for
+        `to_host`). The default `min_ndim(1)` keeps 0-d step counters on the device.
+        `eqx_offload.within_budget` makes one for a device memory budget.
+    - `memory_kind`: `"pinned_host"` (default), or `"unpinned_host"` (eager use only).
+    - `group_bytes`: how the state comes to the device. `"auto"` (default): streamed
+        in groups under `jit` for an accelerator where the update allows it, else the
+        whole state at once; an int: always streamed, in groups of at most that many
+        bytes; `None`: the whole state at once (docs: "Modes", "Streamed update").
+    - `lookahead`: when streamed, how many groups come ahead of the one being updated
+        (default 1: double buffering; 0: the smallest peak).
+    - `compute`: `"device"` (default), or `"host"` to run `inner.update` on the host
+        CPU: the state never comes to the device (docs: "Host-compute mode").
+    - `host_dtype`: keep floating state in host memory in this narrower dtype (e.g.
+        `jnp.bfloat16`), halving the bytes that cross. Not bitwise (docs: "Modes").
 
     **Returns:**
 
-    An `optax.GradientTransformationExtraArgs` whose state is an `OffloadedState`.
-    Extra arguments to `update` are passed to `inner`.
+    An `optax.GradientTransformationExtraArgs` whose state is an `OffloadedState`;
+    extra arguments to `update` go to `inner`.
 
     **Raises:**
 
-    `OptionError` (an `OffloadError`) for a bad option, `MemoryKindError` for a memory
-    kind the device lacks, `NotATransformationError` for an `inner` that is not a
-    transformation.
+    `OptionError` for a bad option, `MemoryKindError` for a memory kind the device
+    lacks, `NotATransformationError` for an `inner` that is not a transformation.
 
-    **Composition:** `offloaded` goes around any transformation or chain, anywhere in
-    an `optax.chain`, and inside `masked`, `multi_transform`, `inject_hyperparams`,
-    `apply_if_finite` and `optax.contrib.schedule_free` (they only pass its state
-    along). `optax.MultiSteps` computes on the state of what it wraps (a `jnp.where`
-    between the old and the new inner state), so it belongs *inside*:
-    `offloaded(optax.MultiSteps(...))`. The other order computes on host-resident
-    arrays (on a GPU, XLA runs that select on the host), and `eqx_offload.filter_jit`
-    rejects it with a `CompositionError`. Outermost is always safe, and it also
-    offloads the wrapper's own buffers (such as the `MultiSteps` accumulator).
+    **Composition:** around any transformation, anywhere in an `optax.chain`, and
+    inside `masked`, `multi_transform`, `inject_hyperparams`, `apply_if_finite` and
+    `schedule_free`. `MultiSteps` belongs inside: `offloaded(optax.MultiSteps(...))`
+    (docs: "Composition").
 
     !!! Example
 
