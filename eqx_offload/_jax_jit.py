@@ -199,7 +199,8 @@ def jit(
 
         ```python
         import jax
-                import optax
+        import jax.numpy as jnp
+        import optax
         import eqx_offload
 
         params = {"w": jnp.ones((4, 4))}
