@@ -8,6 +8,7 @@ traces it: a new value does not recompile), and calls one `filter_jit` function 
 first argument is never donated and whose second always is.
 """
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
@@ -53,6 +54,14 @@ def _python_scalars_as_arrays(tree: Any) -> Any:
         lambda x: jax.device_put(x) if isinstance(x, _PYTHON_SCALARS) else x, tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """A static argument, hashed whole (as `jax.jit` hashes it): `filter_jit` would
+    hash its leaves one by one, and warn where a number among them changes."""
+
+    value: Any
+
+
 def _selected(i: int, n_args: int, numbers: frozenset[int]) -> bool:
     return i in numbers or i - n_args in numbers
 
@@ -62,7 +71,8 @@ def _call(fun: Callable[..., Any], fixed: tuple[Any, dict[str, Any]],
     """`fun` on the arguments `_Jit._sort` sorted, its Python scalars returned as
     arrays (as `jax.jit` returns them)."""
     (labels, keywords), kept = fixed
-    arguments = {**kept, **donated}
+    arguments = {k: x.value if isinstance(x, _Static) else x
+                 for k, x in {**kept, **donated}.items()}
     out = fun(*[arguments[k] for k in labels], **{k: arguments[k] for k in keywords})
     return _python_scalars_as_arrays(out)
 
@@ -114,12 +124,12 @@ class _Jit(Generic[_P, _T]):
             labels.append(label)
             static = _selected(i, len(args), self._static[0])
             into = donated if _selected(i, len(args), self._donate[0]) else kept
-            into[label] = x if static else _python_scalars_as_arrays(x)
+            into[label] = _Static(x) if static else _python_scalars_as_arrays(x)
         for k, x in kwargs.items():
             if k in kept or k in donated:
                 raise TypeError(f"{self._name}() got multiple values for argument {k!r}")
             into = donated if k in self._donate[1] else kept
-            into[k] = x if k in self._static[1] else _python_scalars_as_arrays(x)
+            into[k] = _Static(x) if k in self._static[1] else _python_scalars_as_arrays(x)
         return (tuple(labels), tuple(kwargs)), kept, donated
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:

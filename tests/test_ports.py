@@ -16,6 +16,7 @@ use (issue 10).
 
 """
 
+import contextlib
 import functools
 import inspect
 import re
@@ -358,7 +359,12 @@ def test_python_scalars_in_state(name: Optional[str], mode: str) -> None:
     state, plain_state = opt.init(params), plain.init(params)
     for step in range(3):
         grads = jtu.tree_map(lambda p: p * (step + 1), params)
-        updates, state = update(grads, state, params)
+        # Under filter_jit the changing Python int `count` compiles every step: it says
+        # so once (at the third step; at the second the bool `warm` changed too).
+        warns = mode == "filter_jit" and step == 2
+        with (pytest.warns(eqx_offload.OffloadWarning, match=r"`state`, leaf .*count")
+              if warns else contextlib.nullcontext()):
+            updates, state = update(grads, state, params)
         plain_updates, plain_state = plain_update(grads, plain_state, params)
         assert_tree_equal(plain_updates, updates)
         assert_tree_equal(plain_state, state.inner_state)

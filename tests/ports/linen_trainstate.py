@@ -6,9 +6,9 @@ write it. Ported with three lines: the import, `offloaded(...)` around `tx`, and
 Python int: `jax.jit` and `eqx_offload.jit` trace it as a weakly typed int32, so the
 step compiles once and returns `step` as an int32 array.
 
-`style="filter_jit"` runs the ported program under `eqx_offload.filter_jit(donate="all")`
-instead, where a Python scalar leaf is static: it compiles again whenever `step`
-changes until `step` is an array (tests/test_jit.py checks the warning that says so)."""
+`style="filter_jit"` runs the ported program under `eqx_offload.filter_jit` (without
+donation) instead, where a Python scalar leaf is static: it compiles again at every
+step, as `step` changes (tests/test_jit.py checks the warning that says so)."""
 
 import flax.linen as nn
 import jax
@@ -54,7 +54,7 @@ def train(port: bool, style: str = "jit") -> Run:
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     jit = eqx_offload.jit if port else jax.jit  # (3)
     if style == "filter_jit":
-        jit = lambda **_: eqx_offload.filter_jit(donate="all")  # noqa: E731
+        jit = lambda **_: eqx_offload.filter_jit  # noqa: E731
 
     @jit(donate_argnums=0)
     def train_step(state, x, y):
