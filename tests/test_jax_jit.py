@@ -2,6 +2,7 @@
 name, Python scalars traced weakly typed) with memory-kind-safe donation. The Flax
 linen `TrainState` port is in tests/ports/linen_trainstate.py."""
 
+import warnings
 from typing import Any
 
 import jax
@@ -131,3 +132,48 @@ def test_as_a_decorator_and_a_method() -> None:
     # (`self` static: jax.jit's way for methods of hashable objects)
     model = Model()
     assert_tree_equal(model.apply(jnp.ones(3), 2), jnp.arange(3.0) + 2)
+
+
+def _inject_run(jit: Any, port: bool) -> dict[str, Any]:
+    """5 steps of `inject_hyperparams(adam)`, `b2` set to a new Python float before
+    every step but the first, as optax's docstring sets a hyperparameter."""
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b2=0.999)
+    if port:
+        opt = eqx_offload.offloaded(opt)
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+    state = opt.init(params)
+
+    def step(params: Any, state: Any, x: jax.Array) -> Any:
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jit(step)
+    compiles, caught = [], []
+    for i in range(5):
+        if i:
+            state.hyperparams["b2"] = 0.95 - 0.01 * i
+        with count_compiles("step") as compiled, warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            params, state = step(params, state, jnp.full((2, 3), 0.1 * (i + 1)))
+        compiles.append(len(compiled))
+        caught += [str(m.message) for m in w]
+    inner = state.inner_state if port else state
+    return {"bits": hex_bits((params, inner)), "compiles": compiles, "warnings": caught,
+            "kinds": kind_list(inner)}
+
+
+def test_inject_hyperparams_python_float_between_steps() -> None:
+    # `state.hyperparams["b2"] = 0.95`: jax.jit compiles once more when the array
+    # becomes a (weakly typed) Python float, then never again; eqx_offload.jit does
+    # the same. filter_jit compiles at every new value, and says so once.
+    plain = _inject_run(jax.jit, False)
+    ported = _inject_run(eqx_offload.jit, True)
+    filtered = _inject_run(eqx_offload.filter_jit, True)
+    assert plain["compiles"] == ported["compiles"] == [1, 1, 0, 0, 0]
+    assert filtered["compiles"] == [1, 1, 1, 1, 1]
+    assert plain["bits"] == ported["bits"] == filtered["bits"]
+    assert plain["warnings"] == ported["warnings"] == []
+    assert len(filtered["warnings"]) == 1
+    assert "leaf .inner_state.hyperparams['b2'] is a Python float" in filtered["warnings"][0]
+    assert ported["kinds"].count("pinned_host") == 4  # mu and nu of w and b
