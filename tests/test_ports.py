@@ -215,12 +215,13 @@ def _reading_loop(
     read: Callable[[Any, Any], Any],
     write: Optional[Callable[[Any, int], Any]] = None,
     steps: int = 4,
+    where: Any = None,
 ) -> dict[str, Any]:
-    """Trains `_small_model` for `steps` steps with `optim` (ported or not). Before each
-    step `write(opt_state, step)` may change the state (returning it); after each step
-    `read(opt_state, model)` reads it."""
+    """Trains `_small_model` for `steps` steps with `optim` (ported, with `offloaded`'s
+    `where` if given, or not). Before each step `write(opt_state, step)` may change the
+    state (returning it); after each step `read(opt_state, model)` reads it."""
     if port:
-        optim = eqx_offload.offloaded(optim)
+        optim = eqx_offload.offloaded(optim, **({} if where is None else {"where": where}))
     jit = eqx_offload.filter_jit if port else eqx.filter_jit
     model = _small_model()
     opt_state = optim.init(eqx.filter(model, eqx.is_array))
@@ -240,8 +241,8 @@ def _reading_loop(
         model, opt_state, loss = step(model, opt_state, *_xy(i))
         losses.append(loss)
         reads.append(read(opt_state, model))
-    return {"reads": reads, "losses": losses, "model": model,
-            "state": unwrap(opt_state), "kinds": expected_placement(opt_state)}
+    return {"reads": reads, "losses": losses, "model": model, "state": unwrap(opt_state),
+            "kinds": expected_placement(opt_state), "placed": placement(opt_state)}
 
 
 def _set_lr_in_place(opt_state: Any, step: int) -> Any:
@@ -296,6 +297,29 @@ def test_reading_a_state(idiom: str) -> None:
     if write is not None:  # the writes changed the training (so they were not lost)
         unchanged = _reading_loop(False, make(), read, None)
         assert not all(np.array_equal(a, b) for a, b in zip(unchanged["losses"], plain["losses"]))
+
+
+def _set_lr_python_float(opt_state: Any, step: int) -> Any:
+    opt_state.hyperparams["learning_rate"] = 0.05 / (step + 1)
+    return opt_state
+
+
+@pytest.mark.parametrize("write", [_set_lr_in_place, _set_lr_python_float],
+                         ids=["array", "python_float"])
+def test_writing_a_hyperparameter_of_a_host_resident_state(write: Any) -> None:
+    # With where=True the hyperparameters live in host memory and `hyperparams` reads
+    # a device copy; an assignment into it changes the state (placed in host memory)
+    # as it does the unwrapped state: the next read gives the new value, training is
+    # bitwise equal, and every state leaf stays in host memory.
+    make, read, _ = READING_IDIOMS["hyperparams_read"]
+    plain = _reading_loop(False, make(), read, write)
+    ported = _reading_loop(True, make(), read, write, where=True)
+    assert [float(x) for x in ported["reads"]] == [float(np.float32(0.05 / (i + 1))) for i in range(4)]
+    assert_tree_equal(jtu.tree_map(jnp.asarray, plain["reads"]), ported["reads"])
+    assert_tree_equal(plain["losses"], ported["losses"])
+    assert_tree_equal(plain["model"], ported["model"])
+    assert_tree_equal(plain["state"], ported["state"])
+    assert set(ported["placed"].values()) == {"pinned_host"}, ported["placed"]
 
 
 def test_multi_steps_has_updated() -> None:
