@@ -515,6 +515,8 @@ def _python_scalar_state() -> optax.GradientTransformation:
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+# (Under filter_jit the Python counter compiles each step and says so once: test_jit.py)
+@pytest.mark.filterwarnings("ignore:filter_jit.*Python int:eqx_offload.OffloadWarning")
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_python_scalars_in_state_not_rejected(mode: str) -> None:
     """A state made by this optimizer's `init` or `update` is never a `StateError`, even
