@@ -48,10 +48,10 @@ from ._state import (abstract_signature, check_state, eval_shape, first_line,
                      first_on_device, OffloadedState, reshaped_leaf, warn_if_on_device)
 from ._stream import streamed_update
 from ._types import HostMemoryKind, Where
-from ._where import leaf_mask, min_ndim, select
+from ._where import leaf_mask, min_ndim, pattern, select
 
 
-DEFAULT_WHERE = min_ndim(1)
+DEFAULT_WHERE = min_ndim(1) & ~pattern(r"(.*/)?grad(/.*)?")  # (line searches' `grad` on the device)
 
 Strategy = Callable[..., tuple[Any, Any]]
 

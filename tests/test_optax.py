@@ -47,7 +47,8 @@ def _assert_placement(state: Any, where: Callable[[Any], bool] = eqx_offload.min
             if isinstance(leaf, OffloadedState):
                 visit(leaf.inner_state, True)
             elif isinstance(leaf, jax.Array):
-                want = "pinned_host" if offloaded and where(leaf) else "device"
+                grad = any(getattr(k, "name", None) == "grad" for k in path)  # line search's
+                want = "pinned_host" if offloaded and where(leaf) and not grad else "device"
                 assert leaf.sharding.memory_kind == want, (jtu.keystr(path), leaf.sharding)
 
     visit(state, False)

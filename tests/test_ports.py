@@ -12,7 +12,8 @@ use (issue 10).
     (found by calling each one without them), wrapped and composed, in each mode.
 - States that hold Python scalars, or change structure in `update`.
 - `eqx.filter_pmap`.
-- Flax linen's `TrainState` under `jax.jit`, ported with `eqx_offload.jit`.
+- Flax linen's `TrainState` under `jax.jit`, ported with `eqx_offload.jit`; L-BFGS
+    with `optax.value_and_grad_from_state`.
 
 """
 
@@ -35,7 +36,7 @@ import pytest
 from helpers import assert_tree_equal, count_compiles
 from isolated import call_isolated
 from ports import batchnorm, data_parallel, frozen, linen_trainstate, nonarray, rnn
-from ports.common import expected_placement, placement, Run, unwrap
+from ports.common import expected_placement, placement, Recorder, Run, unwrap
 
 import eqx_offload
 
@@ -194,6 +195,55 @@ def test_port_flax_linen_train_state() -> None:
     assert plain == ported
     # (the first call's `step` is the Python int 0: nothing to delete)
     assert plain[0][0] is None and all(all(d) for d in [plain[0][1:], *plain[1:]])
+
+
+def _rosenbrock(p: dict[str, jax.Array]) -> jax.Array:
+    x = p["x"]
+    return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2) + jnp.sum(p["w"] ** 2)
+
+
+def _lbfgs_run(port: bool, steps: int = 6) -> Run:
+    """optax's L-BFGS recipe: `value_and_grad_from_state` reuses the value and gradient
+    that the line search stored in the state. Ported: the import, `offloaded(...)`
+    around `optax.lbfgs()`, `eqx_offload.jit` for `jax.jit`."""
+    opt = optax.lbfgs()
+    if port:
+        opt = eqx_offload.offloaded(opt)
+    jit = eqx_offload.jit if port else jax.jit
+    params = {"x": jnp.linspace(-1.0, 1.5, 6), "w": jnp.ones((2, 3))}
+    state = opt.init(params)
+    value_and_grad = optax.value_and_grad_from_state(_rosenbrock)
+
+    @jit
+    def step(params, state):
+        value, grad = value_and_grad(params, state=state)
+        updates, state = opt.update(grad, state, params, value=value, grad=grad,
+                                    value_fn=_rosenbrock)
+        return optax.apply_updates(params, updates), state, value
+
+    recorder = Recorder(port)
+    for _ in range(steps):
+        with recorder.step():
+            params, state, value = step(params, state)
+        recorder.record(value, state)
+    return recorder.run(params, state)
+
+
+def test_port_lbfgs_value_and_grad_from_state() -> None:
+    # The line search's `grad` stays on the device by default (what
+    # `value_and_grad_from_state` reads with `optax.tree.get`), the L-BFGS memory goes
+    # to host: bitwise equal, compiled as often as plain jax.jit (twice: optax's `init`
+    # makes the line search's `info` weakly typed, its `update` strongly typed).
+    plain, ported = _lbfgs_run(False), _lbfgs_run(True)
+    assert_tree_equal(plain.losses, ported.losses)
+    assert_tree_equal(plain.model, ported.model)
+    assert_tree_equal(plain.opt_state, unwrap(ported.opt_state))
+    assert plain.compiles == ported.compiles == [1, 1, 0, 0, 0, 0]
+    assert len({np.asarray(x).tobytes() for x in plain.losses}) == len(plain.losses)
+    expected = expected_placement(ported.opt_state)
+    assert "pinned_host" in expected.values()
+    assert expected[".inner_state[2].grad['x']"] == "device"
+    assert ported.placements == [expected] * len(ported.losses)
 
 
 # ---------------------------------------------------------------------------------------
