@@ -6,8 +6,9 @@ use (issue 10).
     `eqx_offload.filter_jit` around the step): losses, final model and inner optimizer
     state bitwise equal; every offloaded state leaf in `pinned_host` (0-d counters on
     the device) after every step; no compilation after the first step.
-- Reading a state the optax way: `hyperparams[...]` (read and write),
-    `optax.tree.get`/`set`, `schedule_free_eval_params`, `MultiSteps.has_updated`.
+- Reading a state the optax way: `hyperparams[...]` (read and write, also with
+    `where=True`), `optax.tree.get`/`set`, `schedule_free_eval_params`,
+    `MultiSteps.has_updated`.
 - Every transformation of the installed optax that takes extra `update` arguments
     (found by calling each one without them), wrapped and composed, in each mode.
 - States that hold Python scalars, or change structure in `update`.
