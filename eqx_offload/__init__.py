@@ -1,7 +1,7 @@
 """eqx_offload: keep optimizer state in host memory between steps.
 
 Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
-`offloaded`, `filter_jit`, `memory_report`; inside models: `scan_layers`,
+`offloaded`, `filter_jit` (and `jit`, for `jax.jit` programs), `memory_report`; inside models: `scan_layers`,
 `host_weights`, `master_weights`, `filter_remat` and the offloading remat policies.
 """
 
@@ -30,6 +30,7 @@ from ._errors import (
     TreeError as TreeError,
     WhereError as WhereError,
 )
+from ._jax_jit import jit as jit
 from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
 from ._master import (
     master_weights as master_weights,
@@ -113,6 +114,7 @@ __all__ = [
     "HostMemoryKind",
     "HostWeights",
     "install_runtime_checks",
+    "jit",
     "LAYER_INPUT",
     "LeafMemory",
     "Lowered",

@@ -31,6 +31,7 @@ from ._errors import CompositionError, DonationError, OptionError, SignatureErro
 from ._jaxpr import evaluate, is_var
 from ._leaves import path_parts
 from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
+from ._state import OffloadWarning
 from ._types import Donate
 
 
@@ -381,6 +382,50 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donati
                  key, shared)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, complex)) and not isinstance(x, bool)
+
+
+def _changed_number(cached: Any, call: _Call) -> Optional[tuple[int, Any, Any]]:
+    """Where `call` differs from a configuration in `cached` (keys of `_flatten_call`)
+    only in the values of Python numbers (static here, traced by `jax.jit`): the
+    index into `call.all_leaves` of the first, its old value and its new one."""
+    static_at = [i for i, a in enumerate(call.is_array) if not a]
+    for key in cached:
+        if key[:3] != call.key[:3] or key[4] != call.key[4]:
+            continue
+        changed = [j for j, (old, new) in enumerate(zip(key[3], call.key[3], strict=True))
+                   if old != new]
+        if changed and all(_is_number(key[3][j][1]) and _is_number(call.key[3][j][1])
+                           for j in changed):
+            return static_at[changed[0]], key[3][changed[0]][1], call.key[3][changed[0]][1]
+    return None
+
+
+def _warn_changed_number(cached: Any, call: _Call, donate: _Donation, name: str) -> bool:
+    """Warn (and return `True`) where `call` compiles again only because a Python
+    number changed: a Flax linen `TrainState`'s `step=0` compiles at every step."""
+    found = _changed_number(cached, call)
+    if found is None:
+        return False
+    i, old, new = found
+    arguments = jtu.tree_unflatten(call.treedef, call.all_leaves)
+    path = jtu.tree_flatten_with_path(arguments)[0][i][0]
+    if getattr(path[0], "idx", 0) == 0:
+        parameter = donate.argument_name(getattr(path[1], "idx", 0))
+        where = f"`{parameter}`" if parameter else f"args[{getattr(path[1], 'idx', 0)}]"
+    else:
+        where = f"`{getattr(path[1], 'key', path[1])}`"
+    leaf = jtu.keystr(tuple(path[2:])) or "(the argument itself)"
+    warnings.warn(
+        f"filter_jit({name}): pass this number as an array (`jnp.asarray(...)`), or use "
+        f"`eqx_offload.jit`, which traces Python numbers as `jax.jit` does: {where}, leaf "
+        f"{leaf} is a Python {type(new).__name__}, static here, and its change ({old!r} -> "
+        f"{new!r}) compiled the function again. (Shown once; see \"Getting started\".)",
+        OffloadWarning, stacklevel=3)
+    return True
+
+
 # ----------------------------------------------------------------------------------------
 # Lowering, compiling, running
 
@@ -704,12 +749,15 @@ class _FilterJit(Generic[_P, _T]):
         self._compiler_options = compiler_options
         self._name = getattr(fun, "__qualname__", repr(fun))
         self._cache: dict[Any, Compiled] = {}
+        self._warned = False  # `_warn_changed_number`, once per function
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         call = _flatten_call(args, kwargs, self._donate, name=self._name)
         compiled = self._cache.get(call.key)
         if compiled is None:
+            if not self._warned and self._cache:
+                self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
             compiled = self._lower_call(call).compile(self._compiler_options)
             self._cache[call.key] = compiled
         out: _T = _run(compiled._executable, compiled._output, call,

@@ -23,12 +23,12 @@ from ._options import Compute, normalise, Options
 from ._state import OffloadedState
 from ._strategies import choose, Strategy
 from ._types import HostMemoryKind, Where
-from ._where import leaf_mask, min_ndim, warn_if_selects_nothing
+from ._where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 
 
 def offloaded(
     inner: Union[optax.GradientTransformation, optax.MultiSteps],
-    where: Where = min_ndim(1),
+    where: Where = min_ndim(1) & ~pattern("(.*/)?grad(/.*)?"),
     *,
     memory_kind: HostMemoryKind = "pinned_host",
     group_bytes: Union[int, Literal["auto"], None] = "auto",
@@ -48,7 +48,8 @@ def offloaded(
         an `optax.MultiSteps`, whose inner state then crosses only on the micro-step
         that applies it (docs: "Gradient accumulation").
     - `where`: which leaves of the inner state live in host memory (a filter, as for
-        `to_host`). The default `min_ndim(1)` keeps 0-d step counters on the device.
+        `to_host`). The default keeps 0-d step counters on the device, and a line
+        search's stored `grad`, which `optax.value_and_grad_from_state` reads.
         `eqx_offload.within_budget` makes one for a device memory budget.
     - `memory_kind`: `"pinned_host"` (default), or `"unpinned_host"` (eager use only).
     - `group_bytes`: how the state comes to the device. `"auto"` (default): streamed

@@ -2,9 +2,11 @@
 
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._move import move
+from ._placement import memory_kind_of
 
 
 class OffloadedState(NamedTuple):
@@ -24,7 +26,9 @@ class OffloadedState(NamedTuple):
     changed; under `jit` the move is part of the traced program.) An attribute none of
     whose leaves is in host memory comes back as the inner state's own object, so
     `opt_state.hyperparams["learning_rate"] = 0.1` changes the state, as optax
-    documents. `optax.tree.get` and
+    documents; `hyperparams` with leaves in host memory (`where=True`) comes back as a
+    device copy whose assignments write through to the state, the new value placed in
+    host memory. `optax.tree.get` and
     `optax.tree_utils.tree_get` search the whole state, so they find a hyperparameter
     through `inner_state` as they are.
 
@@ -66,7 +70,33 @@ class OffloadedState(NamedTuple):
         # the state.
         if all(a is b for a, b in zip(jtu.tree_leaves(moved), jtu.tree_leaves(value), strict=True)):
             return value
+        if name == "hyperparams" and type(moved) is dict:  # `where=True`: write through
+            return _WriteThrough(moved, value)
         return moved
+
+
+class _WriteThrough(dict[Any, Any]):
+    """A device copy of the `hyperparams` dict of an `OffloadedState`'s inner state
+    whose assignments also change the state, placed in the memory of the value they
+    replace: `opt_state.hyperparams["learning_rate"] = 0.1` with `where=True`."""
+
+    def __init__(self, copy: dict[Any, Any], original: dict[Any, Any]) -> None:
+        super().__init__(copy)
+        self._original = original
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        kind = memory_kind_of(self._original.get(key))
+        if kind not in (None, "device"):
+            value = move(jnp.asarray(value), True, kind, "to_host")
+        self._original[key] = value
+
+
+jtu.register_pytree_with_keys(  # flattened as a dict (and rebuilt as one)
+    _WriteThrough,
+    lambda d: (tuple((jtu.DictKey(k), d[k]) for k in sorted(d)), tuple(sorted(d))),
+    lambda keys, values: dict(zip(keys, values, strict=True)),  # type: ignore[arg-type,return-value]  # a plain dict: a new tree, nothing to write through
+)
 
 
 class OffloadWarning(UserWarning):

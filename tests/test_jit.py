@@ -241,11 +241,46 @@ def test_cache_one_entry_per_configuration():
     assert_tree_equal(out, jnp.full(3, 3.0))
     inputs = jnp.ones(4), jnp.ones(3, jnp.int32), jax.device_put(jnp.ones(3), jax.memory.Space.Host)
     with count_compiles() as compiles:
-        f(ones, 3, scale=1.5)  # another static value
+        with pytest.warns(eqx_offload.OffloadWarning, match="`n`"):
+            f(ones, 3, scale=1.5)  # another static value (a Python number: warns)
         f(inputs[0], 2, scale=1.5)  # another shape
         f(inputs[1], 2, scale=1.5)  # another dtype
         f(inputs[2], 2, scale=1.5)  # another memory
     assert len(compiles) == 4
+
+
+def test_a_changed_python_number_warns_once_naming_the_leaf_and_the_fix():
+    # Flax linen's TrainState holds `step=0`, a Python int: static under filter_jit, so
+    # every step compiles again. It says so once, naming the argument, the leaf, and
+    # the fix first; the run itself is unchanged.
+    from ports import linen_trainstate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = linen_trainstate.train(True, style="filter_jit")
+    assert run.compiles == [1] * linen_trainstate.STEPS
+    messages = [str(w.message) for w in caught]
+    assert [w.category for w in caught] == [eqx_offload.OffloadWarning], messages
+    message = messages[0]
+    assert "`state`, leaf .step" in message and "(0 -> 1)" in message
+    assert message.index("jnp.asarray") < message.index("eqx_offload.jit") < message.index(".step")
+    assert len(message.split()) <= 80
+
+
+def test_unchanged_or_boolean_static_leaves_do_not_warn():
+    # A static float that keeps its value, and a bool flag that flips (a configuration
+    # switch, compiled once per value on purpose), say nothing.
+    @eqx_offload.filter_jit
+    def f(x, config, training):
+        return x * config["scale"] if training else x
+
+    xs = [jnp.full(3, float(i)) for i in range(4)]
+    with warnings.catch_warnings(record=True) as caught, count_compiles("f") as compiles:
+        warnings.simplefilter("always")
+        for i, x in enumerate(xs):
+            f(x, {"scale": 0.5}, training=i % 2 == 0)
+    assert len(compiles) == 2
+    assert caught == []
 
 
 def test_filter_jit_decorator_forms_and_bad_donate():

@@ -68,12 +68,6 @@ ADAPT: dict[str, tuple[str, str]] = {
 # ` [message]` names unittest subtests (a test whose subtests fail still passes as a
 # whole, so those must be listed by subtest).
 
-_ITEM5_GRAD = (
-    "optax.value_and_grad_from_state reads the stored value and grad with "
-    "optax.tree.get; the grad is in host memory, and its lax.cond mixes it with a "
-    "device gradient. Documented: pass eqx_offload.to_device(opt_state) (these tests "
-    "pass the state as it is)"
-)
 _RECOMPILE = (
     "the state from offloaded(...).init is committed (host memory) and the params are "
     "not, so plain jax.jit compiles the step twice (docs/concepts.md; issue 10 item 3: "
@@ -88,11 +82,6 @@ _DONATION = (
 )
 
 XFAIL: dict[str, tuple[str, str]] = {
-    # `value_and_grad_from_state`
-    "_src/linesearch_test.py::BacktrackingLinesearchTest::test_recycling_value_and_grad":
-        (_ITEM5_GRAD, r"cond branches must have equal output types"),
-    "_src/linesearch_test.py::ZoomLinesearchTest::test_value_and_grad_from_state":
-        (_ITEM5_GRAD, r"cond branches must have equal output types"),
     # false StateErrors
     # compiles twice under plain jax.jit (not polyak_sgd: nothing of its state is
     # offloaded, so nothing is committed)

@@ -20,7 +20,8 @@ class) is replaced by a subclass whose `init`/`update` are offloaded;
 
 Every `init`/`update` of a wrapped optimizer checks, when its result is concrete (an
 eager call), that every array leaf of the state with `ndim >= 1` is in `pinned_host`
-and every 0-d one in device memory (`offloaded`'s default `where=min_ndim(1)`).
+and every 0-d one (and a line search's `grad`) in device memory (`offloaded`'s default
+`where`).
 
 Which tests are expected to fail, and why, is in `adaptations.py`; this plugin marks
 them. `EQX_OFFLOAD_SUITE_REPORT` names a JSON file the plugin writes at the end: per
@@ -99,7 +100,8 @@ def _check_placement(state: Any, where: str) -> None:
     for path, x in arrays:
         if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
             continue  # a typed key with ndim 0 stays on the device; no shape to check
-        want = "pinned_host" if x.ndim >= 1 else "device"
+        grad = any(getattr(k, "name", None) == "grad" for k in path)  # a line search's
+        want = "pinned_host" if x.ndim >= 1 and not grad else "device"
         got = x.sharding.memory_kind
         assert got == want, (
             f"eqx_offload suite: after {where}, state leaf {jax.tree_util.keystr(path)} "
@@ -118,6 +120,10 @@ def _offload(original: Any) -> Any:
     import optax
 
     import eqx_offload
+    import inspect
+
+    # `offloaded`'s default `where`, as users get it.
+    DEFAULT_WHERE = inspect.signature(eqx_offload.offloaded).parameters["where"].default
 
     with _Depth():
         inner = eqx_offload.offloaded(original, **_options())
@@ -135,7 +141,7 @@ def _offload(original: Any) -> Any:
                 f"transformation that expects {expected!r}"
             )
             return inner.init(updates if params is None else params)
-        return eqx_offload.OffloadedState(eqx_offload.to_host(state, eqx_offload.min_ndim(1)))
+        return eqx_offload.OffloadedState(eqx_offload.to_host(state, DEFAULT_WHERE))
 
     def init(params: Any) -> Any:
         with _Depth():

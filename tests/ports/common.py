@@ -8,6 +8,7 @@ step). Nothing else differs between the two runs.
 """
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -90,13 +91,14 @@ def placement(opt_state: Any) -> dict[str, str]:
 
 
 def expected_placement(opt_state: Any) -> dict[str, str]:
-    """What `placement` must be with `offloaded`'s default `where=min_ndim(1)`: every
-    leaf with at least one dimension in `pinned_host`, 0-d leaves (step counters) on
-    the device; leaves outside any `OffloadedState` on the device, and the accumulator
-    of `offloaded(MultiSteps(...))` (`acc_grads`, kept on the device by design)."""
+    """What `placement` must be with `offloaded`'s default `where`: every leaf with at
+    least one dimension in `pinned_host`, except a line search's `grad`; 0-d leaves
+    (step counters) on the device; leaves outside any `OffloadedState` on the device,
+    and the accumulator of `offloaded(MultiSteps(...))` (`acc_grads`, kept on the
+    device by design)."""
     return {
         name: "pinned_host" if inside and np.ndim(leaf) >= 1 and "acc_grads" not in name
-        else "device"
+        and not re.search(r"\.grad(\[|$)", name) else "device"
         for name, leaf, inside in _array_leaves(opt_state)
     }
 

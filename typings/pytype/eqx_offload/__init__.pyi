@@ -7,7 +7,7 @@
 # Kept in step with the code by `mypy.stubtest` (scripts/gates.sh; with `__all__` it
 # also fails on a public name missing here).
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import (
     Any,
     BinaryIO,
@@ -54,6 +54,7 @@ __all__ = [
     "HostMemoryKind",
     "HostWeights",
     "install_runtime_checks",
+    "jit",
     "LAYER_INPUT",
     "LeafMemory",
     "Lowered",
@@ -337,6 +338,31 @@ def filter_jit(
 def filter_jit(
     fun: _F, *, donate: Union[Donate, tuple[str, ...]] = "none", compiler_options: Optional[dict[str, Any]] = None
 ) -> _FilterJit[_F]: ...
+
+class _Jit(Generic[_F]):
+    __call__: _F
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered: ...
+
+@overload
+def jit(
+    fun: None = None,
+    *,
+    static_argnums: Union[int, Sequence[int], None] = None,
+    static_argnames: Union[str, Iterable[str], None] = None,
+    donate_argnums: Union[int, Sequence[int], None] = None,
+    donate_argnames: Union[str, Iterable[str], None] = None,
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> Callable[[_F], _Jit[_F]]: ...
+@overload
+def jit(
+    fun: _F,
+    *,
+    static_argnums: Union[int, Sequence[int], None] = None,
+    static_argnames: Union[str, Iterable[str], None] = None,
+    donate_argnums: Union[int, Sequence[int], None] = None,
+    donate_argnames: Union[str, Iterable[str], None] = None,
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> _Jit[_F]: ...
 
 # Reports.
 @dataclasses.dataclass(frozen=True)
