@@ -47,14 +47,9 @@ from ._params import (
     HostWeights as HostWeights,
     with_host_params as with_host_params,
 )
-from ._plan import (
-    gpu_plan as gpu_plan,
-    GPU_TARGETS as GPU_TARGETS,
-    GpuPlan as GpuPlan,
-    GpuTarget as GpuTarget,
-    PlannedCollective as PlannedCollective,
-    PlannedCopy as PlannedCopy,
-)
+from ._hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
+from ._plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan
+from ._targets import GPU_TARGETS as GPU_TARGETS, GpuTarget as GpuTarget
 from ._remat import (
     filter_remat as filter_remat,
     LAYER_INPUT as LAYER_INPUT,

@@ -5,138 +5,24 @@ The numbers are XLA's *plan* for the target (its buffer assignment and its sched
 not a measurement: the device bytes are those XLA allocates for the executable, and a
 copy "overlaps compute" when XLA's schedule puts at least one kernel between the copy's
 start and its completion. How fast the copies actually are, and whether the runtime
-overlaps them as scheduled, only a GPU can say.
+overlaps them as scheduled, only a GPU can say (`docs/gpu-plan.md`).
 """
 
 import dataclasses
-import importlib
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, Union
 
-
 from . import _deviceless
 from ._errors import OptionError, PlanError
+from ._flops import matmul_flops
+from ._hlo import (
+    Direction, PlannedCollective, PlannedCopy, scheduled_collectives, scheduled_copies,
+)
 from ._memory import client_memory_fraction, run_settings
+from ._targets import GPU_TARGETS, GpuTarget, resolve_target
 
 
 MiB = 1 << 20
-
-Direction = Literal["to_device", "to_host"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-    """An NVIDIA GPU that `gpu_plan` compiles for: the properties of XLA's GPU target
-    description (`stream_executor.GpuTargetConfigProto`) that its cost model and
-    scheduler read. `device_memory_size` is also the memory limit XLA's scheduler
-    plans within.
-
-    **Fields:** `name`, `device_memory_size` (bytes), `core_count` (SMs),
-    `memory_bandwidth` (bytes/s), `clock_rate_ghz`, `l2_cache_size` (bytes),
-    `compute_capability` (`(major, minor)`), `pcie_bandwidth` (bytes/s, the value of
-    XLA's own target description, which its cost model reads). The step's floors
-    (`GpuPlan.compute_floor_seconds`, `GpuPlan.transfer_floor_seconds`) read the
-    published peak rates: `bf16_flops`, `tf32_flops` (a float32 matrix product at
-    JAX's default precision, which lets cuBLAS use TF32 on these GPUs), `fp32_flops`
-    (at `precision=HIGHEST`), all dense, per second; and `host_link_bandwidth`, bytes
-    per second each way between host and device (PCIe 5.0 x16: 64 GB/s; the one H200
-    this project measured copied 43.5 GB/s at 256 MiB).
-    """
-
-    name: str
-    device_memory_size: int
-    core_count: int
-    memory_bandwidth: int
-    clock_rate_ghz: float
-    l2_cache_size: int
-    compute_capability: tuple[int, int]
-    pcie_bandwidth: int
-    bf16_flops: float = 989.4e12
-    tf32_flops: float = 494.7e12
-    fp32_flops: float = 66.9e12
-    host_link_bandwidth: float = 64e9
-
-    def with_memory(self, device_memory_size: int) -> "GpuTarget":
-        """The same GPU with `device_memory_size` bytes of device memory (a budget)."""
-        return dataclasses.replace(self, device_memory_size=int(device_memory_size))
-
-    def config_text(self) -> str:
-        """The target in XLA's text format, for `get_topology_desc(target_config=...)`."""
-        major, minor = self.compute_capability
-        return f"""gpu_device_info {{
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: {self.core_count}
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: {self.memory_bandwidth}
-  l2_cache_size: {self.l2_cache_size}
-  clock_rate_ghz: {self.clock_rate_ghz}
-  device_memory_size: {self.device_memory_size}
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability {{ major: {major} minor: {minor} }}
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 10 }}
-device_description_str: "{self.name}"
-"""
-
-
-GPU_TARGETS: Mapping[str, GpuTarget] = {
-    "h100": GpuTarget("NVIDIA H100 80GB HBM3", 84942979072, 132, 3352320000000, 1.98,
-                      52428800, (9, 0), 34359738368),
-    "h200": GpuTarget("NVIDIA H200 141GB HBM3e", 151397597184, 132, 4800000000000, 1.98,
-                      52428800, (9, 0), 34359738368),
-}
-"""The GPUs `gpu_plan` knows by name (`"h100"`: H100 SXM 80 GB; `"h200"`: H200 141 GB),
-with their published properties as XLA's own target descriptions give them. For
-another GPU, or a budget, make a `GpuTarget` (or `GPU_TARGETS["h200"].with_memory(n)`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCopy:
-    """One asynchronous copy between host and device memory in XLA's schedule.
-
-    **Fields:** `direction` (`"to_device"` or `"to_host"`), `nbytes` (one execution),
-    `overlapped` (at least one kernel is scheduled between the copy's start and its
-    completion), `kernels` (how many), `name` (the `copy-start` instruction), `count`
-    (how many times the step runs it: the trip counts of the loops around it, e.g. a
-    layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
-    in a branch of a conditional, so it runs only when that branch is taken: the
-    applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
-    `GpuPlan.bytes_moved` count it as taken)."""
-
-    direction: Direction
-    nbytes: int
-    overlapped: bool
-    kernels: int
-    name: str
-    count: int = 1
-    conditional: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCollective:
-    """One collective operation between devices in XLA's schedule of a multi-device
-    step (per device).
-
-    **Fields:** `kind` (`"all-gather"`, `"reduce-scatter"`, `"all-reduce"`,
-    `"all-to-all"` or `"collective-permute"`), `nbytes` (the bytes of its result on
-    one device, one execution), `count` (how many times the step runs it), `name`
-    (the instruction)."""
-
-    kind: str
-    nbytes: int
-    count: int
-    name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,25 +212,6 @@ class GpuPlan:
         return "\n".join(lines)
 
 
-def resolve_target(target: Union[str, GpuTarget], device_memory: Optional[int]) -> GpuTarget:
-    if isinstance(target, GpuTarget):
-        resolved = target
-    elif isinstance(target, str) and target.lower() in GPU_TARGETS:
-        resolved = GPU_TARGETS[target.lower()]
-    else:
-        raise OptionError(
-            f"gpu_plan(target={target!r}): target must be one of "
-            f"{', '.join(repr(t) for t in GPU_TARGETS)} or an eqx_offload.GpuTarget."
-        )
-    if device_memory is not None:
-        if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory <= 0:
-            raise OptionError(
-                f"gpu_plan(device_memory={device_memory!r}): device_memory must be an int > 0 "
-                "(bytes of device memory to plan within), or None for the target's own."
-            )
-        resolved = resolved.with_memory(device_memory)
-    return resolved
-
 
 def gpu_plan(
     fun: Callable[..., Any],
@@ -362,7 +229,8 @@ def gpu_plan(
     Ask "does my step fit on an H100 with offload, and are the copies hidden?" from a
     laptop. **A plan, not a measurement**: the bytes are XLA's buffer assignment for
     that GPU and the overlap is XLA's schedule; a copy's real duration (PCIe) and the
-    step time need the GPU itself.
+    step time need the GPU itself. What the plans show, and how they compare with a
+    measured step: `docs/gpu-plan.md`.
 
     **Arguments:**
 
@@ -427,6 +295,21 @@ def gpu_plan(
     resolved = resolve_target(target, device_memory)
     fraction, source = (1.0, "the given device_memory") if device_memory is not None else (
         client_memory_fraction())
+    _check_options(compiler_options, host_memory)
+    jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
+    _deviceless.check_available()
+    check_abstract_arguments(args, kwargs)
+    call = _flatten_call(args, kwargs, jitted._donate, abstract=True)
+    devices = {d for s in call.in_shardings for d in s.device_set}
+    n_devices = max(1, len(devices))
+    lowered, options, executable = _compile(jitted, call, resolved, n_devices, compiler_options)
+    return _read_plan(executable, lowered._jaxpr, resolved, options, n_devices,
+                      host_memory=host_memory, fraction=fraction, source=source)
+
+
+def _check_options(compiler_options: Any, host_memory: Any) -> None:
+    """Raise an `OptionError` for a `compiler_options` or `host_memory` of `gpu_plan`
+    that is not of its kind (`target` and `device_memory`: `resolve_target`)."""
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise OptionError(
             f"gpu_plan(compiler_options={compiler_options!r}): compiler_options must be a "
@@ -438,12 +321,12 @@ def gpu_plan(
             f"gpu_plan(host_memory={host_memory!r}): host_memory must be an int > 0 (bytes "
             "of host memory for the planned GPUs together), or None."
         )
-    jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
-    _deviceless.check_available()
-    check_abstract_arguments(args, kwargs)
-    call = _flatten_call(args, kwargs, jitted._donate, abstract=True)
-    devices = {d for s in call.in_shardings for d in s.device_set}
-    n_devices = max(1, len(devices))
+
+
+def _compile(jitted: Any, call: Any, resolved: GpuTarget, n_devices: int,
+             compiler_options: Optional[dict[str, Any]]) -> tuple[Any, dict[str, Any], Any]:
+    """Lower the `filter_jit` call for `cuda` and compile it for `n_devices` of the
+    target's compile-only topology: the lowering, the XLA options, the executable."""
     topology = _deviceless.topology(resolved.config_text(), n_devices)
     with _deviceless.compiling_for("cuda"):
         lowered = jitted._lower_call(call, platforms=("cuda",))
@@ -456,6 +339,14 @@ def gpu_plan(
     except Exception as error:
         raise PlanError(f"gpu_plan: XLA could not compile the step for {resolved.name}: "
                         f"{error}") from error
+    return lowered, options, executable
+
+
+def _read_plan(executable: Any, jaxpr: Any, resolved: GpuTarget, options: dict[str, Any],
+               n_devices: int, *, host_memory: Optional[int], fraction: float,
+               source: str) -> GpuPlan:
+    """The `GpuPlan` of a compiled executable: XLA's memory statistics, the copies and
+    collectives of its scheduled HLO, and the flops of the traced program (`jaxpr`)."""
     stats = executable.get_compiled_memory_stats()
     device_peak = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
                    + stats.output_size_in_bytes - stats.alias_size_in_bytes)
@@ -480,7 +371,7 @@ def gpu_plan(
         n_devices=n_devices,
         host_memory_bytes=host_memory,
         collectives=scheduled_collectives(text),
-        matmul_flops={kind: n / n_devices for kind, n in matmul_flops(lowered._jaxpr).items()},
+        matmul_flops={kind: n / n_devices for kind, n in matmul_flops(jaxpr).items()},
         hbm_bytes=int(hbm),
         gpu=resolved,
         memory_fraction=fraction,
@@ -523,304 +414,3 @@ def check_abstract_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
                 "`jax_num_cpu_devices` before JAX starts)."
             )
 
-
-# ----------------------------------------------------------------------------------------
-# Counting the step's flops
-
-
-def _dot_flops(eqn: Any) -> tuple[str, float]:
-    import numpy as np
-
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
-    rhs_free = [d for i, d in enumerate(rhs.shape) if i not in rhs_contract and i not in rhs_batch]
-    flops = 2.0 * float(np.prod(lhs.shape, dtype=float)) * float(np.prod(rhs_free, dtype=float))
-    return _rate_kind(eqn, lhs.dtype), flops
-
-
-def _conv_flops(eqn: Any) -> tuple[str, float]:
-    import numpy as np
-
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
-    out = eqn.outvars[0].aval
-    # Each output element: a sum over the kernel's spatial window and its input features.
-    out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
-    per_output = float(np.prod(rhs.shape, dtype=float)) / max(1, out_features)
-    return _rate_kind(eqn, lhs.dtype), 2.0 * float(np.prod(out.shape, dtype=float)) * per_output
-
-
-def _rate_kind(eqn: Any, dtype: Any) -> str:
-    import jax
-    import numpy as np
-
-    if np.dtype(dtype).itemsize <= 2:
-        return "bf16"
-    precision = eqn.params.get("precision")
-    highest = jax.lax.Precision.HIGHEST
-    if precision is not None and any(p == highest for p in (
-            precision if isinstance(precision, tuple) else (precision,))):
-        return "fp32"
-    return "tf32"
-
-
-def _sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
-    core: Any = importlib.import_module("jax.extend.core")  # not in every checker's stubs
-    found: list[Any] = []  # jaxprs
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, core.ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, core.Jaxpr):
-                found.append(v)
-    return found
-
-
-def _total(flops: dict[str, float]) -> float:
-    return float(sum(flops.values()))
-
-
-def matmul_flops(jaxpr: Any) -> dict[str, float]:
-    """The matrix-product (`dot_general`, convolution) flops of a jaxpr, by the rate
-    they run at (`"bf16"`, `"tf32"`, `"fp32"`): every iteration of a `scan`, the
-    costlier branch of a `cond`, one iteration of a `while` (its trip count is not
-    known), and everything inside calls, custom derivatives and remat (whose
-    recomputation is part of the program). Elementwise work is not counted."""
-    totals: dict[str, float] = {}
-
-    def add(kind: str, flops: float) -> None:
-        totals[kind] = totals.get(kind, 0.0) + flops
-
-    def walk(jaxpr: Any, times: float) -> None:
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            if name == "dot_general":
-                kind, flops = _dot_flops(eqn)
-                add(kind, flops * times)
-            elif name == "conv_general_dilated":
-                kind, flops = _conv_flops(eqn)
-                add(kind, flops * times)
-            elif name == "cond":
-                branches = [matmul_flops(b.jaxpr) for b in eqn.params["branches"]]
-                costliest: dict[str, float] = max(branches, key=_total, default={})
-                for kind, flops in costliest.items():
-                    add(kind, flops * times)
-            else:
-                repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
-                for sub in _sub_jaxprs(eqn.params):
-                    walk(sub, times * repeat)
-
-    walk(getattr(jaxpr, "jaxpr", jaxpr), 1.0)
-    return totals
-
-
-# ----------------------------------------------------------------------------------------
-# Reading the scheduled program
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
-_OPCODE = re.compile(r"\s(?P<op>[a-z][a-z0-9\-]*)\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\](?:\{(?P<layout>[^}]*)\})?")
-_OPERAND = re.compile(r"%([^\s,()]+)")
-
-# Instructions that launch no kernel: bookkeeping, and the copies themselves.
-_NOT_COMPUTE = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
-    "copy-done", "after-all", "opt-barrier", "partition-id", "replica-id",
-    "add-dependency", "iota", "broadcast", "reshape",
-})
-
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4}
-
-
-def _array_bytes(match: "re.Match[str]") -> int:
-    dtype = match.group("dtype")
-    bits = _BITS.get(dtype) or int(re.sub(r"[^0-9]", "", dtype.split("e")[0]) or 8)
-    n = 1
-    for d in filter(None, match.group("dims").split(",")):
-        n *= int(d)
-    return n * bits // 8
-
-
-def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
-    """A `fusion-start` that copies rows between host and device memory (XLA's
-    asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
-    one: the streamed update's pieces of a stacked leaf): its direction and bytes."""
-    if "dynamic-slice" not in rest and "dynamic-update-slice" not in rest:
-        return None
-    arrays = list(_ARRAY.finditer(rest[: op.start()]))  # operands..., destination, context
-    n_operands = len(_OPERAND.findall(rest[op.end(): rest.find(")", op.end())]))
-    if len(arrays) <= n_operands:
-        return None
-    destination, operands = arrays[n_operands], arrays[:n_operands]
-
-    def on_host(m: "re.Match[str]") -> bool:
-        return "S(5)" in (m.group("layout") or "")
-
-    if on_host(destination):
-        moved = [m for m in operands if not on_host(m) and m.group("dims")]
-        return ("to_host", sum(map(_array_bytes, moved))) if moved else None
-    if any(on_host(m) for m in operands):
-        return "to_device", _array_bytes(destination)
-    return None
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)")
-_WHILE_BODY = re.compile(r"\bbody=%(?P<body>[^\s,]+)")
-_CALLED = re.compile(r"\b(?:condition|calls|to_apply|body|branch_computations|"
-                     r"true_computation|false_computation|async_execution_thread)=\{?(?P<names>%[^\s,}]+(?:,\s*%[^\s,}]+)*)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>[0-9]+)"')
-
-
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    """The computations of an HLO module's text: name -> instruction lines."""
-    found: dict[str, list[str]] = {}
-    current: Optional[list[str]] = None
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            match = _COMPUTATION.match(line)
-            current = found.setdefault(match.group("name") if match else line, [])
-            continue
-        if current is not None:
-            current.append(line)
-    return found
-
-
-_BRANCHES = ("branch_computations", "true_computation", "false_computation")
-
-
-def _calls(hlo_text: str) -> dict[str, list[tuple[str, bool]]]:
-    """Per computation of an HLO module's text: the computations it calls, each with
-    whether it is a branch of a conditional."""
-    found: dict[str, list[tuple[str, bool]]] = {}
-    for name, lines in _computations(hlo_text).items():
-        for line in lines:
-            for match in _CALLED.finditer(line):
-                branch = match.group(0).startswith(_BRANCHES)
-                found.setdefault(name, []).extend(
-                    (callee.strip().lstrip("%"), branch)
-                    for callee in match.group("names").split(","))
-    return found
-
-
-def conditional_computations(hlo_text: str) -> frozenset[str]:
-    """The computations of an HLO module that run only when a conditional takes a
-    branch: its branches and everything they call."""
-    calls = _calls(hlo_text)
-    found: set[str] = set()
-    pending = [callee for callees in calls.values() for callee, branch in callees if branch]
-    while pending:
-        name = pending.pop()
-        if name not in found:
-            found.add(name)
-            pending.extend(callee for callee, _ in calls.get(name, []))
-    return frozenset(found)
-
-
-def run_counts(hlo_text: str) -> dict[str, int]:
-    """How many times a step runs each computation of its scheduled HLO: 1 for the
-    entry, the trip count of the loop (`known_trip_count`) times its caller's for a
-    loop body, the caller's for anything else it calls."""
-    computations = _computations(hlo_text)
-    called: dict[str, list[tuple[str, int]]] = {}
-    for name, lines in computations.items():
-        for line in lines:
-            body = _WHILE_BODY.search(line)
-            trips = _TRIP_COUNT.search(line)
-            for match in _CALLED.finditer(line):
-                for callee in match.group("names").split(","):
-                    callee = callee.strip().lstrip("%")
-                    times = int(trips.group("n")) if (
-                        body and trips and callee == body.group("body")) else 1
-                    called.setdefault(name, []).append((callee, times))
-    callers = {c for calls in called.values() for c, _ in calls}
-    counts: dict[str, int] = {}
-
-    def visit(name: str, times: int) -> None:
-        counts[name] = counts.get(name, 0) + times
-        for callee, trips in called.get(name, []):
-            visit(callee, times * trips)
-
-    for root in [n for n in computations if n not in callers]:
-        visit(root, 1)
-    return counts
-
-
-def scheduled_collectives(hlo_text: str) -> tuple[PlannedCollective, ...]:
-    """Every collective between devices in a scheduled HLO module (its synchronous
-    form or the start of its asynchronous form), with its result's bytes and how many
-    times the step runs it."""
-    counts = run_counts(hlo_text)
-    found: list[PlannedCollective] = []
-    for computation, lines in _computations(hlo_text).items():
-        for line in lines:
-            match = _INSTRUCTION.match(line)
-            op = _OPCODE.search(match.group("rest")) if match else None
-            if match is None or op is None:
-                continue
-            kind = op.group("op").removesuffix("-start")
-            if kind not in _COLLECTIVES or op.group("op").endswith("-done"):
-                continue
-            rest = match.group("rest")
-            results = list(_ARRAY.finditer(rest[: op.start()]))
-            # An asynchronous start's result is (operands, results[, context]).
-            result = results[len(results) // 2] if op.group("op").endswith("-start") and len(
-                results) > 1 else (results[0] if results else None)
-            found.append(PlannedCollective(
-                kind, _array_bytes(result) if result else 0, counts.get(computation, 1),
-                match.group("name")))
-    return tuple(found)
-
-
-_COLLECTIVES = frozenset({"all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                          "collective-permute"})
-
-
-def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
-    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, and every
-    asynchronous slice copy between host and device (`fusion-start`/`fusion-done` of a
-    `dynamic-slice` or `dynamic-update-slice`), with whether a kernel runs between them
-    (per computation, in its schedule order) and how many times the step runs it."""
-    counts = run_counts(hlo_text)
-    conditional = conditional_computations(hlo_text)
-    in_branch = False
-    copies: list[PlannedCopy] = []
-    open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
-    kernels = 0
-    runs = 1
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            open_copies.clear()  # a new computation
-            kernels = 0
-            computation = _COMPUTATION.match(line)
-            runs = counts.get(computation.group("name"), 1) if computation else 1
-            in_branch = computation is not None and computation.group("name") in conditional
-            continue
-        match = _INSTRUCTION.match(line)
-        if match is None:
-            continue
-        rest = match.group("rest")
-        op = _OPCODE.search(rest)
-        if op is None:
-            continue
-        opcode = op.group("op")
-        if opcode == "copy-start":
-            destination = _ARRAY.search(rest[: op.start()])
-            if destination is None:
-                continue
-            layout = destination.group("layout") or ""
-            direction: Direction = "to_host" if "S(5)" in layout else "to_device"
-            open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
-        elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
-            slice_direction, slice_bytes = moved
-            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
-        elif opcode in ("copy-done", "fusion-done") and (
-                started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
-        ) is not None:
-            direction, nbytes, before = started
-            between = kernels - before
-            name = _OPERAND.findall(rest[op.end():])[0]
-            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name, runs,
-                                      in_branch))
-        elif opcode not in _NOT_COMPUTE:
-            kernels += 1
-    return tuple(copies)

@@ -98,7 +98,7 @@ def test_matmul_flops_count_every_iteration():
         return jax.lax.cond(p, lambda x: x @ x.T @ x, lambda x: x, x)
 
     x = jnp.ones((8, 32))
-    from eqx_offload._plan import matmul_flops
+    from eqx_offload._flops import matmul_flops
 
     assert matmul_flops(jax.make_jaxpr(scanned)(w, x)) == {"tf32": 6 * 2 * 8 * 32 * 32}
     assert matmul_flops(jax.make_jaxpr(branch)(True, x)) == {

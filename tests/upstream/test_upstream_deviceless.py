@@ -9,7 +9,7 @@ reading of the plan relies on, on a step small enough to say exactly what must h
   layout carries `S(5)` (host memory), and `get_compiled_memory_stats()` counts host
   arguments apart from device ones.
 
-If a JAX upgrade breaks one of these, fix `_deviceless.py` / `_plan.py` and this file.
+If a JAX upgrade breaks one of these, fix `_deviceless.py` / `_hlo.py` and this file.
 """
 
 import re
@@ -57,7 +57,7 @@ def test_copies_survive_lowering_for_cuda_with_cpu_shardings():
     assert stats.host_output_size_in_bytes == 256 * 256 * 4
     assert stats.argument_size_in_bytes == 0
     text = "\n".join(m.to_string() for m in executable.hlo_modules())
-    copies = eqx_offload._plan.scheduled_copies(text)
+    copies = eqx_offload._hlo.scheduled_copies(text)
     assert [c.direction for c in copies] == ["to_device", "to_host"]
     assert [c.nbytes for c in copies] == [256 * 256 * 4] * 2
     assert "S(5)" in text

@@ -1,0 +1,258 @@
+"""The host<->device copies and the collectives of a step, read from the text of XLA's
+scheduled HLO module: pure parsing, no JAX. `gpu_plan` builds its `GpuPlan` from them;
+what they show for `offloaded` is in `docs/gpu-plan.md`.
+"""
+
+import dataclasses
+import re
+from typing import Literal, Optional
+
+
+Direction = Literal["to_device", "to_host"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCopy:
+    """One asynchronous copy between host and device memory in XLA's schedule.
+
+    **Fields:** `direction` (`"to_device"` or `"to_host"`), `nbytes` (one execution),
+    `overlapped` (at least one kernel is scheduled between the copy's start and its
+    completion), `kernels` (how many), `name` (the `copy-start` instruction), `count`
+    (how many times the step runs it: the trip counts of the loops around it, e.g. a
+    layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
+    in a branch of a conditional, so it runs only when that branch is taken: the
+    applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
+    `GpuPlan.bytes_moved` count it as taken)."""
+
+    direction: Direction
+    nbytes: int
+    overlapped: bool
+    kernels: int
+    name: str
+    count: int = 1
+    conditional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCollective:
+    """One collective operation between devices in XLA's schedule of a multi-device
+    step (per device).
+
+    **Fields:** `kind` (`"all-gather"`, `"reduce-scatter"`, `"all-reduce"`,
+    `"all-to-all"` or `"collective-permute"`), `nbytes` (the bytes of its result on
+    one device, one execution), `count` (how many times the step runs it), `name`
+    (the instruction)."""
+
+    kind: str
+    nbytes: int
+    count: int
+    name: str
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
+_OPCODE = re.compile(r"\s(?P<op>[a-z][a-z0-9\-]*)\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\](?:\{(?P<layout>[^}]*)\})?")
+_OPERAND = re.compile(r"%([^\s,()]+)")
+
+# Instructions that launch no kernel: bookkeeping, and the copies themselves.
+_NOT_COMPUTE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
+    "copy-done", "after-all", "opt-barrier", "partition-id", "replica-id",
+    "add-dependency", "iota", "broadcast", "reshape",
+})
+
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4}
+
+
+def _array_bytes(match: "re.Match[str]") -> int:
+    dtype = match.group("dtype")
+    bits = _BITS.get(dtype) or int(re.sub(r"[^0-9]", "", dtype.split("e")[0]) or 8)
+    n = 1
+    for d in filter(None, match.group("dims").split(",")):
+        n *= int(d)
+    return n * bits // 8
+
+
+def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
+    """A `fusion-start` that copies rows between host and device memory (XLA's
+    asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
+    one: the streamed update's pieces of a stacked leaf): its direction and bytes."""
+    if "dynamic-slice" not in rest and "dynamic-update-slice" not in rest:
+        return None
+    arrays = list(_ARRAY.finditer(rest[: op.start()]))  # operands..., destination, context
+    n_operands = len(_OPERAND.findall(rest[op.end(): rest.find(")", op.end())]))
+    if len(arrays) <= n_operands:
+        return None
+    destination, operands = arrays[n_operands], arrays[:n_operands]
+
+    def on_host(m: "re.Match[str]") -> bool:
+        return "S(5)" in (m.group("layout") or "")
+
+    if on_host(destination):
+        moved = [m for m in operands if not on_host(m) and m.group("dims")]
+        return ("to_host", sum(map(_array_bytes, moved))) if moved else None
+    if any(on_host(m) for m in operands):
+        return "to_device", _array_bytes(destination)
+    return None
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)")
+_WHILE_BODY = re.compile(r"\bbody=%(?P<body>[^\s,]+)")
+_CALLED = re.compile(r"\b(?:condition|calls|to_apply|body|branch_computations|"
+                     r"true_computation|false_computation|async_execution_thread)=\{?(?P<names>%[^\s,}]+(?:,\s*%[^\s,}]+)*)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>[0-9]+)"')
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """The computations of an HLO module's text: name -> instruction lines."""
+    found: dict[str, list[str]] = {}
+    current: Optional[list[str]] = None
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            match = _COMPUTATION.match(line)
+            current = found.setdefault(match.group("name") if match else line, [])
+            continue
+        if current is not None:
+            current.append(line)
+    return found
+
+
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _calls(hlo_text: str) -> dict[str, list[tuple[str, bool]]]:
+    """Per computation of an HLO module's text: the computations it calls, each with
+    whether it is a branch of a conditional."""
+    found: dict[str, list[tuple[str, bool]]] = {}
+    for name, lines in _computations(hlo_text).items():
+        for line in lines:
+            for match in _CALLED.finditer(line):
+                branch = match.group(0).startswith(_BRANCHES)
+                found.setdefault(name, []).extend(
+                    (callee.strip().lstrip("%"), branch)
+                    for callee in match.group("names").split(","))
+    return found
+
+
+def conditional_computations(hlo_text: str) -> frozenset[str]:
+    """The computations of an HLO module that run only when a conditional takes a
+    branch: its branches and everything they call."""
+    calls = _calls(hlo_text)
+    found: set[str] = set()
+    pending = [callee for callees in calls.values() for callee, branch in callees if branch]
+    while pending:
+        name = pending.pop()
+        if name not in found:
+            found.add(name)
+            pending.extend(callee for callee, _ in calls.get(name, []))
+    return frozenset(found)
+
+
+def run_counts(hlo_text: str) -> dict[str, int]:
+    """How many times a step runs each computation of its scheduled HLO: 1 for the
+    entry, the trip count of the loop (`known_trip_count`) times its caller's for a
+    loop body, the caller's for anything else it calls."""
+    computations = _computations(hlo_text)
+    called: dict[str, list[tuple[str, int]]] = {}
+    for name, lines in computations.items():
+        for line in lines:
+            body = _WHILE_BODY.search(line)
+            trips = _TRIP_COUNT.search(line)
+            for match in _CALLED.finditer(line):
+                for callee in match.group("names").split(","):
+                    callee = callee.strip().lstrip("%")
+                    times = int(trips.group("n")) if (
+                        body and trips and callee == body.group("body")) else 1
+                    called.setdefault(name, []).append((callee, times))
+    callers = {c for calls in called.values() for c, _ in calls}
+    counts: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        counts[name] = counts.get(name, 0) + times
+        for callee, trips in called.get(name, []):
+            visit(callee, times * trips)
+
+    for root in [n for n in computations if n not in callers]:
+        visit(root, 1)
+    return counts
+
+
+def scheduled_collectives(hlo_text: str) -> tuple[PlannedCollective, ...]:
+    """Every collective between devices in a scheduled HLO module (its synchronous
+    form or the start of its asynchronous form), with its result's bytes and how many
+    times the step runs it."""
+    counts = run_counts(hlo_text)
+    found: list[PlannedCollective] = []
+    for computation, lines in _computations(hlo_text).items():
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            op = _OPCODE.search(match.group("rest")) if match else None
+            if match is None or op is None:
+                continue
+            kind = op.group("op").removesuffix("-start")
+            if kind not in _COLLECTIVES or op.group("op").endswith("-done"):
+                continue
+            rest = match.group("rest")
+            results = list(_ARRAY.finditer(rest[: op.start()]))
+            # An asynchronous start's result is (operands, results[, context]).
+            result = results[len(results) // 2] if op.group("op").endswith("-start") and len(
+                results) > 1 else (results[0] if results else None)
+            found.append(PlannedCollective(
+                kind, _array_bytes(result) if result else 0, counts.get(computation, 1),
+                match.group("name")))
+    return tuple(found)
+
+
+_COLLECTIVES = frozenset({"all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                          "collective-permute"})
+
+
+def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
+    """Every `copy-start`/`copy-done` pair of a scheduled HLO module, and every
+    asynchronous slice copy between host and device (`fusion-start`/`fusion-done` of a
+    `dynamic-slice` or `dynamic-update-slice`), with whether a kernel runs between them
+    (per computation, in its schedule order) and how many times the step runs it."""
+    counts = run_counts(hlo_text)
+    conditional = conditional_computations(hlo_text)
+    in_branch = False
+    copies: list[PlannedCopy] = []
+    open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
+    kernels = 0
+    runs = 1
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            open_copies.clear()  # a new computation
+            kernels = 0
+            computation = _COMPUTATION.match(line)
+            runs = counts.get(computation.group("name"), 1) if computation else 1
+            in_branch = computation is not None and computation.group("name") in conditional
+            continue
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        rest = match.group("rest")
+        op = _OPCODE.search(rest)
+        if op is None:
+            continue
+        opcode = op.group("op")
+        if opcode == "copy-start":
+            destination = _ARRAY.search(rest[: op.start()])
+            if destination is None:
+                continue
+            layout = destination.group("layout") or ""
+            direction: Direction = "to_host" if "S(5)" in layout else "to_device"
+            open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
+        elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
+            slice_direction, slice_bytes = moved
+            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
+        elif opcode in ("copy-done", "fusion-done") and (
+                started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
+        ) is not None:
+            direction, nbytes, before = started
+            between = kernels - before
+            name = _OPERAND.findall(rest[op.end():])[0]
+            copies.append(PlannedCopy(direction, nbytes, between > 0, between, name, runs,
+                                      in_branch))
+        elif opcode not in _NOT_COMPUTE:
+            kernels += 1
+    return tuple(copies)
