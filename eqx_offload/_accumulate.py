@@ -141,9 +141,16 @@ class _Step:
         inner, acc = _slice(state, "inner_opt_state"), _slice(state, "acc_grads")
         inner_mask, acc_mask = mask[inner], mask[acc]
         self.inner_dtypes, self.acc_dtypes = self.init_dtypes[inner], self.init_dtypes[acc]
-        zeros = jax.eval_shape(
-            lambda u, st: self._apply(u, st, jnp.bool_(True), inner_mask, acc_mask)[0],
-            updates, state)
+        def apply(u: Any, st: Any, e: Any) -> tuple[Any, Any]:
+            return self._apply(u, st, e, inner_mask, acc_mask)
+
+        def keep(u: Any, st: Any, e: Any) -> tuple[Any, Any]:
+            return _zeros(zeros), st.inner_opt_state
+
+        def updates_of(u: Any, st: Any) -> Any:
+            return apply(u, st, jnp.bool_(True))[0]
+
+        zeros = jax.eval_shape(updates_of, updates, state)
 
         def do_update(updates: Any, state: optax.MultiStepsState) -> tuple[Any, Any]:
             acc_grads = self._accumulate(updates, state, acc_mask)
@@ -152,11 +159,7 @@ class _Step:
             # expressions, as MultiSteps' update (it adds this mini-step's gradients
             # itself, selects with `emit`, multiplies by it): XLA's CPU backend then
             # fuses, and rounds, as it does for MultiSteps.
-            final, inner_state = lax.cond(
-                emit,
-                lambda u, st, e: self._apply(u, st, e, inner_mask, acc_mask),
-                lambda u, st, e: (_zeros(zeros), st.inner_opt_state),
-                updates, state, emit)
+            final, inner_state = lax.cond(emit, apply, keep, updates, state, emit)
             new_state = optax.MultiStepsState(
                 mini_step=optax.safe_increment(state.mini_step) % k_steps,
                 gradient_step=emit * optax.safe_increment(state.gradient_step)
@@ -165,7 +168,10 @@ class _Step:
                 acc_grads=self._reset(acc_grads, emit, acc_mask),
                 skip_state=skip_state,
             )
-            return jax.tree.map(lambda ga: emit * ga, final), new_state
+            def emitted(ga: Any) -> Any:
+                return emit * ga
+
+            return jax.tree.map(emitted, final), new_state
 
         def skip_update(updates: Any, state: optax.MultiStepsState) -> tuple[Any, Any]:
             return _zeros(zeros), state._replace(skip_state=skip_state)
@@ -185,15 +191,18 @@ class _Step:
         final, new_state = self.parts.opt.update(
             optax.tree.cast_like(acc_grads, updates), fetched, params=self.params,
             **self.extra_args)
-        new_state = jax.tree.map(lambda st, nst: jnp.astype(jnp.where(emit, nst, st), st.dtype),
-                                 fetched, new_state)
+        def select(st: Any, nst: Any) -> Any:
+            return jnp.astype(jnp.where(emit, nst, st), st.dtype)
+
+        new_state = jax.tree.map(select, fetched, new_state)
         return final, _store(self.options, new_state, inner_mask)
 
     def _accumulate(self, updates: Any, state: optax.MultiStepsState, acc_mask: list[bool]) -> Any:
         def add(acc_grads: Any, updates: Any, n_acc: Any) -> Any:
-            return jax.tree.map(
-                lambda upd, acc: self.parts.acc_update(upd, acc, n_acc=n_acc),
-                updates, acc_grads)
+            def add_one(upd: Any, acc: Any) -> Any:
+                return self.parts.acc_update(upd, acc, n_acc=n_acc)
+
+            return jax.tree.map(add_one, updates, acc_grads)
 
         if not any(acc_mask):
             return add(state.acc_grads, updates, state.mini_step)
@@ -203,7 +212,10 @@ class _Step:
         dtype = self.parts.accumulator_dtype
 
         def reset(acc_grads: Any, emit: Any) -> Any:
-            return jax.tree.map(lambda ga: jnp.astype((1 - emit) * ga, dtype), acc_grads)
+            def reset_one(ga: Any) -> Any:
+                return jnp.astype((1 - emit) * ga, dtype)
+
+            return jax.tree.map(reset_one, acc_grads)
 
         if not any(acc_mask):
             return reset(acc_grads, emit)
@@ -221,8 +233,10 @@ def _on_host(fn: Callable[..., Any], acc_mask: list[bool], acc_grads: Any,
     host, device = jax.memory.Space.Host, jax.memory.Space.Device
     spaces = [host if m else device for m in acc_mask]
     leaves, treedef = jtu.tree_flatten(acc_grads)
-    run = host_compute(lambda *args: jtu.tree_leaves(fn(*args)),
-                       compute_type="device_host", out_memory_spaces=spaces)
+    def flat_fn(*args: Any) -> list[Any]:
+        return jtu.tree_leaves(fn(*args))
+
+    run = host_compute(flat_fn, compute_type="device_host", out_memory_spaces=spaces)
     return jtu.tree_unflatten(treedef, run(acc_grads, *others))
 
 
@@ -244,7 +258,11 @@ def _fetch(options: Options, tree: Any, mask: list[bool], init_dtypes: list[Any]
 
 
 def _zeros(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.tree.map(_zeros_like_shape, shapes)
+
+
+def _zeros_like_shape(s: Any) -> Any:
+    return jnp.zeros(s.shape, s.dtype)
 
 
 def _regions(state: optax.MultiStepsState) -> list[str]:

@@ -50,8 +50,11 @@ def _numbers_and_names(
 def _python_scalars_as_arrays(tree: Any) -> Any:
     """Each Python scalar leaf as a weakly typed array, as `jax.jit` traces it
     (`jax.device_put`: `jnp.asarray` would compile a function for each dtype)."""
-    return jtu.tree_map(
-        lambda x: jax.device_put(x) if isinstance(x, _PYTHON_SCALARS) else x, tree)
+    return jtu.tree_map(_python_scalar_as_array, tree)
+
+
+def _python_scalar_as_array(x: Any) -> Any:
+    return jax.device_put(x) if isinstance(x, _PYTHON_SCALARS) else x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,8 @@ def put(leaves: Sequence[Any], mask: Sequence[bool], memory_kind: Optional[str],
     `treedef` (its index without one). `targets` caches where a concrete array goes per
     (sharding, memory kind)."""
     out = list(leaves)
-    indices, destinations = [], []
+    indices: list[int] = []
+    destinations: list[Any] = []
     for i, (x, selected) in enumerate(zip(leaves, mask, strict=True)):
         if selected and eqx.is_array(x):
             target = _target(x, memory_kind, argument, treedef, i, targets)

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _time(step: Callable[[], None], repeats: int) -> dict[str, Any]:
     """Wall and process-CPU seconds of `repeats` calls of `step` (after one warm-up)."""
     step()
-    wall, cpu = [], []
+    wall: list[float] = []
+    cpu: list[float] = []
     for _ in range(repeats):
         c, t = time.process_time(), time.perf_counter()
         step()
@@ -80,7 +81,8 @@ def _rates(timing: dict[str, Any], nbytes: int) -> dict[str, Any]:
 def _shapes(n: int) -> list[tuple[int, ...]]:
     """`n` parameters as 4096 x 4096 leaves (64 MiB each) and one leaf for the rest."""
     full, rest = divmod(n, LEAF_SIDE * LEAF_SIDE)
-    return [(LEAF_SIDE, LEAF_SIDE)] * full + ([(rest,)] if rest else [])
+    shapes: list[tuple[int, ...]] = [(LEAF_SIDE, LEAF_SIDE)] * full
+    return shapes + [(rest,)] if rest else shapes
 
 
 def _tree(shapes: list[tuple[int, ...]], value: float) -> dict[str, jax.Array]:
