@@ -21,7 +21,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -60,7 +60,8 @@ def accumulating_step(update: Callable[..., Any], accumulate: Any = jnp.float32
             return jax.tree.map(_add, acc, eqx.filter_grad(llama_loss)(model, batch)), None
 
         params = eqx.filter(model, eqx.is_inexact_array)
-        total, _ = jax.lax.scan(micro, jax.tree.map(functools.partial(_zeros, accumulate), params), tokens)
+        zeros = jax.tree.map(functools.partial(_zeros, accumulate), params)
+        total, _ = jax.lax.scan(micro, zeros, tokens)
         grads = jax.tree.map(functools.partial(_mean, tokens.shape[0]), total, params)
         return update(model, state, grads)
     return step
@@ -72,7 +73,8 @@ def batch_step(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
     """`(step, (model, state, tokens))`: `accumulating_step` of a `Llama` of `shape`
     in `mode` over `micro_batches` micro-batches, every argument abstract."""
     update, model, state = training_update(shape, mode, mesh)
-    return accumulating_step(update, accumulate), (model, state, abstract_tokens(shape, mesh, micro_batches))
+    tokens = abstract_tokens(shape, mesh, micro_batches)
+    return accumulating_step(update, accumulate), (model, state, tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +88,9 @@ class BatchPoint:
     (per device, every execution of every copy); `compute_floor_s`,
     `transfer_floor_s` (the plan's, see `GpuPlan`); `matmul_s` (the matrix-product
     flops alone at the GPU's peak rates: the part of the compute floor that grows with
-    the micro-batches, exactly, as the flops are counted per scan iteration); `error` (XLA's, where it could not compile, or why it was not
-    compiled); `plan_s`.
+    the micro-batches, exactly, as the flops are counted per scan iteration); `error`
+    (XLA's, where it could not compile, or why it was not compiled); `plan_s`;
+    `accumulate` (the dtype of the gradient sum).
     """
 
     shape: LlamaShape
@@ -108,37 +111,40 @@ class BatchPoint:
     matmul_s: float
     error: Optional[str]
     plan_s: float
+    accumulate: str = "float32"
 
 
 def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
                      target: str = "h100", host_memory: int = 256 * GB,
                      mesh: Optional[jax.sharding.Mesh] = None,
-                     device_memory: Optional[int] = None) -> BatchPoint:
-    """Plan `batch_step` for `target` and say whether it fits."""
+                     device_memory: Optional[int] = None, accumulate: str = "float32"
+                     ) -> BatchPoint:
+    """Plan `batch_step` (its gradient sum in `accumulate`) for `target` and say
+    whether it fits."""
     start = time.perf_counter()
     n = 1 if mesh is None else mesh.devices.size
     memory = (eqx_offload.GPU_TARGETS[target].device_memory_size if device_memory is None
               else device_memory)
     tokens = micro_batches * shape.batch * shape.seq * n
-    step, args = batch_step(shape, mode, micro_batches, mesh)
+    step, args = batch_step(shape, mode, micro_batches, mesh, jnp.dtype(accumulate))
     device_args, host_args = argument_bytes(args)
     common = (shape, mode.name, target, n, micro_batches, tokens)
     if device_args > memory or host_args > host_memory:
         return BatchPoint(*common, device_args, memory, host_args, host_memory, False, 0, 0,
                           0.0, 0.0, 0.0, "its weights and state alone do not fit (not compiled)",
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, accumulate)
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
     except eqx_offload.PlanError as error:
         return BatchPoint(*common, 0, memory, 0, host_memory, False, 0, 0, 0.0, 0.0,
-                          0.0, str(error)[:500], time.perf_counter() - start)
+                          0.0, str(error)[:500], time.perf_counter() - start, accumulate)
     return BatchPoint(
         *common, plan.device_peak_bytes, plan.device_memory_size, plan.host_total_bytes,
         host_memory, plan.fits and plan.host_total_bytes <= host_memory,
         plan.bytes_moved("to_device"), plan.bytes_moved("to_host"),
         plan.compute_floor_seconds, plan.transfer_floor_seconds, _matmul_seconds(plan), None,
-        time.perf_counter() - start)
+        time.perf_counter() - start, accumulate)
 
 
 def _matmul_seconds(plan: eqx_offload.GpuPlan) -> float:
@@ -155,7 +161,7 @@ class Line:
     fixed: float
     per_micro_batch: float
 
-    def at(self, k: float) -> float:
+    def at(self, k: Union[int, float]) -> float:
         return self.fixed + self.per_micro_batch * k
 
 
@@ -192,15 +198,17 @@ class BatchRow:
     smallest: Optional[int]
 
 
-def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target: str,
-              host_memory: int, mesh: Optional[jax.sharding.Mesh] = None,
+def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target: str = "h100",
+              host_memory: int = 256 * GB, mesh: Optional[jax.sharding.Mesh] = None,
               device_memory: Optional[int] = None,
-              progress: Optional[Callable[[BatchPoint], None]] = None) -> BatchRow:
+              progress: Optional[Callable[[BatchPoint], None]] = None,
+              accumulate: str = "float32") -> BatchRow:
     """Plan the step of `shape` in `mode` at `micro_batches` and twice as many, and
     extrapolate (see the module's docstring)."""
     points = []
     for k in (micro_batches, 2 * micro_batches):
-        points.append(plan_batch_point(shape, mode, k, target, host_memory, mesh, device_memory))
+        points.append(plan_batch_point(shape, mode, k, target, host_memory, mesh, device_memory,
+                                       accumulate))
         if progress is not None:
             progress(points[-1])
     low, high = points
@@ -213,7 +221,7 @@ def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target:
     return BatchRow(low, high, compute, transfer, smallest_batch(per_micro, compute, transfer))
 
 
-def _size(n: float) -> str:
+def _size(n: Union[int, float]) -> str:
     """Bytes as GiB, or MiB below one GiB (tiny models' plans would read 0.0)."""
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
@@ -225,9 +233,20 @@ def _tokens(n: Optional[int]) -> str:
         f"{n >> 10}k" if n >= 1 << 10 and n % (1 << 10) == 0 else str(n))
 
 
+def _why_not(p: BatchPoint) -> str:
+    reasons = []
+    if p.device_peak_bytes > p.device_memory_bytes:
+        reasons.append(f"device peak {_size(p.device_peak_bytes)} > "
+                       f"{_size(p.device_memory_bytes)}")
+    if p.host_bytes > p.host_memory_bytes:
+        reasons.append(f"host {_size(p.host_bytes)} > {_size(p.host_memory_bytes)}")
+    return f" (does NOT fit: {', '.join(reasons)})"
+
+
 def batch_table(rows: Sequence[BatchRow]) -> str:
-    """A Markdown table of `batch_row`s: per GPU and mode, the plan at `k`
-    micro-batches and the smallest global batch within 10%."""
+    """A Markdown table of `batch_row`s: per GPU and mode, the plan at `2k`
+    micro-batches (a loop of one is not a loop in XLA's plan) and the smallest global
+    batch within 10%."""
     lines = [
         "| GPU | mode | model | tokens per step | device peak | host | to device / to host "
         "per step | compute floor (s) | transfer floor (s) | ratio | smallest batch within "
@@ -235,18 +254,18 @@ def batch_table(rows: Sequence[BatchRow]) -> str:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        p = r.low
+        p = r.high
         gpu = p.target.upper() + ("" if p.n_devices == 1 else f" x {p.n_devices}")
         if r.compute_s is None:
-            error = (p.error or r.high.error or "")[:120].replace("|", "/").replace("\n", " ")
+            error = (r.low.error or p.error or "")[:120].replace("|", "/").replace("\n", " ")
             lines.append(f"| {gpu} | {p.mode} | {p.shape.name} | {_tokens(p.tokens)} "
                          f"| | | | | | | XLA: {error} |")
             continue
         ratio = p.transfer_floor_s / p.compute_floor_s if p.compute_floor_s else math.inf
-        fit = "" if p.fits else " (does NOT fit)"
         lines.append(
-            f"| {gpu} | {p.mode} | {p.shape.name}{fit} | {_tokens(p.tokens)} "
-            f"| {_size(p.device_peak_bytes)} | {_size(p.host_bytes)} "
+            f"| {gpu} | {p.mode}{'' if p.accumulate == 'float32' else ', ' + p.accumulate + ' sum'} "
+            f"| {p.shape.name}{'' if p.fits else _why_not(p)} "
+            f"| {_tokens(p.tokens)} | {_size(p.device_peak_bytes)} | {_size(p.host_bytes)} "
             f"| {_size(p.bytes_to_device)} / {_size(p.bytes_to_host)} "
             f"| {p.compute_floor_s:.3f} | {p.transfer_floor_s:.3f} | {ratio:.2f} "
             f"| {_tokens(r.smallest)} |")
@@ -295,7 +314,7 @@ def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
                                     seq=args.seq_len or shape.seq)
         rows.append(batch_row(shape, MODES_BY_NAME[mode], args.micro_batches, target,
                               int(args.host_memory * GB) * n, mesh_of(n), device_memory,
-                              _progress))
+                              _progress, args.accumulate))
     table = batch_table(rows)
     print(table)
     print(f"\nXLA's plan (compiled without a GPU, not a measurement) of the optimizer step "
@@ -310,3 +329,33 @@ def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
         with open(args.json, "w") as f:
             json.dump([row_record(r) for r in rows], f, indent=1)
     return 0
+
+
+def formula_table(published: Sequence[dict[str, Any]], limit: float = 0.1) -> str:
+    """A Markdown table of the smallest global batch by formula alone, from the
+    one-micro-batch plans of a capacity JSON (`plan --capacity --json`): the compute
+    floor grows with the micro-batches, the transfer floor does not where the weights
+    stay on the device (every copy is the state's, once per optimizer step); where the
+    blocks' weights wait in host memory (`+params`, `+activations`) every copy is taken
+    as per micro-batch. Not planned: the accumulating step's device peak is not known
+    here (it adds the gradient sum, 4 bytes a parameter over the devices)."""
+    from .capacity import MODES_BY_NAME
+
+    lines = ["| GPU | mode | model | tokens per micro-batch | compute floor per micro-batch (s) "
+             "| transfer floor (s) | smallest batch within 10% (formula) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in published:
+        p = r["largest"]
+        if p is None:
+            continue
+        shape = LlamaShape(**p["shape"])
+        per_micro = shape.batch * shape.seq * r["n_devices"]
+        each = MODES_BY_NAME[r["mode"]].params_on_host
+        compute = Line(0.0, p["compute_floor_s"])
+        transfer = Line(0.0, p["transfer_floor_s"]) if each else Line(p["transfer_floor_s"], 0.0)
+        gpu = r["target"].upper() + ("" if r["n_devices"] == 1 else f" x {r['n_devices']}")
+        lines.append(f"| {gpu} | {r['mode']} | {shape.name} | {_tokens(per_micro)} "
+                     f"| {p['compute_floor_s']:.3f} | {p['transfer_floor_s']:.3f}"
+                     f"{' per micro-batch' if each else ''} "
+                     f"| {_tokens(smallest_batch(per_micro, compute, transfer, limit))} |")
+    return "\n".join(lines)

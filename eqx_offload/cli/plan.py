@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "the optimizer step that scans K micro-batches (--micro-batch "
                                "sequences of --seq-len tokens per GPU each) and updates once, "
                                "and at 2K, and find the smallest global batch within 10%%")
+    capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
+                          help="the dtype of the batch table's gradient sum, a carry on the "
+                               "device (default float32)")
     capacity.add_argument("--seq-len", type=int, default=None, metavar="S",
                           help="tokens per sequence of the batch table (default the ladder's)")
     capacity.add_argument("--models-from", default=None, metavar="PATH",
