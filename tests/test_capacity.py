@@ -20,7 +20,7 @@ import pytest
 
 import eqx_offload
 from eqx_offload import _deviceless
-from eqx_offload.cli import capacity, llama
+from eqx_offload.cli import capacity, capacity_batch, capacity_run, llama
 from eqx_offload.cli import plan as plan_command
 from helpers import gpu_plan_marks
 
@@ -154,10 +154,10 @@ def test_search_starts_where_a_mode_that_keeps_more_ended():
                                    0.0, 0.0, 0.0, None, 0.0)
     done = [capacity.Capacity(capacity.MODES_BY_NAME["state"], "h100", 1, point, None, (point,))]
     modes = capacity.MODES_BY_NAME
-    assert capacity._start(done, modes["+master"], "h100", 1, ladder) == [3]
-    assert capacity._start(done, modes["state"], "h200", 1, ladder) == [3]  # more memory
-    assert capacity._start(done, modes["bf16"], "h100", 1, ladder) == []
-    assert capacity._start(done, modes["+master"], "h100", 8, ladder) == []
+    assert capacity_run._start(done, modes["+master"], "h100", 1, ladder) == [3]
+    assert capacity_run._start(done, modes["state"], "h200", 1, ladder) == [3]  # more memory
+    assert capacity_run._start(done, modes["bf16"], "h100", 1, ladder) == []
+    assert capacity_run._start(done, modes["+master"], "h100", 8, ladder) == []
 
 
 def test_ladder_is_the_published_shapes_and_depths_between():
@@ -197,12 +197,13 @@ def test_llama_model_trains():
 
 
 def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
+    # `--quick` alone: one H100 cut to 12 MiB, three modes, a ladder of three small
+    # shapes; every size and byte count printed is a real number (MiB for these).
     parser = argparse.ArgumentParser()
     plan_command.add_arguments(parser)
     out = tmp_path / "capacity.json"
     cache = tmp_path / "points.jsonl"
-    argv = ["--capacity", "--quick", "--gpus", "h100", "--capacity-modes", "fp32,+activations",
-            "--device-memory", "12", "--json", str(out), "--cache", str(cache)]
+    argv = ["--capacity", "--quick", "--json", str(out), "--cache", str(cache)]
     assert plan_command.run(parser.parse_args(argv)) == 0
     printed = capsys.readouterr().out
     # Run again on the same cache: every point comes from it (nothing is planned), and
@@ -218,6 +219,12 @@ def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out == printed
     assert len(cache.read_text().splitlines()) == planned
     assert "| H100 | fp32 |" in printed and "| H100 | +activations |" in printed
+    assert "device peak (MiB)" in printed
+    rows = [r.split("|") for r in printed.splitlines() if r.startswith("| H100 |")]
+    assert len(rows) == 3
+    for row in rows:  # the model's size, device peak, host, bytes moved: none reads 0.0
+        assert row[4].strip() not in ("", "0.0B") and float(row[5]) > 0, row
+    assert all(float(row[6]) > 0 and float(row[7].split("/")[0]) > 0 for row in rows[1:])
     results = {r["mode"]: r for r in json.loads(out.read_text())}
     plain, everything = results["fp32"], results["+activations"]
     assert plain["largest"] is not None and everything["largest"] is not None
@@ -234,6 +241,46 @@ def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
     blocks = shape.layers * shape.block_params * 2
     assert largest["bytes_to_device"] > 2 * blocks
     assert largest["transfer_floor_s"] > 0 and largest["floor_ratio"] >= 1
+
+
+def test_smallest_batch_is_the_first_power_of_two_within_the_limit():
+    line = capacity_batch.line
+    assert line(2, 5.0, 4, 9.0) == capacity_batch.Line(1.0, 2.0)
+    # 1 s of compute per micro-batch of 4096 tokens, 2.4 s of copies per optimizer
+    # step: 24 micro-batches reach 10%; the first power of two above is 32 (128k).
+    compute, transfer = capacity_batch.Line(0.0, 1.0), capacity_batch.Line(2.4, 0.0)
+    assert capacity_batch.smallest_batch(4096, compute, transfer) == 32 * 4096
+    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(2.5, 0.0)) == 32 * 4096
+    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(3.3, 0.0)) == 64 * 4096
+    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(0.05, 0.0)) == 4096
+    # Copies per micro-batch of more than a tenth of its compute: never within 10%.
+    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(0.0, 0.11)) is None
+    # A micro-batch of 3 x 1024 tokens: a power of two that is a whole number of them.
+    assert capacity_batch.smallest_batch(3072, compute, capacity_batch.Line(0.1, 0.0)) is None
+    assert capacity_batch.smallest_batch(2048, compute, capacity_batch.Line(0.3, 0.0)) == 8192
+
+
+def test_batch_step_moves_the_state_once_per_optimizer_step():
+    # The step that scans K micro-batches and updates once: with the state and master
+    # weights in host memory, the bytes each way do not grow with K, and the line
+    # through the plans at 2 and 4 micro-batches predicts the plan at 8.
+    shape = capacity_run.QUICK_LADDER[0]
+    mode = capacity.MODES_BY_NAME["+master"]
+    row = capacity_batch.batch_row(shape, mode, 2, "h100")
+    eight = capacity_batch.plan_batch_point(shape, mode, 8, "h100")
+    points = (row.low, row.high, eight)
+    assert [p.micro_batches for p in points] == [2, 4, 8]
+    assert all(p.error is None and p.fits for p in points)
+    state = 3 * 4 * shape.params  # fp32 master weights and both AdamW moments
+    for p in points:
+        for moved in (p.bytes_to_device, p.bytes_to_host):
+            assert state <= moved <= 1.1 * state, (p.micro_batches, moved, state)
+    assert eight.tokens == 8 * shape.seq
+    assert eight.matmul_s == pytest.approx(row.compute_s.at(8), rel=1e-9)
+    assert row.compute_s.fixed == pytest.approx(0, abs=1e-3 * row.compute_s.per_micro_batch)
+    assert eight.transfer_floor_s == pytest.approx(row.transfer_s.at(8), rel=0.02)
+    table = capacity_batch.batch_table([row])
+    assert "| H100 | +master | tiny 2L | 512 |" in table
 
 
 def test_node_plan_shards_the_state_over_the_devices():
@@ -262,7 +309,7 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
     # The weights and the state outlive the step: where they alone exceed the device's
     # or the host's memory, no plan can fit, and the point says so without compiling
     # (the largest models' compiles take minutes).
-    shape = capacity.QUICK_LADDER[0]
+    shape = capacity_run.QUICK_LADDER[0]
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled a step whose arguments alone do not fit")
@@ -278,10 +325,48 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
                                      host_memory=host - 1)
     assert tight_host.from_arguments and not tight_host.fits
     assert tight_host.host_bytes == host
-    assert "not compiled" in capacity._why_not(tight_host)
+    assert "not compiled" in capacity_run._why_not(tight_host)
     tight_device = capacity.plan_point(shape, capacity.MODES_BY_NAME["fp32"], "h100",
                                        device_memory=3 * 4 * shape.params)
     assert tight_device.from_arguments and not tight_device.fits  # weights, mu, nu, count
+
+
+BATCH_JSON = pathlib.Path(__file__).parent.parent / "docs/bench/gpu/capacity_batch.json"
+
+
+@pytest.mark.once
+def test_published_batch_table_is_the_json():
+    # docs/bench/gpu/capacity_batch.json is what `plan --capacity --micro-batches`
+    # wrote (XLA's plan); docs/capacity.md's table is its table, row by row, and each
+    # smallest batch follows from the row's lines.
+    rows = json.loads(BATCH_JSON.read_text())
+    page = (BATCH_JSON.parent.parent.parent / "capacity.md").read_text()
+    assert rows
+    for record in rows:
+        low = record["low"]
+        low["shape"] = llama.LlamaShape(**low["shape"])
+        high = dict(record["high"], shape=low["shape"])
+        lines = [None if record[k] is None else capacity_batch.Line(**record[k])
+                 for k in ("compute_s", "transfer_s")]
+        row = capacity_batch.BatchRow(capacity_batch.BatchPoint(**low),
+                                      capacity_batch.BatchPoint(**high), *lines,
+                                      record["smallest_tokens"])
+        if row.compute_s is not None:
+            per_micro = low["shape"].batch * low["shape"].seq * low["n_devices"]
+            assert record["smallest_tokens"] == capacity_batch.smallest_batch(
+                per_micro, row.compute_s, row.transfer_s)
+        [line] = capacity_batch.batch_table([row]).splitlines()[2:]
+        assert line in page, line
+    # The table by formula alone, from the one-micro-batch plans of capacity.json.
+    published = json.loads((BATCH_JSON.parent / "capacity.json").read_text())
+    for line in capacity_batch.formula_table(published).splitlines():
+        assert line in page, line
+    # The goals' rows: 13B on one H100 and 70B on the node reach 10% at 256k tokens by
+    # the floors (the 13B step's fp32 sum does not fit the H100: the page says so).
+    smallest = {(r["low"]["target"], r["low"]["n_devices"], r["low"]["mode"],
+                 r["low"].get("accumulate", "float32")): r for r in rows}
+    assert smallest[("h100", 1, "+master", "float32")]["smallest_tokens"] <= 256 * 1024
+    assert smallest[("h100", 8, "+master", "float32")]["smallest_tokens"] <= 1 << 20
 
 
 @pytest.mark.once

@@ -118,25 +118,67 @@ def _blocks_to_host(model: Llama) -> Llama:
     return moved
 
 
-def _optimizer_step(opt: optax.GradientTransformation) -> Callable[..., Any]:
-    @eqx_offload.filter_jit(donate="all")
-    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
-        grads = eqx.filter_grad(llama_loss)(model, tokens)
+def _optimizer_update(opt: optax.GradientTransformation) -> Callable[..., Any]:
+    def update(model: Any, state: Any, grads: Any) -> Any:
         updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
         return eqx_offload.apply_updates(model, updates), state
-    return step
+    return update
 
 
-def _master_step(mw: Any) -> Callable[..., Any]:
+def _master_update(mw: Any) -> Callable[..., Any]:
+    def update(model: Any, state: Any, grads: Any) -> Any:
+        return mw.update(grads, state, model)
+    return update
+
+
+def _one_step(update: Callable[..., Any]) -> Callable[..., Any]:
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
-        grads = eqx.filter_grad(llama_loss)(model, tokens)
-        return mw.update(grads, state, model)
+        return update(model, state, eqx.filter_grad(llama_loss)(model, tokens))
     return step
 
 
 def _init(opt: Any, model: Any) -> Any:
     return opt.init(eqx.filter(model, eqx.is_array))
+
+
+def training_update(shape: LlamaShape, mode: CapacityMode,
+                    mesh: Optional[jax.sharding.Mesh] = None
+                    ) -> tuple[Callable[..., Any], Any, Any]:
+    """`(update, model, state)`: `update(model, state, grads) -> (model, state)`, the
+    AdamW update of a `Llama` of `shape` in `mode`, and its abstract arguments
+    (`jax.ShapeDtypeStruct`s with shardings that carry memory kinds; over `mesh`, one
+    axis, sharded FSDP style). Nothing is allocated."""
+    def make() -> Llama:
+        model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
+        return _blocks_to_host(model) if mode.params_on_host else model
+
+    model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
+    adamw = optax.adamw(3e-4, weight_decay=0.1)
+    inner = eqx_offload.with_host_params(adamw) if mode.params_on_host else adamw
+    if mode.bf16:
+        mw = eqx_offload.master_weights(
+            inner, offload=eqx_offload.offloaded if mode.master_on_host else None)
+        model, state = eqx_offload.filter_eval_shape(mw.init, model)
+        return _master_update(mw), model, state
+    opt = eqx_offload.offloaded(inner) if mode.state_on_host else inner
+    state = eqx_offload.filter_eval_shape(functools.partial(_init, opt), model)
+    return _optimizer_update(opt), model, state
+
+
+def abstract_tokens(shape: LlamaShape, mesh: Optional[jax.sharding.Mesh],
+                    micro_batches: Optional[int] = None) -> jax.ShapeDtypeStruct:
+    """The abstract token ids of a step: `(shape.batch * devices, seq + 1)`, split over
+    `mesh`'s devices, with a leading axis of `micro_batches` where given."""
+    n = 1 if mesh is None else mesh.devices.size
+    lead: tuple[int, ...] = () if micro_batches is None else (micro_batches,)
+    if mesh is None:
+        sharding: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+        sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*(None,) * len(lead), mesh.axis_names[0]))
+    return jax.ShapeDtypeStruct(lead + (shape.batch * n, shape.seq + 1), jnp.int32,
+                                sharding=sharding)
 
 
 def training_step(shape: LlamaShape, mode: CapacityMode,
@@ -146,29 +188,8 @@ def training_step(shape: LlamaShape, mode: CapacityMode,
     shardings that carry memory kinds); over `mesh` (one axis), the weights and the
     state sharded FSDP style and the batch (`shape.batch` sequences per device)
     split over the devices. Nothing is allocated."""
-    def make() -> Llama:
-        model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
-        return _blocks_to_host(model) if mode.params_on_host else model
-
-    model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
-    adamw = optax.adamw(3e-4, weight_decay=0.1)
-    inner = eqx_offload.with_host_params(adamw) if mode.params_on_host else adamw
-    n = 1 if mesh is None else mesh.devices.size
-    if mesh is None:
-        token_sharding: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    else:
-        token_sharding = jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(mesh.axis_names[0]))
-    tokens = jax.ShapeDtypeStruct((shape.batch * n, shape.seq + 1), jnp.int32,
-                                  sharding=token_sharding)
-    if mode.bf16:
-        mw = eqx_offload.master_weights(
-            inner, offload=eqx_offload.offloaded if mode.master_on_host else None)
-        model, state = eqx_offload.filter_eval_shape(mw.init, model)
-        return _master_step(mw), (model, state, tokens)
-    opt = eqx_offload.offloaded(inner) if mode.state_on_host else inner
-    state = eqx_offload.filter_eval_shape(functools.partial(_init, opt), model)
-    return _optimizer_step(opt), (model, state, tokens)
+    update, model, state = training_update(shape, mode, mesh)
+    return _one_step(update), (model, state, abstract_tokens(shape, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,55 +410,6 @@ class PointCache:
                 f.write(json.dumps(dict(point_record(point), device_memory=device_memory)) + "\n")
 
 
-def _gib(n: Union[int, float]) -> str:
-    return f"{n / (1 << 30):.1f}"
-
-
-def capacity_table(results: Sequence[Capacity]) -> str:
-    """A Markdown table of `capacity` results: per target and mode, the largest model
-    that fits, what its step holds and moves, and its floors."""
-    lines = [
-        "| GPU | mode | largest that fits | params | device peak (GiB) | host (GiB) "
-        "| moved per step, to device / to host (GiB) | compute floor (ms) "
-        "| transfer floor (ms) | floor ratio | next size up: why not |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in results:
-        gpu = r.target.upper() + ("" if r.n_devices == 1 else f" x {r.n_devices}")
-        why = "" if r.first_too_large is None else _why_not(r.first_too_large)
-        p = r.largest
-        if p is None:
-            lines.append(f"| {gpu} | {r.mode.name} | none | | | | | | | | {why} |")
-            continue
-        lines.append(
-            f"| {gpu} | {r.mode.name} | {p.shape.name} | {p.params / 1e9:.1f}B "
-            f"| {_gib(p.device_peak_bytes)} | {_gib(p.host_bytes)} "
-            f"| {_gib(p.bytes_to_device)} / {_gib(p.bytes_to_host)} "
-            f"| {p.compute_floor_s * 1e3:.0f} | {p.transfer_floor_s * 1e3:.0f} "
-            f"| {p.floor_ratio:.2f} | {why} |")
-    return "\n".join(lines)
-
-
-def _why_not(p: CapacityPoint) -> str:
-    if p.error is not None:
-        return f"{p.shape.name}: XLA could not compile it ({p.error[:80]}...)"
-    if p.from_arguments:
-        reasons = []
-        if p.device_peak_bytes > p.device_memory_bytes:
-            reasons.append(f"its weights and state alone {_gib(p.device_peak_bytes)} GiB > "
-                           f"{_gib(p.device_memory_bytes)} on the device")
-        if p.host_bytes > p.host_memory_bytes:
-            reasons.append(f"its weights and state alone {_gib(p.host_bytes)} GiB > "
-                           f"{_gib(p.host_memory_bytes)} of host memory")
-        return f"{p.shape.name} ({p.params / 1e9:.1f}B): " + ", ".join(reasons) + " (not compiled)"
-    reasons = []
-    if p.device_peak_bytes > p.device_memory_bytes:
-        reasons.append(f"device peak {_gib(p.device_peak_bytes)} GiB > "
-                       f"{_gib(p.device_memory_bytes)}")
-    if p.host_bytes > p.host_memory_bytes:
-        reasons.append(f"host {_gib(p.host_bytes)} GiB > {_gib(p.host_memory_bytes)}")
-    return f"{p.shape.name} ({p.params / 1e9:.1f}B): " + ", ".join(reasons)
-
 
 def point_record(p: CapacityPoint) -> dict[str, Any]:
     """A `CapacityPoint` as plain data (JSON)."""
@@ -454,107 +426,3 @@ def point_from_record(record: dict[str, Any]) -> CapacityPoint:
     collectives: dict[str, Any] = record["collectives"]
     values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in collectives.items()}
     return CapacityPoint(**values)
-
-
-QUICK_LADDER: tuple[LlamaShape, ...] = (
-    LlamaShape("tiny 2L", 128, 2, 4, 2, 256, 512, seq=128),
-    LlamaShape("tiny 4L", 128, 4, 4, 2, 256, 512, seq=128),
-    LlamaShape("tiny 8L", 128, 8, 4, 2, 256, 512, seq=128),
-)
-"""The ladder of `--quick`: three small depths of one small shape."""
-
-
-def _gpus(spec: str) -> list[tuple[str, int]]:
-    gpus = []
-    for token in (t.strip().lower() for t in spec.split(",") if t.strip()):
-        name, _, count = token.partition("x")
-        if name not in eqx_offload.GPU_TARGETS or (count and not count.isdigit()):
-            raise SystemExit(f"eqx_offload plan --capacity: unknown GPU {token!r} (h100, h200, "
-                             "or NAMExN for a node of N)")
-        gpus.append((name, int(count or 1)))
-    return gpus
-
-
-def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
-    """A one-axis mesh of `n` of this machine's devices (the plan sizes a topology of as
-    many GPUs), or `None` for one."""
-    if n == 1:
-        return None
-    if len(jax.devices()) < n:
-        raise SystemExit(f"eqx_offload plan --capacity: a node of {n} GPUs needs {n} devices "
-                         f"here, and JAX has {len(jax.devices())} (it started before "
-                         "jax_num_cpu_devices could be set)")
-    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
-
-
-def _start(done: Sequence[Capacity], mode: CapacityMode, target: str, n: int,
-           shapes: Sequence[LlamaShape]) -> list[int]:
-    """Where the search for `mode` on `target` starts: the answers so far of the modes
-    in `mode.after` on the same GPUs, and of `mode` on as many GPUs with no more memory
-    each (guesses that `largest_fitting` checks first, the largest first)."""
-    memory = eqx_offload.GPU_TARGETS[target].device_memory_size
-    found = [shapes.index(r.largest.shape) for r in done
-             if r.largest is not None and r.largest.shape in shapes and r.n_devices == n
-             and ((r.target == target and r.mode.name in mode.after)
-                  or (r.mode.name == mode.name
-                      and eqx_offload.GPU_TARGETS[r.target].device_memory_size <= memory))]
-    return sorted(set(found), reverse=True)
-
-
-def run_capacity(args: Any) -> int:
-    """`python -m eqx_offload plan --capacity`: the capacity table."""
-    import sys
-
-    gpus = _gpus(args.gpus)
-    most = max(n for _, n in gpus)
-    if most > 1:
-        try:  # before JAX starts its CPU backend (as the command line does)
-            jax.config.update("jax_num_cpu_devices", most)
-        except (RuntimeError, ValueError):
-            pass  # started already (e.g. in tests): `_mesh` checks what there is
-    names = (args.capacity_modes or ",".join(m.name for m in CAPACITY_MODES)).split(",")
-    unknown = [n for n in names if n not in MODES_BY_NAME]
-    if unknown:
-        print(f"eqx_offload plan --capacity: unknown mode(s) {', '.join(unknown)}; choose from "
-              f"{', '.join(MODES_BY_NAME)}", file=sys.stderr)
-        return 2
-    from .llama import ladder
-
-    base = QUICK_LADDER if args.quick else tuple(ladder())
-    shapes = [dataclasses.replace(s, batch=args.micro_batch) for s in base]
-    device_memory = None if args.device_memory is None else int(args.device_memory * (1 << 20))
-    results: list[Capacity] = []
-
-    def progress(p: CapacityPoint) -> None:
-        print(f"  {p.target}{'' if p.n_devices == 1 else f' x {p.n_devices}'} {p.mode:13s} "
-              f"{p.shape.name:32s} {p.params / 1e9:6.2f}B  device {_gib(p.device_peak_bytes):>6s} "
-              f"GiB  host {_gib(p.host_bytes):>7s} GiB  {'fits' if p.fits else 'does not fit'}"
-              f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}"
-              f"{' (the arguments alone)' if p.from_arguments else ''}  [{p.plan_s:.0f} s]",
-              file=sys.stderr, flush=True)
-
-    cache = PointCache(getattr(args, "cache", None))
-    for target, n in gpus:
-        mesh = _mesh(n)
-        for name in names:
-            mode = MODES_BY_NAME[name]
-            results.append(capacity(shapes, mode, target, int(args.host_memory * GB) * n, mesh,
-                                    device_memory, progress, _start(results, mode, target, n,
-                                                                    shapes), cache))
-    table = capacity_table(results)
-    print(table)
-    print(f"\nXLA's plan of one AdamW training step per point (compiled without a GPU, not a "
-          f"measurement), sequence {shapes[0].seq}, {args.micro_batch} sequence(s) per GPU, "
-          f"{args.host_memory:g} GB of host memory per GPU. The floors are lower bounds, not "
-          "predictions: matrix-product flops at the GPU's peak rate, and the larger "
-          "direction of the copies at the host link's rate (PCIe 5.0 x16, 64 GB/s each way).")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"mode": r.mode.name, "target": r.target, "n_devices": r.n_devices,
-                        "largest": None if r.largest is None else point_record(r.largest),
-                        "planned": [point_record(p) for p in r.planned]} for r in results],
-                      f, indent=1)
-    return 0

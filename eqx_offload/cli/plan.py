@@ -23,7 +23,8 @@ import optax
 
 import eqx_offload
 
-from .capacity import CAPACITY_MODES, run_capacity
+from .capacity import CAPACITY_MODES
+from .capacity_run import run_capacity
 from .models import LMShape, lm_workload, make_mlp, make_step, mse_loss, OPTIMIZERS, regression_batches
 from .modes import MODES
 
@@ -60,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--capacity", action="store_true",
                           help="search the size ladder (published Llama shapes 1B-70B and depths "
                                "between them) for the largest model that fits, per mode")
-    capacity.add_argument("--gpus", default="h100,h200,h100x8",
+    capacity.add_argument("--gpus", default=None,
                           help="comma-separated GPUs to size for: h100, h200, and NAMExN for a "
-                               "node of N (FSDP over the node; default h100,h200,h100x8)")
+                               "node of N (FSDP over the node; default h100,h200,h100x8, and "
+                               "h100 with --quick)")
     capacity.add_argument("--host-memory", type=float, default=256, metavar="GB",
                           help="host memory per GPU, in GB (default 256)")
     capacity.add_argument("--capacity-modes", default=None, metavar="MODES",
@@ -71,7 +73,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--micro-batch", type=int, default=1,
                           help="sequences per GPU per step (default 1)")
     capacity.add_argument("--quick", action="store_true",
-                          help="a ladder of three small shapes (sequence 128) for a smoke test")
+                          help="a ladder of three small shapes (sequence 128) on one H100 cut "
+                               "to 12 MiB (--device-memory), modes fp32,+master,+activations, "
+                               "unless those options are given: a smoke test")
+    capacity.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                          help="the batch table: plan, for each GPU and mode's largest model, "
+                               "the optimizer step that scans K micro-batches (--micro-batch "
+                               "sequences of --seq-len tokens per GPU each) and updates once, "
+                               "and at 2K, and find the smallest global batch within 10%%")
+    capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
+                          help="the dtype of the batch table's gradient sum, a carry on the "
+                               "device (default float32)")
+    capacity.add_argument("--seq-len", type=int, default=None, metavar="S",
+                          help="tokens per sequence of the batch table (default the ladder's)")
+    capacity.add_argument("--models-from", default=None, metavar="PATH",
+                          help="the batch table's models: each GPU and mode's largest in this "
+                               "capacity JSON (--json of a --capacity run) instead of a search")
     capacity.add_argument("--markdown", default=None, metavar="PATH",
                           help="also write the capacity table as Markdown")
     capacity.add_argument("--cache", default=None, metavar="PATH",
