@@ -124,8 +124,15 @@ class _Step:
 
     def __init__(self, parts: MultiStepsParts, options: Options, accumulator: Accumulator,
                  params: Any, extra_args: dict[str, Any], init_dtypes: list[Any]) -> None:
-        self.parts, self.options, self.accumulator = parts, options, accumulator
-        self.params, self.extra_args, self.init_dtypes = params, extra_args, init_dtypes
+        self.parts = parts
+        self.options = options
+        self.accumulator: Accumulator = accumulator
+        self.params = params
+        self.extra_args = extra_args
+        self.init_dtypes = init_dtypes
+        # Per leaf of the inner state and of the accumulator (set by `update`).
+        self.inner_dtypes: list[Any] = []
+        self.acc_dtypes: list[Any] = []
 
     def update(self, updates: Any, state: optax.MultiStepsState) -> tuple[Any, Any]:
         k_steps = self.parts.every_k_schedule(state.gradient_step)

@@ -39,7 +39,8 @@ def _numbers_and_names(
 ) -> tuple[frozenset[int], frozenset[str]]:
     """`jax.jit`'s completion of argument numbers and names through the signature: the
     names of the numbered parameters, and the numbers of the named ones."""
-    nums, strs = _as_tuple(numbers, int), _as_tuple(names, str)
+    nums: tuple[int, ...] = _as_tuple(numbers, int)
+    strs: tuple[str, ...] = _as_tuple(names, str)
     if numbers is not None and names is None:
         strs = tuple(positional[i] for i in nums if -len(positional) <= i < len(positional))
     elif names is not None and numbers is None:
