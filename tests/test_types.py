@@ -1,7 +1,7 @@
 """The type checkers really check, statically and at run time.
 
 Static: mypy --strict, pytype, pyright and pyrefly run over `tests/types/` as a user of
-the wheel runs them (`scripts/checker_table.py` holds the runners and the commands:
+the wheel runs them (`tests/types/checkers.py` holds the runners and the commands:
 mypy with the optax stub, pytype with the shipped stubs, pyright and pyrefly with
 nothing). `good_usage.py` must pass all four without an error; in each `bad_*.py` every
 line marked `# expect: mypy=CODE pytype=CODE pyright=CODE pyrefly=CODE` must be reported
@@ -55,15 +55,15 @@ BAD = sorted(TYPES.glob("bad_*.py"))
 DOCS = ROOT / "docs" / "typing.md"
 
 
-def _load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load(path: pathlib.Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-TABLE = _load_script("checker_table")
+TABLE = _load(TYPES / "checkers.py")
 CHECKERS = TABLE.CHECKERS
 # The static checkers do not depend on the JAX version: run in one environment.
 once = pytest.mark.once
@@ -91,8 +91,8 @@ def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.
     _, mypy_path = TABLE.stub_paths()
     files = [GOOD, *BAD]
     results = {
-        "pyright": TABLE.run_pyright(files, tmp_path, f'{{"stubPath": "{mypy_path}"}}'),
-        "pyrefly": TABLE.run_pyrefly(files, tmp_path, f'search-path = ["{mypy_path}"]\n'),
+        "pyright": TABLE.run("pyright", files, tmp_path, f'{{"stubPath": "{mypy_path}"}}'),
+        "pyrefly": TABLE.run("pyrefly", files, tmp_path, f'search-path = ["{mypy_path}"]\n'),
     }
     for checker, errors in results.items():
         assert errors.get(GOOD.name, set()) == set(), checker
@@ -130,7 +130,7 @@ def test_docs_table_is_generated_from_the_markers() -> None:
     # The markers are what the slow test above holds each checker to, so a table equal
     # to the markers' is the checkers' real result.
     assert TABLE.TABLE.read_text() == TABLE.table_from_markers(), (
-        "docs/typing-checkers.txt is stale: python scripts/checker_table.py")
+        "docs/typing-checkers.txt is stale: python tests/types/checkers.py")
     assert '--8<-- "typing-checkers.txt"' in DOCS.read_text()
 
 
@@ -362,7 +362,7 @@ def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
         capture_output=True, text=True, cwd=repo,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "eqx_offload/_memory.py" in proc.stdout and "FAILED (1 error)" in proc.stdout
+    assert "eqx_offload/_memory.py: FAILED" in proc.stdout
     assert "[bad-return-type]" in proc.stdout
 
 
@@ -483,24 +483,18 @@ for case in sys.argv[1:]:
         print(f"@@case {case}@@ no error", flush=True)
 '''
 
-# (what the call gets wrong, lines the error must contain)
+# (what the call gets wrong, what the error must contain). The user's functions raise
+# jaxtyping's own message (its import hook); eqx_offload's public functions its first
+# lines only, with the whole message as `.full_message`.
 SHORT_ERRORS = {
-    "shape": ["my_training.model.loss(): argument `y` has the wrong type.",
-              "expected: jaxtyping.Float[jax.Array, 'n 1']", "given:    jax.Array float32[8, 3]",
-              "axis sizes bound in this call: d=3, n=8", "fix: make the shapes agree"],
-    "result": ["my_training.model.wrong_result(): the return value has the wrong type.",
-               "expected: jaxtyping.Float[jax.Array, 'n']", "fix: make the shapes agree"],
-    "factory": ["eqx_offload.offloaded(): argument `inner` has the wrong type.",
-                "expected: optax.GradientTransformation | optax.MultiSteps",
-                "given:    the function adam", "fix: pass a transformation, e.g. `optax.adam(1e-3)`"],
-    "where": ["eqx_offload.to_host(): argument `where` has the wrong type.", "expected: Where",
-              "given:    '.*/w'", "`eqx_offload.pattern(regex)`"],
-    "memory_kind": ["eqx_offload.to_host(): argument `memory_kind` has the wrong type.",
-                    "expected: HostMemoryKind (one of 'pinned_host', 'unpinned_host')",
-                    "given:    'gpu'", "fix: use 'pinned_host' or 'unpinned_host'"],
-    "pattern": ["eqx_offload.pattern(): argument `regex` has the wrong type.", "given:    0",
-                "fix: pass a regular expression string"],
+    "shape": ["my_training.model.loss", "parameter 'y'", "f32[8,3]", "'n 1'", "n=8"],
+    "result": ["return value of my_training.model.wrong_result", "'n'"],
+    "factory": [".offloaded", "parameter 'inner'", "GradientTransformation"],
+    "where": [".to_host", "parameter 'where'", "'.*/w'"],
+    "memory_kind": [".to_host", "parameter 'memory_kind'", "'gpu'", "pinned_host"],
+    "pattern": [".pattern", "parameter 'regex'", "0"],
 }
+USERS = {"shape", "result"}
 
 
 @pytest.fixture(scope="module")
@@ -528,16 +522,16 @@ def user_errors(user_project: pathlib.Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", sorted(SHORT_ERRORS))
-def test_install_runtime_checks_short_errors(user_errors: dict[str, str], case: str) -> None:
+def test_install_runtime_checks_errors(user_errors: dict[str, str], case: str) -> None:
     stderr = user_errors[case]
     # The error is the last thing printed: everything after the traceback's last line.
     message = stderr[stderr.rindex("jaxtyping.TypeCheckError: "):]
-    lines = message.strip().splitlines()
-    assert len(lines) <= 15, message
     for needle in SHORT_ERRORS[case]:
         assert needle in message, f"{needle!r} not in:\n{message}"
-    # No pytree dump, no unrolled union, no chained beartype report.
-    assert len(stderr) < 4000 and "Called with parameters" not in stderr
+    if case not in USERS:
+        # jaxtyping's first four lines, each cut to 160 characters, and a pointer to the rest.
+        assert len(message.strip().splitlines()) <= 5, message
+        assert "Called with parameters" not in message and "full_message" in message
 
 
 def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.Path) -> None:
@@ -565,9 +559,8 @@ def test_checked_keeps_errors_of_inner_calls() -> None:
 
     with pytest.raises(jaxtyping.TypeCheckError) as info:
         outer("a")
-    assert str(info.value).startswith(
-        f"{__name__}.test_checked_keeps_errors_of_inner_calls.<locals>.inner(): "
-        "argument `x` has the wrong type.")
+    first = str(info.value).splitlines()[0]
+    assert first.endswith(".test_checked_keeps_errors_of_inner_calls.<locals>.inner."), first
     assert "Type-check error" in info.value.full_message  # type: ignore[attr-defined]  # set by checked
     assert outer.__name__ == "outer" and inner(3) == 3
 

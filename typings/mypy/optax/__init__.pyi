@@ -127,7 +127,7 @@ class MultiStepsState(NamedTuple):
     gradient_step: ArrayLike
     inner_opt_state: Any
     acc_grads: Any
-    skip_state: ArrayTree
+    skip_state: ArrayTree = ...  # `()` at run time
 
 # Optimizers.
 def adam(
