@@ -56,7 +56,7 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         [sys.executable, "-m", "pytest", "-c", os.path.join(SUITE, "pytest.ini"),
          "--rootdir", rootdir, "-p", "plugin", "-q", "-n", "0", "-rfE", "--tb=short",
          *paths],
-        cwd=rootdir, env=env, capture_output=True, text=True, timeout=1200,
+        cwd=rootdir, env=env, capture_output=True, text=True, timeout=3000,
     )
     data = json.loads(report.read_text()) if report.exists() else {}
     return process.returncode, process.stdout + process.stderr, data
