@@ -65,8 +65,9 @@ from ._report import (
 )
 from ._runtime import install_runtime_checks as install_runtime_checks
 from ._scan import scan_layers as scan_layers
+from ._schedule import StreamPlan as StreamPlan
 from ._state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
-from ._stream import stream_plan as stream_plan, StreamPlan as StreamPlan
+from ._stream import stream_plan as stream_plan
 from ._types import (
     Donate as Donate,
     HostMemoryKind as HostMemoryKind,
