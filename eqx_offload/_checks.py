@@ -15,8 +15,8 @@ import numpy as np
 from jax.core import Tracer
 
 from ._errors import device_state_error, foreign_donation_error, StateError
-from ._jit import foreign_donation
 from ._leaves import path_to_str
+from ._lint import foreign_donation
 from ._placement import is_host, memory_kind_of
 from ._state import OffloadedState, OffloadWarning
 from ._where import structure_divergence

@@ -25,9 +25,9 @@ def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[st
     `(model, state, loss)` or `(state, model, loss)` per `order`. Runs in a child.
     Without `guarded`, `offloaded`'s check for a donating plain `jax.jit` /
     `eqx.filter_jit` is off: what plain JAX does (the upstream canary)."""
-    from eqx_offload import _jit
+    from eqx_offload import _lint
 
-    _jit.CHECK_FOREIGN_DONATION = guarded
+    _lint.CHECK_FOREIGN_DONATION = guarded
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     opt = optax.adamw(1e-2) if jit == "reference" else eqx_offload.offloaded(optax.adamw(1e-2))
     state = opt.init(eqx.filter(model, eqx.is_array))

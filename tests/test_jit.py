@@ -387,8 +387,8 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     default estimator starts them all before it anyway). A streamed update in the same
     step wins. On the CPU nothing is added, so the program and its results are those
     of before."""
-    from eqx_offload._jit import (default_compiler_options, GPU_STREAMED_OPTIONS,
-                                  GPU_WHOLE_STATE_OPTIONS)
+    from eqx_offload._compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
+                                               GPU_WHOLE_STATE_OPTIONS)
 
     assert default_compiler_options("cpu", True) == {}
     assert default_compiler_options("cpu", False, whole=True) == {}

@@ -229,7 +229,8 @@ def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> N
     GPU with the scheduler's copy limit raised (the layer's fetches then run side by
     side under the layer before; see `_jit.default_compiler_options`), and with nothing
     added without host weights, without the prefetch, or for the CPU."""
-    from eqx_offload._jit import _flatten_call, GPU_PREFETCHED_OPTIONS
+    from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
+    from eqx_offload._jit import _flatten_call
 
     def defaults(layers: Any, prefetch: bool, platforms: Any = ("cuda",)) -> dict[str, Any]:
         step = eqx_offload.filter_jit(jax.grad(lambda stack, x: jnp.sum(
