@@ -227,7 +227,7 @@ def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
 def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
     """A `filter_jit` step whose `scan_layers` prefetches host weights is compiled for a
     GPU with the scheduler's copy limit raised (the layer's fetches then run side by
-    side under the layer before; see `_jit.default_compiler_options`), and with nothing
+    side under the layer before; see `_compiler_options.default_compiler_options`), and with nothing
     added without host weights, without the prefetch, or for the CPU."""
     from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
     from eqx_offload._jit import _flatten_call

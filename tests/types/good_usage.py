@@ -245,3 +245,15 @@ def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
     assert isinstance(master_state, eqx_offload.MasterState) or master_state is not None
     result: jax.Array = out + compute(x)
     return result
+
+
+def jax_jit_step(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """A program written for `jax.jit`, ported with `eqx_offload.jit` (type-checked
+    here; run in tests/test_jax_jit.py)."""
+
+    def apply(params: dict[str, jax.Array], x: jax.Array, scale: float) -> jax.Array:
+        return x @ params["w"] * scale
+
+    jitted = eqx_offload.jit(apply, static_argnums=2, donate_argnums=(0,))
+    result: jax.Array = jitted(params, x, 2.0)
+    return result
