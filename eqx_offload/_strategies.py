@@ -43,8 +43,8 @@ def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
                      leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
     """The whole state to the device, then `inner.update`, in one program with no
     ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
-    memory makes the step compile with `_compiler_options.GPU_WHOLE_STATE_OPTIONS`, so that XLA's
-    scheduler does not start every copy before the forward pass. No barrier orders the
+    memory makes the step compile with `_compiler_options.GPU_WHOLE_STATE_OPTIONS`, so
+    that XLA's scheduler does not start every copy before the forward pass. No barrier orders the
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
     if traced and any(is_host(x) for x in leaves):

@@ -237,6 +237,23 @@ class CapacityPoint:
 HOST_KINDS: tuple[str, ...] = typing.get_args(eqx_offload.HostMemoryKind)
 
 
+def size_text(n: Union[int, float]) -> str:
+    """Bytes as GiB, or as MiB below one GiB (a small model's plan would read 0.0 GiB)."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def over_limits(p: Any) -> list[str]:
+    """Why a planned point (`CapacityPoint` or `BatchPoint`) does not fit: its device
+    peak above the device memory, its host bytes above the host memory given."""
+    reasons = []
+    if p.device_peak_bytes > p.device_memory_bytes:
+        reasons.append(f"device peak {size_text(p.device_peak_bytes)} > "
+                       f"{size_text(p.device_memory_bytes)}")
+    if p.host_bytes > p.host_memory_bytes:
+        reasons.append(f"host {size_text(p.host_bytes)} > {size_text(p.host_memory_bytes)}")
+    return reasons
+
+
 def argument_bytes(args: Any) -> tuple[int, int]:
     """`(device, host)`: the bytes the abstract arguments hold on one device (the
     largest per-device total of their shards) and in host memory (all devices)."""

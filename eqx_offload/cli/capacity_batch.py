@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 import eqx_offload
 
-from .capacity import abstract_tokens, argument_bytes, CapacityMode, GB, training_update
+from .capacity import (abstract_tokens, argument_bytes, CapacityMode, GB, over_limits,
+                       size_text, training_update)
 from .llama import llama_loss, LlamaShape
 
 
@@ -221,11 +222,6 @@ def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target:
     return BatchRow(low, high, compute, transfer, smallest_batch(per_micro, compute, transfer))
 
 
-def _size(n: Union[int, float]) -> str:
-    """Bytes as GiB, or MiB below one GiB (tiny models' plans would read 0.0)."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 def _tokens(n: Optional[int]) -> str:
     if n is None:
         return "none"
@@ -234,13 +230,7 @@ def _tokens(n: Optional[int]) -> str:
 
 
 def _why_not(p: BatchPoint) -> str:
-    reasons = []
-    if p.device_peak_bytes > p.device_memory_bytes:
-        reasons.append(f"device peak {_size(p.device_peak_bytes)} > "
-                       f"{_size(p.device_memory_bytes)}")
-    if p.host_bytes > p.host_memory_bytes:
-        reasons.append(f"host {_size(p.host_bytes)} > {_size(p.host_memory_bytes)}")
-    return f" (does NOT fit: {', '.join(reasons)})"
+    return f" (does NOT fit: {', '.join(over_limits(p))})"
 
 
 def batch_table(rows: Sequence[BatchRow]) -> str:
@@ -265,8 +255,8 @@ def batch_table(rows: Sequence[BatchRow]) -> str:
         lines.append(
             f"| {gpu} | {p.mode}{'' if p.accumulate == 'float32' else ', ' + p.accumulate + ' sum'} "
             f"| {p.shape.name}{'' if p.fits else _why_not(p)} "
-            f"| {_tokens(p.tokens)} | {_size(p.device_peak_bytes)} | {_size(p.host_bytes)} "
-            f"| {_size(p.bytes_to_device)} / {_size(p.bytes_to_host)} "
+            f"| {_tokens(p.tokens)} | {size_text(p.device_peak_bytes)} | {size_text(p.host_bytes)} "
+            f"| {size_text(p.bytes_to_device)} / {size_text(p.bytes_to_host)} "
             f"| {p.compute_floor_s:.3f} | {p.transfer_floor_s:.3f} | {ratio:.2f} "
             f"| {_tokens(r.smallest)} |")
     return "\n".join(lines)
@@ -297,7 +287,7 @@ def _models(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
 def _progress(p: BatchPoint) -> None:
     print(f"  {p.target}{'' if p.n_devices == 1 else f' x {p.n_devices}'} {p.mode:13s} "
           f"{p.shape.name:32s} {p.micro_batches:3d} micro-batches  device "
-          f"{_size(p.device_peak_bytes):>10s}  to device {_size(p.bytes_to_device):>10s}  "
+          f"{size_text(p.device_peak_bytes):>10s}  to device {size_text(p.bytes_to_device):>10s}  "
           f"{'fits' if p.fits else 'does not fit'}  [{p.plan_s:.0f} s]", file=sys.stderr,
           flush=True)
 

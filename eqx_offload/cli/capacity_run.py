@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -14,13 +14,8 @@ import numpy as np
 import eqx_offload
 
 from .capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
-                       PointCache, capacity, point_record)
+                       over_limits, PointCache, capacity, point_record, size_text)
 from .llama import LlamaShape
-
-
-def _size(n: Union[int, float]) -> str:
-    """Bytes as GiB, or as MiB below one GiB (a small model's plan would read 0.0 GiB)."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _ms(seconds: float) -> str:
@@ -77,19 +72,13 @@ def _why_not(p: CapacityPoint) -> str:
     if p.from_arguments:
         reasons = []
         if p.device_peak_bytes > p.device_memory_bytes:
-            reasons.append(f"its weights and state alone {_size(p.device_peak_bytes)} > "
-                           f"{_size(p.device_memory_bytes)} on the device")
+            reasons.append(f"its weights and state alone {size_text(p.device_peak_bytes)} > "
+                           f"{size_text(p.device_memory_bytes)} on the device")
         if p.host_bytes > p.host_memory_bytes:
-            reasons.append(f"its weights and state alone {_size(p.host_bytes)} > "
-                           f"{_size(p.host_memory_bytes)} of host memory")
+            reasons.append(f"its weights and state alone {size_text(p.host_bytes)} > "
+                           f"{size_text(p.host_memory_bytes)} of host memory")
         return f"{p.shape.name} ({_params(p.params)}): " + ", ".join(reasons) + " (not compiled)"
-    reasons = []
-    if p.device_peak_bytes > p.device_memory_bytes:
-        reasons.append(f"device peak {_size(p.device_peak_bytes)} > "
-                       f"{_size(p.device_memory_bytes)}")
-    if p.host_bytes > p.host_memory_bytes:
-        reasons.append(f"host {_size(p.host_bytes)} > {_size(p.host_memory_bytes)}")
-    return f"{p.shape.name} ({_params(p.params)}): " + ", ".join(reasons)
+    return f"{p.shape.name} ({_params(p.params)}): " + ", ".join(over_limits(p))
 
 
 QUICK_LADDER: tuple[LlamaShape, ...] = (
@@ -152,8 +141,8 @@ def _defaults(args: Any) -> Any:
 
 def _progress(p: CapacityPoint) -> None:
     print(f"  {p.target}{'' if p.n_devices == 1 else f' x {p.n_devices}'} {p.mode:13s} "
-          f"{p.shape.name:32s} {_params(p.params):>7s}  device {_size(p.device_peak_bytes):>10s}"
-          f"  host {_size(p.host_bytes):>10s}  {'fits' if p.fits else 'does not fit'}"
+          f"{p.shape.name:32s} {_params(p.params):>7s}  device {size_text(p.device_peak_bytes):>10s}"
+          f"  host {size_text(p.host_bytes):>10s}  {'fits' if p.fits else 'does not fit'}"
           f"{'' if p.error is None else ' (XLA: ' + p.error[:60] + ')'}"
           f"{' (the arguments alone)' if p.from_arguments else ''}  [{p.plan_s:.0f} s]",
           file=sys.stderr, flush=True)
