@@ -7,6 +7,12 @@ object), so existing `except ValueError` / `except TypeError` code keeps working
 """
 
 
+class OffloadWarning(UserWarning):
+    """A call that is valid but surely not what was meant: a state leaf that should be
+    in host memory found in device memory, a `where` that selects nothing, a move of
+    nothing."""
+
+
 class OffloadError(Exception):
     """Base class of every error raised by `eqx_offload`."""
 

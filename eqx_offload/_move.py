@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._errors import nothing_to_move_message, OptionError, TreeError
+from ._errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from ._leaves import is_traced, path_to_str
 from ._memory import check_host_kind, default_kind
 from ._placement import destination, memory_kind_of, space_of, traced_move_error
@@ -67,8 +67,6 @@ def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: lis
     would break the promise that non-array leaves come back as they are (the Python
     floats and functions of an `eqx.Module`)."""
     if leaves and not any(map(eqx.is_array, leaves)):
-        from ._state import OffloadWarning  # (`_state` imports this module)
-
         warnings.warn(nothing_to_move_message(caller, len(leaves)), OffloadWarning,
                       stacklevel=4)
         return

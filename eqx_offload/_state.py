@@ -5,6 +5,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from ._errors import OffloadWarning as OffloadWarning  # (re-exported: its old home)
 from ._move import move
 from ._placement import memory_kind_of
 
@@ -97,7 +98,3 @@ jtu.register_pytree_with_keys(  # flattened as a dict (and rebuilt as one)
     lambda d: (tuple((jtu.DictKey(k), d[k]) for k in sorted(d)), tuple(sorted(d))),
     lambda keys, values: dict(zip(keys, values, strict=True)),  # type: ignore[arg-type,return-value]  # a plain dict: a new tree, nothing to write through
 )
-
-
-class OffloadWarning(UserWarning):
-    """A state leaf that should be in host memory was found in device memory."""

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import (selects_nothing_message, where_dtype_error, where_result_error,
+from ._errors import (OffloadWarning, selects_nothing_message, where_dtype_error, where_result_error,
                       where_signature_error, WhereError)
 from ._leaves import is_traced, KeyPath, nbytes, path_to_str, shown
 
@@ -364,7 +364,5 @@ def warn_if_selects_nothing(tree: Any, where: Any, mask: list[bool], argument: s
     paths = [path_to_str(path) for path, x in jtu.tree_flatten_with_path(tree)[0]
              if eqx.is_array(x) and x.ndim >= 1]
     if paths:
-        from ._state import OffloadWarning  # (`_state` imports this module)
-
         warnings.warn(selects_nothing_message(argument, where, paths), OffloadWarning,
                       stacklevel=stacklevel)

@@ -18,9 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 
-from eqx_offload.__main__ import _TYPINGS_DESCRIPTION
-
-
 _PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu", "default")
 EXTRA_HINT = 'pip install "eqx_offload[cli]"'
 
@@ -95,7 +92,8 @@ COMMANDS: list[Command] = [
     Command(
         "typings",
         help="print the stub folder for pytype's --pythonpath (--mypy: for mypy's mypy_path)",
-        description=_TYPINGS_DESCRIPTION, module=".typings"),
+        description="Prints the folder of the package's stubs for pytype's --pythonpath, or "
+                    "with --mypy for mypy's mypy_path.", module=".typings"),
     Command(
         "bench-host",
         help="the host side of compute='host': AdamW's update on this CPU against a NumPy "
