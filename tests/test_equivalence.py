@@ -149,6 +149,7 @@ for _name, _make in COMPOSITIONS.items():
 STRATEGIES: dict[str, dict[str, Any]] = {
     "auto": {}, "whole": {"group_bytes": None},
     "streamed": {"group_bytes": 0}, "streamed_4KiB": {"group_bytes": 4096},
+    "streamed_where_true": {"group_bytes": 0, "where": True},  # a prologue: the count
     "host": {"compute": "host"},
     "streamed_unpinned": {"group_bytes": 0, "memory_kind": "unpinned_host"},
     "host_unpinned": {"compute": "host", "memory_kind": "unpinned_host"},
@@ -190,6 +191,7 @@ CASES = [
     *[_case(n, "host_dtype", m) for n in ("adam", "adafactor", "sgd")
       for m in ("eager", "filter_jit")],
     _case("adam", "host_dtype_streamed", "jax.jit"),
+    _case("adam", "streamed_where_true", "jax.jit"),
     *[_case("adam", "auto", "filter_jit", layout) for layout in sorted(MESHES)],
     *[_case("adam", s, "jax.jit", "x") for s in ("streamed", "streamed_4KiB", "host")],
 ]
@@ -285,9 +287,9 @@ def test_equal_to_unwrapped(name: str, strategy: str, mode: str, layout: str) ->
     if layout == "one":  # committed as `state` is: one compilation each
         ref_state = jax.device_put(ref_state, jax.devices()[0])
     state, ref_params = wrapped.init(params), params
-    kind = options.get("memory_kind", "pinned_host")
+    where, kind = options.get("where"), options.get("memory_kind", "pinned_host")
     assert_tree_equal(ref_state, unwrap(state))
-    assert_placed(state, kind=kind)
+    assert_placed(state, where, kind)
     compiles: list[str] = []
     for step in range(4 if name in COMPOSITIONS else STEPS):  # MultiSteps(k=2) emits twice
         grads = make_grads(params, step, nonfinite="apply_if_finite" in name)
@@ -297,7 +299,7 @@ def test_equal_to_unwrapped(name: str, strategy: str, mode: str, layout: str) ->
         compiles += compiled
         _assert_updates_equal(name, ref_updates, updates)
         assert_tree_equal(ref_state, unwrap(state))
-        assert_placed(state, kind=kind)
+        assert_placed(state, where, kind)
         assert {u.sharding.memory_kind for u in jtu.tree_leaves(updates)} == {"device"}
         ref_params = optax.apply_updates(ref_params, ref_updates)
         params = optax.apply_updates(params, updates)

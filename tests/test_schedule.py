@@ -73,3 +73,13 @@ def test_stream_plan_groups() -> None:
     # "auto" (offloaded's default): about 1/16 of the streamed state, so here one
     # parameter's state per group (8 KiB / 16 = 512 B, below one unit).
     assert eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params) == finest
+
+
+def test_plan_prologue_when_counter_is_offloaded() -> None:
+    """State read by every group (Adam's count, a 0-d moment) comes in first, whole
+    (the streamed run of this: test_equivalence.py, `streamed_where_true`)."""
+    params = make_params()
+    state = eqx_offload.offloaded(optax.adam(1e-2), where=True, group_bytes=0).init(params)
+    assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
+    plan = eqx_offload.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
+    assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue

@@ -45,24 +45,6 @@ def test_host_compute_rejects_control_flow_on_state(name: str) -> None:
         jax.jit(opt.update)(make_grads(params, 0), state, params)
 
 
-def test_plan_prologue_when_counter_is_offloaded() -> None:
-    params = make_params()
-    opt = eqx_offload.offloaded(optax.adam(1e-2), where=True, group_bytes=0)
-    state = opt.init(params)
-    assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
-    plan = eqx_offload.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
-    assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue
-    ref = optax.adam(1e-2)
-    ref_state = ref.init(params)
-    for step in range(2):
-        grads = make_grads(params, step)
-        ref_updates, ref_state = jax.jit(ref.update)(grads, ref_state)
-        updates, state = jax.jit(opt.update)(grads, state)
-        assert_tree_equal(updates, ref_updates)
-        assert_tree_equal(state.inner_state, ref_state)
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
-
-
 def _events(text: str) -> list[tuple[str, str, list[str]]]:
     """The transfers and barriers of the `main` function of a StableHLO module, in
     program order: (kind, result, operands)."""
