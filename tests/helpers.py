@@ -2,7 +2,9 @@
 
 - bitwise comparison: `assert_tree_equal`, `tree_difference`, `tree_bits`, `hex_bits`
   (for results a subprocess sends back as JSON);
-- where leaves live: `memory_kinds`, `kind_list`;
+- parameters and gradients: `committed`, `make_params`, `make_grads`;
+- where leaves live: `assert_placed` (the expected placement of a state), `memory_kinds`
+  (what is), `kind_list`, `unwrap`;
 - calling past the runtime type checks: `unchecked`;
 - counting compilations: `count_compiles`;
 - walking programs: `walk_eqns`;
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless
+from eqx_offload import _deviceless, OffloadedState
 from eqx_offload._leaves import path_to_str
 
 
@@ -120,6 +122,87 @@ def memory_kinds(tree: Any) -> dict[str, str]:
 def kind_list(tree: Any) -> list[str]:
     """The memory kind of every `jax.Array` leaf of `tree`, in leaf order."""
     return list(memory_kinds(tree).values())
+
+
+def committed(x: Any, dtype: Any = np.float32) -> jax.Array:
+    """`x` on the default device, committed: a jitted update then compiles once (an
+    uncommitted first argument compiles twice)."""
+    return jax.device_put(np.asarray(x, dtype), jax.devices()[0])
+
+
+def make_params(*extras: str, seed: int = 0) -> dict[str, Any]:
+    """Committed parameters: a (48, 16) `embed`, a `layer` of a (16, 8) `w` and an (8,)
+    `b`, a 0-d `scale`. `extras`: `"complex"` adds a complex64 (2, 3) `c`, `"half"` a
+    float16 (8,) `h`, `"no_scalar"` drops `scale`."""
+    rng = np.random.default_rng(seed)
+    params: dict[str, Any] = {
+        "embed": committed(rng.standard_normal((48, 16))),
+        "layer": {"w": committed(rng.standard_normal((16, 8))), "b": committed(rng.standard_normal(8))},
+        "scale": committed(0.5),
+    }
+    if "complex" in extras:
+        c = rng.standard_normal((2, 3)) - 2.5j * rng.standard_normal((2, 3))
+        params["c"] = committed(c, np.complex64)
+    if "half" in extras:
+        params["h"] = committed(rng.standard_normal(8), np.float16)
+    if "no_scalar" in extras:
+        del params["scale"]
+    return params
+
+
+def make_grads(params: Any, step: int, nonfinite: bool = False) -> Any:
+    """Gradients for step `step`, different at each step, in the parameters' dtypes;
+    `nonfinite`: at step 1 the first entry of each leaf of more than 3 entries is inf."""
+    def one(x: Any) -> Any:
+        g = (x * (step + 1) + 0.25).astype(x.dtype)
+        if nonfinite and step == 1 and x.size > 3:
+            g = g.at[(0,) * x.ndim].set(jnp.inf)
+        return g
+
+    return jtu.tree_map(one, params)
+
+
+def _path(path: Any) -> str:
+    """A key path as the docs say a `Filter` sees it (dict keys, sequence indices and
+    attribute names joined by `/`), written here independently of the package."""
+    return "/".join(str(next(getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)))
+                    for k in path)
+
+
+def _selects(where: Any, leaf: Any, path: str) -> bool:
+    if where is None:
+        where = eqx_offload.min_ndim(1)
+    if isinstance(where, bool):
+        return where
+    if isinstance(where, eqx_offload.Filter):
+        return bool(where(leaf, path))
+    return bool(where(leaf))
+
+
+def assert_placed(tree: Any, where: Any = None, kind: str = "pinned_host") -> None:
+    """Each array leaf inside an `OffloadedState` that `where` selects (default
+    `min_ndim(1)`; a bool, a callable, or a `Filter` given the path inside the state) is
+    in `kind`, every other array leaf of `tree` in device memory. Never selected:
+    `offloaded(MultiSteps)`'s accumulator `acc_grads` and a line search's `grad`."""
+    def visit(tree: Any, inside: bool) -> None:
+        is_state = lambda x: isinstance(x, OffloadedState)  # noqa: E731
+        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+            if is_state(leaf):
+                visit(leaf.inner_state, True)
+            elif isinstance(leaf, jax.Array):
+                where_ = _path(path)
+                kept = {"acc_grads", "grad"} & set(where_.split("/"))
+                selected = inside and not kept and _selects(where, leaf, where_)
+                want = kind if selected else "device"
+                assert leaf.sharding.memory_kind == want, (where_, leaf.sharding)
+
+    visit(tree, False)
+
+
+def unwrap(tree: Any) -> Any:
+    """`tree` with every `OffloadedState(x)` replaced by `x`."""
+    return jtu.tree_map(lambda x: unwrap(x.inner_state) if isinstance(x, OffloadedState) else x,
+                        tree, is_leaf=lambda x: isinstance(x, OffloadedState))
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -1,19 +1,12 @@
-"""Real programs, round three (issue 18): Equinox's MNIST, DCGAN and vision-transformer
-examples, Flax NNX's `nnx.Optimizer`, optimistix's `OptaxMinimiser`, each as written
-and ported (`tests/ports/`), bitwise; and the library behaviour they found:
-
-- the full-model idiom (`optimizer.update(grads, opt_state, model)`) and how
-    `offloaded` decides a state is its own (item 2, issue 19's `_check_state`);
-- arrays shared between donated arguments (item 4);
-- the user's other jitted functions after an offloaded step (item 5);
-- `jax.export` of an offloaded step (item 3).
-"""
+"""Ported programs (tests/ports/): Equinox's MNIST, DCGAN and vision-transformer
+examples, Flax NNX's `nnx.Optimizer`, optimistix's `OptaxMinimiser`, each as written and
+ported, bitwise; and what `filter_jit` does for such programs: compile counts, buffers
+shared between donated arguments, `jax.export`, a donating `nnx.jit` refused."""
 
 import re
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,24 +14,49 @@ import optax
 import pytest
 from helpers import assert_tree_equal, count_compiles, memory_kinds
 from isolated import call_isolated
-from ports import dcgan, mnist, nnx as nnx_port, solver, vit
+from ports import dcgan, dcgan_example, mnist, nnx as nnx_port, solver, vit
 from test_ports import _assert_same_run
 
 import eqx_offload
 
 
-# ---------------------------------------------------------------------------------------
-# The programs, plain and ported
-
-
-@pytest.mark.parametrize("donate", ["none", "all"])
-def test_mnist(donate: str) -> None:
-    plain, ported = mnist.train(False, donate), mnist.train(True, donate)
-    _assert_same_run(plain, ported)
-    # The example's own `eqx.filter_jit` evaluation functions, called before training
-    # and after every step: one compilation each, plain and ported (the docs' one-line
+# name -> (the program, plain or ported; a check of the ported run's extras)
+PROGRAMS: dict[str, Any] = {
+    # The example's `eqx.filter_jit` evaluations compile once each (with the docs'
     # remedy, `commit=True`).
-    assert plain.extra[1] == ported.extra[1] == 2
+    "mnist": (lambda port: mnist.train(port, "none"), lambda run: run.extra[1] == 2),
+    "mnist-donated": (lambda port: mnist.train(port, "all"), lambda run: run.extra[1] == 2),
+    "vit": (lambda port: vit.train(port, "none"), None),
+    "vit-donated": (lambda port: vit.train(port, "all"), None),
+    "nnx-jit": (lambda port: nnx_port.train(port, "nnx_jit"), None),
+    "nnx-functional": (lambda port: nnx_port.train(port, "functional"), None),
+    "optimistix": (lambda port: solver.train(port), lambda run: int(run.extra) == solver.MAX_STEPS),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_ported_program(name: str) -> None:
+    """The ported run is bitwise the plain one (`_assert_same_run`)."""
+    train, check = PROGRAMS[name]
+    plain, ported = train(False), train(True)
+    _assert_same_run(plain, ported)
+    assert check is None or check(ported), ported.extra
+
+
+@pytest.mark.parametrize("program", [dcgan, dcgan_example])
+def test_dcgan_shared_buffers_donated(program: Any) -> None:
+    """The models' states share their arrays: plain `eqx.filter_jit` cannot donate
+    them; the port (DCGAN: `donate="all"`; the example as written: each step donating
+    by name what it returns) is bitwise the undonated plain run and consumes every input."""
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        program.train(False, donate="all")
+    deleted: list[bool] = []
+    ported = program.train(True, donate="all" if program is dcgan else "returned", deleted=deleted)
+    plain = program.train(False, donate="none")
+    _assert_same_run(plain, ported)
+    assert deleted == [True] * program.STEPS
+    if program is dcgan_example:
+        assert ported.compiles == plain.compiles == [2] + [0] * (program.STEPS - 1)
 
 
 def test_mnist_without_the_remedy_compiles_the_users_functions_twice() -> None:
@@ -47,30 +65,6 @@ def test_mnist_without_the_remedy_compiles_the_users_functions_twice() -> None:
     # step was not, and `jax.jit` keys its cache on committedness.
     ported = mnist.train(True, commit=False)
     assert ported.extra[1] == 4
-
-
-@pytest.mark.parametrize("donate", ["none", "all"])
-def test_vision_transformer_full_model_as_params(donate: str) -> None:
-    _assert_same_run(vit.train(False, donate), vit.train(True, donate))
-
-
-def test_dcgan_shared_buffers_donated() -> None:
-    # `eqx.nn.State(model)` shares arrays with the model. Plain `eqx.filter_jit` with
-    # `donate="all"` refuses to run (JAX: "Attempt to donate the same buffer twice");
-    # `eqx_offload.filter_jit` donates every buffer once, bitwise with the undonated
-    # plain run, and consumes every input.
-    with pytest.raises(Exception, match="donate the same buffer twice"):
-        dcgan.train(False, donate="all")
-    deleted: list[bool] = []
-    ported = dcgan.train(True, donate="all", deleted=deleted)
-    _assert_same_run(dcgan.train(False, donate="none"), ported)
-    assert deleted == [True] * dcgan.STEPS
-
-
-@pytest.mark.parametrize("style", ["nnx_jit", "functional"])
-def test_flax_nnx(style: str) -> None:
-    plain, ported = nnx_port.train(False, style), nnx_port.train(True, style)
-    _assert_same_run(plain, ported)
 
 
 def test_flax_nnx_functional_donates() -> None:
@@ -148,12 +142,6 @@ def test_flax_nnx_jit_donation_fails_clearly() -> None:
     assert losses[2] < losses[0]
 
 
-def test_optimistix_solver() -> None:
-    plain, ported = solver.train(False), solver.train(True)
-    _assert_same_run(plain, ported)
-    assert int(ported.extra) == solver.MAX_STEPS  # every iteration ran
-
-
 def test_optimistix_solver_moves_the_state_every_iteration() -> None:
     # What docs/solvers.md says: inside the solve loop the state goes to the device and
     # back at every iteration (the copies are in the loop body of the CUDA program).
@@ -176,123 +164,6 @@ def test_optimistix_solver_moves_the_state_every_iteration() -> None:
     body = ported[ported.index("stablehlo.while"):]
     # mu and nu of both leaves, to the device and back: 4 leaves x 2 directions.
     assert body.count("annotate_device_placement") >= 8
-
-
-# ---------------------------------------------------------------------------------------
-# Item 2 and issue 19: a state this optimizer made is never refused
-
-
-class _Net(eqx.Module):
-    linear: eqx.nn.Linear
-    dropout: eqx.nn.Dropout  # a Python float and a bool among the leaves
-    scale: float
-    depth: int
-    enabled: bool
-
-    def __init__(self) -> None:
-        self.linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
-        self.dropout = eqx.nn.Dropout(0.1)
-        self.scale = 0.5
-        self.depth = 2
-        self.enabled = True
-
-
-@pytest.mark.parametrize("init_with", ["arrays", "inexact"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_whole_model_as_params(init_with: str, mode: str) -> None:
-    # As plain optax: `init` with the model's arrays (or its floating arrays, as
-    # Equinox's examples filter), `update` with the whole model (Python scalars among
-    # its leaves).
-    model = _Net()
-    grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
-    opt = eqx_offload.offloaded(inner)
-    like = eqx.filter(model, eqx.is_array if init_with == "arrays" else eqx.is_inexact_array)
-    state, ref_state = opt.init(like), inner.init(like)
-    update = opt.update if mode == "eager" else eqx_offload.filter_jit(opt.update)
-    ref_update = inner.update if mode == "eager" else eqx.filter_jit(inner.update)
-    for _ in range(3):
-        updates, state = update(grads, state, model)
-        ref_updates, ref_state = ref_update(grads, ref_state, model)
-        assert_tree_equal(updates, ref_updates)
-    assert_tree_equal(state.inner_state, ref_state)
-    assert state.inner_state[1][0].mu.linear.weight.sharding.memory_kind == "pinned_host"
-
-
-class _Counted(NamedTuple):
-    seen: Any
-
-
-def _counting(calls: list[int]) -> optax.GradientTransformation:
-    """Sums the updates into a state that gains an entry at the first update (as
-    `optax.monitor`'s does); counts every call of its `update`, traced or not."""
-
-    def init(params: Any) -> Any:
-        return _Counted({"sum": jax.tree.map(jnp.zeros_like, params)})
-
-    def update(updates: Any, state: Any, params: Any = None) -> Any:
-        calls.append(1)
-        total = jax.tree.map(jnp.add, state.seen["sum"], updates)
-        return updates, _Counted({"sum": total, "last": updates})
-
-    return optax.GradientTransformation(init, update)
-
-
-def test_grown_state_is_checked_once_not_every_eager_step() -> None:
-    calls: list[int] = []
-    opt = eqx_offload.offloaded(_counting(calls), where=True)
-    params = {"w": jnp.arange(3.0)}
-    state = opt.init(params)
-    steps = 6
-    for _ in range(steps):
-        _, state = opt.update(params, state, params)
-    # One call per step, plus one abstract trace for the grown state's signature.
-    assert len(calls) == steps + 1
-    assert state.inner_state.seen["last"]["w"].sharding.memory_kind == "pinned_host"
-
-
-def test_acceptance_does_not_depend_on_earlier_init_calls() -> None:
-    # An aggregator-like update (per-example updates shaped unlike the state, no
-    # params): a state made by one `offloaded(...)` instance is accepted by another
-    # that never ran `init` (it used to look states up among those its `init` made).
-    def init(params: Any) -> Any:
-        return _Counted(jax.tree.map(jnp.zeros_like, params))
-
-    def update(updates: Any, state: Any, params: Any = None) -> Any:
-        mean = jax.tree.map(lambda u: jnp.mean(u, axis=0), updates)
-        return mean, _Counted(jax.tree.map(jnp.add, state.seen, mean))
-
-    inner = optax.GradientTransformation(init, update)
-    made = eqx_offload.offloaded(inner, where=True).init({"w": jnp.zeros(3)})
-    other = eqx_offload.offloaded(inner, where=True)
-    per_example = {"w": jnp.ones((5, 3))}
-    updates, state = other.update(per_example, made)
-    ref_updates, ref_state = inner.update(per_example, init({"w": jnp.zeros(3)}))
-    assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
-
-
-def test_a_state_for_other_params_that_would_broadcast_is_refused() -> None:
-    # A real mismatch that `inner.update` would not notice (a (1,) moment broadcasts
-    # against (3,) updates): refused, naming the leaf.
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
-    state = opt.init({"w": jnp.ones(1)})
-    with pytest.raises(eqx_offload.StateError,
-                       match=r"leaf inner_state/0/mu/w is float32\[1\], but `inner.update` makes it float32\[3\]"):
-        opt.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
-
-
-def test_another_optimizers_state_names_the_difference_and_the_update_error() -> None:
-    adam = eqx_offload.offloaded(optax.adam(1e-3))
-    state = eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init({"w": jnp.ones(3)})
-    with pytest.raises(eqx_offload.StateError) as info:
-        adam.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
-    message = str(info.value)
-    assert "at path inner_state/0 the expected state has ScaleByAdamState" in message
-    assert "`inner.update` cannot run on it either: AttributeError" in message
-
-
-# ---------------------------------------------------------------------------------------
-# Item 4: arrays shared between donated arguments
 
 
 def _double(a: Any, b: Any) -> Any:
@@ -335,10 +206,6 @@ def test_a_shared_host_buffer_is_donated_once() -> None:
     new_params, new_state = step(params, state, state)
     assert_tree_equal(new_state.inner_state, ref_state)
     assert all(x.is_deleted() for x in jax.tree.leaves(state))
-
-
-# ---------------------------------------------------------------------------------------
-# Item 3: jax.export
 
 
 def _export_setup() -> tuple[Any, Any, Any]:
@@ -407,34 +274,10 @@ def test_export_of_streamed_and_host_compute_steps() -> None:
         assert np.ndim(state.inner_state[0].count) == 0
 
 
-# ---------------------------------------------------------------------------------------
-# Equinox's DCGAN example as written (two steps, each reading the other model)
-
-
-def test_dcgan_example_as_written_ports_donating_what_each_step_returns() -> None:
-    # The three lines, each step donating by parameter name what it returns (the fix
-    # `DonationError` names for `donate="all"`, below): bitwise the undonated plain
-    # run, and every array of an iteration consumed by one of its two steps (the
-    # generator by the generator's step, though the discriminator's step read it and
-    # its state shares arrays with it).
-    from ports import dcgan_example
-
-    plain = dcgan_example.train(False)
-    deleted: list[bool] = []
-    ported = dcgan_example.train(True, donate="returned", deleted=deleted)
-    _assert_same_run(plain, ported)
-    assert ported.compiles == plain.compiles == [2] + [0] * (dcgan_example.STEPS - 1)
-    assert deleted == [True] * dcgan_example.STEPS
-
-
 def test_dcgan_example_donate_all_names_the_read_only_model() -> None:
     # `donate="all"` consumes the generator that `step_discriminator` only reads; the
     # next step gets a `DonationError` that names it and says the fix (plain
     # `eqx.filter_jit` fails earlier: the states share the models' arrays).
-    from ports import dcgan_example
-
-    with pytest.raises(Exception, match="donate the same buffer twice"):
-        dcgan_example.train(False, donate="all")
     with pytest.raises(eqx_offload.DonationError,
                        match=r"filter_jit\(_step_generator\): args\[0\] \(`generator`\), "
                              r"leaf \.layers\[1\]\.weight .* donate only what it returns"):

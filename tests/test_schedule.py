@@ -1,0 +1,85 @@
+"""The streamed update's analysis (`_schedule.py`), on traced programs only: the groups
+it plans and the updates it refuses to stream, naming the coupling."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import committed, make_grads, make_params
+
+import eqx_offload
+
+
+REJECTED_STREAMING: dict[str, Callable[[], Any]] = {
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "clip_after_adam": lambda: optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(REJECTED_STREAMING))
+def test_streaming_rejects_coupled_state(name: str) -> None:
+    """An update that couples the state of several leaves is refused, naming where."""
+    params = make_params()
+    opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), group_bytes=0)
+    state = opt.init(params)
+    with pytest.raises(eqx_offload.CompositionError, match="cannot be streamed") as info:
+        jax.jit(opt.update)(make_grads(params, 0), state, params)
+    message = str(info.value)
+    assert "couples the state of" in message and "the coupling is made by `" in message
+
+
+def test_streaming_rejects_side_effects() -> None:
+    """A side effect in the update cannot be split into groups: refused."""
+    def print_update(updates: Any, state: Any, params: Any = None) -> Any:
+        jax.debug.print("{}", jax.tree.leaves(updates)[0].sum())
+        return updates, state
+
+    opt = eqx_offload.offloaded(
+        optax.chain(optax.adam(1e-2), optax.GradientTransformation(lambda p: optax.EmptyState(), print_update)),
+        group_bytes=0,
+    )
+    params = make_params()
+    with pytest.raises(eqx_offload.CompositionError, match="side effects"):
+        jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
+
+
+def test_stream_plan_groups() -> None:
+    params = {f"p{i}": committed(np.ones((16, 16))) for i in range(4)}  # adam state: 2 KiB each
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0)
+    inner_state = opt.init(params).inner_state
+
+    def plan(group_bytes: int) -> eqx_offload.StreamPlan:
+        return eqx_offload.stream_plan(
+            optax.adam(1e-3), params, inner_state, params, group_bytes=group_bytes
+        )
+
+    finest = plan(0)
+    # In reverse leaf order: the order the backward pass produces the gradients.
+    assert finest.groups == tuple((f"0/mu/p{i}", f"0/nu/p{i}") for i in reversed(range(4)))
+    assert finest.group_nbytes == (2048,) * 4
+    assert finest.max_group_nbytes == 2048 and finest.total_nbytes == 8192
+    assert finest.prologue == () and finest.resident == ("0/count",)
+    pairs = plan(4096)
+    assert pairs.groups == (
+        ("0/mu/p2", "0/mu/p3", "0/nu/p2", "0/nu/p3"),
+        ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"),
+    )
+    assert plan(4095).group_nbytes == (2048,) * 4
+    assert plan(1 << 30).group_nbytes == (8192,)
+    # "auto" (offloaded's default): about 1/16 of the streamed state, so here one
+    # parameter's state per group (8 KiB / 16 = 512 B, below one unit).
+    assert eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params) == finest
+
+
+def test_plan_prologue_when_counter_is_offloaded() -> None:
+    """State read by every group (Adam's count, a 0-d moment) comes in first, whole
+    (the streamed run of this: test_equivalence.py, `streamed_where_true`)."""
+    params = make_params()
+    state = eqx_offload.offloaded(optax.adam(1e-2), where=True, group_bytes=0).init(params)
+    assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
+    plan = eqx_offload.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
+    assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue
