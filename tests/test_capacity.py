@@ -433,10 +433,7 @@ def _tiny_master_steps(accumulate_in):
     shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
     mw = eqx_offload.master_weights(optax.adamw(1e-2))
     model, state = mw.init(llama.Llama(shape, jax.random.key(0)))
-
-    def update(model, state, grads):
-        return mw.update(grads, state, model)
-
+    update = capacity._master_update(mw)  # update(model, state, grads), as the table's
     step = capacity_batch.accumulating_step(update, jnp.float32, accumulate_in)
     tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
     return step, model, state, tokens
@@ -447,33 +444,26 @@ def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
     # (added by the host's CPU each micro-batch, or each micro-batch's gradients kept
     # there and summed once) gives the model and state of the sum on the device, bit
     # for bit (on the CPU, where the host is the device's processor).
-    results = {}
-    for where in ("device", "host", "host-stack"):
-        step, model, state, tokens = _tiny_master_steps(where)
-        results[where] = step(model, state, tokens)
-    expected = jax.tree.leaves(results["device"])
+    results = {where: jax.tree.leaves(step(model, state, tokens)) for where in (
+        "device", "host", "host-stack") for step, model, state, tokens in [
+            _tiny_master_steps(where)]}
     for where in ("host", "host-stack"):
-        leaves = jax.tree.leaves(results[where])
-        assert len(leaves) == len(expected)
-        for a, b in zip(leaves, expected):
+        for a, b in zip(results[where], results["device"], strict=True):
             assert a.sharding.memory_kind == b.sharding.memory_kind
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_host_gradient_sum_crosses_as_xla_plans_it():
-    # XLA's plan (H100) of the step with the gradient sum in host memory, per micro-batch:
-    # with each micro-batch's gradients kept in host memory ("host-stack"), exactly their
-    # bf16 bytes cross to the host, nothing to the device; the state crosses once each
-    # way. With the sum as the scan's carry, added by the host's CPU ("host"), XLA's
-    # host computation leaves its result (the fp32 sum) in device memory and copies it
-    # back to host: 2 + 4 bytes a parameter to the host per micro-batch.
-    shape = capacity_run.QUICK_LADDER[0]
-    mode = capacity.MODES_BY_NAME["+master"]
-    state = 3 * 4 * shape.params
-    per_micro = {"host-stack": 2 * shape.params, "host": (2 + 4) * shape.params}
-    for where, grads in per_micro.items():
-        low, high = (capacity_batch.plan_batch_point(shape, mode, k, "h100",
-                                                     accumulate_in=where) for k in (2, 4))
+    # XLA's plan (H100), per micro-batch: with its gradients kept in host memory
+    # ("host-stack") exactly their bf16 bytes cross to the host, nothing to the device;
+    # the state crosses once each way. With the sum as the carry, added by the host
+    # ("host"), XLA's host computation writes the fp32 sum to device memory and copies it
+    # back: 2 + 4 bytes a parameter to the host per micro-batch.
+    shape, state = capacity_run.QUICK_LADDER[0], 3 * 4 * capacity_run.QUICK_LADDER[0].params
+    for where, grads in {"host-stack": 2 * shape.params, "host": 6 * shape.params}.items():
+        low, high = (capacity_batch.plan_batch_point(
+            shape, capacity.MODES_BY_NAME["+master"], k, "h100", accumulate_in=where)
+            for k in (2, 4))
         assert low.error is None and low.fits and high.fits
         assert high.bytes_to_device == low.bytes_to_device == state, where
         assert (high.bytes_to_host - low.bytes_to_host) / 2 == grads, where
@@ -486,13 +476,11 @@ def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
     # says what to set ("run with:"), and the capacity table's row says the same.
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.00001")
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
-    plans = []
-    real = eqx_offload.gpu_plan
+    plans, real = [], eqx_offload.gpu_plan
 
     def recording(*args, **kwargs):
         plans.append(real(*args, **kwargs))
         return plans[-1]
-
     monkeypatch.setattr(eqx_offload, "gpu_plan", recording)
     mode = capacity.MODES_BY_NAME["+master"]
     point = capacity.plan_point(capacity_run.QUICK_LADDER[0], mode, "h100")
@@ -503,9 +491,8 @@ def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
     assert [s.split("=")[0] for s in point.run_settings] == [
         "XLA_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]
     assert point.fits and not plan.fits  # fits once run with those settings
-    table = capacity_run.capacity_table([capacity.Capacity(mode, "h100", 1, point, None,
-                                                           (point,))])
-    assert f"| `{settings}` |" in table
+    row = capacity.Capacity(mode, "h100", 1, point, None, (point,))
+    assert f"| `{settings}` |" in capacity_run.capacity_table([row])
     # Read back from its JSON record (as `--cache` and `--models-from` do): the same.
     record = json.loads(json.dumps(capacity.point_record(point)))
     assert capacity.point_from_record(record) == point
