@@ -343,16 +343,12 @@ def test_published_batch_table_is_the_json():
     page = (BATCH_JSON.parent.parent.parent / "capacity.md").read_text()
     assert rows
     for record in rows:
-        low = record["low"]
-        low["shape"] = llama.LlamaShape(**low["shape"])
-        high = dict(record["high"], shape=low["shape"])
+        low, high = (capacity_batch.batch_point_from_record(record[k]) for k in ("low", "high"))
         lines = [None if record[k] is None else capacity_batch.Line(**record[k])
                  for k in ("compute_s", "transfer_s")]
-        row = capacity_batch.BatchRow(capacity_batch.BatchPoint(**low),
-                                      capacity_batch.BatchPoint(**high), *lines,
-                                      record["smallest_tokens"])
+        row = capacity_batch.BatchRow(low, high, *lines, record["smallest_tokens"])
         if row.compute_s is not None:
-            per_micro = low["shape"].batch * low["shape"].seq * low["n_devices"]
+            per_micro = low.shape.batch * low.shape.seq * low.n_devices
             assert record["smallest_tokens"] == capacity_batch.smallest_batch(
                 per_micro, row.compute_s, row.transfer_s)
         [line] = capacity_batch.batch_table([row]).splitlines()[2:]
@@ -364,9 +360,19 @@ def test_published_batch_table_is_the_json():
     # The goals' rows: 13B on one H100 and 70B on the node reach 10% at 256k tokens by
     # the floors (the 13B step's fp32 sum does not fit the H100: the page says so).
     smallest = {(r["low"]["target"], r["low"]["n_devices"], r["low"]["mode"],
-                 r["low"].get("accumulate", "float32")): r for r in rows}
-    assert smallest[("h100", 1, "+master", "float32")]["smallest_tokens"] <= 256 * 1024
-    assert smallest[("h100", 8, "+master", "float32")]["smallest_tokens"] <= 1 << 20
+                 r["low"].get("accumulate", "float32"), r["low"].get("accumulate_in", "device"),
+                 r["low"]["shape"]["batch"]): r for r in rows}
+    assert len(smallest) == len(rows)
+    assert smallest[("h100", 1, "+master", "float32", "device", 1)]["smallest_tokens"] <= 1 << 18
+    assert smallest[("h100", 8, "+master", "float32", "device", 1)]["smallest_tokens"] <= 1 << 20
+    # With the gradients in host memory the 13B step fits the H100, and its copies never
+    # reach 10% with one sequence per micro-batch; with 16 they would at 512k tokens, but
+    # that micro-batch does not fit.
+    for where in ("host", "host-stack"):
+        row = smallest[("h100", 1, "+master", "float32", where, 1)]
+        assert row["high"]["fits"] and row["smallest_tokens"] is None
+    wide = smallest[("h100", 1, "+master", "float32", "host-stack", 16)]
+    assert not wide["high"]["fits"] and wide["smallest_tokens"] == 1 << 19
 
 
 @pytest.mark.once
@@ -402,6 +408,11 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
     def plain(text):  # the tables' cells without bold and units
         return text.replace("**", "").replace(" GiB)", ")")
 
+    # The whole table (docs/bench/gpu/capacity.md, in the GPU plan page) is the JSON's,
+    # with the settings each row's run needs.
+    whole = capacity_run.capacity_table(capacity_run.capacity_from_records(results))
+    assert whole + "\n" == (root / "docs/bench/gpu/capacity.md").read_text()
+    assert "`XLA_CLIENT_MEM_FRACTION=0.90 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=146`" in whole
     page = plain((root / "docs/gpu-plan.md").read_text())
     for gpu, n in (("h100", 1), ("h200", 1), ("h100", 8)):
         for mode in ("fp32", "state", "+master", "+activations"):
@@ -416,3 +427,72 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
             for mode in ("fp32", "+master"):
                 params = f"| {best[('h100', n, mode)]['params'] / 1e9:.1f}B |"
                 assert params in row, (front, label, mode, params)
+
+
+def _tiny_master_steps(accumulate_in):
+    shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
+    mw = eqx_offload.master_weights(optax.adamw(1e-2))
+    model, state = mw.init(llama.Llama(shape, jax.random.key(0)))
+    update = capacity._master_update(mw)  # update(model, state, grads), as the table's
+    step = capacity_batch.accumulating_step(update, jnp.float32, accumulate_in)
+    tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
+    return step, model, state, tokens
+
+
+def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
+    # The step that scans 3 micro-batches and updates once: its sum in host memory
+    # (added by the host's CPU each micro-batch, or each micro-batch's gradients kept
+    # there and summed once) gives the model and state of the sum on the device, bit
+    # for bit (on the CPU, where the host is the device's processor).
+    results = {where: jax.tree.leaves(step(model, state, tokens)) for where in (
+        "device", "host", "host-stack") for step, model, state, tokens in [
+            _tiny_master_steps(where)]}
+    for where in ("host", "host-stack"):
+        for a, b in zip(results[where], results["device"], strict=True):
+            assert a.sharding.memory_kind == b.sharding.memory_kind
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_host_gradient_sum_crosses_as_xla_plans_it():
+    # XLA's plan (H100), per micro-batch: with its gradients kept in host memory
+    # ("host-stack") exactly their bf16 bytes cross to the host, nothing to the device;
+    # the state crosses once each way. With the sum as the carry, added by the host
+    # ("host"), XLA's host computation writes the fp32 sum to device memory and copies it
+    # back: 2 + 4 bytes a parameter to the host per micro-batch.
+    shape, state = capacity_run.QUICK_LADDER[0], 3 * 4 * capacity_run.QUICK_LADDER[0].params
+    for where, grads in {"host-stack": 2 * shape.params, "host": 6 * shape.params}.items():
+        low, high = (capacity_batch.plan_batch_point(
+            shape, capacity.MODES_BY_NAME["+master"], k, "h100", accumulate_in=where)
+            for k in (2, 4))
+        assert low.error is None and low.fits and high.fits
+        assert high.bytes_to_device == low.bytes_to_device == state, where
+        assert (high.bytes_to_host - low.bytes_to_host) / 2 == grads, where
+        if where == "host-stack":
+            assert low.bytes_to_host == state + 2 * grads
+
+
+def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
+    # A run that allocates 0.001% of the GPU and has no pinned pool: the plan's summary
+    # says what to set ("run with:"), and the capacity table's row says the same.
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.00001")
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
+    plans, real = [], eqx_offload.gpu_plan
+
+    def recording(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+    monkeypatch.setattr(eqx_offload, "gpu_plan", recording)
+    mode = capacity.MODES_BY_NAME["+master"]
+    point = capacity.plan_point(capacity_run.QUICK_LADDER[0], mode, "h100")
+    [plan] = plans
+    [line] = [x for x in plan.summary().splitlines() if x.startswith("  run with: ")]
+    settings = line.removeprefix("  run with: ")
+    assert settings.split() == list(point.run_settings) == plan.run_settings()
+    assert [s.split("=")[0] for s in point.run_settings] == [
+        "XLA_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]
+    assert point.fits and not plan.fits  # fits once run with those settings
+    row = capacity.Capacity(mode, "h100", 1, point, None, (point,))
+    assert f"| `{settings}` |" in capacity_run.capacity_table([row])
+    # Read back from its JSON record (as `--cache` and `--models-from` do): the same.
+    record = json.loads(json.dumps(capacity.point_record(point)))
+    assert capacity.point_from_record(record) == point

@@ -29,6 +29,7 @@ import optax
 
 import eqx_offload
 
+from .._memory import DEFAULT_HOST_LIMIT_GB, DEFAULT_MEM_FRACTION, run_settings
 from .llama import Llama, llama_loss, LlamaShape
 
 
@@ -206,7 +207,9 @@ class CapacityPoint:
     where it could not compile); `plan_s` (seconds to trace and compile);
     `from_arguments` (not compiled: the step's arguments alone, the weights and the
     state, exceed the device's or the host's memory, so no plan of it can fit; the
-    byte counts are then those of the arguments, lower bounds of the plan's).
+    byte counts are then those of the arguments, lower bounds of the plan's);
+    `run_settings` (the environment a run of the step needs beyond JAX's defaults,
+    `GpuPlan.run_settings()`: what `fits` assumes).
     """
 
     shape: LlamaShape
@@ -228,6 +231,7 @@ class CapacityPoint:
     error: Optional[str]
     plan_s: float
     from_arguments: bool = False
+    run_settings: tuple[str, ...] = ()
 
     @property
     def params(self) -> int:
@@ -252,6 +256,15 @@ def over_limits(p: Any) -> list[str]:
     if p.host_bytes > p.host_memory_bytes:
         reasons.append(f"host {size_text(p.host_bytes)} > {size_text(p.host_memory_bytes)}")
     return reasons
+
+
+def plan_fits(plan: eqx_offload.GpuPlan, host_memory: int) -> bool:
+    """Whether a planned step fits a run set up as `plan.run_settings()` says: its
+    device peak within the device's memory (a memory fraction up to the whole device
+    is one setting away; `GpuPlan.fits` judges the fraction JAX allocates now), its
+    host bytes within `host_memory` (the pinned pool is raised by the other)."""
+    return (plan.device_peak_bytes <= plan.device_memory_size
+            and plan.host_total_bytes <= host_memory)
 
 
 def argument_bytes(args: Any) -> tuple[int, int]:
@@ -300,13 +313,12 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
     for c in plan.collectives:
         count, nbytes = collectives.get(c.kind, (0, 0))
         collectives[c.kind] = (count + c.count, nbytes + c.nbytes * c.count)
-    fits = plan.fits and plan.host_total_bytes <= host_memory
     return CapacityPoint(
         shape, mode.name, target, n, plan.device_peak_bytes, plan.device_memory_size,
-        plan.host_total_bytes, host_memory, plan.host_limit_bytes, fits,
+        plan.host_total_bytes, host_memory, plan.host_limit_bytes, plan_fits(plan, host_memory),
         plan.bytes_moved("to_device"), plan.bytes_moved("to_host"), collectives,
         plan.compute_floor_seconds, plan.transfer_floor_seconds, plan.floor_ratio, None,
-        time.perf_counter() - start)
+        time.perf_counter() - start, run_settings=tuple(plan.run_settings()))
 
 
 _S = TypeVar("_S")
@@ -442,4 +454,24 @@ def point_from_record(record: dict[str, Any]) -> CapacityPoint:
     values["shape"] = LlamaShape(**record["shape"])
     collectives: dict[str, Any] = record["collectives"]
     values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in collectives.items()}
+    values["run_settings"] = tuple(record["run_settings"]) if "run_settings" in record else (
+        default_settings(record["device_peak_bytes"], record["device_memory_bytes"],
+                         record["host_bytes"], record["fits"]))
     return CapacityPoint(**values)
+
+
+def default_settings(device_peak: int, device_memory: int, host_bytes: int, fits: bool
+                     ) -> tuple[str, ...]:
+    """The `run_settings` of a point planned before they were recorded: as
+    `GpuPlan.run_settings()` gives them with JAX's and XLA's defaults (memory fraction
+    0.75, pinned pool 64 GiB); none for a point that does not fit."""
+    if not fits:
+        return ()
+    return tuple(run_settings(device_peak, device_memory, DEFAULT_MEM_FRACTION, host_bytes,
+                              DEFAULT_HOST_LIMIT_GB << 30))
+
+
+def settings_text(settings: Sequence[str]) -> str:
+    """The settings as a table cell: `` `A=1 B=2` ``, or "defaults" where none is
+    needed."""
+    return f"`{' '.join(settings)}`" if settings else "defaults"

@@ -3,7 +3,8 @@ scans its micro-batches, accumulates their gradients and updates once.
 
 `python -m eqx_offload plan --capacity --micro-batches K` plans, for each GPU and
 mode, the step that runs `jax.lax.scan` over `K` micro-batches (the gradients summed
-in an fp32 carry on the device) and then one AdamW update: the optimizer state, where
+in an fp32 carry on the device, or in host memory: `--accumulate-in`) and then one
+AdamW update: the optimizer state, where
 it waits in host memory, crosses once per optimizer step, whatever `K`. It plans that
 step at `K` and at `2K` micro-batches (XLA's plan, compiled without a GPU) and fits a
 line through the two: the matrix-product flops (hence the compute floor) grow with
@@ -29,8 +30,9 @@ import jax.numpy as jnp
 
 import eqx_offload
 
-from .capacity import (abstract_tokens, argument_bytes, CapacityMode, GB, over_limits,
-                       size_text, training_update)
+from .._compat import host_compute
+from .capacity import (abstract_tokens, argument_bytes, CapacityMode, default_settings, GB,
+                       over_limits, plan_fits, settings_text, size_text, training_update)
 from .llama import llama_loss, LlamaShape
 
 
@@ -39,22 +41,63 @@ def _add(acc: jax.Array, grad: jax.Array) -> jax.Array:
     return acc + eqx_offload.to_device(grad).astype(acc.dtype)
 
 
+def _on_host(x: Any) -> bool:
+    return bool(jax.typeof(x).memory_space == jax.memory.Space.Host)
+
+
 def _mean(k: int, total: jax.Array, param: jax.Array) -> jax.Array:
     mean = (total / k).astype(param.dtype)
-    on_host = jax.typeof(param).memory_space == jax.memory.Space.Host
-    return eqx_offload.to_host(mean) if on_host else mean
+    return eqx_offload.to_host(mean) if _on_host(param) else mean
 
 
 def _zeros(dtype: Any, x: Any) -> jax.Array:
     return jnp.zeros(x.shape, dtype)
 
 
-def accumulating_step(update: Callable[..., Any], accumulate: Any = jnp.float32
-                      ) -> Callable[..., Any]:
+def _host_add(acc: jax.Array, grad: jax.Array) -> jax.Array:
+    return acc + grad.astype(acc.dtype)
+
+
+def _host_mean(k: int, total: jax.Array, param: jax.ShapeDtypeStruct) -> jax.Array:
+    return (total / k).astype(param.dtype)
+
+
+def _struct(dtype: Optional[Any], x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype)
+
+
+def _to_host(grad: jax.Array) -> jax.Array:
+    return grad if _on_host(grad) else eqx_offload.to_host(grad)
+
+
+def _space(param: jax.Array) -> Any:
+    return jax.typeof(param).memory_space
+
+
+def _on_cpu(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f` run by the host's CPU on host memory, its results typed for host memory
+    (`compute_on` with `compute_type="device_host"`, as `offloaded(..., compute="host")`
+    runs). XLA's GPU plan writes a host computation's results to device memory and
+    copies them to host (docs/capacity.md)."""
+    on_host: Callable[..., Any] = host_compute(
+        f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return on_host
+
+
+def accumulating_step(update: Callable[..., Any], accumulate: Any = jnp.float32,
+                      accumulate_in: str = "device") -> Callable[..., Any]:
     """The training step that scans its micro-batches (`tokens` of shape `(K, batch,
-    seq + 1)`), sums their gradients in a carry of dtype `accumulate` on the device,
-    and applies `update(model, state, mean_grads)` once: the idiom whose optimizer
-    state crosses once per optimizer step."""
+    seq + 1)`), sums their gradients in a carry of dtype `accumulate`, and applies
+    `update(model, state, mean_grads)` once: the idiom whose optimizer state crosses
+    once per optimizer step. `accumulate_in="device"`: the sum is on the device (no
+    traffic); `"host"`: in host memory, each micro-batch's gradients cross to the host
+    once and the host's CPU adds them there (nothing comes back per micro-batch); the
+    mean comes to the device once, in the weights' dtype, for the update."""
+    if accumulate_in == "host":
+        return _host_accumulating_step(update, accumulate)
+    if accumulate_in == "host-stack":
+        return _stacking_step(update, accumulate)
+
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
         def micro(acc: Any, batch: jax.Array) -> tuple[Any, None]:
@@ -68,14 +111,62 @@ def accumulating_step(update: Callable[..., Any], accumulate: Any = jnp.float32
     return step
 
 
+def _host_accumulating_step(update: Callable[..., Any], accumulate: Any) -> Callable[..., Any]:
+    """`accumulating_step` with the gradient sum in host memory."""
+    @eqx_offload.filter_jit(donate="all")
+    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
+        def micro(acc: Any, batch: jax.Array) -> tuple[Any, None]:
+            grads = jax.tree.map(_to_host, eqx.filter_grad(llama_loss)(model, batch))
+            return _on_cpu(functools.partial(jax.tree.map, _host_add))(acc, grads), None
+
+        params = eqx.filter(model, eqx.is_inexact_array)
+        # The host makes the zeros and the mean: no array of the sum's size on the device.
+        wide = jax.tree.map(functools.partial(_struct, accumulate), params)
+        zeros = _on_cpu(lambda: jax.tree.map(functools.partial(_zeros, accumulate), wide))()
+        total, _ = jax.lax.scan(micro, zeros, tokens)
+        like = jax.tree.map(functools.partial(_struct, None), params)
+        # The mean in the weights' dtype and memory: once to the device for the update.
+        mean = host_compute(lambda t: jax.tree.map(
+            functools.partial(_host_mean, tokens.shape[0]), t, like), compute_type="device_host",
+            out_memory_spaces=jax.tree.map(_space, params))(total)
+        return update(model, state, mean)
+    return step
+
+
+def _stacking_step(update: Callable[..., Any], accumulate: Any) -> Callable[..., Any]:
+    """`accumulating_step` that keeps each micro-batch's gradients in host memory (the
+    scan's stacked output) and sums them on the host's CPU once, after the scan."""
+    @eqx_offload.filter_jit(donate="all")
+    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
+        def micro(carry: None, batch: jax.Array) -> tuple[None, Any]:
+            return None, jax.tree.map(_to_host, eqx.filter_grad(llama_loss)(model, batch))
+
+        _, stacked = jax.lax.scan(micro, None, tokens)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        like = jax.tree.map(functools.partial(_struct, None), params)
+        mean = host_compute(lambda s: jax.tree.map(
+            functools.partial(_stack_mean, accumulate), s, like), compute_type="device_host",
+            out_memory_spaces=jax.tree.map(_space, params))(stacked)
+        return update(model, state, mean)
+    return step
+
+
+def _stack_mean(accumulate: Any, stacked: jax.Array, param: jax.ShapeDtypeStruct) -> jax.Array:
+    # Added in the scan's order, as the carry adds them: the same sum, bit for bit.
+    total = stacked[0].astype(accumulate)
+    for i in range(1, stacked.shape[0]):
+        total = total + stacked[i].astype(accumulate)
+    return (total / stacked.shape[0]).astype(param.dtype)
+
+
 def batch_step(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
-               mesh: Optional[jax.sharding.Mesh] = None, accumulate: Any = jnp.float32
-               ) -> tuple[Any, tuple[Any, ...]]:
+               mesh: Optional[jax.sharding.Mesh] = None, accumulate: Any = jnp.float32,
+               accumulate_in: str = "device") -> tuple[Any, tuple[Any, ...]]:
     """`(step, (model, state, tokens))`: `accumulating_step` of a `Llama` of `shape`
     in `mode` over `micro_batches` micro-batches, every argument abstract."""
     update, model, state = training_update(shape, mode, mesh)
     tokens = abstract_tokens(shape, mesh, micro_batches)
-    return accumulating_step(update, accumulate), (model, state, tokens)
+    return accumulating_step(update, accumulate, accumulate_in), (model, state, tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +182,9 @@ class BatchPoint:
     flops alone at the GPU's peak rates: the part of the compute floor that grows with
     the micro-batches, exactly, as the flops are counted per scan iteration); `error`
     (XLA's, where it could not compile, or why it was not compiled); `plan_s`;
-    `accumulate` (the dtype of the gradient sum).
+    `accumulate` (the dtype of the gradient sum), `accumulate_in` (`"device"` or
+    `"host"`: where the sum is); `run_settings` (what a run of the step needs beyond
+    JAX's defaults: `GpuPlan.run_settings()`).
     """
 
     shape: LlamaShape
@@ -113,39 +206,46 @@ class BatchPoint:
     error: Optional[str]
     plan_s: float
     accumulate: str = "float32"
+    accumulate_in: str = "device"
+    run_settings: tuple[str, ...] = ()
 
 
 def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
                      target: str = "h100", host_memory: int = 256 * GB,
                      mesh: Optional[jax.sharding.Mesh] = None,
-                     device_memory: Optional[int] = None, accumulate: str = "float32"
-                     ) -> BatchPoint:
-    """Plan `batch_step` (its gradient sum in `accumulate`) for `target` and say
-    whether it fits."""
+                     device_memory: Optional[int] = None, accumulate: str = "float32",
+                     accumulate_in: str = "device") -> BatchPoint:
+    """Plan `batch_step` (its gradient sum in `accumulate`, on the device or in host
+    memory: `accumulate_in`) for `target` and say whether it fits."""
     start = time.perf_counter()
     n = 1 if mesh is None else mesh.devices.size
     memory = (eqx_offload.GPU_TARGETS[target].device_memory_size if device_memory is None
               else device_memory)
     tokens = micro_batches * shape.batch * shape.seq * n
-    step, args = batch_step(shape, mode, micro_batches, mesh, jnp.dtype(accumulate))
+    step, args = batch_step(shape, mode, micro_batches, mesh, jnp.dtype(accumulate),
+                            accumulate_in)
     device_args, host_args = argument_bytes(args)
-    common = (shape, mode.name, target, n, micro_batches, tokens)
+
+    def point(peak: int, host: int, fits: bool, moved: tuple[int, int],
+              floors: tuple[float, float, float], error: Optional[str] = None,
+              settings: Sequence[str] = ()) -> BatchPoint:
+        return BatchPoint(shape, mode.name, target, n, micro_batches, tokens, peak, memory,
+                          host, host_memory, fits, *moved, *floors, error,
+                          time.perf_counter() - start, accumulate, accumulate_in,
+                          tuple(settings))
+
     if device_args > memory or host_args > host_memory:
-        return BatchPoint(*common, device_args, memory, host_args, host_memory, False, 0, 0,
-                          0.0, 0.0, 0.0, "its weights and state alone do not fit (not compiled)",
-                          time.perf_counter() - start, accumulate)
+        return point(device_args, host_args, False, (0, 0), (0.0, 0.0, 0.0),
+                     "its weights and state alone do not fit (not compiled)")
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
     except eqx_offload.PlanError as error:
-        return BatchPoint(*common, 0, memory, 0, host_memory, False, 0, 0, 0.0, 0.0,
-                          0.0, str(error)[:500], time.perf_counter() - start, accumulate)
-    return BatchPoint(
-        *common, plan.device_peak_bytes, plan.device_memory_size, plan.host_total_bytes,
-        host_memory, plan.fits and plan.host_total_bytes <= host_memory,
-        plan.bytes_moved("to_device"), plan.bytes_moved("to_host"),
-        plan.compute_floor_seconds, plan.transfer_floor_seconds, _matmul_seconds(plan), None,
-        time.perf_counter() - start, accumulate)
+        return point(0, 0, False, (0, 0), (0.0, 0.0, 0.0), str(error)[:500])
+    return point(plan.device_peak_bytes, plan.host_total_bytes, plan_fits(plan, host_memory),
+                 (plan.bytes_moved("to_device"), plan.bytes_moved("to_host")),
+                 (plan.compute_floor_seconds, plan.transfer_floor_seconds, _matmul_seconds(plan)),
+                 settings=plan.run_settings())
 
 
 def _matmul_seconds(plan: eqx_offload.GpuPlan) -> float:
@@ -203,13 +303,13 @@ def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target:
               host_memory: int = 256 * GB, mesh: Optional[jax.sharding.Mesh] = None,
               device_memory: Optional[int] = None,
               progress: Optional[Callable[[BatchPoint], None]] = None,
-              accumulate: str = "float32") -> BatchRow:
+              accumulate: str = "float32", accumulate_in: str = "device") -> BatchRow:
     """Plan the step of `shape` in `mode` at `micro_batches` and twice as many, and
     extrapolate (see the module's docstring)."""
     points = []
     for k in (micro_batches, 2 * micro_batches):
         points.append(plan_batch_point(shape, mode, k, target, host_memory, mesh, device_memory,
-                                       accumulate))
+                                       accumulate, accumulate_in))
         if progress is not None:
             progress(points[-1])
     low, high = points
@@ -233,6 +333,25 @@ def _why_not(p: BatchPoint) -> str:
     return f" (does NOT fit: {', '.join(over_limits(p))})"
 
 
+def _sum_label(p: BatchPoint) -> str:
+    if p.accumulate_in == "host":
+        return f", {p.accumulate} sum in host memory"
+    if p.accumulate_in == "host-stack":
+        return ", gradients kept in host memory"
+    return "" if p.accumulate == "float32" else f", {p.accumulate} sum"
+
+
+def batch_point_from_record(record: dict[str, Any]) -> BatchPoint:
+    """The `BatchPoint` of a `row_record`'s `"low"` or `"high"`; a point recorded
+    before its run settings were gets them as `GpuPlan.run_settings()` gives them with
+    JAX's and XLA's defaults."""
+    values = dict(record, shape=LlamaShape(**record["shape"]))
+    values["run_settings"] = tuple(record["run_settings"]) if "run_settings" in record else (
+        default_settings(record["device_peak_bytes"], record["device_memory_bytes"],
+                         record["host_bytes"], record["fits"]))
+    return BatchPoint(**values)
+
+
 def batch_table(rows: Sequence[BatchRow]) -> str:
     """A Markdown table of `batch_row`s: per GPU and mode, the plan at `2k`
     micro-batches (a loop of one is not a loop in XLA's plan) and the smallest global
@@ -240,8 +359,8 @@ def batch_table(rows: Sequence[BatchRow]) -> str:
     lines = [
         "| GPU | mode | model | tokens per step | device peak | host | to device / to host "
         "per step | compute floor (s) | transfer floor (s) | ratio | smallest batch within "
-        "10% |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "10% | run with |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         p = r.high
@@ -249,16 +368,16 @@ def batch_table(rows: Sequence[BatchRow]) -> str:
         if r.compute_s is None:
             error = (r.low.error or p.error or "")[:120].replace("|", "/").replace("\n", " ")
             lines.append(f"| {gpu} | {p.mode} | {p.shape.name} | {_tokens(p.tokens)} "
-                         f"| | | | | | | XLA: {error} |")
+                         f"| | | | | | | XLA: {error} | |")
             continue
         ratio = p.transfer_floor_s / p.compute_floor_s if p.compute_floor_s else math.inf
         lines.append(
-            f"| {gpu} | {p.mode}{'' if p.accumulate == 'float32' else ', ' + p.accumulate + ' sum'} "
+            f"| {gpu} | {p.mode}{_sum_label(p)} "
             f"| {p.shape.name}{'' if p.fits else _why_not(p)} "
             f"| {_tokens(p.tokens)} | {size_text(p.device_peak_bytes)} | {size_text(p.host_bytes)} "
             f"| {size_text(p.bytes_to_device)} / {size_text(p.bytes_to_host)} "
             f"| {p.compute_floor_s:.3f} | {p.transfer_floor_s:.3f} | {ratio:.2f} "
-            f"| {_tokens(r.smallest)} |")
+            f"| {_tokens(r.smallest)} | {settings_text(p.run_settings) if p.fits else ''} |")
     return "\n".join(lines)
 
 
@@ -304,7 +423,8 @@ def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
                                     seq=args.seq_len or shape.seq)
         rows.append(batch_row(shape, MODES_BY_NAME[mode], args.micro_batches, target,
                               int(args.host_memory * GB) * n, mesh_of(n), device_memory,
-                              _progress, args.accumulate))
+                              _progress, args.accumulate,
+                              getattr(args, "accumulate_in", "device")))
     table = batch_table(rows)
     print(table)
     print(f"\nXLA's plan (compiled without a GPU, not a measurement) of the optimizer step "

@@ -14,7 +14,8 @@ import numpy as np
 import eqx_offload
 
 from .capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
-                       over_limits, PointCache, capacity, point_record, size_text)
+                       over_limits, PointCache, capacity, point_from_record, point_record,
+                       settings_text, size_text)
 from .llama import LlamaShape
 
 
@@ -36,8 +37,9 @@ def _unit(results: Sequence[Capacity]) -> tuple[str, int]:
 
 def capacity_table(results: Sequence[Capacity]) -> str:
     """A Markdown table of `capacity` results: per target and mode, the largest model
-    that fits, what its step holds and moves, and its floors (in GiB, or in MiB for a
-    table of small models)."""
+    that fits, what its step holds and moves, its floors (in GiB, or in MiB for a
+    table of small models) and the settings its run needs (`GpuPlan.run_settings()`,
+    the plan summary's "run with:" line)."""
     unit, size = _unit(results)
 
     def b(n: int) -> str:
@@ -46,15 +48,15 @@ def capacity_table(results: Sequence[Capacity]) -> str:
     lines = [
         f"| GPU | mode | largest that fits | params | device peak ({unit}) | host ({unit}) "
         f"| moved per step, to device / to host ({unit}) | compute floor (ms) "
-        "| transfer floor (ms) | floor ratio | next size up: why not |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| transfer floor (ms) | floor ratio | run with | next size up: why not |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in results:
         gpu = r.target.upper() + ("" if r.n_devices == 1 else f" x {r.n_devices}")
         why = "" if r.first_too_large is None else _why_not(r.first_too_large)
         p = r.largest
         if p is None:
-            lines.append(f"| {gpu} | {r.mode.name} | none | | | | | | | | {why} |")
+            lines.append(f"| {gpu} | {r.mode.name} | none | | | | | | | | | {why} |")
             continue
         params = _params(p.params)
         lines.append(
@@ -62,8 +64,22 @@ def capacity_table(results: Sequence[Capacity]) -> str:
             f"| {b(p.device_peak_bytes)} | {b(p.host_bytes)} "
             f"| {b(p.bytes_to_device)} / {b(p.bytes_to_host)} "
             f"| {_ms(p.compute_floor_s)} | {_ms(p.transfer_floor_s)} "
-            f"| {p.floor_ratio:.2f} | {why} |")
+            f"| {p.floor_ratio:.2f} | {settings_text(p.run_settings)} | {why} |")
     return "\n".join(lines)
+
+
+def capacity_from_records(records: Sequence[dict[str, Any]]) -> list[Capacity]:
+    """The `Capacity` results a `--json` file of `plan --capacity` holds (its table
+    again, e.g. with columns added since, without planning)."""
+    results = []
+    for r in records:
+        planned = [point_from_record(p) for p in r["planned"]]
+        largest = None if r["largest"] is None else point_from_record(r["largest"])
+        above = [p for p in planned if largest is None or p.params > largest.params]
+        results.append(Capacity(MODES_BY_NAME[r["mode"]], r["target"], r["n_devices"], largest,
+                                min(above, key=lambda p: p.params, default=None),
+                                tuple(planned)))
+    return results
 
 
 def _why_not(p: CapacityPoint) -> str:

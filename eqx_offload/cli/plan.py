@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
                           help="the dtype of the batch table's gradient sum, a carry on the "
                                "device (default float32)")
+    capacity.add_argument("--accumulate-in", choices=("device", "host", "host-stack"),
+                          default="device",
+                          help="where the batch table's gradient sum is: a carry on the "
+                               "device (default); in host memory, each micro-batch's "
+                               "gradients sent there and added by the host's CPU (host); "
+                               "each micro-batch's gradients kept in host memory and summed "
+                               "there once (host-stack)")
     capacity.add_argument("--seq-len", type=int, default=None, metavar="S",
                           help="tokens per sequence of the batch table (default the ladder's)")
     capacity.add_argument("--models-from", default=None, metavar="PATH",
