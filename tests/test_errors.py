@@ -366,7 +366,7 @@ def test_stale_state_keeps_the_other_inputs() -> None:
 
 
 def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
-    """Regression (found by tests/test_fuzz.py): `inject_hyperparams(adam)` turns a
+    """Regression (found by tests/test_equivalence.py): `inject_hyperparams(adam)` turns a
     bfloat16 moment into float32 after one update when the params mix dtypes. The
     unwrapped optimizer accepts its own state; `offloaded` used to reject it with a
     `StateError` on the second update."""
