@@ -6,7 +6,7 @@ An update looks its layout up by the structure and shapes of its arguments; only
 layout it has not seen is checked against what `inner.init` makes (`_checks`)."""
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import equinox as eqx
@@ -69,9 +69,11 @@ class Layout:
 def layout_for(
     inner: Any, options: Options, cache: Cache, state: Any, updates: Any,
     params: Any, extra_args: dict[str, Any],
+    mask_of: Optional[Callable[[Any], Sequence[bool]]] = None,
 ) -> tuple[Layout, list[Any], bool]:
     """The layout of `state.inner_state` for these arguments (checked at its first use),
-    the inner state's leaves, and whether any argument is traced."""
+    the inner state's leaves, and whether any argument is traced. `mask_of(inner_state)`:
+    which leaves live in host memory (default: those `options.where` selects)."""
     leaves, treedef = jtu.tree_flatten(state.inner_state)
     others, others_def = jtu.tree_flatten((updates, params, extra_args))
     traced = any(isinstance(x, Tracer) for x in leaves) or any(
@@ -83,7 +85,8 @@ def layout_for(
         layout, key = None, None
     if layout is None:
         init_dtypes = check_new_state(inner, state, updates, params, extra_args)
-        mask = tuple(leaf_mask(state.inner_state, options.where))
+        mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
+                     else mask_of(state.inner_state))
         if options.host_dtype is None or len(init_dtypes) != len(leaves):
             init_dtypes = [None] * len(leaves)
         layout = Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)

@@ -13,7 +13,9 @@ import jax.tree_util as jtu
 import optax
 from jax.core import Tracer
 
-from ._accumulate import as_multi_steps, offloaded_multi_steps
+from ._accumulate import (
+    Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
+)
 from ._checkpoint import check_init_fits_host_pool
 from ._checks import check_is_offloaded, check_trace, first_on_device, warn_on_device
 from ._inner import as_transformation
@@ -35,6 +37,7 @@ def offloaded(
     lookahead: int = 1,
     compute: Compute = "device",
     host_dtype: Any = None,
+    accumulator: Accumulator = "device",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that its state lives in host memory between steps.
 
@@ -62,6 +65,10 @@ def offloaded(
         CPU: the state never comes to the device (docs: "Host-compute mode").
     - `host_dtype`: keep floating state in host memory in this narrower dtype (e.g.
         `jnp.bfloat16`), halving the bytes that cross. Not bitwise (docs: "Modes").
+    - `accumulator`: for an `optax.MultiSteps`, where its accumulated gradients live
+        between mini-steps: `"device"` (default), or `"host"`: each mini-step sends its
+        gradients to host once and the host CPU adds them there (docs: "Gradient
+        accumulation").
 
     **Returns:**
 
@@ -93,12 +100,12 @@ def offloaded(
         ```
     """
     multi = as_multi_steps(inner)
-    if multi is not None and compute == "device" and group_bytes in ("auto", None):
-        # The inner state crosses once per optimizer step (see "Gradient accumulation").
-        return offloaded_multi_steps(multi, normalise(
-            where, memory_kind, group_bytes, lookahead, compute, host_dtype))
     inner = as_transformation(inner)
     options = normalise(where, memory_kind, group_bytes, lookahead, compute, host_dtype)
+    check_accumulator(accumulator, multi, options)
+    if multi is not None and crosses_once(options):
+        # The inner state crosses once per optimizer step (see "Gradient accumulation").
+        return offloaded_multi_steps(multi, options, accumulator)
     strategy = choose(options)
     cache = Cache()  # layouts by the arguments' structure and shapes
     # Under `jit` the state is sent to host as it is made, so the whole state never is

@@ -6,12 +6,12 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
 
 import eqx_offload
-from eqx_offload import _accumulate, _options
 from helpers import assert_tree_equal, gpu_plan_marks, walk_eqns
 
 
@@ -37,11 +37,22 @@ def _multi(schedule: str, skip: bool) -> optax.MultiSteps:
 
 
 def _offloaded(multi: optax.MultiSteps, accumulator: str) -> Any:
-    if accumulator == "device":
-        return eqx_offload.offloaded(multi)
-    options = _options.normalise(eqx_offload.min_ndim(1), "pinned_host", "auto", 1, "device",
-                                 None)
-    return _accumulate.offloaded_multi_steps(multi, options, "host")
+    return eqx_offload.offloaded(multi, accumulator=accumulator)
+
+
+def _assert_updates(plain: Any, got: Any, applied: bool) -> None:
+    """Bit for bit on a mini-step that applies the inner update. On any other, `+0.0`
+    everywhere, where MultiSteps gives `0 * u` for the inner update `u` it computes and
+    discards: `±0.0`, or NaN where `u` is not finite (`test_nan_mini_step_without_skip`)."""
+    if applied:
+        assert_tree_equal(plain, got)
+        return
+    assert jax.tree.structure(plain) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(got)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.all(b == 0) and not np.signbit(b).any(), b  # +0.0 everywhere
+        assert np.all((a == 0) | np.isnan(a)), a
 
 
 def _assert_placement(state: Any, accumulator: str) -> None:
@@ -73,27 +84,48 @@ def test_bitwise_multi_steps(accumulator, mode, schedule, skip):
     params = plain_params = _params()
     plain_state, state = plain.init(params), opt.init(params)
     _assert_placement(state, accumulator)
-    applied = []
+    applied, negative_zeros = [], 0
     for i in range(8):
         grads = _grads(params, i) if skip else _grads(params, i + (i >= 4))
+        gradient_step = int(plain_state.gradient_step)
         plain_updates, plain_state = plain_update(grads, plain_state, plain_params)
         updates, state = update(grads, state, params)
-        # The state, leaf for leaf, as users read it.
+        # The whole state, leaf for leaf, and its fields as users read them.
         assert_tree_equal(plain_state, state.inner_state)
         assert_tree_equal(plain_state.mini_step, state.mini_step)
         assert_tree_equal(plain_state.gradient_step, state.gradient_step)
         assert_tree_equal(plain_state.acc_grads, state.acc_grads)
         _assert_placement(state, accumulator)
-        # The updates as numbers: on a mini-step that does not apply, MultiSteps gives
-        # `0 * u` (-0.0 where its discarded update `u` is negative), this zeros.
-        for a, b in zip(jax.tree.leaves(plain_updates), jax.tree.leaves(updates)):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
-        applied.append(bool(plain.has_updated(plain_state)))
-        assert bool(plain.has_updated(state)) == applied[-1]
+        applied.append(int(plain_state.gradient_step) > gradient_step)
+        _assert_updates(plain_updates, updates, applied[-1])
+        if not applied[-1]:
+            negative_zeros += sum(int(np.signbit(u).sum()) for u in jax.tree.leaves(plain_updates))
+        assert bool(plain.has_updated(state)) == bool(plain.has_updated(plain_state))
         plain_params = optax.apply_updates(plain_params, plain_updates)
         params = optax.apply_updates(params, updates)
-        assert_tree_equal(plain_params, params)
+        assert_tree_equal(plain_params, params)  # (no parameter is -0.0)
     assert sum(applied) >= 2  # the test applies the inner update more than once
+    assert negative_zeros  # MultiSteps' -0.0, which `_assert_updates` tells from +0.0
+
+
+def test_nan_mini_step_without_skip():
+    # Without `should_skip_update_fn`, a NaN gradient makes MultiSteps' discarded inner
+    # update NaN, so its updates (and the parameters they are applied to) are NaN from
+    # that mini-step on; `offloaded(MultiSteps)` gives +0.0 until the applying mini-step,
+    # which is NaN in both. The state is the same throughout, bit for bit.
+    plain, opt = _multi("int", False), eqx_offload.offloaded(_multi("int", False))
+    params = _params()
+    plain_state, state = plain.init(params), opt.init(params)
+    for i in (3, 4, 5):  # mini-steps 0, 1, 2: the NaN one (i == 4) does not apply
+        grads = _grads(params, i)
+        plain_updates, plain_state = jax.jit(plain.update)(grads, plain_state, params)
+        updates, state = eqx_offload.filter_jit(opt.update)(grads, state, params)
+        assert_tree_equal(plain_state, state.inner_state)
+        if i == 4:
+            assert np.isnan(plain_updates["b"]).any()
+            _assert_updates(plain_updates, updates, applied=False)
+    assert int(state.gradient_step) == 1 and np.isnan(updates["b"]).any()
+    assert_tree_equal(plain_updates, updates)
 
 
 def test_gradient_transformation_form_and_extra_args():
@@ -180,6 +212,18 @@ def test_other_modes_keep_the_whole_wrapper_offloaded():
         assert state.inner_state.acc_grads["w"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.parametrize("inner,options", [
+    (optax.adam(1e-2), {"accumulator": "host"}),  # nothing to accumulate
+    (optax.MultiSteps(optax.adam(1e-2), 2), {"accumulator": "host", "compute": "host"}),
+    (optax.MultiSteps(optax.adam(1e-2), 2), {"accumulator": "host", "group_bytes": 1 << 20}),
+    (optax.MultiSteps(optax.adam(1e-2), 2), {"accumulator": "disk"}),
+])
+def test_accumulator_option_errors(inner, options):
+    # (`"disk"`: the runtime type check at test time, an `OptionError` without it.)
+    with pytest.raises((eqx_offload.OptionError, jaxtyping.TypeCheckError), match="accumulator"):
+        eqx_offload.offloaded(inner, **options)
+
+
 # ------------------------------------------------------------------------------ GPU plan
 
 
@@ -239,3 +283,44 @@ def test_plan_state_crosses_once_per_optimizer_step(idiom):
         every_time = sum(c.nbytes * c.count for c in copies if not c.conditional)
         once = sum(c.nbytes * c.count for c in copies if c.conditional)
         assert every_time * runs + once <= 1.1 * state_bytes, direction
+
+
+@_plan_marks
+def test_plan_host_accumulator_sends_gradients_once():
+    # `accumulator="host"`: every mini-step sends its gradients to host once (and the
+    # two scalars the host's addition reads: the mini-step counter and whether it
+    # applies); nothing comes back. The applying branch brings the inner state and the
+    # sum to the device and the inner state back.
+    opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4),
+                                accumulator="host")
+    step, args, state = _mlp_step(opt, 4, False)
+    plan = eqx_offload.gpu_plan(step, *args, target="h100")
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
+    inner_bytes = _host_bytes(state.inner_state.inner_opt_state)
+    acc_bytes = _host_bytes(state.inner_state.acc_grads)
+    assert acc_bytes == grad_bytes
+
+    def moved(direction: str, conditional: bool) -> int:
+        return sum(c.nbytes * c.count for c in plan.copies_to(direction)
+                   if c.conditional == conditional)
+
+    assert grad_bytes <= moved("to_host", False) <= grad_bytes + 8
+    assert moved("to_device", False) == 0
+    assert inner_bytes <= moved("to_device", True) - acc_bytes <= 1.1 * inner_bytes
+    assert inner_bytes <= moved("to_host", True) <= 1.1 * inner_bytes
+
+
+@_plan_marks
+def test_plan_applying_branch_is_streamed():
+    # Compiled for a GPU, the applying branch streams the inner state in groups, as the
+    # default `offloaded` update does: a lower device peak than the whole state at once
+    # (`group_bytes=None`), for the same bytes each way.
+    plans = {}
+    for group_bytes in ("auto", None):
+        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4),
+                                    group_bytes=group_bytes)
+        step, args, _ = _mlp_step(opt, 4, False)
+        plans[group_bytes] = eqx_offload.gpu_plan(step, *args, target="h100")
+    assert plans["auto"].device_peak_bytes < plans[None].device_peak_bytes
+    for direction in ("to_device", "to_host"):
+        assert plans["auto"].bytes_moved(direction) == plans[None].bytes_moved(direction)

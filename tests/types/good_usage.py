@@ -56,6 +56,13 @@ def make_optimizer(
     return eqx_offload.offloaded(inner, moments_where(), memory_kind=memory_kind, compute=compute)
 
 
+def make_accumulating_optimizer(k: int) -> optax.GradientTransformationExtraArgs:
+    # `optax.MultiSteps` inside: its inner state crosses once per `k` mini-steps, its
+    # accumulated gradients in host memory with `accumulator="host"`.
+    multi = optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=k)
+    return eqx_offload.offloaded(multi, accumulator="host")
+
+
 def as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
     """Arrays in tuples, lists and dicts, typed as `Nested`. (Not an optax state: optax
     declares its fields as `ArrayTree`, a union with `Iterable`, which pyright and pyrefly
@@ -76,6 +83,8 @@ def train(steps: int = 3) -> float:
     state = opt.init(params)
     assert isinstance(state, eqx_offload.OffloadedState)
     inner_state = state.inner_state
+    accumulating = make_accumulating_optimizer(2).init(params)
+    assert isinstance(accumulating, eqx_offload.OffloadedState)
 
     donate: Donate = "all"
 

@@ -188,6 +188,7 @@ def offloaded(
     lookahead: int = 1,
     compute: Compute = "device",
     host_dtype: Any = None,
+    accumulator: Literal["device", "host"] = "device",
 ) -> _OffloadedTransformation: ...
 
 # Budgets.
