@@ -258,3 +258,18 @@ def gpu_plan_marks() -> list[Any]:
     except eqx_offload.PlanError as error:
         return [pytest.mark.once, pytest.mark.skip(reason=str(error))]
     return [pytest.mark.once]
+
+
+def assert_multi_steps_updates(expected: Any, got: Any) -> None:
+    """`offloaded(optax.MultiSteps(...))`'s updates against plain `MultiSteps`': bit for
+    bit on a mini-step that applies the inner update, else `+0.0` everywhere where
+    `MultiSteps` gives `0 * u` for the update `u` it computes and discards (`-0.0` or
+    `+0.0`, NaN where `u` is not finite; docs/how-to/gradient-accumulation.md)."""
+    if tree_difference(expected, got) is None:
+        return
+    assert jtu.tree_structure(expected) == jtu.tree_structure(got)
+    for a, b in zip(jtu.tree_leaves(expected), jtu.tree_leaves(got), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        assert np.all(b == 0) and not np.signbit(b).any(), b  # +0.0 everywhere
+        assert np.all((a == 0) | np.isnan(a)), a  # MultiSteps' 0 * u
