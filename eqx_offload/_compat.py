@@ -4,9 +4,10 @@ Every other module imports the version-dependent names from here; each shim says
 JAX version changed what, so it can go once the oldest supported JAX has the change.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import jax.extend.core as _jex
 from jax.experimental import compute_on as _compute_on
 
@@ -22,6 +23,37 @@ host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or 
 # `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
 # and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.
 JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _jex.Jaxpr))
+
+
+MARKER_PREFIX = "eqx_offload."
+"""The prefix of the `jax.named_scope`s that mark what `filter_jit` compiles for."""
+
+
+def marked(kind: str) -> Any:
+    """A `jax.named_scope` that marks what is traced inside it as `kind` (e.g.
+    `"streamed"`), for `scopes` to find in the traced program."""
+    return jax.named_scope(MARKER_PREFIX + kind)
+
+
+def scopes(jaxpr: Any) -> frozenset[str]:
+    """The kinds that `marked` scopes name in `jaxpr`'s equations, at any depth.
+
+    JAX keeps a `jax.named_scope` in each equation's `source_info.name_stack` (transforms
+    wrap it, `jvp(eqx_offload.streamed)`); `jax.extend` exposes the type but documents
+    neither the attribute nor the text of its `str` (JAX 0.10 to 0.12 alike).
+    `tests/upstream/test_upstream_name_stack.py` is the canary."""
+    found: set[str] = set()
+    for stack in _name_stacks(jaxpr):
+        for part in stack.split(MARKER_PREFIX)[1:]:
+            found.add(part.split(")")[0].split("/")[0])
+    return frozenset(found)
+
+
+def _name_stacks(jaxpr: Any) -> Iterator[str]:
+    for eqn in jaxpr.eqns:
+        yield str(eqn.source_info.name_stack)
+        for sub in _jex.jaxprs_in_params(eqn.params):
+            yield from _name_stacks(sub)
 
 
 def same_trace(a: Any, b: Any) -> bool:

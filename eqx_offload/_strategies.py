@@ -26,10 +26,11 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from ._compat import marked
 from ._deviceless import target_platform
 from ._errors import CompositionError
 from ._host_compute import host_update
-from ._jit import filter_jit, note_streamed
+from ._jit import filter_jit
 from ._layout import Layout
 from ._options import Options
 from ._placement import is_host
@@ -48,8 +49,11 @@ def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
     if traced and any(is_host(x) for x in leaves):
-        note_streamed("whole")
-    state = layout.unflatten(layout.fetch(leaves))
+        with marked("whole"):  # (read by `filter_jit`: `_compat.scopes`)
+            fetched = layout.fetch(leaves)
+    else:
+        fetched = layout.fetch(leaves)
+    state = layout.unflatten(fetched)
     result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
     return result
 
@@ -74,10 +78,9 @@ def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
              leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
     """`_stream.streamed_update`; the `filter_jit` being traced compiles with the
     scheduler options that let its copies overlap compute on a GPU."""
-    result = streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
-                             params, extra_args, layout.init_dtypes)
-    note_streamed()
-    return result
+    with marked("streamed"):  # (read by `filter_jit`: `_compat.scopes`)
+        return streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
+                               params, extra_args, layout.init_dtypes)
 
 
 def host(inner: Any, layout: Layout, traced: bool, updates: Any,
