@@ -19,14 +19,14 @@ from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.extend.core import jaxpr_as_fun
 
 from ._call import _Call, _Output, _warn_changed_number
 from ._compat import scopes
 from ._compiler_options import default_compiler_options
-from ._deviceless import compiling_for
 from ._donation import _check_not_deleted, _donation, _Donation, _unshare, _UNUSABLE_DONATION
 from ._errors import OptionError, SignatureError
-from ._jaxpr import evaluate, is_var
+from ._jaxpr import is_var
 from ._leaves import path_parts
 from ._lint import _check_no_host_compute
 from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
@@ -106,7 +106,9 @@ def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
     for each host-resident parameter it was given (by `id`, with the parameter itself),
     that parameter made to wait for its gradient, so that `apply_updates` fetches the
     same value (one copy to the device, after the gradient). `None` outside such a
-    trace."""
+    trace. (The one context variable left: `optax.apply_updates`-style calls get the
+    parameters and the updates, not the value the update fetched, and two
+    `optimization_barrier`s of one weight are two copies to the device.)"""
     return _LATE_PARAMS.get()
 
 
@@ -168,8 +170,10 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
         call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
     )
 
+    as_fun = jaxpr_as_fun(closed)  # (JAX's own evaluator: `jax.core.eval_jaxpr`)
+
     def replay(*dynamic_leaves: Any) -> list[Any]:
-        return evaluate(closed.jaxpr, closed.consts, dynamic_leaves)
+        return list(as_fun(*dynamic_leaves))
 
     # JAX names the executable (and its compile events, `jax.monitoring`) after this.
     replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
@@ -348,10 +352,7 @@ class _FilterJit(Generic[_P, _T]):
             with warnings.catch_warnings():
                 if self._donate.silence:
                     warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-                # Traced for the platform exported for: `offloaded`'s default streams
-                # for an accelerator even when exported from a CPU machine.
-                with compiling_for(platforms[0] if platforms else jax.default_backend()):
-                    jitted, _ = _jitted(self._fun, self._name, call)
+                jitted, _ = _jitted(self._fun, self._name, call)
                 specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                          for x, s in zip(call.leaves, call.in_shardings, strict=True)]
                 return jax.export.export(jitted, platforms=platforms)(*specs)
@@ -364,8 +365,7 @@ class _FilterJit(Generic[_P, _T]):
         with arguments on this machine's CPU), where a `jax.ShapeDtypeStruct` with a
         sharding stands for an array: nothing is allocated."""
         call = _flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
-        with compiling_for(platforms[0]):
-            return self._lower_call(call, tuple(platforms))
+        return self._lower_call(call, tuple(platforms))
 
     def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
