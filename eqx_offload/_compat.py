@@ -4,8 +4,11 @@ Every other module imports the version-dependent names from here; each shim says
 JAX version changed what, so it can go once the oldest supported JAX has the change.
 """
 
+import os
+import sys
+import types
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.extend.core as _jex
@@ -54,6 +57,31 @@ def _name_stacks(jaxpr: Any) -> Iterator[str]:
         yield str(eqn.source_info.name_stack)
         for sub in _jex.jaxprs_in_params(eqn.params):
             yield from _name_stacks(sub)
+
+
+_JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
+
+
+def enclosing_donating_jit() -> Optional[str]:
+    """The name of the function that an enclosing `jax.jit(..., donate_argnums=...)`
+    traces (the caller runs inside it), if that jit donates anything; else `None`.
+
+    JAX has no public way to ask, and the traced program cannot say: an outer jit's
+    donation is a parameter of its own equation, which exists only after its trace.
+    While it traces, JAX (0.10 to 0.12) holds the flags, one per flattened input, in
+    the local `donated_invars` of `pjit._trace_for_jit`'s frame: this walks the stack to
+    it. An `eqx.filter_jit(donate="none")` passes an empty `donate_argnums`, and does
+    not count. `tests/upstream/test_upstream_donated_invars.py` is the canary."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_trace_for_jit" and code.co_filename.startswith(_JAX_DIR):
+            donated: Any = frame.f_locals.get("donated_invars")
+            if donated is not None and any(donated):
+                fun = frame.f_locals.get("fun")
+                return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
+        frame = frame.f_back
+    return None
 
 
 def same_trace(a: Any, b: Any) -> bool:
