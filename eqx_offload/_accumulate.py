@@ -27,7 +27,6 @@ from jax import lax
 from ._checkpoint import check_init_fits_host_pool
 from ._checks import check_is_offloaded, check_trace
 from ._compat import host_compute, multi_steps_parts, MultiStepsParts
-from ._deviceless import target_platform
 from ._errors import CompositionError, OptionError
 from ._jit import filter_jit
 from ._layout import Cache, fetch_state, Layout, layout_for, store_leaves
@@ -208,20 +207,26 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
     acc_grads = _add(step.parts, _fetch(step, state.acc_grads, step.acc), updates,
                      state.mini_step)
     grads = optax.tree.cast_like(acc_grads, updates)
-    if step.layout.options.group_bytes == "auto" and target_platform() != "cpu":
-        layout = dataclasses.replace(
-            step.layout, treedef=jtu.tree_structure(state.inner_opt_state),
-            mask=step.layout.mask[step.inner], init_dtypes=step.layout.init_dtypes[step.inner])
-        old = jtu.tree_leaves(state.inner_opt_state)
-        try:
-            final, new_state = streamed(step.parts.opt, layout, True, grads, old,
-                                        step.params, step.extra_args)
-        except CompositionError:  # an update that couples all of its state
-            pass
-        else:
-            if [x.dtype for x in jtu.tree_leaves(new_state)] == [x.dtype for x in old]:
-                return final, new_state  # its host leaves are in host memory again
-    return _whole(step, grads, state.inner_opt_state, emit)
+    if step.layout.options.group_bytes != "auto":
+        return _whole(step, grads, state.inner_opt_state, emit)
+    layout = dataclasses.replace(
+        step.layout, treedef=jtu.tree_structure(state.inner_opt_state),
+        mask=step.layout.mask[step.inner], init_dtypes=step.layout.init_dtypes[step.inner])
+    old = jtu.tree_leaves(state.inner_opt_state)
+
+    def stream() -> tuple[Any, Any]:
+        final, new_state = streamed(step.parts.opt, layout, True, grads, old, step.params,
+                                    step.extra_args)
+        if [x.dtype for x in jtu.tree_leaves(new_state)] != [x.dtype for x in old]:
+            raise TypeError("the update changes its state's dtypes")
+        return final, new_state  # its host leaves are in host memory again
+
+    try:  # JAX lowers the branch of the platform it lowers for (as `auto_update`)
+        result: tuple[Any, Any] = lax.platform_dependent(
+            cpu=lambda: _whole(step, grads, state.inner_opt_state, emit), default=stream)
+    except (CompositionError, TypeError):  # an update that couples all of its state
+        return _whole(step, grads, state.inner_opt_state, emit)
+    return result
 
 
 def _whole(step: _Step, grads: Any, inner_state: Any, emit: Any) -> tuple[Any, Any]:

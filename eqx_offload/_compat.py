@@ -4,9 +4,13 @@ Every other module imports the version-dependent names from here; each shim says
 JAX version changed what, so it can go once the oldest supported JAX has the change.
 """
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.extend.core as _jex
 from jax.experimental import compute_on as _compute_on
 
@@ -22,6 +26,62 @@ host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or 
 # `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
 # and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.
 JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _jex.Jaxpr))
+
+
+MARKER_PREFIX = "eqx_offload."
+"""The prefix of the `jax.named_scope`s that mark what `filter_jit` compiles for."""
+
+
+def marked(kind: str) -> Any:
+    """A `jax.named_scope` that marks what is traced inside it as `kind` (e.g.
+    `"streamed"`), for `scopes` to find in the traced program."""
+    return jax.named_scope(MARKER_PREFIX + kind)
+
+
+def scopes(jaxpr: Any) -> frozenset[str]:
+    """The kinds that `marked` scopes name in `jaxpr`'s equations, at any depth.
+
+    JAX keeps a `jax.named_scope` in each equation's `source_info.name_stack` (transforms
+    wrap it, `jvp(eqx_offload.streamed)`); `jax.extend` exposes the type but documents
+    neither the attribute nor the text of its `str` (JAX 0.10 to 0.12 alike).
+    `tests/upstream/test_upstream_name_stack.py` is the canary."""
+    found: set[str] = set()
+    for stack in _name_stacks(jaxpr):
+        for part in stack.split(MARKER_PREFIX)[1:]:
+            found.add(part.split(")")[0].split("/")[0])
+    return frozenset(found)
+
+
+def _name_stacks(jaxpr: Any) -> Iterator[str]:
+    for eqn in jaxpr.eqns:
+        yield str(eqn.source_info.name_stack)
+        for sub in _jex.jaxprs_in_params(eqn.params):
+            yield from _name_stacks(sub)
+
+
+_JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
+
+
+def enclosing_donating_jit() -> Optional[str]:
+    """The name of the function that an enclosing `jax.jit(..., donate_argnums=...)`
+    traces (the caller runs inside it), if that jit donates anything; else `None`.
+
+    JAX has no public way to ask, and the traced program cannot say: an outer jit's
+    donation is a parameter of its own equation, which exists only after its trace.
+    While it traces, JAX (0.10 to 0.12) holds the flags, one per flattened input, in
+    the local `donated_invars` of `pjit._trace_for_jit`'s frame: this walks the stack to
+    it. An `eqx.filter_jit(donate="none")` passes an empty `donate_argnums`, and does
+    not count. `tests/upstream/test_upstream_donated_invars.py` is the canary."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_trace_for_jit" and code.co_filename.startswith(_JAX_DIR):
+            donated: Any = frame.f_locals.get("donated_invars")
+            if donated is not None and any(donated):
+                fun = frame.f_locals.get("fun")
+                return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
+        frame = frame.f_back
+    return None
 
 
 def same_trace(a: Any, b: Any) -> bool:

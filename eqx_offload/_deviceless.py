@@ -11,17 +11,13 @@ platform, and the StableHLO module is compiled with the compile-only client (as 
 """
 
 import collections
-import contextlib
-import contextvars
 import functools
 import hashlib
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
-import jax
 import numpy as np
 
 from ._errors import PlanError
@@ -146,23 +142,3 @@ def host_pool_limit_bytes() -> int:
     limit = host_pool_limit("cuda")
     assert limit is not None  # CUDA always has the pool
     return limit
-
-
-_COMPILING_FOR: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
-    "eqx_offload_compiling_for", default=None)
-
-
-def target_platform() -> str:
-    """The platform the step being traced is compiled for: the one `compiling_for` names
-    (`gpu_plan` traces for `"cuda"` with CPU arrays), else JAX's default backend."""
-    return _COMPILING_FOR.get() or jax.default_backend()
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str) -> Iterator[None]:
-    """Trace what runs inside for `platform` (see `target_platform`)."""
-    token = _COMPILING_FOR.set(platform)
-    try:
-        yield
-    finally:
-        _COMPILING_FOR.reset(token)

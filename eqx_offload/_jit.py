@@ -19,13 +19,14 @@ from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.extend.core import jaxpr_as_fun
 
 from ._call import _Call, _Output, _warn_changed_number
+from ._compat import scopes
 from ._compiler_options import default_compiler_options
-from ._deviceless import compiling_for
 from ._donation import _check_not_deleted, _donation, _Donation, _unshare, _UNUSABLE_DONATION
 from ._errors import OptionError, SignatureError
-from ._jaxpr import evaluate, is_var
+from ._jaxpr import is_var
 from ._leaves import path_parts
 from ._lint import _check_no_host_compute
 from ._placement import input_shardings, is_mistyped_host, output_shardings, retype_host
@@ -96,19 +97,6 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donati
 # Lowering, compiling, running
 
 
-_STREAMED: "contextvars.ContextVar[Optional[list[str]]]" = contextvars.ContextVar(
-    "eqx_offload_streamed", default=None)
-
-
-def note_streamed(kind: str = "streamed") -> None:
-    """Called by `offloaded` when it traces the streamed update (`"streamed"`), and by
-    `scan_layers` when it traces its prefetch (`"prefetched"`): the program being
-    traced by `filter_jit` gets `default_compiler_options`."""
-    found = _STREAMED.get()
-    if found is not None:
-        found.append(kind)
-
-
 _LATE_PARAMS: "contextvars.ContextVar[Optional[dict[int, tuple[Any, Any]]]]" = (
     contextvars.ContextVar("eqx_offload_late_params", default=None))
 
@@ -118,7 +106,9 @@ def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
     for each host-resident parameter it was given (by `id`, with the parameter itself),
     that parameter made to wait for its gradient, so that `apply_updates` fetches the
     same value (one copy to the device, after the gradient). `None` outside such a
-    trace."""
+    trace. (The one context variable left: `optax.apply_updates`-style calls get the
+    parameters and the updates, not the value the update fetched, and two
+    `optimization_barrier`s of one weight are two copies to the device.)"""
     return _LATE_PARAMS.get()
 
 
@@ -159,14 +149,11 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
                       [path_parts(keyed_out[i][0]) for i in positions]]
         return [keyed_out[i][1] for i in positions]
 
-    streamed: list[str] = []
-    token = _STREAMED.set(streamed)
     late_token = _LATE_PARAMS.set({})
     try:
         traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
     finally:
         _LATE_PARAMS.reset(late_token)
-        _STREAMED.reset(token)
     closed = traced.jaxpr
     _check_no_host_compute(closed.jaxpr, name)
     output, out_paths = outputs
@@ -183,17 +170,21 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
         call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
     )
 
+    as_fun = jaxpr_as_fun(closed)  # (JAX's own evaluator: `jax.core.eval_jaxpr`)
+
     def replay(*dynamic_leaves: Any) -> list[Any]:
-        return evaluate(closed.jaxpr, closed.consts, dynamic_leaves)
+        return list(as_fun(*dynamic_leaves))
 
     # JAX names the executable (and its compile events, `jax.monitoring`) after this.
     replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
 
     jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    output.streamed = "streamed" in streamed
-    output.prefetched = "prefetched" in streamed
-    output.whole = "whole" in streamed
+    # What the program does that the GPU's defaults depend on, from its marked scopes.
+    kinds = scopes(closed.jaxpr)
+    output.streamed = "streamed" in kinds
+    output.prefetched = "prefetched" in kinds
+    output.whole = "whole" in kinds
     return jitted, output
 
 
@@ -253,25 +244,27 @@ class Compiled:
 
 class Lowered:
     """A `filter_jit` function lowered for one configuration of arguments (returned by
-    `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`."""
+    `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`.
+
+    `jaxpr` is the traced program (as `jax.stages.Traced.jaxpr`) and `compiler_options`
+    the XLA options `.compile()` uses: `filter_jit`'s defaults for this program (see the
+    "GPU plan" docs page) and the function's own `compiler_options`, which win."""
 
     def __init__(self, lowered: Any, output: _Output, key: Any, donate: _Donation, name: str,
-                 default_options: Optional[dict[str, Any]] = None, jaxpr: Any = None) -> None:
+                 compiler_options: dict[str, Any], jaxpr: Any) -> None:
         self._lowered = lowered
-        self._jaxpr = jaxpr  # the traced program (`gpu_plan` counts its flops)
+        self.jaxpr = jaxpr
+        self.compiler_options = compiler_options
         self._output = output
         self._key = key
         self._donate = donate
         self._name = name
-        self._default_options = dict(default_options or {})
 
     def compile(self, compiler_options: Optional[dict[str, Any]] = None) -> Compiled:
         """Compiles it, with XLA `compiler_options` for this executable alone (e.g. the
-        GPU scheduler's settings; see the "Modes" docs page). They are added to
-        `filter_jit`'s defaults (for a GPU step that holds arrays in host memory, the
-        scheduler's limit on copies in flight; see the "GPU plan" docs page), and win
-        over them."""
-        options = {**self._default_options, **(compiler_options or {})}
+        GPU scheduler's settings; see the "Modes" docs page), added to
+        `self.compiler_options` and winning over them."""
+        options = {**self.compiler_options, **(compiler_options or {})}
         with warnings.catch_warnings():
             if self._donate.silence:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
@@ -282,6 +275,10 @@ class Lowered:
         """The lowered program (StableHLO) as text."""
         text: str = self._lowered.as_text()
         return text
+
+    def compiler_ir(self, dialect: str = "stablehlo") -> Any:
+        """The lowered program as an MLIR module (`jax.stages.Lowered.compiler_ir`)."""
+        return self._lowered.compiler_ir(dialect)
 
 
 class _FilterJit(Generic[_P, _T]):
@@ -303,7 +300,7 @@ class _FilterJit(Generic[_P, _T]):
         if compiled is None:
             if not self._warned and self._cache:
                 self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
-            compiled = self._lower_call(call).compile(self._compiler_options)
+            compiled = self._lower_call(call).compile()
             self._cache[call.key] = compiled
         out: _T = _run(compiled._executable, compiled._output, call,
                        self._donate.silence)
@@ -355,15 +352,20 @@ class _FilterJit(Generic[_P, _T]):
             with warnings.catch_warnings():
                 if self._donate.silence:
                     warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-                # Traced for the platform exported for: `offloaded`'s default streams
-                # for an accelerator even when exported from a CPU machine.
-                with compiling_for(platforms[0] if platforms else jax.default_backend()):
-                    jitted, _ = _jitted(self._fun, self._name, call)
+                jitted, _ = _jitted(self._fun, self._name, call)
                 specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                          for x, s in zip(call.leaves, call.in_shardings, strict=True)]
                 return jax.export.export(jitted, platforms=platforms)(*specs)
 
         return export
+
+    def lower_for(self, platforms: Sequence[str], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Lowered:
+        """`lower(*args, **kwargs)` for `platforms` (`gpu_plan` lowers for `("cuda",)`
+        with arguments on this machine's CPU), where a `jax.ShapeDtypeStruct` with a
+        sharding stands for an array: nothing is allocated."""
+        call = _flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
+        return self._lower_call(call, tuple(platforms))
 
     def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
@@ -371,9 +373,9 @@ class _FilterJit(Generic[_P, _T]):
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
             lowered, output, jaxpr = _lower(self._fun, self._name, call, platforms)
         platform = platforms[0] if platforms else _platform_of(call)
-        return Lowered(lowered, output, call.key, self._donate, self._name,
-                       default_compiler_options(platform, output.streamed, output.prefetched,
-                                                output.whole), jaxpr)
+        options = {**default_compiler_options(platform, output.streamed, output.prefetched,
+                                              output.whole), **(self._compiler_options or {})}
+        return Lowered(lowered, output, call.key, self._donate, self._name, options, jaxpr)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # As a method: bind the instance like a function would.

@@ -3,13 +3,12 @@ host-resident array), and the detection of an enclosing donating `jax.jit` (whic
 `offloaded` refuses)."""
 
 import os
-import sys
-import types
 from typing import Any, Optional
 
 import jax
 from jax.extend.core import jaxprs_in_params, Literal
 
+from ._compat import enclosing_donating_jit
 from ._errors import CompositionError
 
 
@@ -63,25 +62,12 @@ CHECK_FOREIGN_DONATION = True
 def foreign_donation() -> Optional[str]:
     """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
     `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
-    `eqx.filter_jit` with donation are such jits. Read from JAX's tracing frame
-    (`pjit._trace_for_jit`, which holds `donated_invars`, one flag per flattened
-    input, while it traces: JAX 0.10 to 0.12), as JAX offers no public way to ask; an
-    `eqx.filter_jit(donate="none")` passes `jax.jit` a `donate_argnums` whose argument
-    is empty, and does not count. `None` where no enclosing jit donates anything (or
-    the frame is not found: tests/test_trap.py and test_programs.py fail then)."""
+    `eqx.filter_jit` with donation are such jits (`_compat.enclosing_donating_jit`: JAX
+    has no public way to ask). `None` where none donates anything."""
     if not CHECK_FOREIGN_DONATION or getattr(jax.config, "jax_debug_nans", False):
         # (JAX donates nothing under debug_nans)
         return None
-    frame: Optional[types.FrameType] = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_trace_for_jit" and code.co_filename.startswith(_JAX_DIR):
-            donated: Any = frame.f_locals.get("donated_invars")
-            if donated is not None and any(donated):
-                fun = frame.f_locals.get("fun")
-                return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
-        frame = frame.f_back
-    return None
+    return enclosing_donating_jit()
 
 
 def _where_in_source(eqn: Any) -> str:

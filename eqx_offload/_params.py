@@ -187,7 +187,8 @@ def _after_gradients(params: Any, grads: Any) -> Any:
                 or not same_trace(p, g)):
             return p
         waited, _ = jax.lax.optimization_barrier((p, g))
-        table[id(p)] = (p, waited)
+        if same_trace(waited, p):  # (not where `p` is closed over, e.g. in a `cond` branch)
+            table[id(p)] = (p, waited)
         return waited
 
     try:

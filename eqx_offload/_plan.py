@@ -290,7 +290,10 @@ def gpu_plan(
         assert plan.copies_to("to_device") and plan.copies_to("to_host")
         ```
     """
-    from ._jit import _flatten_call, _FilterJit, filter_jit
+    import jax
+    import jax.tree_util as jtu
+
+    from ._jit import _FilterJit, filter_jit
 
     resolved = resolve_target(target, device_memory)
     fraction, source = (1.0, "the given device_memory") if device_memory is not None else (
@@ -299,11 +302,12 @@ def gpu_plan(
     jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
     _deviceless.check_available()
     check_abstract_arguments(args, kwargs)
-    call = _flatten_call(args, kwargs, jitted._donate, abstract=True)
-    devices = {d for s in call.in_shardings for d in s.device_set}
-    n_devices = max(1, len(devices))
-    lowered, options, executable = _compile(jitted, call, resolved, n_devices, compiler_options)
-    return _read_plan(executable, lowered._jaxpr, resolved, options, n_devices,
+    shardings = [x.sharding for x in jtu.tree_leaves((args, kwargs))
+                 if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))]
+    n_devices = max(1, len({d for s in shardings for d in s.device_set}))
+    lowered, options, executable = _compile(jitted, args, kwargs, resolved, n_devices,
+                                            compiler_options)
+    return _read_plan(executable, lowered.jaxpr, resolved, options, n_devices,
                       host_memory=host_memory, fraction=fraction, source=source)
 
 
@@ -323,18 +327,17 @@ def _check_options(compiler_options: Any, host_memory: Any) -> None:
         )
 
 
-def _compile(jitted: Any, call: Any, resolved: GpuTarget, n_devices: int,
-             compiler_options: Optional[dict[str, Any]]) -> tuple[Any, dict[str, Any], Any]:
+def _compile(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], resolved: GpuTarget,
+             n_devices: int, compiler_options: Optional[dict[str, Any]],
+             ) -> tuple[Any, dict[str, Any], Any]:
     """Lower the `filter_jit` call for `cuda` and compile it for `n_devices` of the
     target's compile-only topology: the lowering, the XLA options, the executable."""
     topology = _deviceless.topology(resolved.config_text(), n_devices)
-    with _deviceless.compiling_for("cuda"):
-        lowered = jitted._lower_call(call, platforms=("cuda",))
+    lowered = jitted.lower_for(("cuda",), args, kwargs)
     # What `filter_jit` compiles with on a GPU: its defaults, its own options, these.
-    options = {**lowered._default_options, **(jitted._compiler_options or {}),
-               **(compiler_options or {})}
+    options = {**lowered.compiler_options, **(compiler_options or {})}
     try:
-        executable = _deviceless.compile_for(lowered._lowered, list(topology.devices[:n_devices]),
+        executable = _deviceless.compile_for(lowered, list(topology.devices[:n_devices]),
                                              options)
     except Exception as error:
         raise PlanError(f"gpu_plan: XLA could not compile the step for {resolved.name}: "

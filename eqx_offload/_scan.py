@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
 from ._errors import CompositionError, OptionError
-from ._jit import note_streamed
+from ._compat import marked
 from ._move import to_host
 from ._params import fetch
 from ._placement import is_host
@@ -118,8 +118,8 @@ def scan_layers(
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
     if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
-        prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
-        note_streamed("prefetched")  # filter_jit's GPU default: the copy limit
+        with marked("prefetched"):  # filter_jit's GPU default: the copy limit
+            prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)

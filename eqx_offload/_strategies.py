@@ -24,16 +24,19 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
+import jax
 import jax.tree_util as jtu
 
-from ._deviceless import target_platform
+from ._compat import marked
 from ._errors import CompositionError
 from ._host_compute import host_update
-from ._jit import filter_jit, note_streamed
-from ._layout import Layout
+from ._jit import filter_jit
+from ._layout import Layout, put
 from ._options import Options
 from ._placement import is_host
 from ._stream import streamed_update
+from ._where import leaf_mask
 
 
 Strategy = Callable[..., tuple[Any, Any]]
@@ -48,36 +51,70 @@ def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
     if traced and any(is_host(x) for x in leaves):
-        note_streamed("whole")
-    state = layout.unflatten(layout.fetch(leaves))
+        with marked("whole"):  # (read by `filter_jit`: `_compat.scopes`)
+            fetched = layout.fetch(leaves)
+    else:
+        fetched = layout.fetch(leaves)
+    state = layout.unflatten(fetched)
     result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
     return result
 
 
 def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    """Under `jit` for an accelerator, `streamed` with an automatic group size, or the
-    whole state where the update cannot be streamed (it couples all of the state, e.g.
-    `apply_if_finite`, or has side effects). Eagerly, or compiled for the CPU backend
-    (one RAM: streaming frees nothing and its barriers cost step time), the whole
-    state at once."""
+    """For an accelerator, `streamed` with an automatic group size, or the whole state
+    where the update cannot be streamed (it couples all of the state, e.g.
+    `apply_if_finite`, or has side effects). Eagerly, or for the CPU backend (one RAM:
+    streaming frees nothing and its barriers cost step time), the whole state at once.
+
+    Under `jit` the program holds both, and JAX lowers only the one for the platform it
+    lowers for (`jax.lax.platform_dependent`): a step traced on a CPU machine and
+    lowered for `cuda` (`gpu_plan`, `export`) streams. Tracing both costs trace time."""
     arguments = (inner, layout, traced, updates, leaves, params, extra_args)
-    if traced and target_platform() != "cpu":
-        try:
-            return streamed(*arguments)
-        except CompositionError:
-            pass
-    return update_on_device(*arguments)
+    if not traced:
+        return update_on_device(*arguments)
+    statics: list[Any] = []  # each branch's non-array leaves (a branch returns arrays)
+
+    def branch(strategy: Strategy) -> Callable[[], Any]:
+        def run() -> Any:
+            new_updates, new_state = strategy(*arguments)
+            dynamic, static = eqx.partition((new_updates, _as_stored(layout, new_state)),
+                                            eqx.is_array)
+            statics.append(static)
+            return dynamic
+        return run
+
+    try:
+        dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
+                                             default=branch(streamed))
+    except (CompositionError, TypeError):  # an update that cannot stream, or that
+        # streamed returns other types: the whole state (an error of `inner.update`
+        # itself comes again from there)
+        return update_on_device(*arguments)
+    result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
+    return result
+
+
+def _as_stored(layout: Layout, state: Any) -> Any:
+    """`state` as both branches of `auto_update` return it (`platform_dependent` wants
+    the same types from each): the leaves `Layout.store` selects stored, every other
+    array leaf on the device (the streamed update leaves a leaf it does not update, such
+    as a step count, where it was)."""
+    leaves, treedef = jtu.tree_flatten(layout.store(state))
+    mask = layout.mask if treedef == layout.treedef else leaf_mask(
+        jtu.tree_unflatten(treedef, leaves), layout.options.where)
+    away = [not m and eqx.is_array(x) and is_host(x) for x, m in zip(leaves, mask, strict=True)]
+    return jtu.tree_unflatten(treedef, put(leaves, away, None, "to_device", treedef,
+                                           layout.targets))
 
 
 def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
              leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
     """`_stream.streamed_update`; the `filter_jit` being traced compiles with the
     scheduler options that let its copies overlap compute on a GPU."""
-    result = streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
-                             params, extra_args, layout.init_dtypes)
-    note_streamed()
-    return result
+    with marked("streamed"):  # (read by `filter_jit`: `_compat.scopes`)
+        return streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
+                               params, extra_args, layout.init_dtypes)
 
 
 def host(inner: Any, layout: Layout, traced: bool, updates: Any,

@@ -19,7 +19,6 @@ from isolated import call_isolated
 
 import eqx_offload
 from eqx_offload._compat import host_compute
-from eqx_offload._jit import _flatten_call
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,18 +410,15 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
             updates, state = opt.update(params, state, params)
             return optax.apply_updates(params, updates), state
 
-        with eqx_offload._deviceless.compiling_for("cuda"):
-            gpu = step._lower_call(_flatten_call((params, state), {}, step._donate),
-                                   platforms=("cuda",))
-        return gpu, step, state
+        return step.lower_for(("cuda",), (params, state), {}), step, state
 
     default, step, state = lowered_for_gpu()
-    assert default._default_options == GPU_STREAMED_OPTIONS
-    assert lowered_for_gpu(group_bytes=0)[0]._default_options == GPU_STREAMED_OPTIONS
-    assert lowered_for_gpu(group_bytes=None)[0]._default_options == GPU_WHOLE_STATE_OPTIONS
+    assert default.compiler_options == GPU_STREAMED_OPTIONS
+    assert lowered_for_gpu(group_bytes=0)[0].compiler_options == GPU_STREAMED_OPTIONS
+    assert lowered_for_gpu(group_bytes=None)[0].compiler_options == GPU_WHOLE_STATE_OPTIONS
     # Nothing in host memory (`where=False`): nothing to order, XLA's defaults.
-    assert lowered_for_gpu(group_bytes=None, where=False)[0]._default_options == {}
+    assert lowered_for_gpu(group_bytes=None, where=False)[0].compiler_options == {}
     # On this machine's CPU: none, and the step runs as before.
-    assert step.lower(params, state)._default_options == {}
+    assert step.lower(params, state).compiler_options == {}
     _, state = step(params, state)
     assert kind_list(state) == ["device"] + ["pinned_host"] * 4

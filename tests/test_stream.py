@@ -168,9 +168,10 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
 
 
 def test_default_program_moves_the_whole_state_at_once() -> None:
-    """The contrast: without `group_bytes` every state leaf comes in before any goes out."""
+    """The contrast: with `group_bytes=None` every state leaf comes in before any goes out."""
     params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
-    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(eqx_offload.offloaded(optax.adam(1e-3)), params))]
+    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=None)
+    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(opt, params))]
     assert kinds == ["to_device"] * 8 + ["to_host"] * 8
 
 
@@ -206,29 +207,22 @@ def test_host_compute_program_keeps_the_state_on_host() -> None:
 def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
     """`group_bytes="auto"` (the default) streams under `jit` for an accelerator, and
     brings the whole state at once for the CPU backend (one RAM: nothing to free) and
-    for updates that cannot stream (`apply_if_finite`). Traced for a GPU
-    (`compiling_for("cuda")`, as `gpu_plan` does), the program runs on the CPU bitwise
-    as the unwrapped optimizer."""
-    from eqx_offload._deviceless import compiling_for
-
+    for updates that cannot stream (`apply_if_finite`): one trace holds both, and the
+    platform it is lowered for picks (`gpu_plan` lowers for `cuda` on a CPU machine).
+    On the CPU it runs bitwise as the unwrapped optimizer."""
     make = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
             "clip_then_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
             **REJECTED_STREAMING}[name]
     params = {f"p{i}": committed(np.full((16, 16), i / 8)) for i in range(6)}
     ref, opt = make(), eqx_offload.offloaded(make())
     grads = make_grads(params, 0)
+    update = jax.jit(lambda g, s, p: opt.update(g, s, p))
+    traced = update.trace(grads, opt.init(params), params)
 
-    def lowered_update(state: Any) -> str:
-        # A new function each time: JAX caches traces by function, not by platform.
-        update = jax.jit(lambda g, s, p: opt.update(g, s, p))
-        return update.trace(grads, state, params).lower(lowering_platforms=("cuda",)).as_text()
-
-    assert lowered_update(opt.init(params)).count("optimization_barrier") == 0
-    with compiling_for("cuda"):
-        streamed = lowered_update(opt.init(params))
-        state = opt.init(params)
-        updates, state = jax.jit(lambda g, s, p: opt.update(g, s, p))(grads, state, params)
+    assert traced.lower(lowering_platforms=("cpu",)).as_text().count("optimization_barrier") == 0
+    streamed = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert (streamed.count("optimization_barrier") > 0) == (name != "apply_if_finite")
+    updates, state = update(grads, opt.init(params), params)
     ref_updates, ref_state = jax.jit(ref.update)(grads, ref.init(params), params)
     assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
     assert_placed(state)
