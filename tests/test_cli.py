@@ -23,15 +23,8 @@ import eqx_offload.__main__
 from eqx_offload.cli import bench, COMMANDS, modes
 from eqx_offload.cli.copies import floor, StateCopy
 from eqx_offload.cli.measure import bitwise_equal
-from eqx_offload.cli.models import (
-    LMShape,
-    lm_workload,
-    make_lm,
-    mlp_workload,
-    num_params,
-    SUCCESSORS,
-    token_batches,
-)
+from eqx_offload.cli.models import (LMShape, lm_workload, make_lm, mlp_workload, num_params,
+                                   SUCCESSORS, token_batches)
 from eqx_offload.cli.tables import markdown
 
 
