@@ -1,17 +1,12 @@
-"""One process of the multi-process test (`tests/test_multiprocess.py`), and the
-training run it is compared with.
-
-Run by hand, in two shells (or see docs/multi-process.md):
+"""One process of `tests/test_multiprocess.py`, and the training it is compared with.
 
     python tests/mp_worker.py --process-id 0 --num-processes 2 --port 12345 --out /tmp/out.npz
     python tests/mp_worker.py --process-id 1 --num-processes 2 --port 12345
 
-Each process sets up its own two CPU devices *before* the backend starts, joins JAX's
-distributed runtime on 127.0.0.1 (collectives over gloo), builds a global 2x2 mesh over
-all four devices and trains a sharded model with `offloaded(optax.adamw(...))` and
-`eqx_offload.filter_jit(donate="all")`. Process 0 writes the gathered result.
-
-`--num-processes 1 --devices 4` runs the same training in one process on four devices.
+Each process sets up two CPU devices before the backend starts, joins JAX's distributed
+runtime (gloo collectives), and trains on a global 2x2 mesh with
+`offloaded(optax.adamw(...))` under `eqx_offload.filter_jit(donate="all")`; process 0
+writes the gathered result.
 """
 
 import argparse
@@ -44,9 +39,8 @@ def initial_values() -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, np.n
 
 
 def train() -> dict[str, np.ndarray]:
-    """Trains on a 2x2 ("data", "model") mesh over `jax.devices()` (all processes'), and
-    returns every leaf of the final params and optimizer state, the losses, and where the
-    state lived, as full NumPy arrays."""
+    """Trains on a 2x2 ("data", "model") mesh over all processes' devices; returns the
+    final params, state leaves and losses as NumPy arrays, and where the state lived."""
     import jax
     import jax.numpy as jnp
     import optax

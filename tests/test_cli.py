@@ -1,11 +1,7 @@
-"""The command line (`eqx_offload.cli`): `python -m eqx_offload demo` and `bench --quick`
-(called in this process, through the same `main` as `python -m eqx_offload`: nothing in
-them can abort); `import eqx_offload` does not load them (a fresh process); the demo's
-bitwise check really compares; the benchmark's floor arithmetic, mode table, time limit
-and workloads; `bench/gpu_run.sh` on the CPU.
-
-None of it depends on the JAX version: `scripts/check.sh` runs it in the newest
-environment only (the `once` marker)."""
+"""The command line (`python -m eqx_offload`, `eqx_offload.cli`): `demo`, `bench`,
+`bench-host` and `typings` through the same `main` (in this process: nothing in them can
+abort); the package does not load the cli; the benchmarks' arithmetic, tables, time limit
+and workloads; the GPU scripts on the CPU. Independent of the JAX version (`once`)."""
 
 import json
 import os
@@ -27,15 +23,8 @@ import eqx_offload.__main__
 from eqx_offload.cli import bench, COMMANDS, modes
 from eqx_offload.cli.copies import floor, StateCopy
 from eqx_offload.cli.measure import bitwise_equal
-from eqx_offload.cli.models import (
-    LMShape,
-    lm_workload,
-    make_lm,
-    mlp_workload,
-    num_params,
-    SUCCESSORS,
-    token_batches,
-)
+from eqx_offload.cli.models import (LMShape, lm_workload, make_lm, mlp_workload, num_params,
+                                   SUCCESSORS, token_batches)
 from eqx_offload.cli.tables import markdown
 
 
@@ -44,6 +33,7 @@ _SMALL_DEMO = ["--width", "32", "--depth", "2", "--features", "8", "--batch", "1
                "--steps", "12", "--no-progress"]
 _PNGS = ["device_bytes.png", "floor_ratio.png", "loss_curves.png", "movers.png",
          "step_time_ratio.png"]
+_HOST_BENCH_MODES = ("eqx_offload", "optax_jit", "hand_fused")
 
 
 pytestmark = pytest.mark.once
@@ -60,16 +50,11 @@ def _run(capsys, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
-
-
 # --------------------------------------------------------------------------- package boundary
 
 def test_import_does_not_load_the_cli():
-    # (Nor beartype: only install_runtime_checks loads it.)
-    proc = _python("""
+    """Nor rich, tqdm, matplotlib or beartype (only install_runtime_checks loads it)."""
+    code = textwrap.dedent("""
         import json, sys
         import eqx_offload
         def loaded():
@@ -82,16 +67,17 @@ def test_import_does_not_load_the_cli():
         after = loaded()
         print(json.dumps([before, after]))
     """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     before, after = json.loads(proc.stdout)
     assert before == []
-    # (The check sees modules when they are loaded: the cli's own are there now.)
     assert {"eqx_offload.cli", "eqx_offload.cli.bench", "eqx_offload.cli.demo"} <= set(after)
     assert not [m for m in after if not m.startswith("eqx_offload.cli")]
 
 
 def test_cli_uses_only_the_public_api():
-    # No module of the cli imports a private module or name of eqx_offload.
+    """No module of the cli imports a private module or name of eqx_offload."""
     folder = os.path.join(REPO, "eqx_offload", "cli")
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
@@ -122,11 +108,12 @@ def test_help_lists_the_commands(capsys):
     # One default platform for every command that has the option.
     assert {c.platform for c in COMMANDS} == {"cpu", None}
     assert [c.name for c in COMMANDS if c.platform is None] == ["typings"]
+    proc = _run(capsys, "bench-host", "--help")
+    assert proc.returncode == 0 and "--quick" in proc.stdout
 
 
 def test_typings_through_the_command_list(capsys):
-    # `typings` as `--help` lists it (through `eqx_offload.cli.main`) prints what
-    # `python -m eqx_offload typings` prints.
+    """`typings` through `eqx_offload.cli.main` prints what `python -m eqx_offload` prints."""
     from eqx_offload.cli import main
 
     assert main(["typings", "--mypy"]) == 0
@@ -142,8 +129,8 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path, capsys):
     proc = _run(capsys, "demo", *_SMALL_DEMO, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "loss trajectories (12 steps): bitwise equal" in proc.stdout
-    # What it shows on the CPU: placement and equality, no saving (one RAM), no peak
-    # memory (the backend reports none), and why 4 bytes stay on the device.
+    # On the CPU: placement and equality, no saving (one RAM), no peak memory, and why
+    # 4 bytes stay on the device.
     assert "placement: every opt-state array" in proc.stdout
     assert "device and host memory are the same RAM: nothing is saved here" in proc.stdout
     assert "peak device memory: not reported on the CPU" in proc.stdout
@@ -155,10 +142,8 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path, capsys):
     assert result["offloaded"]["peak_device_bytes"] is None
     plain, off = result["plain"], result["offloaded"]
     assert plain["losses"] == off["losses"] and len(off["losses"]) == 12
-    # Loss goes down, i.e. the demo trains.
-    assert off["losses"][-1] < off["losses"][0]
-    # Between steps: plain keeps its optimizer state on the device; offloaded keeps only
-    # the 4-byte step counter there and the rest in pinned host memory.
+    assert off["losses"][-1] < off["losses"][0]  # it trains
+    # Between steps only the 4-byte step counter of the offloaded state is on the device.
     assert plain["opt_state_host_bytes"] == 0
     assert plain["opt_state_device_bytes"] == off["opt_state_host_bytes"] + 4
     assert off["opt_state_device_bytes"] == 4
@@ -168,9 +153,8 @@ def test_demo_runs_and_is_bitwise_equal(tmp_path, capsys):
 
 
 def test_demo_fails_when_trajectories_differ(tmp_path, capsys):
-    # `--perturb` changes the offloaded run's learning rate by one part in a thousand:
-    # the check must notice and the command must fail. (With another optimizer, to
-    # cover `--optimizer` too.)
+    """`--perturb` (the learning rate off by one part in a thousand) fails the check;
+    with `--optimizer adafactor`."""
     out = tmp_path / "demo.json"
     proc = _run(capsys, "demo", *_SMALL_DEMO, "--optimizer", "adafactor", "--perturb",
                 "--json", str(out))
@@ -186,13 +170,10 @@ def test_demo_fails_when_trajectories_differ(tmp_path, capsys):
 def test_bitwise_equal_compares_bits():
     a = np.array([0.0, 1.0, np.nan], np.float32)
     assert bitwise_equal(a, a.copy())
-    # == says equal, the bits differ.
     assert not bitwise_equal(np.array([0.0], np.float32), np.array([-0.0], np.float32))
-    # One ulp.
-    b = a.copy()
+    b = a.copy()  # one ulp
     b[1] = np.nextafter(np.float32(1.0), np.float32(2.0))
     assert not bitwise_equal(a, b)
-    # Same values, other dtype or structure.
     assert not bitwise_equal(a, a.astype(np.float64))
     assert not bitwise_equal({"x": a}, {"y": a})
     assert not bitwise_equal([a], [a, a])
@@ -215,7 +196,7 @@ def test_lm_data_is_a_learnable_language():
     tokens = np.asarray(token_batches(shape, 3, 0)[0])
     assert tokens.shape == (8, 24) and tokens.dtype == np.int32
     assert tokens.min() >= 0 and tokens.max() < shape.vocab
-    # Each token has at most SUCCESSORS successors: a model can learn the language.
+    # At most SUCCESSORS successors per token: a learnable language.
     successors: dict[int, set[int]] = {}
     for row in tokens:
         for a, b in zip(row[:-1], row[1:]):
@@ -246,8 +227,7 @@ def test_floor_arithmetic():
 
 
 def test_bench_quick(tmp_path, capsys):
-    # Every default mode and the loss curves, through the command line, on the MLP (the
-    # transformer: below; `--quick` alone runs the MLP with Adam).
+    """Every default mode and the loss curves on the MLP (the transformer: below)."""
     out = tmp_path / "bench"
     proc = _run(capsys, "bench", "--quick", "--no-progress", "--platform", "cpu", "--out", str(out),
                 "--workloads", "mlp", "--optimizers", "adam", "--loss-curves", "streamed")
@@ -278,7 +258,6 @@ def test_bench_quick(tmp_path, capsys):
     md = (out / "bench.md").read_text()
     assert "| target | result | numbers |" in md and "estimate: full duplex ms" in md
     assert "Loss curves against the baseline" in md
-    # The console tables fit 100 columns.
     assert max(map(len, proc.stdout.splitlines())) <= 100, proc.stdout
     assert "× est." in proc.stdout and "× floor" not in proc.stdout
 
@@ -289,7 +268,7 @@ def _check_point(p):
     assert p["losses_bitwise_equal_to_baseline"] and p["compilations"] == 1, p
     assert p["step_seconds"]["n"] == 3 and p["step_seconds"]["median"] > 0
     assert p["memory_analysis"]["argument_size_in_bytes"] > 0
-    # The ratio to the floor is the median of step / max(baseline, one-way copy).
+    # ratio to the floor: median of step / max(baseline, one-way copy)
     full_duplex = p["floor"]["full_duplex_seconds"]["all"]
     assert p["ratio_to_floor"]["median"] == pytest.approx(
         np.median(np.divide(p["step_seconds"]["all"], full_duplex)))
@@ -297,7 +276,6 @@ def _check_point(p):
         assert p["opt_state_host_bytes"] == 0 and p["ratio_to_baseline"]["median"] == 1.0
         assert p["ratio_to_floor"]["median"] <= 1.0
     if p["mode"] == "eqx_offload":
-        # The floor copies exactly the bytes eqx_offload keeps on the host.
         assert p["floor"]["state_bytes"] == p["opt_state_host_bytes"] > 0
 
 
@@ -313,7 +291,7 @@ def test_bench_transformer_point():
     for p in points:
         _check_point(p)
         assert p["params"] == config.lm.params and p["shape"]["width"] == config.lm.width
-    # The next-token loss starts near log(vocab) (an untrained model).
+    # an untrained next-token loss: near log(vocab)
     assert abs(points[0]["final_loss"] - np.log(config.lm.vocab)) < 1.0
     assert points[0]["floor"]["baseline_over_one_way"] > 0
 
@@ -332,9 +310,8 @@ def _broken(description):
 
 
 def test_a_new_mode_is_one_entry_and_a_failing_mode_is_reported(monkeypatch):
-    # A mode that fails to compile (e.g. an API a JAX version lacks) is reported with its
-    # error; the other modes are still measured, and the run says it failed. A mode
-    # added to the table is measured like the others.
+    """A mode that fails to compile is reported with its error, the others still run and
+    the run fails; a mode added to the table is measured like the others."""
     monkeypatch.setitem(modes.MODES, "manual", _broken("fails"))
     monkeypatch.setitem(modes.MODES, "streamed_64k", modes.offload_mode(
         "offloaded(optimizer, group_bytes=65536)", group_bytes=65536))
@@ -374,8 +351,7 @@ def test_mode_table():
 
 @pytest.mark.parametrize("name", [n for n, m in modes.MODES.items() if m.options is not None])
 def test_offload_modes_keep_the_state_in_host_memory(name):
-    # (Moved from test_stream.py's test_bench_transformation.) The `offloaded` options
-    # of every offload mode: `bench/gpu_peak.py` builds its transformations from them.
+    """The `offloaded` options of every mode (`bench/gpu_peak.py` builds from them)."""
     params = {"w": jnp.ones((16, 8)), "b": jnp.ones(8)}
     opt = eqx_offload.offloaded(optax.adam(1e-3), **modes.MODES[name].options)
     _, state = jax.jit(opt.update)(params, opt.init(params), params)
@@ -396,19 +372,15 @@ def test_time_limit_skips_points_but_writes_the_results():
     assert "Skipped (time limit)" in markdown(result)
 
 
-def test_lm_optimizers_and_workload_order():
+def test_bench_config_and_command_line_overrides():
+    import argparse
+
     config = bench.BenchConfig.quick().replace(workloads=("transformer", "mlp"),
                                                optimizers=("adam", "adafactor"),
                                                lm_optimizers=("adam",))
-    names = [w.name for w in config.workload_list()]
-    assert names == ["transformer", "mlp"]
+    assert [w.name for w in config.workload_list()] == ["transformer", "mlp"]
     assert config.optimizers_for(lm_workload(config.lm)) == ("adam",)
     assert config.optimizers_for(mlp_workload(2e4, 8)) == ("adam", "adafactor")
-
-
-def test_bench_command_line_overrides():
-    import argparse
-
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--quick", "--sizes", "1e5", "--lm-width", "64",
@@ -426,7 +398,6 @@ def test_bench_command_line_overrides():
 
 @pytest.mark.slow
 def test_gpu_peak_script_quick_on_cpu(tmp_path):
-    # (Moved from test_stream.py.)
     out = tmp_path / "peak.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "gpu_peak.py"), "--quick", "--out",
@@ -450,8 +421,7 @@ def test_gpu_peak_script_quick_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_run_script_on_the_cpu(tmp_path):
-    # The prepared GPU command, on the CPU with tiny sizes: it must run the checkout and
-    # leave at most 8 files (what the device tool brings back) in $OUT.
+    """The prepared GPU command on the CPU, tiny: it runs the checkout, at most 8 files in $OUT."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", os.path.join(REPO, "bench", "gpu_run.sh"), "--platform", "cpu",
@@ -471,3 +441,61 @@ def test_gpu_run_script_on_the_cpu(tmp_path):
         (w, "adam", m) for w in ("transformer", "mlp")
         for m in ("baseline", "eqx_offload")]
     assert "eqx_offload" in (tmp_path / "gpu_run.log").read_text()
+
+
+# --------------------------------------------------------------------------- bench-host
+
+def _check_rates(r):
+    assert r["gbps"] > 0 and r["gb_per_cpu_second"] > 0 and r["cpu_per_wall"] > 0
+    assert 0 < r["gbps_range"][0] <= r["gbps"] <= r["gbps_range"][1]
+    assert r["wall"]["n"] == 3 and all(t > 0 for t in r["wall"]["all"])
+    assert r["wall"]["min"] <= r["wall"]["median"] <= r["wall"]["max"]
+
+
+def test_bench_host_quick_writes_positive_numbers(tmp_path, capsys, monkeypatch):
+    """The JSON's structure, positive numbers, the condition's arithmetic, the torch hint."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    path = tmp_path / "host.json"
+    proc = _run(capsys, "bench-host", "--quick", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout
+    assert "pip install torch" in proc.stdout
+    result = json.loads(path.read_text())
+    machine = result["machine"]
+    assert machine["bytes_per_parameter"] == 28 and machine["backend"] == "cpu"
+    assert machine["cpu_count"] >= 1 and machine["torch_version"] is None
+    assert [row["parameters"] for row in result["sizes"]] == [100_000, 1_000_000]
+    for row in result["sizes"]:
+        assert "skipped" not in row
+        assert row["bytes_touched"] == 28 * row["parameters"]
+        assert sorted(row["results"]) == sorted(_HOST_BENCH_MODES)  # no torch column
+        for name in _HOST_BENCH_MODES:
+            _check_rates(row["results"][name])
+            hlo = row["hlo"][name]
+            assert hlo["passes_per_leaf"] >= 1 and hlo["bytes_accessed"] > 0
+        _check_rates(row["copy"])
+        assert row["copy"]["bytes"] == 8 * row["parameters"]
+    summary = result["summary"]
+    host = result["sizes"][-1]["results"]["eqx_offload"]["gbps"]
+    assert summary["H_gbps"] == host and summary["copy_over_H"] > 0
+    # XLA's program: at least one loop over each leaf, at least the 28 B a parameter.
+    assert summary["xla"]["passes_per_leaf"] >= 1
+    assert summary["xla"]["bytes_per_parameter"] >= 28
+    assert [c["link"] for c in summary["condition"]] == [
+        "PCIe 4.0 x16", "PCIe 5.0 x16", "H200 link, measured"]
+    for c in summary["condition"]:
+        assert c["H_needed_fp32"] == pytest.approx(3.5 * c["L_gbps"])
+        assert c["wins_fp32"] == (host > 3.5 * c["L_gbps"])
+        # The page's inequality: 28 / H + 8 / L < 16 / L.
+        assert c["wins_fp32"] == (c["host_over_device_time_fp32"] < 1)
+    assert result["hand_fused_bitwise_equal_to_optax"] is True
+    assert max(map(len, proc.stdout.splitlines())) <= 100, proc.stdout
+
+
+def test_bench_host_skips_a_size_that_cannot_fit(tmp_path, capsys):
+    path = tmp_path / "host.json"
+    proc = _run(capsys, "bench-host", "--sizes", "1e14", "--repeats", "1", "--no-torch",
+                "--json", str(path))
+    assert proc.returncode == 0, proc.stdout
+    (row,) = json.loads(path.read_text())["sizes"]
+    assert row["skipped"].startswith("needs about") and row["results"] == {}
+    assert "skipped: needs about" in proc.stdout and "nothing measured" in proc.stdout

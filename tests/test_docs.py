@@ -1,25 +1,12 @@
-"""Every Python code block of the docs and of the public docstrings runs, so the
-examples cannot rot. (The README's example runs in `tests/test_readme.py`.)
+"""Every Python code block of the docs and of the public docstrings runs, and every
+documented command line of the package parses.
 
-- In a Markdown page, the fenced blocks whose language is `python` run in order, in one
-  namespace per page (a page may build on its earlier blocks). Blocks in other
-  languages do not run: `bash`/`console` for shell commands, `text` for output, and
-  `py` for Python that must only be shown (e.g. the pattern that aborts the process).
-- In a docstring of a public name of `eqx_offload`, the `python` blocks (inside
-  `!!! Example`) run in one namespace per docstring.
-- Every command line of the package that a shell block of a page or of the README
-  shows (`python -m eqx_offload ...`, `eqx-offload ...`, `bench/gpu_run.sh ...`) is
-  parsed by the command line's own argument parser (parsed, not run), so a renamed
-  option or mode fails here.
-
-Why a fence reader of our own rather than a pytest plugin (checked December 2026):
-pytest-markdown-docs 0.9.2 makes each fence a test and shares state only through a
-`continuation` option on the fence (about 30 here), re-running every earlier fence of
-the page for each later one (JAX compiles them again), and runs `py` fences unless
-they say `notest`; pytest-codeblocks 0.18.0 also runs `bash`/`sh` fences (about 40
-here, `pip install`s and checkers) unless each is marked to skip, and reads no
-docstrings; mktestdocs 0.2.5 is not a plugin, and its reader toggles on any line with
-three backticks. None runs a page's blocks in one namespace, once, as mkdocs shows them.
+A page's (or a docstring's) `python` fences run in order in one namespace; `py` fences
+are shown only (e.g. the pattern that aborts the process), shell fences are not run, but
+their `python -m eqx_offload ...`, `eqx-offload ...` and `bench/gpu_run.sh ...` commands
+are parsed by the command line's own parser. (pytest-markdown-docs, pytest-codeblocks
+and mktestdocs, checked December 2026, either re-run earlier fences per fence, run shell
+fences, or skip docstrings.) The README's example: `tests/test_readme.py`.
 """
 
 import argparse
@@ -37,7 +24,6 @@ import pytest
 import eqx_offload
 
 
-# The docs are checked in one environment (scripts/check.sh: the newest).
 pytestmark = pytest.mark.once
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,20 +58,16 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
     return blocks
 
 
-def _pages() -> list[pathlib.Path]:
-    return sorted((ROOT / "docs").rglob("*.md"))
-
-
 def _page_id(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def _runnable(path: pathlib.Path) -> list[tuple[int, str]]:
-    return [(line, code) for line, lang, code in code_blocks(path.read_text())
-            if lang == "python"]
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    return [(line, code) for line, lang, code in code_blocks(text) if lang == "python"]
 
 
-_PAGES_WITH_CODE = [p for p in _pages() if _runnable(p)]
+_PAGES = sorted((ROOT / "docs").rglob("*.md"))
+_PAGES_WITH_CODE = [p for p in _PAGES if python_blocks(p.read_text())]
 
 
 def _run_blocks(blocks: list[tuple[int, str]], where: str) -> None:
@@ -97,7 +79,7 @@ def _run_blocks(blocks: list[tuple[int, str]], where: str) -> None:
 
 @pytest.mark.parametrize("page", _PAGES_WITH_CODE, ids=_page_id)
 def test_page_code_blocks_run(page):
-    _run_blocks(_runnable(page), _page_id(page))
+    _run_blocks(python_blocks(page.read_text()), _page_id(page))
 
 
 def _public_docstrings() -> dict[str, str]:
@@ -117,8 +99,7 @@ def _public_docstrings() -> dict[str, str]:
     return docs
 
 
-_DOCSTRINGS = {name: [(line, code) for line, lang, code in code_blocks(doc) if lang == "python"]
-               for name, doc in _public_docstrings().items()}
+_DOCSTRINGS = {name: python_blocks(doc) for name, doc in _public_docstrings().items()}
 _DOCSTRINGS_WITH_CODE = sorted(name for name, blocks in _DOCSTRINGS.items() if blocks)
 
 
@@ -127,8 +108,7 @@ def test_docstring_examples_run(name):
     _run_blocks(_DOCSTRINGS[name], f"eqx_offload.{name}.__doc__")
 
 
-def test_extractor_is_not_blind():
-    # The gate above runs nothing if the extractor finds nothing: pin what it must find.
+def test_extractor_is_not_blind_and_a_failing_block_fails():
     text = (
         "intro\n```python\nx = 1\n```\n\n"
         "!!! Example\n\n    ```python\n    y = x + 1\n    ```\n\n"
@@ -147,9 +127,6 @@ def test_extractor_is_not_blind():
         assert page in pages, page
     for name in ("to_host", "offloaded", "filter_jit", "memory_report", "pattern"):
         assert name in _DOCSTRINGS_WITH_CODE, name
-
-
-def test_a_failing_block_fails():
     with pytest.raises(AssertionError):
         _run_blocks([(1, "assert 1 + 1 == 3")], "inline")
 
@@ -157,9 +134,8 @@ def test_a_failing_block_fails():
 # ------------------------------------------------------------ the documented commands
 
 _SHELL_LANGUAGES = {"bash", "sh", "shell", "console", "zsh"}
-# `python -m eqx_offload ARGS`, `.venv/bin/python3 -m eqx_offload ARGS`, `eqx-offload
-# ARGS`, or `bench/gpu_run.sh ARGS` (whose ARGS go to `bench`); ARGS end at a shell
-# operator, a command substitution's `)` or a backtick.
+# `[path/]python3 -m eqx_offload ARGS`, `eqx-offload ARGS`, `bench/gpu_run.sh ARGS` (to
+# `bench`); ARGS end at a shell operator, `)` or a backtick.
 _COMMAND = re.compile(
     r"(?:(?<![\w.-])\S*python3?(?:\.\d+)?\s+-m\s+eqx_offload|(?<![\w.-])eqx-offload"
     r"|(?P<gpu_run>bench/gpu_run\.sh))(?![\w.-])(?P<args>[^;&|)`\n]*)")
@@ -210,11 +186,8 @@ def parse_command(argv: list[str]) -> str:
     return ""
 
 
-def _documents() -> list[pathlib.Path]:
-    return [ROOT / "README.md", *_pages()]
-
-
-_DOCUMENTS_WITH_COMMANDS = [p for p in _documents() if shell_commands(p.read_text())]
+_DOCUMENTS_WITH_COMMANDS = [p for p in [ROOT / "README.md", *_PAGES]
+                            if shell_commands(p.read_text())]
 
 
 @pytest.mark.parametrize("document", _DOCUMENTS_WITH_COMMANDS, ids=_page_id)
@@ -225,7 +198,7 @@ def test_documented_commands_parse(document):
     assert not errors, "\n".join(errors)
 
 
-def test_command_finder_is_not_blind():
+def test_command_finder_is_not_blind_and_a_stale_command_fails():
     text = (
         "```bash\n"
         "python -m eqx_offload bench --out x \\\n    --modes baseline  # a comment\n"
@@ -244,9 +217,6 @@ def test_command_finder_is_not_blind():
     for document in ("README.md", "docs/getting-started.md", "docs/benchmark.md",
                      "docs/gpu-plan.md", "docs/typing.md"):
         assert document in ids, document
-
-
-def test_a_stale_command_fails():
     assert parse_command(["demo", "--steps", "3"]) == ""
     assert parse_command(["bench", "--help"]) == ""
     assert "invalid choice" in parse_command(["bench", "--modes", "no_such_mode"])

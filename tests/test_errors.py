@@ -1,14 +1,12 @@
-"""Bad input and faults: each raises a documented exception of `eqx_offload` (a subclass
-of `ValueError` or `TypeError`) whose message names the argument, the leaf path where
-there is one, and the fix; a failed call leaves donated inputs intact.
-
-Under the pytest jaxtyping/beartype hook (pyproject's `--jaxtyping-packages`), a value
-the type hints forbid (e.g. `memory_kind="hbm"`, which is not in the `Literal`) is
-rejected by beartype before the library's own check runs. Users without the hook reach
-the library's checks; `unchecked(f)` calls `f` without the hook's wrapper to test those.
+"""Bad input and faults: each raises a documented `eqx_offload` error (a `ValueError` or
+`TypeError` subclass) whose message names the argument, the leaf path where there is one,
+and the fix; a failed call leaves donated inputs intact. Under pytest's jaxtyping hook
+beartype rejects what the type hints forbid first; `unchecked(f)` reaches the library's
+own checks, as users without the hook do.
 """
 
 import pathlib
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,13 +15,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import jaxtyping
 import numpy as np
 import optax
 import pytest
 from helpers import tree_bits as bits, unchecked
 
 import eqx_offload
+from eqx_offload import (CompositionError, MemoryKindError, NotATransformationError,
+                         StateError, TracedMoveError, WhereError)
 
 
 def params() -> dict[str, jax.Array]:
@@ -34,173 +33,125 @@ def kinds(tree: Any) -> dict[str, str]:
     return {jtu.keystr(p): x.sharding.memory_kind for p, x in jtu.tree_flatten_with_path(tree)[0]}
 
 
-def lacks_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pretend the backend offers no `unpinned_host` (as some GPUs and TPUs)."""
-    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds", lambda device: ("device", "pinned_host"))
+@pytest.mark.parametrize("error,base", [
+    (MemoryKindError, ValueError), (WhereError, ValueError), (TracedMoveError, ValueError),
+    (CompositionError, ValueError), (eqx_offload.CheckpointError, ValueError),
+    (StateError, TypeError), (NotATransformationError, TypeError)])
+def test_error_types_are_builtin_subclasses(error: type, base: type) -> None:
+    assert issubclass(error, base) and issubclass(error, eqx_offload.OffloadError)
 
 
-# ---------------------------------------------------------------------------------------
-# Memory kinds.
+def _adam(**kwargs: Any) -> Any:
+    return eqx_offload.offloaded(optax.adam(1e-3), **kwargs)
 
 
-def test_error_types_are_builtin_subclasses() -> None:
-    for error, base in [
-        (eqx_offload.MemoryKindError, ValueError),
-        (eqx_offload.WhereError, ValueError),
-        (eqx_offload.TracedMoveError, ValueError),
-        (eqx_offload.CompositionError, ValueError),
-        (eqx_offload.CheckpointError, ValueError),
-        (eqx_offload.StateError, TypeError),
-        (eqx_offload.NotATransformationError, TypeError),
-    ]:
-        assert issubclass(error, base) and issubclass(error, eqx_offload.OffloadError)
-
-
-@pytest.mark.parametrize("call", [
-    lambda kind: unchecked(eqx_offload.to_host)(params(), memory_kind=kind),
-    lambda kind: unchecked(eqx_offload.offloaded)(optax.adam(1e-3), memory_kind=kind),
-])
-def test_unknown_memory_kind(call: Callable[[str], Any]) -> None:
-    with pytest.raises(eqx_offload.MemoryKindError) as info:
-        call("hbm")
-    message = str(info.value)
-    assert "memory_kind='hbm' is not a memory kind" in message
-    assert "'device', 'pinned_host', 'unpinned_host'" in message  # the fix: what to pass
+_FACTORY_FIX = r"call it first \(`optax\.adamw\(1e-3\)`\)"
+# mistake -> (call, error, regexes its message must match: the argument, path and fix)
+RAISES: dict[str, tuple[Callable[[], Any], type, list[str]]] = {
+    "to_host(memory_kind='hbm')": (
+        lambda: unchecked(eqx_offload.to_host)(params(), memory_kind="hbm"), MemoryKindError,
+        ["memory_kind='hbm' is not a memory kind", "'device', 'pinned_host', 'unpinned_host'"]),
+    "offloaded(memory_kind='hbm')": (
+        lambda: unchecked(eqx_offload.offloaded)(optax.adam(1e-3), memory_kind="hbm"),
+        MemoryKindError,
+        ["memory_kind='hbm' is not a memory kind", "'device', 'pinned_host', 'unpinned_host'"]),
     # `device` is a memory kind, but not one state can be offloaded to.
-    with pytest.raises(eqx_offload.MemoryKindError, match="'device' is not a host memory kind.*to_device"):
-        call("device")
+    "to_host(memory_kind='device')": (
+        lambda: unchecked(eqx_offload.to_host)(params(), memory_kind="device"), MemoryKindError,
+        ["'device' is not a host memory kind.*to_device"]),
+    "offloaded(memory_kind='device')": (
+        lambda: unchecked(eqx_offload.offloaded)(optax.adam(1e-3), memory_kind="device"),
+        MemoryKindError, ["'device' is not a host memory kind.*to_device"]),
+    "unpinned_host under jit": (
+        lambda: jax.jit(lambda t: eqx_offload.to_host(t, memory_kind="unpinned_host"))(params()),
+        TracedMoveError, ["memory_kind='unpinned_host'.*leaf b.*memory_kind='pinned_host'"]),
+    "where of another structure": (
+        lambda: eqx_offload.to_host(params(), where={"w": True}), WhereError,
+        ["^where ", r"keys \['w'\]", r"keys \['b', 'w'\]", "eqx_offload.pattern"]),
+    "offloaded where of another structure": (
+        lambda: _adam(where=(True, True, True)).init(params()), WhereError, ["at path <root>"]),
+    "where deep mismatch": (
+        lambda: eqx_offload.to_host({"layer": {"w": jnp.ones(3), "b": jnp.ones(3)},
+                                     "head": jnp.ones(2)},
+                                    where={"layer": {"w": True}, "head": True}),
+        WhereError, ["at path layer"]),
+    # The hints reject a string leaf of `where`; without them the library's check does.
+    "where leaf not a filter under the hook": (
+        lambda: eqx_offload.to_host(params(), where={"w": "yes", "b": True}),  # type: ignore[dict-item]  # the mistake under test
+        TypeError, []),
+    "where leaf not a filter": (
+        lambda: eqx_offload._where.leaf_mask(params(), {"w": "yes", "b": True}), WhereError,
+        ["where has 'yes' at path w, which is not a filter"]),
+    "bad pattern": (lambda: eqx_offload.pattern("(mu"), WhereError,
+                    [r"pattern\(regex='\(mu'\) is not a valid regular expression"]),
+    "offloaded(optax.adamw)": (
+        lambda: unchecked(eqx_offload.offloaded)(optax.adamw), NotATransformationError,
+        [r"offloaded\(inner=\.\.\.\)", "optax.GradientTransformation", _FACTORY_FIX]),
+    "offloaded(dict)": (lambda: unchecked(eqx_offload.offloaded)({"init": None}),
+                        NotATransformationError, ["got builtins.dict"]),
+    # Every function that takes an inner optimizer gives `offloaded`'s error, naming itself.
+    "within_budget(optax.adam)": (
+        lambda: unchecked(eqx_offload.within_budget)(optax.adam, {"w": jnp.ones((4, 4))}, 0),
+        NotATransformationError, [r"within_budget\(inner=\.\.\.\)", _FACTORY_FIX]),
+    "stream_plan(optax.adam)": (
+        lambda: unchecked(eqx_offload.stream_plan)(optax.adam, {"w": jnp.ones((4, 4))}, None),
+        NotATransformationError, [r"stream_plan\(inner=\.\.\.\)", _FACTORY_FIX]),
+    "abstract_init(optax.adam)": (
+        lambda: unchecked(eqx_offload.abstract_init)(optax.adam, {"w": jnp.ones((4, 4))}),
+        NotATransformationError, [r"abstract_init\(optimizer=\.\.\.\)", _FACTORY_FIX]),
+    "state of the unwrapped optimizer": (
+        lambda: unchecked(_adam().update)(params(), optax.adam(1e-3).init(params()), params()),
+        StateError, [r"update\(state=\.\.\.\)", "got tuple",
+                     "Call `init` on the `offloaded\\(\\.\\.\\.\\)` transformation"]),
+    "state of another optimizer": (
+        lambda: _adam().update(
+            params(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init(params()),
+            params()),
+        StateError, [r"state=\.\.\.\)", "does not belong to this optimizer",
+                     "at path inner_state/",
+                     "Pass the state returned by this transformation's `init`"]),
+    "state for other params": (
+        lambda: _adam().update(params(), _adam().init({"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
+                               params()),
+        StateError, [r"leaf inner_state/0/mu/w is float32\[3, 2\] but this optimizer expects "
+                     r"float32\[2, 3\]"]),
+}
 
 
-def test_unknown_memory_kind_is_a_type_error_under_the_hook() -> None:
-    # With the hook, beartype rejects it first; either way it is an error at the call.
-    with pytest.raises(jaxtyping.TypeCheckError, match="memory_kind"):
-        eqx_offload.to_host(params(), memory_kind="hbm")  # type: ignore[arg-type]  # the point of the test
+@pytest.mark.parametrize("mistake", list(RAISES))
+def test_mistake_raises_naming_argument_and_fix(mistake: str) -> None:
+    call, error, patterns = RAISES[mistake]
+    with pytest.raises(error) as info:
+        call()
+    for pattern in patterns:
+        assert re.search(pattern, str(info.value)), (pattern, str(info.value))
 
 
 def test_kind_the_backend_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    lacks_unpinned(monkeypatch)
-    with pytest.raises(eqx_offload.MemoryKindError) as info:
+    """On a backend without `unpinned_host` (some GPUs, TPUs) the error names what it offers."""
+    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds",
+                        lambda device: ("device", "pinned_host"))
+    with pytest.raises(MemoryKindError) as info:
         eqx_offload.to_host(params(), memory_kind="unpinned_host")
     message = str(info.value)
     assert "memory_kind='unpinned_host'" in message
     assert "leaf b " in message  # the first leaf it would have moved
     assert "it offers 'device', 'pinned_host'" in message and "supported_memory_kinds" in message
-    opt = eqx_offload.offloaded(optax.adam(1e-3), memory_kind="unpinned_host")
-    with pytest.raises(eqx_offload.MemoryKindError, match=r"leaf 0/mu/b .*it offers 'device', 'pinned_host'"):
+    opt = _adam(memory_kind="unpinned_host")
+    with pytest.raises(MemoryKindError, match=r"leaf 0/mu/b .*it offers 'device', 'pinned_host'"):
         opt.init(params())
 
 
-def test_unpinned_host_under_jit() -> None:
-    with pytest.raises(eqx_offload.TracedMoveError, match="memory_kind='unpinned_host'.*leaf b.*memory_kind='pinned_host'"):
-        jax.jit(lambda t: eqx_offload.to_host(t, memory_kind="unpinned_host"))(params())
-
-
-# ---------------------------------------------------------------------------------------
-# `where`.
-
-
-def test_where_structure_mismatch() -> None:
-    with pytest.raises(eqx_offload.WhereError) as info:
-        eqx_offload.to_host(params(), where={"w": True})
-    message = str(info.value)
-    assert message.startswith("where ")
-    assert "keys ['w']" in message and "keys ['b', 'w']" in message
-    assert "eqx_offload.pattern" in message  # the fix
-    # The same spec on offloaded is checked against the inner state when it is made.
-    opt = eqx_offload.offloaded(optax.adam(1e-3), where=(True, True, True))
-    with pytest.raises(eqx_offload.WhereError, match="at path <root>"):
-        opt.init(params())
-
-
-def test_where_deep_mismatch_names_the_path() -> None:
-    tree = {"layer": {"w": jnp.ones(3), "b": jnp.ones(3)}, "head": jnp.ones(2)}
-    with pytest.raises(eqx_offload.WhereError, match="at path layer"):
-        eqx_offload.to_host(tree, where={"layer": {"w": True}, "head": True})
-
-
-def test_where_not_a_filter() -> None:
-    # Under the hook, the type hints of `where` already reject a string leaf; without a
-    # runtime checker the spec reaches the library's own check (here called directly).
-    with pytest.raises(TypeError):
-        eqx_offload.to_host(params(), where={"w": "yes", "b": True})  # type: ignore[dict-item]  # the point of the test
-    from eqx_offload._where import leaf_mask
-
-    with pytest.raises(eqx_offload.WhereError, match=r"where has 'yes' at path w, which is not a filter"):
-        leaf_mask(params(), {"w": "yes", "b": True})
-
-
-def test_bad_pattern() -> None:
-    with pytest.raises(eqx_offload.WhereError, match=r"pattern\(regex='\(mu'\) is not a valid regular expression"):
-        eqx_offload.pattern("(mu")
-
-
-# ---------------------------------------------------------------------------------------
-# `offloaded`.
-
-
-def test_not_a_gradient_transformation() -> None:
-    with pytest.raises(eqx_offload.NotATransformationError) as info:
-        unchecked(eqx_offload.offloaded)(optax.adamw)
-    message = str(info.value)
-    assert "offloaded(inner=...)" in message and "optax.GradientTransformation" in message
-    assert "call it first (`optax.adamw(1e-3)`)" in message  # the fix
-    with pytest.raises(eqx_offload.NotATransformationError, match="got builtins.dict"):
-        unchecked(eqx_offload.offloaded)({"init": None})
-    # A `MultiSteps`, which is not a GradientTransformation but has one, is accepted.
+def test_multi_steps_is_accepted() -> None:
+    """A `MultiSteps` is not a GradientTransformation but has one: accepted."""
     eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2))  # type: ignore[arg-type]  # MultiSteps is converted
 
 
-@pytest.mark.parametrize("call", ["within_budget", "stream_plan", "abstract_init"])
-def test_not_a_gradient_transformation_elsewhere(call: str) -> None:
-    # Every function that takes an inner optimizer gives `offloaded`'s error for a
-    # factory, naming itself.
-    params = {"w": jnp.ones((4, 4))}
-    calls = {
-        "within_budget": lambda: unchecked(eqx_offload.within_budget)(optax.adam, params, 0),
-        "stream_plan": lambda: unchecked(eqx_offload.stream_plan)(optax.adam, params, None),
-        "abstract_init": lambda: unchecked(eqx_offload.abstract_init)(optax.adam, params),
-    }
-    name = {"abstract_init": "abstract_init(optimizer=...)"}.get(call, f"{call}(inner=...)")
-    with pytest.raises(eqx_offload.NotATransformationError) as info:
-        calls[call]()
-    assert name in str(info.value) and "call it first (`optax.adamw(1e-3)`)" in str(info.value)
-
-
-def test_state_of_the_unwrapped_optimizer() -> None:
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
-    plain_state = optax.adam(1e-3).init(params())
-    with pytest.raises(eqx_offload.StateError) as info:
-        unchecked(opt.update)(params(), plain_state, params())
-    message = str(info.value)
-    assert "update(state=...)" in message and "got tuple" in message
-    assert "Call `init` on the `offloaded(...)` transformation" in message  # the fix
-
-
-def test_state_of_another_optimizer() -> None:
-    adam = eqx_offload.offloaded(optax.adam(1e-3))
-    sgd = eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9))
-    with pytest.raises(eqx_offload.StateError) as info:
-        adam.update(params(), sgd.init(params()), params())
-    message = str(info.value)
-    assert "state=...)" in message and "does not belong to this optimizer" in message
-    assert "at path inner_state/" in message
-    assert "Pass the state returned by this transformation's `init`" in message
-
-
-def test_state_for_other_params() -> None:
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
-    other = {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
-    with pytest.raises(eqx_offload.StateError, match=r"leaf inner_state/0/mu/w is float32\[3, 2\] but this optimizer expects float32\[2, 3\]"):
-        opt.update(params(), opt.init(other), params())
-
-
 def test_state_from_another_where_is_used_with_a_warning() -> None:
-    """A state made with another `where` has the same structure; its leaves in device
-    memory that this `where` selects are used as they are (with the one-time warning
-    below), and the new state follows this transformation's `where`."""
-    keep_nu = eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/mu/.*"))
-    every = eqx_offload.offloaded(optax.adam(1e-3))
-    state = keep_nu.init(params())
+    """A state made with another `where` is used as it is, with a warning; the new state
+    follows this transformation's `where`."""
+    every = _adam()
+    state = _adam(where=eqx_offload.pattern(".*/mu/.*")).init(params())
     assert kinds(state)[".inner_state[0].nu['w']"] == "device"
     with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/nu/b is in device memory"):
         _, new = every.update(params(), state, params())
@@ -208,10 +159,8 @@ def test_state_from_another_where_is_used_with_a_warning() -> None:
 
 
 def test_state_on_device_warns_once_and_is_used() -> None:
-    """The documented behaviour: a state that should be in host memory but is in device
-    memory (e.g. restored without host shardings) is used as is, with one
-    `OffloadWarning` per transformation; the result equals the unwrapped optimizer's and
-    the new state is in host memory."""
+    """A state in device memory (restored without host shardings) is used with one
+    `OffloadWarning` per transformation; bitwise as unwrapped, the new state on the host."""
     inner = optax.adam(1e-2)
     opt = eqx_offload.offloaded(inner)
     on_device = eqx_offload.to_device(opt.init(params()))
@@ -232,13 +181,8 @@ def test_state_on_device_warns_once_and_is_used() -> None:
     assert kinds(state2)[".inner_state[0].mu['w']"] == "pinned_host"
 
 
-# ---------------------------------------------------------------------------------------
-# Outer transformations.
-
-
 def test_update_under_vmap() -> None:
-    """An ensemble of optimizer states: `vmap` over `init` and `update` works, eagerly
-    and under `jit`, bitwise equal to the unwrapped optimizer, state in host memory."""
+    """`vmap` over `init` and `update`, eager and jitted: bitwise as unwrapped, on the host."""
     inner = optax.adam(1e-2)
     opt = eqx_offload.offloaded(inner)
     batch = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), params())
@@ -254,8 +198,7 @@ def test_update_under_vmap() -> None:
 
 
 def test_update_under_grad() -> None:
-    """Differentiating through `update` (meta-learning), with respect to the gradients
-    and to an offloaded state leaf: equal to the unwrapped optimizer's derivatives."""
+    """`grad` through `update` by the gradients and an offloaded leaf: as unwrapped."""
     inner = optax.adam(1e-2)
     opt = eqx_offload.offloaded(inner)
     p = params()
@@ -280,8 +223,7 @@ def test_update_under_grad() -> None:
         assert d_mu["w"].sharding.memory_kind == "pinned_host"
 
 
-# ---------------------------------------------------------------------------------------
-# Failed calls keep donated inputs.
+# ------------------------------------------------------------ failed calls keep donated inputs
 
 
 class Model(eqx.Module):
@@ -352,8 +294,7 @@ def test_bad_state_keeps_donated_inputs() -> None:
 
 
 def test_stale_state_keeps_the_other_inputs() -> None:
-    """Passing a state that an earlier step already consumed (donated) fails before
-    anything runs: the model passed with it is not deleted."""
+    """A state an earlier step donated fails before anything runs; the model survives."""
     model, opt, state = setup()
     step = make_step(opt, [])
     model, new_state = step(model, state, jnp.ones((4, 3)))
@@ -366,10 +307,8 @@ def test_stale_state_keeps_the_other_inputs() -> None:
 
 
 def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
-    """Regression (found by tests/test_equivalence.py): `inject_hyperparams(adam)` turns a
-    bfloat16 moment into float32 after one update when the params mix dtypes. The
-    unwrapped optimizer accepts its own state; `offloaded` used to reject it with a
-    `StateError` on the second update."""
+    """`inject_hyperparams(adam)` turns a bfloat16 moment into float32 when the params
+    mix dtypes: `offloaded` accepts the changed state as the unwrapped optimizer does."""
     p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.8)
     opt = eqx_offload.offloaded(inner, where=True)
@@ -382,12 +321,11 @@ def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
     assert state.inner_state.inner_state[0].mu["a"].sharding.memory_kind == "pinned_host"
 
 
-# --- the mistakes a newcomer makes ---------------------------------------------------------
+# ----------------------------------------------------------- the mistakes a newcomer makes
 
 
 def _offloaded_step(jit: Callable[..., Any]) -> Callable[[], Any]:
-    """A training step of an offloaded Adam jitted by `jit`, lowered (traced, never run:
-    were the donation check to miss, nothing would run to abort the process)."""
+    """An offloaded Adam step jitted by `jit`, lowered only (a missed check cannot abort)."""
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     p = params()
     state = opt.init(p)
@@ -454,11 +392,8 @@ def _check_message(text: str, fix: str) -> None:
 
 @pytest.mark.parametrize("mistake", list(_MISTAKES))
 def test_newcomer_mistakes(mistake: str) -> None:
-    # Each mistake the issue lists gets its class (an `OffloadError`, or an
-    # `OffloadWarning` where the input is valid but surely not meant), never a bare
-    # `TypeError` or a tracer error from inside the package, in at most 4 lines:
-    # the fix first, then where, then the docs section. (`memory_report` of an
-    # abstract state counts it: tests/test_report.py.)
+    """An `OffloadError` (or `OffloadWarning` for valid input surely not meant), never a
+    bare `TypeError` or tracer error, in at most 4 lines: fix, where, docs section."""
     call, kind, fix = _MISTAKES[mistake]
     if issubclass(kind, Warning):
         with pytest.warns(kind) as record:
@@ -473,15 +408,14 @@ def test_newcomer_mistakes(mistake: str) -> None:
 
 
 def test_pmap_message() -> None:
-    # (Raised under `pmap`, which the multi-device tests run; its shape here.)
+    """(Raised under `pmap`, which the multi-device tests run; its shape here.)"""
     from eqx_offload._errors import device_state_error
 
     _check_message(str(device_state_error("0/mu/w")), "eqx_offload.filter_jit")
 
 
 def test_defaults_that_select_nothing_do_not_warn() -> None:
-    # The default `where` on a state of scalars only, `where=False`, a size filter that
-    # selects nothing in a small tree, and an empty tree: meant, no warning.
+    """Default `where` on scalars only, `where=False`, a size filter, empty trees: no warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eqx_offload.offloaded(optax.scale_by_schedule(lambda n: 1.0)).init(params())

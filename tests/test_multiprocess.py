@@ -1,9 +1,6 @@
-"""Offload on JAX's distributed runtime: two processes on 127.0.0.1, two CPU devices each.
-
-The processes run `tests/mp_worker.py` with an environment of their own (this test
-process has 8 CPU devices from `tests/conftest.py`; the workers must not inherit any of
-it), on a free port, and are killed if they outlive the time limit.
-"""
+"""Offload on JAX's distributed runtime: two processes on 127.0.0.1, two CPU devices each,
+running `tests/mp_worker.py` without this process's JAX/XLA settings, on a free port,
+killed if they outlive the time limit."""
 
 import os
 import re
@@ -11,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,41 +26,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_env() -> dict[str, str]:
-    """The parent's environment without any JAX/XLA setting (device counts, platforms,
-    flags), CPU only."""
+def run_processes(tmp_path: Path, commands: list[list[str]]) -> list[str]:
+    """Runs the `{port}`-formatted commands on a free port, CPU only, without any JAX/XLA
+    setting; kills what outlives `TIME_LIMIT`; asserts all exit 0; returns their output."""
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def worker_commands(out: Path, port: int) -> list[list[str]]:
-    commands = []
-    for i in range(2):
-        cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
-               "--devices", "2", "--port", str(port)]
-        if i == 0:
-            cmd += ["--out", str(out)]
-        commands.append(cmd)
-    return commands
-
-
-def run_workers(tmp_path: Path, out: Path) -> list[str]:
-    return run_processes(tmp_path, lambda port: worker_commands(out, port))
-
-
-def run_processes(tmp_path: Path, commands: Callable[[int], list[list[str]]]) -> list[str]:
-    """Starts the processes (on a free port), waits for all of them at most
-    `TIME_LIMIT` seconds in total, kills what is left; asserts they all exited with 0.
-    Returns their output."""
-    port = free_port()
     procs, logs = [], []
     try:
-        for i, cmd in enumerate(commands(port)):
+        for i, cmd in enumerate(commands):
             log = open(tmp_path / f"worker{i}.log", "w+b")
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
-                                          cwd=tmp_path))
+            procs.append(subprocess.Popen([c.format(port=port) for c in cmd], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
         deadline = time.monotonic() + TIME_LIMIT
         for proc in procs:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -91,7 +65,10 @@ def run_processes(tmp_path: Path, commands: Callable[[int], list[list[str]]]) ->
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     out = tmp_path / "two_processes.npz"
-    run_workers(tmp_path, out)
+    run_processes(tmp_path, [
+        [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", "2",
+         "--devices", "2", "--port", "{port}", *(["--out", str(out)] if i == 0 else [])]
+        for i in range(2)])
     two = dict(np.load(out))
     assert int(two.pop("__num_processes__")) == 2
     assert int(two.pop("__num_devices__")) == 4
@@ -101,7 +78,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     assert int(one.pop("__num_processes__")) == 1
     one.pop("__num_devices__")
 
-    # Between steps every moment was on host with its parameter's spec, the counter on
+    # Between steps every moment on the host with its parameter's spec, the counter on
     # the device, in both runs.
     kinds = [str(k) for k in two.pop("__kinds__")]
     assert kinds == [str(k) for k in one.pop("__kinds__")]
@@ -115,7 +92,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
         assert two[name].dtype == one[name].dtype and two[name].shape == one[name].shape, name
         # Bitwise: gloo's all-reduce of two 2-device halves adds in the same order here.
         assert two[name].tobytes() == one[name].tobytes(), (name, two[name], one[name])
-    # And it trained: every parameter moved.
+    # it trained: every parameter moved
     initial, _ = mp_worker.initial_values()
     for k, v in initial.items():
         assert not np.array_equal(one[f"[0]['{k}']"], v), k
@@ -126,13 +103,12 @@ DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "multi-process.md"
 
 @pytest.mark.slow
 def test_documented_example(tmp_path: Path) -> None:
-    """The script of docs/multi-process.md (its one ```py block), as the page says to
-    run it: two processes, `python train_mp.py ID PORT`."""
+    """docs/multi-process.md's one ```py block, run as the page says: `python train_mp.py ID PORT`."""
     blocks = re.findall(r"^```py\n(.*?)^```", DOCS_PAGE.read_text(), flags=re.S | re.M)
     assert len(blocks) == 1, "docs/multi-process.md should hold exactly one ```py block"
     script = tmp_path / "train_mp.py"
     script.write_text(blocks[0])
-    out0, _ = run_processes(
-        tmp_path, lambda port: [[sys.executable, str(script), str(i), str(port)] for i in range(2)])
+    out0, _ = run_processes(tmp_path,
+                            [[sys.executable, str(script), str(i), "{port}"] for i in range(2)])
     losses = [float(m) for m in re.findall(r"step \d: loss ([0-9.]+)", out0)]
     assert len(losses) == 5 and losses[-1] < losses[0], out0

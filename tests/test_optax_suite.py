@@ -1,13 +1,9 @@
-"""Optax's own test files, run with every optimizer they build wrapped in
-`eqx_offload.offloaded` (issue 10).
+"""Optax's own test files, with every optimizer they build wrapped in `offloaded`.
 
-The groups of `tests/optax_suite/selection.py` run in one child pytest over the test
-files shipped in the installed optax wheel, with `tests/optax_suite/plugin.py` loaded
-(so the patching cannot leak into this process); each group is checked on its own.
-Every test must pass, except the adapted and expected failures listed, with their
-reasons, in `tests/optax_suite/adaptations.py` (and in `docs/optax-tests.md`). A
-child that fails prints each failing test with its message.
-"""
+The groups of `optax_suite/selection.py` run in one child pytest over the installed
+optax's test files with `optax_suite/plugin.py` (no patch leaks here); each group is
+checked on its own. Every test passes except the adapted and expected failures of
+`optax_suite/adaptations.py` (and `docs/optax-tests.md`)."""
 
 import json
 import os
@@ -39,12 +35,9 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
         "EQX_OFFLOAD_SUITE_REPORT": str(report),
         "JAX_PLATFORMS": "cpu",
-        # This process's compilation cache (tests/conftest.py): optax's eager `lax.cond`s
-        # (`MultiSteps`, `apply_if_finite`) compile the same program again at every
-        # step, about a quarter of the `transforms` group's compile time. A hit is the
-        # executable of an identical module, and JAX still logs it as a compilation
-        # ("Finished XLA compilation"), so optax's no-recompile checks
-        # (`test_utils.log_compilations`) see every compile they saw before.
+        # This process's compilation cache: optax's eager `lax.cond`s compile the same
+        # program every step; a hit is still logged as a compilation, so optax's
+        # no-recompile checks see every compile they saw before.
         "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir
         or str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -68,10 +61,8 @@ def _failures(report: dict[str, Any]) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_optax_suite(tmp_path: Any) -> None:
-    # Every group in one child: optax, its test modules, absl and the plugin are imported
-    # once, and the compilations the groups share are made once (150 against 163
-    # CPU-seconds with a child per group, measured on this kind of machine). Each group
-    # is still checked on its own below, from the report's per-test counts.
+    """Every group in one child (imports and shared compilations once), each group
+    checked on its own from the report's per-test counts."""
     paths = [path for group in sorted(GROUPS) for path in GROUPS[group]]
     rc, output, report = run_child(tmp_path, OPTAX, paths)
     failures = _failures(report)
@@ -93,13 +84,11 @@ def _check_group(group: str, report: dict[str, Any]) -> None:
     outcomes = {k: v for k, v in report["outcomes"].items() if ours(k)}
     counts = {k: c for k, c in report["counts"].items() if ours(k)}
     assert len(counts) >= 40, f"{group}: only {len(counts)} tests ran"
-    # Most tests built an optimizer (and got an offloaded one); eager calls checked the
-    # state's placement.
+    # Most tests built an (offloaded) optimizer; eager calls checked the placement.
     built = [k for k, c in counts.items() if c["wrapped"]]
     assert len(built) >= 0.6 * len(counts), (group, len(built), len(counts))
     assert sum(c["checked"] for c in counts.values()) >= 50, group
-    # Every adaptation and expected failure written for this group's files still
-    # names a test that ran (a renamed optax test cannot leave a stale entry).
+    # Every adaptation and expected failure of this group names a test that ran.
     ran = set(outcomes) | set(counts)
     for table in (ADAPT, XFAIL):
         for pattern in table:
@@ -110,9 +99,8 @@ def _check_group(group: str, report: dict[str, Any]) -> None:
 
 
 def test_plugin_selfcheck(tmp_path: Any) -> None:
-    # The plugin over its own check file: optimizers come back offloaded once,
-    # outermost, with host-resident state; a listed failure is an xfail, a listed pass
-    # or a failure with another message is a failure.
+    """The plugin over its own check file: offloaded once, outermost, state on the host;
+    a listed failure is an xfail, a listed pass or another failure a failure."""
     rc, output, report = run_child(tmp_path, SUITE, ["selfcheck.py"])
     outcomes = report["outcomes"]
     assert outcomes.pop("selfcheck.py::test_listed_failure_is_xfail") == "xfailed", output

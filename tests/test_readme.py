@@ -1,8 +1,7 @@
-"""The README's "Training step" example is the recommended pattern, complete and
-runnable: it runs (in a fresh process, as it donates host-resident state), and it is
-the same code as `docs/examples/training_step.py`. The README keeps the shape of a
-front page (Equinox's, Optax's): short, code early, the CI command, and a GPU table
-whose every row says whether it is measured or planned."""
+"""The README: its "Training step" example is the recommended pattern, is
+`docs/examples/training_step.py` and runs (in a fresh process: it donates host-resident
+state); it keeps a front page's shape (short, code early, the CI command, GPU rows that
+say measured or plan)."""
 
 import os
 import pathlib
@@ -13,19 +12,10 @@ import sys
 import pytest
 
 
-# The README is checked in one environment (scripts/check.sh: the newest).
 pytestmark = pytest.mark.once
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "training_step.py"
-
-
-def training_step_blocks() -> list[str]:
-    """The `python` code blocks of README.md's "## Training step" section."""
-    text = (ROOT / "README.md").read_text()
-    sections = re.split(r"^## ", text, flags=re.MULTILINE)
-    [section] = [s for s in sections if s.startswith("Training step\n")]
-    return re.findall(r"^```python\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
 
 
 def _section(title: str) -> str:
@@ -35,19 +25,22 @@ def _section(title: str) -> str:
     return section
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+def training_step_blocks() -> list[str]:
+    """The `python` code blocks of README.md's "## Training step" section."""
+    return re.findall(r"^```python\n(.*?)^```", _section("Training step"),
+                      flags=re.MULTILINE | re.DOTALL)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "error", *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def test_readme_has_the_training_step():
     blocks = training_step_blocks()
     assert len(blocks) == 1
     code = blocks[0]
-    # The recommended pattern, not a variant of it.
     assert "eqx_offload.offloaded(optax.adamw(" in code
     assert '@eqx_offload.filter_jit(donate="all")' in code
     assert 'sharding.memory_kind == "pinned_host"' in code
@@ -59,17 +52,14 @@ def test_readme_training_step_is_the_example_file():
 
 @pytest.mark.slow
 def test_readme_training_step_runs():
-    process = _run("\n".join(training_step_blocks()))
+    process = _run("-c", "\n".join(training_step_blocks()))
     assert process.returncode == 0, process.stderr[-6000:]
     assert "pinned_host" in process.stdout  # the memory report it prints
 
 
 @pytest.mark.slow
 def test_example_file_runs():
-    process = subprocess.run(
-        [sys.executable, "-W", "error", str(EXAMPLE)], capture_output=True, text=True,
-        timeout=600, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    process = _run(str(EXAMPLE))
     assert process.returncode == 0, process.stderr[-6000:]
     assert "pinned_host" in process.stdout
 
@@ -78,7 +68,6 @@ def test_readme_is_a_front_page():
     text = (ROOT / "README.md").read_text()
     assert len(text.split()) <= 1000
     assert len(text[:text.index("```")].split()) <= 300  # code within the first 300 words
-    # The model techniques are named, and the history lives in CHANGELOG.md.
     for name in ("master_weights", "host_weights", "scan_layers", "CHANGELOG.md"):
         assert name in text, name
     assert (ROOT / "CHANGELOG.md").is_file()
@@ -86,7 +75,7 @@ def test_readme_is_a_front_page():
 
 def test_readme_quickstart_has_the_two_commands():
     section = _section("Quickstart")
-    # The demo from a fresh clone, and the command CI runs (.ci/run execs exactly it).
+    # the demo from a fresh clone, and the command CI runs (.ci/run execs it)
     assert ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[cli]" && '
             ".venv/bin/python -m eqx_offload demo") in section
     assert "\nbash scripts/check.sh\n" in section

@@ -1,25 +1,11 @@
 """The type checkers really check, statically and at run time.
 
-Static: mypy --strict, pytype, pyright and pyrefly run over `tests/types/` as a user of
-the wheel runs them (`tests/types/checkers.py` holds the runners and the commands:
-mypy with the optax stub, pytype with the shipped stubs, pyright and pyrefly with
-nothing). `good_usage.py` must pass all four without an error; in each `bad_*.py` every
-line marked `# expect: mypy=CODE pytype=CODE pyright=CODE pyrefly=CODE` must be reported
-by exactly the named checkers with the named codes, and nothing else may be reported.
-So a stub that decays to `Any`, a checker that stops reading the stubs, or a signature
-that loosens makes these tests fail; the table in the docs is generated from the same
-markers (`docs/typing-checkers.txt`, checked up to date here).
-
-Run time: with beartype through jaxtyping's import hook (pytest installs it for the
-package, see `--jaxtyping-packages` in pyproject.toml), the same mistakes made at run time
-raise errors that name the argument and what was expected; and
-`eqx_offload.install_runtime_checks` (tested in subprocesses) checks a user's own
-modules too, with short errors.
-
-Also here, as slow tests: the wheel ships the stubs and a fresh environment that installs
-it follows docs/typing.md; the documented multi-module pytype loop catches a mistake
-across modules; the pytype gate fails on a module with a type error, and the stub-drift
-check fails when a public signature changes without its stub.
+Static: mypy --strict, pytype, pyright and pyrefly over `tests/types/` as a wheel user runs
+them (`tests/types/checkers.py`): `good_usage.py` passes all four, each `# expect:` line of
+a `bad_*.py` is reported by exactly the named checkers with the named codes, nothing else
+is. Run time: beartype through jaxtyping's hook names the argument and what was expected;
+`install_runtime_checks` checks a user's own modules with short errors. Slow: the wheel
+ships the stubs and the docs' commands work; the pytype gate and stub drift can fail.
 """
 
 import ast
@@ -65,14 +51,12 @@ def _load(path: pathlib.Path) -> Any:
 
 TABLE = _load(TYPES / "checkers.py")
 CHECKERS = TABLE.CHECKERS
-# The static checkers do not depend on the JAX version: run in one environment.
 once = pytest.mark.once
 needs_pytype = pytest.mark.skipif(
     not TABLE.PYTYPE_RUNS, reason="pytype's last release runs on Python <= 3.12")
 
 
-# One test per checker, each running its checker once over every file: with
-# `pytest -n 2` a fixture shared by several tests would run once per worker.
+# One test per checker over every file (a shared fixture would run once per xdist worker).
 @once
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -85,9 +69,8 @@ def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
 @once
 @pytest.mark.slow
 def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.Path) -> None:
-    # pyrefly imports a project's mypy.ini, `mypy_path` included, so a mypy user's
-    # pyrefly reads the optax stub; a pyright user may add it as `stubPath`. Neither may
-    # then reject correct code, nor report anything on a line that is not a mistake.
+    """With the optax stub (pyright's `stubPath`, pyrefly's mypy.ini `mypy_path`) neither
+    rejects correct code nor reports a line that is not a mistake."""
     _, mypy_path = TABLE.stub_paths()
     files = [GOOD, *BAD]
     results = {
@@ -104,22 +87,16 @@ def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.
 
 @once
 def test_typings_command_prints_the_stub_folders() -> None:
-    def typings(*extra: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "eqx_offload", "typings", *extra],
-                              capture_output=True, text=True, check=True, timeout=300)
-        return proc.stdout.strip()
-
-    pytype_path, mypy_path = typings().split(os.pathsep), typings("--mypy")
+    pytype_path, mypy_path = TABLE.stub_paths()  # `python -m eqx_offload typings [--mypy]`
+    pytype_path = pytype_path.split(os.pathsep)
     assert pathlib.Path(eqx_offload.__file__).parent.parent == ROOT  # a source checkout
     assert pytype_path == [str(ROOT / "typings" / "pytype"), mypy_path]
     assert mypy_path == str(ROOT / "typings" / "mypy")
-    # mypy's folder holds optax only: a stub of jax, equinox or jaxtyping there would
-    # shadow their real inline types.
+    # mypy's folder holds optax only (another stub would shadow real inline types).
     assert sorted(p.name for p in pathlib.Path(mypy_path).iterdir()) == ["optax"]
     assert sorted(p.name for p in pathlib.Path(pytype_path[0]).iterdir()) == [
         "equinox", "eqx_offload", "jax", "jaxtyping"]
-    # pyright's default stub path is `typings/`: pointed elsewhere, so the folder
-    # named after a checker never shadows a real package.
+    # pyright's default stub path `typings/` is pointed elsewhere: no shadowing.
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"] == {
         "stubPath": "typings/pyright"}
     assert not (ROOT / "typings" / "pyright").exists()
@@ -127,8 +104,7 @@ def test_typings_command_prints_the_stub_folders() -> None:
 
 @once
 def test_docs_table_is_generated_from_the_markers() -> None:
-    # The markers are what the slow test above holds each checker to, so a table equal
-    # to the markers' is the checkers' real result.
+    """The markers are what each checker is held to: the table is their real result."""
     assert TABLE.TABLE.read_text() == TABLE.table_from_markers(), (
         "docs/typing-checkers.txt is stale: python tests/types/checkers.py")
     assert '--8<-- "typing-checkers.txt"' in DOCS.read_text()
@@ -151,19 +127,13 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
         assert needle in text, needle
     for path in BAD:
         for checker in CHECKERS:
-            # Every file holds mistakes that each checker catches: none is vacuous.
             assert TABLE.expected_errors(path)[checker], (path.name, checker)
-    # Each checker catches all but a handful (mypy: jax.Device is untyped for it;
-    # pytype: it does not look inside a dict literal passed to a union, nor narrow an
-    # `Any`-typed state with isinstance).
+    # Each checker catches all but a handful (mypy: jax.Device untyped; pytype: dict
+    # literals in a union, isinstance on an `Any` state).
     for checker in CHECKERS:
         caught = {(p.name, line) for p in BAD for line, _ in TABLE.expected_errors(p)[checker]}
         assert len(caught) >= len(mistakes) - 3, checker
-
-
-@once
-def test_pytype_narrowing_is_checked() -> None:
-    # What used to go silent: everything after `assert isinstance(state, OffloadedState)`.
+    # pytype reports mistakes after `assert isinstance(state, OffloadedState)`.
     narrowing = TYPES / "bad_narrowing.py"
     pytype_lines = {line for line, _ in TABLE.expected_errors(narrowing)["pytype"]}
     assert len(pytype_lines) >= 3
@@ -186,12 +156,7 @@ def test_good_usage_uses_every_public_name() -> None:
 
 
 def test_good_usage_runs() -> None:
-    spec = importlib.util.spec_from_file_location("good_usage", GOOD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    loss = module.train(steps=2)
-    assert jnp.isfinite(loss)
+    assert jnp.isfinite(_load(GOOD).train(steps=2))
 
 
 # ----------------------------------------------------------------------------- run time
@@ -208,8 +173,8 @@ def _model() -> eqx.nn.Linear:
     return eqx.nn.Linear(4, 4, key=jax.random.key(0))
 
 
-# (the call, the argument its error names, a word the error must contain, the error:
-# beartype's under the hook for a value outside the annotation, else the library's own)
+# (call, argument the error names, a word it contains, error class: beartype's for a
+# value outside the annotation, else the library's own)
 Check = jaxtyping.TypeCheckError
 RUNTIME_MISTAKES = {
     "memory kind gpu": (lambda: eqx_offload.to_host(PARAMS, memory_kind="gpu"),
@@ -236,6 +201,7 @@ RUNTIME_MISTAKES = {
     "group_bytes string": (
         lambda: eqx_offload.offloaded(optax.adam(1e-3), group_bytes="1MiB"),
         "group_bytes", "int", Check),
+    # (`Where` resolves at run time: a forward reference would make it `Any`.)
     "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable",
                      Check),
     "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable",
@@ -255,8 +221,6 @@ RUNTIME_MISTAKES = {
 
 @pytest.mark.parametrize("name", sorted(RUNTIME_MISTAKES))
 def test_runtime_mistake_names_argument_and_expectation(name: str) -> None:
-    # Under the hook beartype rejects a value outside the annotation (TypeCheckError);
-    # what the annotations let through, the library rejects with its own error.
     call, argument, expected, error = RUNTIME_MISTAKES[name]
     with pytest.raises(error) as info:
         call()
@@ -265,16 +229,6 @@ def test_runtime_mistake_names_argument_and_expectation(name: str) -> None:
     assert argument in message
     if expected is not None:
         assert expected in message
-
-
-def test_runtime_checks_are_on_for_the_package() -> None:
-    # beartype, not the library's own validation, rejects a string `where`: the hook is
-    # installed and `Where` resolves at run time (a string forward reference in
-    # `Nested` would make jaxtyping replace the whole annotation by `Any`).
-    with pytest.raises(jaxtyping.TypeCheckError, match="where"):
-        eqx_offload.to_host(PARAMS, where="w")
-    with pytest.raises(jaxtyping.TypeCheckError, match="memory_kind"):
-        eqx_offload.to_host(PARAMS, memory_kind="gpu")
 
 
 @jaxtyping.jaxtyped(typechecker=beartype)
@@ -289,7 +243,7 @@ def _select(tree: Any, where: eqx_offload.Where) -> Any:
 
 
 def test_beartype_checks_nested_in_user_code() -> None:
-    # What the import hook does to a user's module: `Nested` resolves at run time.
+    """Under the hook a user's `Nested` annotation resolves and checks two levels."""
     adam = optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=PARAMS, nu=PARAMS)
     nested = (adam, (PARAMS["w"], [PARAMS["b"]]), {"w": PARAMS["w"]})
     assert _moments(nested) is nested
@@ -309,9 +263,8 @@ def test_beartype_checks_nested_in_user_code() -> None:
 
 
 def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The import hook decorates every function, nested ones included, when its `def`
-    # runs: a function nested in a hot path would be re-decorated (beartype compiles a
-    # wrapper, ~2 ms) on every call. An eager `to_host` and a compiled step must not.
+    """The hook decorates each `def` when it runs: an eager `to_host` and a compiled
+    step define no function per call."""
     import jaxtyping._decorator as decorator
 
     opt = eqx_offload.offloaded(optax.adam(1e-3))
@@ -389,14 +342,14 @@ def _reexports(init: pathlib.Path) -> set[str]:
 
 @once
 def test_all_is_every_reexport() -> None:
-    # stubtest holds the stub to `__all__`; `__all__` must be what the package exports.
+    """stubtest holds the stub to `__all__`; `__all__` is what the package exports."""
     assert sorted(eqx_offload.__all__) == sorted(_reexports(ROOT / "eqx_offload" / "__init__.py"))
     assert len(set(eqx_offload.__all__)) == len(eqx_offload.__all__)
 
 
 @once
 def test_stub_literals_have_the_runtime_values() -> None:
-    # stubtest cannot compare `Literal` aliases (typings/stubtest-allowlist.txt): here.
+    """The `Literal` aliases stubtest cannot compare (its allowlist) are compared here."""
     stub = {node.targets[0].id: ast.literal_eval(node.value.slice)
             for node in ast.parse(STUB.read_text()).body
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
@@ -470,8 +423,7 @@ calls = {
     "memory_kind": lambda: eqx_offload.to_host({"w": w}, memory_kind="gpu"),
     "pattern": lambda: eqx_offload.pattern(0),
 }
-# Every case asked for in this one process (the checks are installed once, at import):
-# each error formatted as Python prints an uncaught one, after a marker line.
+# Every case in this one process, each error as Python prints it, after a marker line.
 import traceback
 for case in sys.argv[1:]:
     try:
@@ -483,9 +435,8 @@ for case in sys.argv[1:]:
         print(f"@@case {case}@@ no error", flush=True)
 '''
 
-# (what the call gets wrong, what the error must contain). The user's functions raise
-# jaxtyping's own message (its import hook); eqx_offload's public functions its first
-# lines only, with the whole message as `.full_message`.
+# case -> what the error contains. The user's functions raise jaxtyping's own message;
+# eqx_offload's its first lines, the whole as `.full_message`.
 SHORT_ERRORS = {
     "shape": ["my_training.model.loss", "parameter 'y'", "f32[8,3]", "'n 1'", "n=8"],
     "result": ["return value of my_training.model.wrong_result", "'n'"],
@@ -509,8 +460,7 @@ def user_project(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def user_errors(user_project: pathlib.Path) -> dict[str, str]:
-    """`{case: what Python prints for its error}`, every case in one fresh interpreter
-    without pytest's jaxtyping hook (only install_runtime_checks)."""
+    """`{case: its printed error}`, from one fresh interpreter without pytest's hook."""
     proc = subprocess.run([sys.executable, "train.py", *sorted(SHORT_ERRORS)],
                           capture_output=True, text=True, cwd=user_project, timeout=300,
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
@@ -524,12 +474,11 @@ def user_errors(user_project: pathlib.Path) -> dict[str, str]:
 @pytest.mark.parametrize("case", sorted(SHORT_ERRORS))
 def test_install_runtime_checks_errors(user_errors: dict[str, str], case: str) -> None:
     stderr = user_errors[case]
-    # The error is the last thing printed: everything after the traceback's last line.
     message = stderr[stderr.rindex("jaxtyping.TypeCheckError: "):]
     for needle in SHORT_ERRORS[case]:
         assert needle in message, f"{needle!r} not in:\n{message}"
     if case not in USERS:
-        # jaxtyping's first four lines, each cut to 160 characters, and a pointer to the rest.
+        # jaxtyping's first four lines (cut to 160 characters) and a pointer to the rest.
         assert len(message.strip().splitlines()) <= 5, message
         assert "Called with parameters" not in message and "full_message" in message
 
@@ -545,8 +494,7 @@ def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.P
 
 
 def test_checked_keeps_errors_of_inner_calls() -> None:
-    # A checked function that calls another checked function with a wrong argument: the
-    # short error names the inner function (it is not rewritten as the outer one's).
+    """A wrong argument to a checked call inside another: the error names the inner one."""
     from eqx_offload._runtime import checked
 
     @checked
@@ -584,9 +532,7 @@ def _site_packages(prefix: pathlib.Path) -> pathlib.Path:
 @pytest.mark.slow
 def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path) -> None:
     dist = tmp_path / "dist"
-    # uv where the environment has it (scripts/check.sh installs it), else pip: the same
-    # build backend (hatchling, in an isolated build environment) makes the wheel; uv
-    # takes 0.7 CPU-seconds where pip takes 3.8.
+    # uv where installed, else pip: the same isolated hatchling build.
     has_uv = importlib.util.find_spec("uv") is not None
     if has_uv:
         build = [sys.executable, "-m", "uv", "build", "--wheel", "-q", "-o", str(dist)]
@@ -600,11 +546,8 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     assert "eqx_offload/.typings/mypy/optax/__init__.pyi" in shipped
     assert "eqx_offload/.typings/pytype/jax/__init__.pyi" in shipped
 
-    # A fresh venv (no system site-packages) with the wheel and the checkers' console
-    # scripts installed in it; their dependencies (jax, equinox, optax, ...) come from
-    # this environment through a .pth line rather than a second download.
+    # A fresh venv with the wheel and the checkers; dependencies through a .pth line.
     venv = tmp_path / "venv"
-    # (Without pip where uv installs into it: ensurepip is 3 of the venv's 3.6 seconds.)
     subprocess.run([sys.executable, "-m", "venv", *(["--without-pip"] if has_uv else []),
                     str(venv)], check=True, timeout=300)
     tools = ["mypy==2.4.1", "pyright==1.1.414", "pyrefly==1.5.0"]
@@ -616,8 +559,7 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
         install = [str(venv / "bin" / "python"), "-m", "pip", "install"]
     subprocess.run([*install, "--no-deps", "-q", str(wheel), *tools],
                    check=True, capture_output=True, text=True, timeout=600)
-    # (After the install: with the .pth in place pip would find the tools "already
-    # installed" and write no console scripts.)
+    # (After the install, or pip would find the tools installed and write no scripts.)
     deps = _site_packages(pathlib.Path(sys.prefix))
     (_site_packages(venv) / "_dev_deps.pth").write_text(f"{deps}\n")
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -627,19 +569,15 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
                            capture_output=True, text=True, env=env, check=True,
                            cwd=tmp_path).stdout
     assert where.startswith(str(_site_packages(venv))), where  # the wheel, not the checkout
-    # mypy refuses a mypy_path inside site-packages: the folder printed for it is a copy
-    # in the cache, the same on every call.
+    # mypy refuses a mypy_path in site-packages: a copy in the cache, the same each call.
     printed = [subprocess.run(["python", "-m", "eqx_offload", "typings", "--mypy"],
                               capture_output=True, text=True, env=env, check=True,
                               cwd=tmp_path).stdout.strip() for _ in range(2)]
     assert printed[0] == printed[1] and printed[0].startswith(str(tmp_path / "cache")), printed
     assert (pathlib.Path(printed[0]) / "optax" / "__init__.pyi").read_bytes() == (
         stubs / "mypy" / "optax" / "__init__.pyi").read_bytes()
-    # The installed stubs are the checkout's, byte for byte: what the checker table
-    # (test_checker_reports_exactly_the_expected_errors) proves of typings/, with every
-    # checker over good_usage.py and every bad_*.py, holds for the wheel's. Here the
-    # docs' commands run once each against the wheel, on a file whose errors need the
-    # stubs (their exact set: nothing missed, nothing stray).
+    # The installed stubs are the checkout's byte for byte (what the checker table proves
+    # of typings/ holds for them); the docs' commands run once each against the wheel.
     installed = _site_packages(venv) / "eqx_offload" / ".typings"
     assert {p.relative_to(installed): p.read_bytes() for p in installed.rglob("*.pyi")} == {
         p.relative_to(stubs): p.read_bytes() for p in stubs.rglob("*.pyi")}
@@ -665,8 +603,7 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
         found = {(int(m[1]), m[2]) for m in re.finditer(
             r"bad_narrowing.py:(\d+):\d+: .*\[([a-z-]+)\]", run(pytype, "bad_narrowing.py"))}
         assert found == expected["pytype"]
-    # pyright and pyrefly need no stub, and the hidden stub folder in site-packages does
-    # not bother them.
+    # pyright and pyrefly need no stub, and the one in site-packages does not bother them.
     assert "0 errors" in run("pyright train.py", "train.py")
     (project / "pyrefly.toml").write_text("")
     assert "INFO 0 errors" in run("pyrefly check train.py", "train.py")

@@ -11,16 +11,10 @@ from typing import Any, Optional
 from selection import glob
 
 
-# ---------------------------------------------------------------------------------------
-# Adaptations: the test inspects the state's structure, or builds a state by hand.
-#
-# "unwrap": the test receives the inner state (every leaf still where `offloaded` put
-#     it, in host memory) instead of the `OffloadedState` around it, and `update` takes
-#     it back; everything the test computes still goes through `offloaded`.
-# "handmade": the test passes a state it built by hand (`None`, `{}`) instead of one
-#     from `init`; it becomes the `OffloadedState` that `init` would have made (for a
-#     stateless transformation, `init`'s own state). ("unwrap" does this too: a state
-#     NamedTuple built by hand has its arrays moved to host.)
+# Adaptations, for tests that inspect the state's structure or build a state by hand.
+# "unwrap": the test gets the inner state (leaves still in host memory) instead of the
+#     `OffloadedState`, and `update` takes it back (a hand-built one too).
+# "handmade": a hand-built state (`None`, `{}`) becomes the one `init` would make.
 
 _SHADOWED = (
     "reads the optax combinator's own `inner_state` field, which the `inner_state` "
@@ -62,16 +56,12 @@ ADAPT: dict[str, tuple[str, str]] = {
 }
 
 
-# ---------------------------------------------------------------------------------------
-# Expected failures: (reason, regex the failure message must match). A test listed here
-# that passes, or fails with another message, is a failure (strict). A pattern with
-# ` [message]` names unittest subtests (a test whose subtests fail still passes as a
-# whole, so those must be listed by subtest).
+# Expected failures: (reason, regex of the failure message); a pass or another failure
+# is a failure (strict). ` [message]` names a unittest subtest (whose test still passes).
 
 _RECOMPILE = (
     "the state from offloaded(...).init is committed (host memory) and the params are "
-    "not, so plain jax.jit compiles the step twice (docs/concepts.md; issue 10 item 3: "
-    "init commits the state)"
+    "not, so plain jax.jit compiles the step twice (docs/concepts.md)"
 )
 _BASELINE = "fails without eqx_offload too (optax 0.2.8 with jax 0.10.2)"
 _DONATION = (
@@ -82,9 +72,7 @@ _DONATION = (
 )
 
 XFAIL: dict[str, tuple[str, str]] = {
-    # false StateErrors
-    # compiles twice under plain jax.jit (not polyak_sgd: nothing of its state is
-    # offloaded, so nothing is committed)
+    # compiles twice under plain jax.jit (not polyak_sgd: nothing of its state offloaded)
     **{
         f"_src/alias_test.py::AliasTest::test_optimization* (opt_name='{name}'* [Test that optimization works]":
             (_RECOMPILE, r"Optimizer recompiles on second call")
@@ -100,8 +88,7 @@ XFAIL: dict[str, tuple[str, str]] = {
         (_BASELINE + ": the error message changed", r"Dict key mismatch"),
     "transforms/_clipping_test.py::ClippingTest::test_clip_by_block_rms":
         (_BASELINE + ": 0.9999999 != 1.0 to 7 places", r"within 7 places"),
-    # the plugin's own check (`selfcheck.py`): these three must come out xfailed,
-    # failed (XPASS) and failed (another message)
+    # the plugin's own check: xfailed, failed (XPASS), failed (another message)
     "selfcheck.py::test_listed_*": ("selfcheck", r"AssertionError: selfcheck: an expected failure"),
 }
 
@@ -114,9 +101,7 @@ def _lookup(table: dict[str, Any], key: str) -> Any:
 
 
 def expected_failure(key: str, subtest: bool) -> Optional[tuple[str, str]]:
-    """(reason, message regex) if the test or subtest with this key is expected to
-    fail. Patterns that name a subtest (` [message]`) apply to subtests only, the
-    others to whole tests only."""
+    """(reason, message regex) if this test or subtest (` [message]`) is expected to fail."""
     for pattern, value in XFAIL.items():
         if (" [" in pattern) == subtest and glob(pattern, key):
             return value
@@ -124,9 +109,8 @@ def expected_failure(key: str, subtest: bool) -> Optional[tuple[str, str]]:
 
 
 def adaptation_for(key: str) -> str:
-    """`"unwrap"`, `"handmade"` or `""` for the test with this key.
-    `EQX_OFFLOAD_SUITE_ADAPT_ALL` forces one (or `none`) for every test, to see which
-    tests need theirs."""
+    """`"unwrap"`, `"handmade"` or `""`; `EQX_OFFLOAD_SUITE_ADAPT_ALL` forces one (or
+    `none`) for every test, to see which need theirs."""
     forced = os.environ.get("EQX_OFFLOAD_SUITE_ADAPT_ALL")
     if forced:
         return "" if forced == "none" else forced

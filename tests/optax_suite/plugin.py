@@ -1,33 +1,18 @@
 """A pytest plugin that runs Optax's own tests with every optimizer wrapped in
-`eqx_offload.offloaded`.
+`eqx_offload.offloaded`; loaded only in the child pytest of `tests/test_optax_suite.py`.
 
-Loaded only by `tests/test_optax_suite.py`, in a child pytest process
-(`-p plugin` with this folder on `PYTHONPATH`), so nothing here can leak into the rest
-of the suite.
-
-How the wrapping works. Before any optax test module is imported, every public
-function of the installed optax that may build a transformation (its return annotation
-names a `GradientTransformation`, or it has none) is replaced, in every optax module
-that holds it, by a wrapper. A call from test code (not from inside optax) whose result
-is an `optax.GradientTransformation` returns `offloaded(result)` instead; calls made
-while a factory, `init` or `update` is running are left alone, so `optax.adam` becomes
-`offloaded(chain(scale_by_adam, scale_by_learning_rate))`, not a nest of offloads. A
-wrapped transformation passed to another factory (`chain(adam(...), clip(...))`,
-`inject_hyperparams(adam)`, `MultiSteps(adam(...))`) is first unwrapped, so each
-optimizer a test builds is offloaded exactly once, outermost. `optax.MultiSteps` (a
-class) is replaced by a subclass whose `init`/`update` are offloaded;
-`inject_hyperparams`'s returned factory is wrapped too.
-
-Every `init`/`update` of a wrapped optimizer checks, when its result is concrete (an
-eager call), that every array leaf of the state with `ndim >= 1` is in `pinned_host`
-and every 0-d one (and a line search's `grad`) in device memory (`offloaded`'s default
-`where`).
-
-Which tests are expected to fail, and why, is in `adaptations.py`; this plugin marks
-them. `EQX_OFFLOAD_SUITE_REPORT` names a JSON file the plugin writes at the end: per
-test, how many optimizers were wrapped and how many states were checked.
+Before optax's test modules load, each public optax function that may build a
+transformation is replaced, in every optax module, by a wrapper: a call from test code
+(not from inside optax) that returns a `GradientTransformation` returns `offloaded(...)`
+of it, after unwrapping wrapped arguments, so each optimizer is offloaded exactly once,
+outermost (`optax.MultiSteps` by a subclass; `inject_hyperparams`'s factory too). Every
+eager `init`/`update` checks the default placement (`ndim >= 1` in `pinned_host`, 0-d and
+a line search's `grad` on the device). `adaptations.py` lists the expected failures;
+`EQX_OFFLOAD_SUITE_REPORT` names the JSON report (per test: optimizers wrapped, states
+checked; outcomes).
 """
 
+import contextlib
 import functools
 import inspect
 import json
@@ -48,11 +33,12 @@ _per_test: dict[str, dict[str, int]] = {}
 _adaptation: list[str] = [""]
 
 
-class _Depth:
-    def __enter__(self) -> None:
-        _state["depth"] += 1
-
-    def __exit__(self, *exc: Any) -> None:
+@contextlib.contextmanager
+def _inside_optax() -> Any:
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
         _state["depth"] -= 1
 
 
@@ -66,7 +52,9 @@ def _unwrap(x: Any) -> Any:
     if isinstance(x, functools.partial):
         func = _unwrap(x.func)
         return x if func is x.func else functools.partial(func, *x.args, **x.keywords)
-    if _is_transformation(x) and type(x) in _plain_types():
+    import optax
+
+    if type(x) in (optax.GradientTransformation, optax.GradientTransformationExtraArgs):
         init, update = _unwrap(x.init), _unwrap(x.update)
         if init is not x.init or update is not x.update:
             return type(x)(init, update)
@@ -76,18 +64,6 @@ def _unwrap(x: Any) -> Any:
     if type(x) is dict:
         return {k: _unwrap(v) for k, v in x.items()}
     return x
-
-
-def _is_transformation(x: Any) -> bool:
-    import optax
-
-    return isinstance(x, optax.GradientTransformation)
-
-
-def _plain_types() -> tuple[type, ...]:
-    import optax
-
-    return (optax.GradientTransformation, optax.GradientTransformationExtraArgs)
 
 
 def _check_placement(state: Any, where: str) -> None:
@@ -111,26 +87,20 @@ def _check_placement(state: Any, where: str) -> None:
 
 
 def _offload(original: Any) -> Any:
-    """`offloaded(original)`, with `init`/`update` that run at depth > 0, check the
-    placement of a concrete state, and apply the current test's adaptation (see
-    `adaptations.py`): `"unwrap"` hands the test the inner state (its leaves still in
-    host memory) instead of the `OffloadedState` around it, and takes it back;
-    `"handmade"` accepts a state the test built by hand."""
+    """`offloaded(original)` whose `init`/`update` run at depth > 0, check a concrete
+    state's placement and apply the test's adaptation (`adaptations.py`)."""
     import jax
     import optax
 
     import eqx_offload
-    import inspect
 
-    # `offloaded`'s default `where`, as users get it.
     DEFAULT_WHERE = inspect.signature(eqx_offload.offloaded).parameters["where"].default
 
-    with _Depth():
+    with _inside_optax():
         inner = eqx_offload.offloaded(original, **_options())
 
     def adopt(state: Any, updates: Any, params: Any) -> Any:
-        """A state that `offloaded` did not make (built by hand, or unwrapped), as the
-        `OffloadedState` that `init` would have made from it."""
+        """A state built by hand or unwrapped, as the `OffloadedState` `init` would make."""
         if isinstance(state, eqx_offload.OffloadedState):
             return state
         expected = jax.eval_shape(original.init, updates if params is None else params)
@@ -144,21 +114,20 @@ def _offload(original: Any) -> Any:
         return eqx_offload.OffloadedState(eqx_offload.to_host(state, DEFAULT_WHERE))
 
     def init(params: Any) -> Any:
-        with _Depth():
+        with _inside_optax():
             state = inner.init(params)
         _check_placement(state, "init")
         return state.inner_state if _adaptation[0] == "unwrap" else state
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        with _Depth():
+        with _inside_optax():
             if _adaptation[0]:
                 state = adopt(state, updates, params)
             updates, state = inner.update(updates, state, params, **extra)
         _check_placement(state, "update")
         return updates, state.inner_state if _adaptation[0] == "unwrap" else state
 
-    # A subclass that callers dispatch on (`optax.experimental.Aggregator`) keeps its
-    # type; `offloaded` itself returns a plain `GradientTransformationExtraArgs`.
+    # A subclass callers dispatch on (`optax.experimental.Aggregator`) keeps its type.
     cls = type(original)
     if not issubclass(cls, optax.GradientTransformationExtraArgs):
         cls = optax.GradientTransformationExtraArgs
@@ -170,15 +139,12 @@ def _offload(original: Any) -> Any:
     return wrapped
 
 
+_MODES: dict[str, dict[str, Any]] = {
+    "default": {}, "streamed": {"group_bytes": 0}, "host": {"compute": "host"}}
+
+
 def _options() -> dict[str, Any]:
-    mode = os.environ.get("EQX_OFFLOAD_SUITE_MODE", "default")
-    if mode == "default":
-        return {}
-    if mode == "streamed":
-        return {"group_bytes": 0}
-    if mode == "host":
-        return {"compute": "host"}
-    raise ValueError(f"EQX_OFFLOAD_SUITE_MODE={mode!r}")
+    return _MODES[os.environ.get("EQX_OFFLOAD_SUITE_MODE", "default")]
 
 
 def _wrap_factory(fn: Any, returns_factory: bool = False) -> Any:
@@ -188,7 +154,7 @@ def _wrap_factory(fn: Any, returns_factory: bool = False) -> Any:
     def factory(*args: Any, **kwargs: Any) -> Any:
         if _state["depth"]:
             return fn(*args, **kwargs)
-        with _Depth():
+        with _inside_optax():
             result = fn(*_unwrap(args), **_unwrap(kwargs))
         if isinstance(result, optax.GradientTransformation):
             return _offload(result)
@@ -211,7 +177,7 @@ def _multi_steps_class() -> type:
 
         def __init__(self, opt: Any, *args: Any, **kwargs: Any) -> None:
             outer = not _state["depth"]
-            with _Depth():
+            with _inside_optax():
                 super().__init__(_unwrap(opt), *args, **kwargs)
                 self._offloaded = None
                 if outer:
@@ -292,8 +258,7 @@ _outcomes: dict[str, str] = {}  # key (with " [subtest]") -> outcome
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("numprocesses", None):
-        # The per-test bookkeeping and the expected-failure rewriting run in the
-        # process that runs the tests; under xdist the report would be empty.
+        # The bookkeeping runs where the tests run: under xdist the report would be empty.
         raise pytest.UsageError("run the eqx_offload optax suite with -n 0")
     config.stash[_installed_key] = install()
 
@@ -341,11 +306,9 @@ def _crash_message(report: pytest.TestReport) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> Any:
-    """Expected failures (`adaptations.XFAIL`), per test or per unittest subtest: a
-    failure whose message matches becomes an xfail; a pass, or a failure with another
-    message, is a failure that says so (strict). A wrapper, so that the report is
-    rewritten before any other plugin (the session's failure count, the terminal) sees
-    it."""
+    """`adaptations.XFAIL` per test or subtest: a matching failure becomes an xfail, a
+    pass or another failure a failure (strict); a wrapper, so no other plugin sees the
+    report before."""
     if report.when == "call":
         _expect(report)
     return (yield)

@@ -1,9 +1,8 @@
-"""What every ported program returns, and the checks `tests/test_ports.py` runs on it.
+"""What every ported program returns and records.
 
-Each program in this folder is a small Equinox training script written the way users
-write them, with one switch, `port`: `False` runs it as written (`eqx.filter_jit`,
-plain optax); `True` applies the README's three-line change (`import eqx_offload`,
-`eqx_offload.offloaded(...)` around the optimizer, `eqx_offload.filter_jit` around the
+Each program here is a training script written the way users write them, with one switch,
+`port`: `False` runs it as written, `True` with the README's three-line change (`import
+eqx_offload`, `offloaded(...)` around the optimizer, `eqx_offload.filter_jit` around the
 step). Nothing else differs between the two runs.
 """
 
@@ -14,6 +13,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -23,16 +23,8 @@ from helpers import count_compiles
 
 
 class Run(NamedTuple):
-    """The result of one training run.
-
-    - `losses`: the loss of every step (device arrays, compared bitwise).
-    - `model`: the final model (arrays and static fields).
-    - `opt_state`: the final optimizer state (an `OffloadedState` when ported).
-    - `placements`: for a ported run, after every step, `{path: memory kind}` of every
-        array leaf of the inner state; empty for a plain run.
-    - `compiles`: how many XLA compilations each step triggered (`helpers.count_compiles`).
-    - `extra`: anything else the program wants compared (e.g. an `eqx.nn.State`).
-    """
+    """One training run: per-step losses, final model and state, per-step `{path: memory
+    kind}` (ported runs only), per-step compilations, and anything else to compare."""
 
     losses: list[Any]
     model: Any
@@ -68,8 +60,7 @@ class Recorder:
 
 
 def _array_leaves(opt_state: Any) -> Iterator[tuple[str, jax.Array, bool]]:
-    """`(path, leaf, inside an OffloadedState?)` for every `jax.Array` leaf of
-    `opt_state` (`offloaded` may sit anywhere in it; paths name `.inner_state`)."""
+    """`(path, leaf, inside an OffloadedState?)` for every `jax.Array` leaf of `opt_state`."""
 
     def visit(tree: Any, prefix: str, inside: bool) -> Iterator[tuple[str, jax.Array, bool]]:
         leaves = jtu.tree_flatten_with_path(
@@ -91,11 +82,9 @@ def placement(opt_state: Any) -> dict[str, str]:
 
 
 def expected_placement(opt_state: Any) -> dict[str, str]:
-    """What `placement` must be with `offloaded`'s default `where`: every leaf with at
-    least one dimension in `pinned_host`, except a line search's `grad`; 0-d leaves
-    (step counters) on the device; leaves outside any `OffloadedState` on the device,
-    and the accumulator of `offloaded(MultiSteps(...))` (`acc_grads`, kept on the
-    device by design)."""
+    """`placement` under `offloaded`'s default `where`: leaves with a dimension in
+    `pinned_host`; on the device 0-d leaves, a line search's `grad`, `MultiSteps`'
+    `acc_grads` (by design) and leaves outside any `OffloadedState`."""
     return {
         name: "pinned_host" if inside and np.ndim(leaf) >= 1 and "acc_grads" not in name
         and not re.search(r"\.grad(\[|$)", name) else "device"
@@ -115,3 +104,9 @@ def unwrap(tree: Any) -> Any:
 def params(model: Any) -> Any:
     """The arrays of a model (what the optimizer sees)."""
     return eqx.filter(model, eqx.is_array)
+
+
+def fresh_copy(tree: Any) -> Any:
+    """`tree` with fresh buffers but the same `StateIndex` markers (models built per run
+    would never have equal tree structures: each `StateIndex` has its own marker)."""
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)

@@ -2,7 +2,7 @@
 `eqx.nn.BatchNorm`, each with its `eqx.nn.State(model)` (which shares arrays with the
 model: the state's initial running statistics are the model's own arrays), two adam
 optimizers, and one jitted step that updates both, donating everything
-(`donate="all"`, the README's recipe; issue 18, item 4)."""
+(`donate="all"`, the README's recipe)."""
 
 import functools
 from typing import Optional
@@ -15,7 +15,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from .common import Recorder, Run
+from .common import fresh_copy, Recorder, Run
 
 
 STEPS = 5
@@ -92,10 +92,7 @@ def _models() -> tuple[Generator, Discriminator]:
 
 
 def models() -> tuple[Generator, Discriminator]:
-    """The two models, with fresh buffers each call but the same `StateIndex` markers
-    (each `StateIndex` has a marker object of its own: two runs that built their own
-    models would never have equal tree structures)."""
-    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, _models())
+    return fresh_copy(_models())
 
 
 def train(port: bool, donate: str = "all", deleted: Optional[list[bool]] = None) -> Run:

@@ -25,7 +25,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-from .common import Recorder, Run
+from .common import fresh_copy, Recorder, Run
 
 
 STEPS = 4
@@ -167,10 +167,7 @@ def _models() -> tuple[jax.Array, Generator, Discriminator]:
 
 
 def models() -> tuple[jax.Array, Generator, Discriminator]:
-    """The key and the two models, with fresh buffers each call but the same
-    `StateIndex` markers (each `StateIndex` has a marker object of its own: two runs
-    that built their own models would never have equal tree structures)."""
-    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, _models())
+    return fresh_copy(_models())
 
 
 def images(key: jax.Array) -> list[np.ndarray]:

@@ -2,7 +2,7 @@
 `optax.adamw`, a `make_step` under `eqx.filter_jit`, and the example's own jitted
 evaluation functions (`compute_accuracy`, `loss`), called before training and after
 every step. Ported, the evaluation functions stay under `eqx.filter_jit`: they are
-the user's other functions (issue 18, item 5)."""
+the user's other functions."""
 
 import equinox as eqx
 import jax

@@ -1,5 +1,5 @@
-"""Flax NNX: an `nnx.Module` trained with `nnx.Optimizer(model, tx, wrt=nnx.Param)`
-(issue 18, item 1), in the two styles NNX documents:
+"""Flax NNX: an `nnx.Module` trained with `nnx.Optimizer(model, tx, wrt=nnx.Param)`,
+in the two styles NNX documents:
 
 - `"nnx_jit"`: a `train_step(model, optimizer, x, y)` under `nnx.jit` that updates
     both in place, without donation. Ported: the import, `offloaded(...)` around `tx`,

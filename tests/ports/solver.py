@@ -1,5 +1,5 @@
 """optimistix: `optx.minimise` with `optx.OptaxMinimiser(optax.adam(...))`, the way
-optimistix documents using an optax optimizer as a minimiser (issue 18, item 6).
+optimistix documents using an optax optimizer as a minimiser.
 Ported: `offloaded(...)` around the optax optimizer. `optx.minimise` jits itself, so
 the third line (`eqx_offload.filter_jit`) goes around the user's own function that
 calls it. Inside the solve the state goes to host and back at every iteration (see

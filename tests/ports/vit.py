@@ -1,7 +1,7 @@
 """Equinox's vision-transformer example, in small: patches, attention blocks with
 `eqx.nn.Dropout` (a Python float and a bool among the model's leaves), `optax.adamw`
 with a schedule, and the example's own call `optimizer.update(grads, opt_state, model)`
-with the whole model as `params` (issue 18, item 2)."""
+with the whole model as `params`."""
 
 import equinox as eqx
 import jax

@@ -1,5 +1,5 @@
-"""User mistakes after `isinstance` narrowing of an optimizer state. pytype used to go
-silent here: it read every line after `assert isinstance(state, OffloadedState)` as
+"""User mistakes after `isinstance` narrowing of an optimizer state. pytype must not go
+silent here by reading every line after `assert isinstance(state, OffloadedState)` as
 unreachable (see the `OptState` note in the optax stub)."""
 
 import jax
