@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                         help="plan within this much device memory (MiB) instead of the GPU's")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
+    _add_capacity_arguments(parser)
+
+
+def _add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--capacity` group: the capacity ladder and the batch table."""
     capacity = parser.add_argument_group(
         "capacity", "--capacity: the largest Llama-style model whose AdamW training step fits "
         "each GPU, per mode (planned from shapes: nothing is allocated)")
