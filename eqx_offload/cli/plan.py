@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -146,6 +147,13 @@ def _row(label: str, plan: eqx_offload.GpuPlan, baseline: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # XLA's GPU compiler warns "Can't reduce memory use below ... by rematerialization"
+    # for steps near its memory limit and for offloaded steps, whose host buffers its
+    # estimate counts: the plan's figures and `fits` are the verdict (docs/gpu-plan.md,
+    # "XLA's warnings"). Raised from JAX's default level 1 (which `import jax` sets)
+    # to 2, which hides C++ warnings; TF_CPP_MIN_LOG_LEVEL=0 shows them.
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if args.capacity:
         return run_capacity(args)
     kwargs: dict[str, Any] = {"target": args.target}
