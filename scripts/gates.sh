@@ -3,10 +3,10 @@
 # PYTHON): ruff, mypy --strict (mypy.ini), pytype (scripts/pytype_gate.py; Python <= 3.12
 # only), pyright and pyrefly on the package and the good usage file, and mypy.stubtest on
 # the stubs against what they describe: eqx_offload's, optax's (what mypy reads), and
-# pytype's of equinox and jaxtyping (not jax's: it leaves out on purpose the optional
-# parameters of most functions, 400 differences). All of them run,
-# then exit status 1 if any failed, naming them. (tests/test_types.py shows that the
-# pytype gate and the eqx_offload stubtest can fail.)
+# pytype's of jax, equinox and jaxtyping (pytype reads no inline types of an installed
+# package; held to the newest JAX). All of them run, then exit status 1 if any failed,
+# naming them. (tests/test_types.py shows that the pytype gate and the eqx_offload
+# stubtest can fail.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -30,8 +30,8 @@ gate "stubtest eqx_offload" env MYPYPATH=typings/pytype:typings/mypy "$PY" -m my
   eqx_offload --allowlist typings/stubtest-allowlist.txt --mypy-config-file mypy.ini
 gate "stubtest optax" env MYPYPATH=typings/mypy "$PY" -m mypy.stubtest optax --ignore-missing-stub \
   --allowlist typings/stubtest-optax-allowlist.txt --mypy-config-file mypy.ini
-gate "stubtest equinox jaxtyping" env MYPYPATH=typings/pytype "$PY" -m mypy.stubtest equinox \
-  jaxtyping --ignore-missing-stub --allowlist typings/stubtest-pytype-allowlist.txt --mypy-config-file mypy.ini
+gate "stubtest jax equinox jaxtyping" env MYPYPATH=typings/pytype "$PY" -m mypy.stubtest jax \
+  equinox jaxtyping --ignore-missing-stub --allowlist typings/stubtest-pytype-allowlist.txt --mypy-config-file mypy.ini
 if [ ${#failed[@]} -gt 0 ]; then
   printf '\nstatic gates FAILED: %s\n' "$(IFS=,; echo "${failed[*]}")"
   exit 1

@@ -66,9 +66,38 @@ def bench_point(
     batch = workload.batches(1, 0)[0]
     jax.block_until_ready(batch)
     modes = ("baseline",) + tuple(m for m in MODES if m in config.modes and m != "baseline")
+    runners, errors = _build_runners(workload, optimizer_name, modes)
+    copies = state_copies(OPTIMIZERS[optimizer_name](1e-3), workload.make_model(0))
+    jax.block_until_ready([(r.model, r.state) for r in runners])
+    count = num_params(runners[0].model)
+    _time_interleaved([*runners, *copies], batch, config, errors, tick)
+    baseline = runners[0]
+    point_floor = floor(copies, baseline.seconds)
+    common = {"workload": workload.name, "optimizer": optimizer_name, "params": count,
+              "shape": workload.shape, "floor": point_floor}
+    results: list[dict[str, Any]] = [
+        {**common, "mode": mode, "error": error} for mode, error in errors.items()
+    ]
+    runners = [r for r in runners if r.mode not in errors]
+    manual = next((r for r in runners if r.mode == "manual"), None)
+    for runner in runners:
+        results.append({
+            **common, **_measures(runner, baseline, manual, point_floor, batch),
+            "plan": _plans(runner.mode, optimizer_name, workload, batch, config.plan_targets),
+        })
+    del runners, baseline, manual, copies
+    gc.collect()
+    order = {mode: i for i, mode in enumerate(MODES)}
+    return sorted(results, key=lambda r: order[r["mode"]])
+
+
+def _build_runners(workload: Workload, optimizer_name: str, modes: tuple[str, ...]
+                   ) -> tuple[list[Runner], dict[str, str]]:
+    """A runner per mode, and the error of each mode that failed to build.
+
+    A mode that fails (to build, compile or run) is reported with its error and the
+    others go on; the baseline must work, the ratios are to it."""
     runners: list[Runner] = []
-    # A mode that fails (to build, compile or run) is reported with its error and the
-    # others go on; the baseline must work, the ratios are to it.
     errors: dict[str, str] = {}
     for mode in modes:
         optimizer = OPTIMIZERS[optimizer_name](1e-3)
@@ -79,10 +108,15 @@ def bench_point(
             if mode == "baseline":
                 raise
             errors[mode] = _describe_error(e)
-    copies = state_copies(OPTIMIZERS[optimizer_name](1e-3), workload.make_model(0))
-    jax.block_until_ready([(r.model, r.state) for r in runners])
-    count = num_params(runners[0].model)
-    rotation: list[Union[Runner, StateCopy]] = [*runners, *copies]
+    return runners, errors
+
+
+def _time_interleaved(rotation: list[Union[Runner, StateCopy]], batch: Any,
+                      config: BenchConfig, errors: dict[str, str],
+                      tick: Callable[[], None]) -> None:
+    """Run one step of each mode and one of each copy in turn, in a rotating order, for
+    `config.warmup + config.repeats` repetitions; record the times in the items and a
+    mode's error in `errors` (its later turns are skipped)."""
     for rep in range(config.warmup + config.repeats):
         shift = rep % len(rotation)
         for item in rotation[shift:] + rotation[:shift]:
@@ -106,56 +140,45 @@ def bench_point(
                 item.seconds.append(elapsed)
                 item.cpu_seconds.append(cpu)
             tick()
-    baseline = runners[0]
-    point_floor = floor(copies, baseline.seconds)
-    full_duplex = point_floor["full_duplex_seconds"]["all"]
-    no_overlap = point_floor["no_overlap_seconds"]["all"]
-    common = {"workload": workload.name, "optimizer": optimizer_name, "params": count,
-              "shape": workload.shape, "floor": point_floor}
-    results: list[dict[str, Any]] = [
-        {**common, "mode": mode, "error": error} for mode, error in errors.items()
-    ]
-    runners = [r for r in runners if r.mode not in errors]
-    manual = [r for r in runners if r.mode == "manual"]
+
+
+def _measures(runner: Runner, baseline: Runner, manual: Optional[Runner],
+              point_floor: dict[str, Any], batch: Any) -> dict[str, Any]:
+    """One mode's record at a point: times and their ratios, bytes, compilations."""
+    compiled = runner.compile(runner.model, runner.state, batch)
+    params_report = eqx_offload.memory_report(runner.model)
+    state_report = eqx_offload.memory_report(runner.state)
+    losses = np.stack([np.asarray(v) for v in runner.losses])
     base_losses = np.stack([np.asarray(v) for v in baseline.losses])
-    for runner in runners:
-        compiled = runner.compile(runner.model, runner.state, batch)
-        params_report = eqx_offload.memory_report(runner.model)
-        state_report = eqx_offload.memory_report(runner.state)
-        losses = np.stack([np.asarray(v) for v in runner.losses])
-        results.append({
-            **common,
-            "mode": runner.mode,
-            "error": None,
-            "bitwise_expected": MODES[runner.mode].bitwise,
-            "step_seconds": summary(runner.seconds),
-            "ratio_to_baseline": paired_ratio(runner.seconds, baseline.seconds),
-            "ratio_to_manual": (
-                paired_ratio(runner.seconds, manual[0].seconds) if manual else None),
-            "ratio_to_floor": paired_ratio(runner.seconds, full_duplex),
-            "ratio_to_no_overlap_floor": paired_ratio(runner.seconds, no_overlap),
-            # CPU time of this process (all its threads) per step: on the CPU backend,
-            # the work a step does, whatever else the machine runs at the same time.
-            "cpu_seconds": summary(runner.cpu_seconds),
-            "cpu_ratio_to_baseline": paired_ratio(runner.cpu_seconds, baseline.cpu_seconds),
-            "first_call_seconds": runner.first_call,
-            "compile_seconds": runner.counter.seconds,
-            "compilations": runner.counter.count,
-            "params_device_bytes": params_report.device_bytes,
-            "params_host_bytes": params_report.host_bytes,
-            "opt_state_device_bytes": state_report.device_bytes,
-            "opt_state_nonscalar_device_bytes": _device_bytes_nonscalar(runner.state),
-            "opt_state_host_bytes": state_report.host_bytes,
-            "opt_state_by_kind": state_report.by_kind,
-            "memory_analysis": memory_analysis_dict(compiled),
-            "losses_bitwise_equal_to_baseline": bitwise_equal(losses, base_losses),
-            "final_loss": float(losses[-1]),
-            "plan": _plans(runner.mode, optimizer_name, workload, batch, config.plan_targets),
-        })
-    del runners, baseline, manual, copies
-    gc.collect()
-    order = {mode: i for i, mode in enumerate(MODES)}
-    return sorted(results, key=lambda r: order[r["mode"]])
+    return {
+        "mode": runner.mode,
+        "error": None,
+        "bitwise_expected": MODES[runner.mode].bitwise,
+        "step_seconds": summary(runner.seconds),
+        "ratio_to_baseline": paired_ratio(runner.seconds, baseline.seconds),
+        "ratio_to_manual": (
+            paired_ratio(runner.seconds, manual.seconds) if manual is not None else None),
+        "ratio_to_floor": paired_ratio(runner.seconds,
+                                       point_floor["full_duplex_seconds"]["all"]),
+        "ratio_to_no_overlap_floor": paired_ratio(runner.seconds,
+                                                  point_floor["no_overlap_seconds"]["all"]),
+        # CPU time of this process (all its threads) per step: on the CPU backend,
+        # the work a step does, whatever else the machine runs at the same time.
+        "cpu_seconds": summary(runner.cpu_seconds),
+        "cpu_ratio_to_baseline": paired_ratio(runner.cpu_seconds, baseline.cpu_seconds),
+        "first_call_seconds": runner.first_call,
+        "compile_seconds": runner.counter.seconds,
+        "compilations": runner.counter.count,
+        "params_device_bytes": params_report.device_bytes,
+        "params_host_bytes": params_report.host_bytes,
+        "opt_state_device_bytes": state_report.device_bytes,
+        "opt_state_nonscalar_device_bytes": _device_bytes_nonscalar(runner.state),
+        "opt_state_host_bytes": state_report.host_bytes,
+        "opt_state_by_kind": state_report.by_kind,
+        "memory_analysis": memory_analysis_dict(compiled),
+        "losses_bitwise_equal_to_baseline": bitwise_equal(losses, base_losses),
+        "final_loss": float(losses[-1]),
+    }
 
 
 def _plans(mode: str, optimizer_name: str, workload: Workload, batch: Any,

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -55,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                         help="plan within this much device memory (MiB) instead of the GPU's")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
+    _add_capacity_arguments(parser)
+
+
+def _add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--capacity` group: the capacity ladder and the batch table."""
     capacity = parser.add_argument_group(
         "capacity", "--capacity: the largest Llama-style model whose AdamW training step fits "
         "each GPU, per mode (planned from shapes: nothing is allocated)")
@@ -148,6 +154,13 @@ def _row(label: str, plan: eqx_offload.GpuPlan, baseline: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # XLA's GPU compiler warns "Can't reduce memory use below ... by rematerialization"
+    # for steps near its memory limit and for offloaded steps, whose host buffers its
+    # estimate counts: the plan's figures and `fits` are the verdict (docs/gpu-plan.md,
+    # "XLA's warnings"). Raised from JAX's default level 1 (which `import jax` sets)
+    # to 2, which hides C++ warnings; TF_CPP_MIN_LOG_LEVEL=0 shows them.
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if args.capacity:
         return run_capacity(args)
     kwargs: dict[str, Any] = {"target": args.target}

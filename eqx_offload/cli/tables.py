@@ -35,23 +35,43 @@ def floors(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The results as Markdown tables (for the README and the docs)."""
-    m = result["machine"]
-    config = result["config"]
-    lines = [
+    lines = [_run_line(result), ""] + _point_lines(result["points"])
+    lines += _plan_lines(result["points"])
+    lines += _floor_lines(result["points"])
+    if result["movers"]:
+        lines += _mover_lines(result["movers"], result["config"]["mover_repeats"])
+    if result["loss_curves"]:
+        lines += _curve_lines(result["loss_curves"])
+    if result.get("skipped"):
+        lines += ["", "Skipped (time limit): " + "; ".join(result["skipped"]) + "."]
+    lines += ["", "| target | result | numbers |", "| --- | --- | --- |"]
+    for t in result["targets"]:
+        lines.append(f"| {t['target']} | **{t['status']}** | {t['detail']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run_line(result: dict[str, Any]) -> str:
+    """The machine, the versions and the configuration the run measured on."""
+    m, config = result["machine"], result["config"]
+    return (
         f"Measured {m['date']} on **{m['device_kind']}** (backend `{m['backend']}`, "
         f"{m['cpu_count']} CPU cores: {m['cpu']}), JAX {m['jax_version']}, "
         f"MLP batch {config['batch']}, transformer "
         f"{config['lm']['layers']}×{config['lm']['width']} (batch {config['lm']['batch']} × "
         f"{config['lm']['seq']} tokens), {config['repeats']} interleaved repetitions per "
         f"point; load average (1 min) {m.get('load_average_start')} at the start, "
-        f"{m.get('load_average_end')} at the end.",
-        "",
+        f"{m.get('load_average_end')} at the end.")
+
+
+def _point_lines(points: list[dict[str, Any]]) -> list[str]:
+    """The main table: a row per point and mode (step time, ratios, bytes, compiles)."""
+    lines = [
         "| workload | optimizer | params | mode | step ms (median [p25, p75]) | × baseline | "
         "× estimate | × baseline, process CPU time | device bytes: params + opt state | "
         "opt state on host | compilations | compile s | temp / peak (memory_analysis) |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for p in result["points"]:
+    for p in points:
         head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} |"
         if p.get("error") is not None:
             lines.append(f"{head} failed: {p['error'].replace('|', '/')} "
@@ -69,8 +89,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{format_bytes(p['params_device_bytes'] + p['opt_state_device_bytes'])} | "
             f"{format_bytes(p['opt_state_host_bytes'])} | {p['compilations']} | "
             f"{p['compile_seconds']:.2f} | {mem} |")
-    lines += _plan_lines(result["points"])
-    lines += [
+    return lines
+
+
+def _floor_lines(points: list[dict[str, Any]]) -> list[str]:
+    """What × estimate means, and the copy estimate of each baseline point."""
+    lines = [
         "",
         "× estimate: the step over the copy estimate `max(baseline step, one-way copy)` "
         "of the same repetition (median of the per-repetition ratios): what a step whose "
@@ -87,7 +111,7 @@ def markdown(result: dict[str, Any]) -> str:
         "serial ms | baseline / one-way copy |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for p in floors(result["points"]):
+    for p in floors(points):
         f = p["floor"]
         lines.append(
             f"| {p['workload']} | {p['optimizer']} | {_params(p)} | "
@@ -97,48 +121,51 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_ms(p['step_seconds']['median'])} | {_ms(f['full_duplex_seconds']['median'])} | "
             f"{_ms(f['no_overlap_seconds']['median'])} | {_ms(f['serial_seconds']['median'])} | "
             f"{f['baseline_over_one_way']:.2f} |")
-    if result["movers"]:
-        lines += [
-            "",
-            f"Eager movers, GB/s (best of {config['mover_repeats']} interleaved "
-            "repetitions):",
-            "",
-            "| array | to_host | to_device | to_host, 8 leaves | NumPy copy | "
-            "NumPy copy, no huge pages | NumPy copyto (preallocated) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for mv in result["movers"]:
-            def g(key: str) -> str:
-                v = mv.get(key + "_gbps")
-                return "–" if v is None else f"{v:.2f}"
-            lines.append(f"| {mv['mib']} MiB | {g('to_host')} | {g('to_device')} | "
-                         f"{g('to_host_8_leaves')} | {g('numpy_copy')} | "
-                         f"{g('numpy_copy_no_hugepages')} | {g('numpy_copyto')} |")
-    if result["loss_curves"]:
-        lines += [
-            "",
-            "Loss curves against the baseline (same model, data and initialisation):",
-            "",
-            "| workload | optimizer | mode | steps | final loss, baseline | final loss, mode | "
-            "relative difference | max abs difference | bitwise equal |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for c in result["loss_curves"]:
-            if c.get("error") is not None:
-                lines.append(f"| {c['workload']} | {c['optimizer']} | {c['mode']} | "
-                             f"failed: {c['error'].replace('|', '/')} | | | | | |")
-                continue
-            lines.append(
-                f"| {c['workload']} | {c['optimizer']} | {c['mode']} | {c['steps']} | "
-                f"{c['baseline_final']:.6g} | {c['final']:.6g} | "
-                f"{c['final_relative_difference']:+.3%} | {c['max_abs_difference']:.3g} | "
-                f"{c['bitwise_equal']} |")
-    if result.get("skipped"):
-        lines += ["", "Skipped (time limit): " + "; ".join(result["skipped"]) + "."]
-    lines += ["", "| target | result | numbers |", "| --- | --- | --- |"]
-    for t in result["targets"]:
-        lines.append(f"| {t['target']} | **{t['status']}** | {t['detail']} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _mover_lines(movers: list[dict[str, Any]], repeats: int) -> list[str]:
+    """The eager movers' bandwidth beside NumPy's copies."""
+    lines = [
+        "",
+        f"Eager movers, GB/s (best of {repeats} interleaved "
+        "repetitions):",
+        "",
+        "| array | to_host | to_device | to_host, 8 leaves | NumPy copy | "
+        "NumPy copy, no huge pages | NumPy copyto (preallocated) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mv in movers:
+        def g(key: str) -> str:
+            v = mv.get(key + "_gbps")
+            return "–" if v is None else f"{v:.2f}"
+        lines.append(f"| {mv['mib']} MiB | {g('to_host')} | {g('to_device')} | "
+                     f"{g('to_host_8_leaves')} | {g('numpy_copy')} | "
+                     f"{g('numpy_copy_no_hugepages')} | {g('numpy_copyto')} |")
+    return lines
+
+
+def _curve_lines(curves: list[dict[str, Any]]) -> list[str]:
+    """The loss curves' final values against the baseline's."""
+    lines = [
+        "",
+        "Loss curves against the baseline (same model, data and initialisation):",
+        "",
+        "| workload | optimizer | mode | steps | final loss, baseline | final loss, mode | "
+        "relative difference | max abs difference | bitwise equal |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in curves:
+        if c.get("error") is not None:
+            lines.append(f"| {c['workload']} | {c['optimizer']} | {c['mode']} | "
+                         f"failed: {c['error'].replace('|', '/')} | | | | | |")
+            continue
+        lines.append(
+            f"| {c['workload']} | {c['optimizer']} | {c['mode']} | {c['steps']} | "
+            f"{c['baseline_final']:.6g} | {c['final']:.6g} | "
+            f"{c['final_relative_difference']:+.3%} | {c['max_abs_difference']:.3g} | "
+            f"{c['bitwise_equal']} |")
+    return lines
 
 
 def _plan_lines(points: list[dict[str, Any]]) -> list[str]:
@@ -179,21 +206,39 @@ def _short(p: dict[str, Any]) -> str:
 def render(result: dict[str, Any]) -> Any:
     """The main tables for the console, as a `rich` renderable, within 100 columns (the
     Markdown has every column)."""
-    from rich import box
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    def table(title: str, columns: tuple[str, ...], left: int) -> Table:
-        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
-        for i, col in enumerate(columns):
-            t.add_column(col, justify="left" if i < left else "right", no_wrap=i < left)
-        return t
+    main, failed = _step_table(result)
+    note = Text("device: params + opt state bytes on the device between steps; host: opt "
+                "state in host memory. × est.: step / max(baseline step, one-way copy), an "
+                "estimate, not a lower bound. bench.md has every column.")
+    parts: list[Any] = [main, *failed, note, _copy_table(result["points"])]
+    if result["loss_curves"]:
+        parts.append(_curve_table(result["loss_curves"]))
+    parts.append(_target_table(result["targets"]))
+    return Group(*parts)
 
-    main = table(f"step time and memory ({result['machine']['device_kind']}, "
-                 f"{result['machine']['backend']})",
-                 ("point", "mode", "step ms", "× base", "× manual", "× est.", "device",
-                  "host"), 2)
+
+def _table(title: str, columns: tuple[str, ...], left: int) -> Any:
+    """A console table whose first `left` columns are left-aligned labels."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i < left else "right", no_wrap=i < left)
+    return t
+
+
+def _step_table(result: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """Step time and memory per point and mode, and a red line per failed mode."""
+    from rich.text import Text
+
+    main = _table(f"step time and memory ({result['machine']['device_kind']}, "
+                  f"{result['machine']['backend']})",
+                  ("point", "mode", "step ms", "× base", "× manual", "× est.", "device",
+                   "host"), 2)
     failed = []
     for p in result["points"]:
         head = (_short(p), p["mode"])
@@ -207,39 +252,53 @@ def render(result: dict[str, Any]) -> Any:
             _ratio(p["ratio_to_manual"]), _ratio(p["ratio_to_floor"]),
             format_bytes(p["params_device_bytes"] + p["opt_state_device_bytes"]),
             format_bytes(p["opt_state_host_bytes"]))
-    note = Text("device: params + opt state bytes on the device between steps; host: opt "
-                "state in host memory. × est.: step / max(baseline step, one-way copy), an "
-                "estimate, not a lower bound. bench.md has every column.")
-    copies = table("copy estimate: one bare copy of the state each way",
-                   ("point", "state", "to dev ms", "to host ms", "base ms", "est. ms",
-                    "base / copy"), 1)
-    for p in floors(result["points"]):
+    return main, failed
+
+
+def _copy_table(points: list[dict[str, Any]]) -> Any:
+    """The copy estimate of each baseline point."""
+    copies = _table("copy estimate: one bare copy of the state each way",
+                    ("point", "state", "to dev ms", "to host ms", "base ms", "est. ms",
+                     "base / copy"), 1)
+    for p in floors(points):
         f = p["floor"]
         copies.add_row(
             _short(p), format_bytes(f["state_bytes"]),
             _ms(f["to_device_seconds"]["median"]), _ms(f["to_host_seconds"]["median"]),
             _ms(p["step_seconds"]["median"]), _ms(f["full_duplex_seconds"]["median"]),
             f"{f['baseline_over_one_way']:.2f}")
-    parts: list[Any] = [main, *failed, note, copies]
-    if result["loss_curves"]:
-        curves = Table(title="loss curves against the baseline", box=box.SIMPLE_HEAD)
-        for col in ("workload", "mode", "steps", "final, baseline", "final, mode",
-                    "relative difference", "bitwise"):
-            curves.add_column(col)
-        for c in result["loss_curves"]:
-            if c.get("error") is not None:
-                curves.add_row(c["workload"], c["mode"], f"[bold red]failed[/bold red]: "
-                               f"{c['error'][:60]}")
-                continue
-            curves.add_row(c["workload"], c["mode"], str(c["steps"]),
-                           f"{c['baseline_final']:.6g}", f"{c['final']:.6g}",
-                           f"{c['final_relative_difference']:+.3%}", str(c["bitwise_equal"]))
-        parts.append(curves)
-    targets = Table(title="targets", box=box.SIMPLE_HEAD)
+    return copies
+
+
+def _curve_table(loss_curves: list[dict[str, Any]]) -> Any:
+    """The loss curves' final values against the baseline's."""
+    from rich import box
+    from rich.table import Table
+
+    curves = Table(title="loss curves against the baseline", box=box.SIMPLE_HEAD)
+    for col in ("workload", "mode", "steps", "final, baseline", "final, mode",
+                "relative difference", "bitwise"):
+        curves.add_column(col)
+    for c in loss_curves:
+        if c.get("error") is not None:
+            curves.add_row(c["workload"], c["mode"], f"[bold red]failed[/bold red]: "
+                           f"{c['error'][:60]}")
+            continue
+        curves.add_row(c["workload"], c["mode"], str(c["steps"]),
+                       f"{c['baseline_final']:.6g}", f"{c['final']:.6g}",
+                       f"{c['final_relative_difference']:+.3%}", str(c["bitwise_equal"]))
+    return curves
+
+
+def _target_table(targets: list[dict[str, Any]]) -> Any:
+    """Pass, FAIL or n/a per target, coloured, with its numbers."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="targets", box=box.SIMPLE_HEAD)
     for col in ("target", "result", "numbers"):
-        targets.add_column(col)
-    for t in result["targets"]:
+        table.add_column(col)
+    for t in targets:
         style = {"pass": "green", "FAIL": "bold red"}.get(t["status"], "yellow")
-        targets.add_row(t["target"], f"[{style}]{t['status']}[/{style}]", t["detail"])
-    parts.append(targets)
-    return Group(*parts)
+        table.add_row(t["target"], f"[{style}]{t['status']}[/{style}]", t["detail"])
+    return table

@@ -21,6 +21,9 @@ def _within(ratio: dict[str, float], limit: float) -> bool:
     return ratio["median"] <= limit or ratio["p25"] <= limit
 
 
+_Add = Callable[[str, Optional[bool], str], None]
+
+
 def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                      curves: list[dict[str, Any]], target_min_params: float,
                      backend: str) -> list[dict[str, Any]]:
@@ -34,14 +37,27 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
         status = "n/a" if ok is None else ("pass" if ok else "FAIL")
         targets.append({"target": name, "status": status, "detail": detail})
 
-    def of(mode: str, where: Callable[[dict[str, Any]], bool] = lambda p: True
-           ) -> list[dict[str, Any]]:
-        return [p for p in points if p["mode"] == mode and where(p)]
+    _step_targets(points, target_min_params, backend, add)
+    _run_targets(points, failed, add)
+    _movers_target(movers, add)
+    _copy_estimate_targets(points, on_cpu, add)
+    _bf16_targets(points, curves, on_cpu, add)
+    _plan_targets(points, add)
+    return targets
 
-    # --- the CPU run's targets (MLP)
+
+def _of(points: list[dict[str, Any]], mode: str,
+        where: Callable[[dict[str, Any]], bool] = lambda p: True) -> list[dict[str, Any]]:
+    return [p for p in points if p["mode"] == mode and where(p)]
+
+
+def _step_targets(points: list[dict[str, Any]], target_min_params: float, backend: str,
+                  add: _Add) -> None:
+    """The CPU run's step-time targets (MLP): against the baseline and the manual pattern."""
+    on_cpu = backend == "cpu"
     scope = "" if on_cpu else f" (defined for the CPU backend; measured on {backend})"
-    big_off = of("eqx_offload", lambda p: p["workload"] == "mlp"
-                 and p["params"] >= target_min_params)
+    big_off = _of(points, "eqx_offload", lambda p: p["workload"] == "mlp"
+                  and p["params"] >= target_min_params)
     if big_off:
         worst = max(big_off, key=lambda p: p["ratio_to_baseline"]["median"])
         add(f"MLP: step time <= 1.05x baseline at >= {target_min_params / 1e6:.0f}M params"
@@ -52,7 +68,7 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
     else:
         add(f"MLP: step time at >= {target_min_params / 1e6:.0f}M params", None,
             "no configuration that large in this run")
-    off = of("eqx_offload")
+    off = _of(points, "eqx_offload")
     vs_manual = [p for p in (big_off if on_cpu else off) if p["ratio_to_manual"] is not None]
     add("eqx_offload step time <= manual pattern ("
         + (f"MLP >= {target_min_params / 1e6:.0f}M" if on_cpu else "every point")
@@ -61,6 +77,12 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
         "; ".join(f"{_name(p)}: {p['ratio_to_manual']['median']:.3f}x "
                   f"[{p['ratio_to_manual']['p25']:.3f}, {p['ratio_to_manual']['p75']:.3f}]"
                   for p in vs_manual))
+
+
+def _run_targets(points: list[dict[str, Any]], failed: list[dict[str, Any]],
+                 add: _Add) -> None:
+    """State placement, compilations, bitwise losses, and every mode ran."""
+    off = _of(points, "eqx_offload")
     add("optimizer state: 0 device bytes between steps (arrays of >= 1 dimension)",
         all(p["opt_state_nonscalar_device_bytes"] == 0 for p in off) if off else None,
         "; ".join(sorted({f"{p['optimizer']}: {p['opt_state_nonscalar_device_bytes']} B of "
@@ -68,7 +90,7 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                           "counters stay on the device by default)" for p in off})))
 
     def counts(mode: str) -> str:
-        return ", ".join(sorted({str(p["compilations"]) for p in of(mode)})) or "-"
+        return ", ".join(sorted({str(p["compilations"]) for p in _of(points, mode)})) or "-"
 
     add("exactly one compilation per configuration (eqx_offload)",
         all(p["compilations"] == 1 for p in off) if off else None,
@@ -81,9 +103,10 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                   if not p["losses_bitwise_equal_to_baseline"]))
     add("every mode ran", not failed,
         "; ".join(f"{p['mode']} ({_name(p)}): {p['error']}" for p in failed))
-    _movers_target(movers, add)
 
-    # --- against the copy estimate (issue 12), for an accelerator
+
+def _copy_estimate_targets(points: list[dict[str, Any]], on_cpu: bool, add: _Add) -> None:
+    """Against the copy estimate (issue 12), for an accelerator."""
     gpu = None if on_cpu else True
     lm = [p for p in points if p["workload"] == "transformer" and p["mode"] == "baseline"]
     add("transformer sizing: baseline step >= 2x the state's one-way copy"
@@ -95,7 +118,8 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
                   f"{p['floor']['one_way_seconds']['median'] * 1e3:.2f} ms for "
                   f"{p['floor']['state_bytes'] / 2**20:.1f} MiB)" for p in lm)
         or "no transformer in this run")
-    streamed = of("streamed", lambda p: p["workload"] == "mlp" and p["optimizer"] == "adam")
+    streamed = _of(points, "streamed",
+                   lambda p: p["workload"] == "mlp" and p["optimizer"] == "adam")
     if streamed:
         largest = max(streamed, key=lambda p: p["params"])
         r = largest["ratio_to_floor"]
@@ -105,13 +129,10 @@ def evaluate_targets(points: list[dict[str, Any]], movers: list[dict[str, Any]],
             f"max(baseline, one-way copy) = "
             f"{largest['floor']['full_duplex_seconds']['median'] * 1e3:.2f} ms"
             + ("" if largest["params"] >= 90e6 else " (defined at 100M parameters)"))
-    _bf16_targets(points, curves, on_cpu, add)
-    _plan_targets(points, add)
-    return targets
 
 
 def _plan_targets(points: list[dict[str, Any]],
-                  add: Callable[[str, Optional[bool], str], None]) -> None:
+                  add: _Add) -> None:
     """The accelerator targets of issue 16, in XLA's GPU plan of each point (recorded
     with `--plan`): the default step frees 80% of the state's bytes at the peak, and 90%
     of the state's copies overlap compute."""
@@ -144,7 +165,7 @@ def _plan_targets(points: list[dict[str, Any]],
 
 
 def _movers_target(movers: list[dict[str, Any]],
-                   add: Callable[[str, Optional[bool], str], None]) -> None:
+                   add: _Add) -> None:
     large = [m for m in movers if m["mib"] >= 16]
     name = "eager movers >= 50% of NumPy copy bandwidth (arrays >= 16 MiB, best of the " \
            "interleaved repetitions)"
@@ -168,7 +189,7 @@ def _movers_target(movers: list[dict[str, Any]],
 
 
 def _bf16_targets(points: list[dict[str, Any]], curves: list[dict[str, Any]], on_cpu: bool,
-                  add: Callable[[str, Optional[bool], str], None]) -> None:
+                  add: _Add) -> None:
     """`host_bf16` against full precision (`eqx_offload`) at the same points."""
     full = {(p["workload"], p["optimizer"], p["params"]): p
             for p in points if p["mode"] == "eqx_offload"}

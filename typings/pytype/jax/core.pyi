@@ -13,8 +13,10 @@ class AbstractValue: ...
 class ShapedArray(AbstractValue):
     shape: tuple[int, ...]
     dtype: _np.dtype[Any]
-    ndim: int
-    size: int
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def size(self) -> int: ...
     weak_type: bool
     memory_space: _MemorySpace
     sharding: Sharding

@@ -34,7 +34,8 @@ class SingleDeviceSharding(Sharding):
 
 class PartitionSpec(tuple[Any, ...]):
     def __init__(self, *partitions: Union[None, str, tuple[str, ...]]) -> None: ...
-    def __new__(cls, *partitions: Union[None, str, tuple[str, ...]]) -> PartitionSpec: ...
+    def __new__(cls, *partitions: Union[None, str, tuple[str, ...]], unreduced: Any = ...,
+                reduced: Any = ..., unreduced_kind: Any = ...) -> PartitionSpec: ...
 
 class Mesh:
     devices: _np.ndarray[Any, Any]
@@ -42,7 +43,8 @@ class Mesh:
     axis_types: tuple[AxisType, ...]
     shape: dict[str, int]
     size: int
-    empty: bool
+    @property
+    def empty(self) -> bool: ...
     def __init__(
         self,
         devices: Union[_np.ndarray[Any, Any], Sequence[Device]],
@@ -50,18 +52,21 @@ class Mesh:
         axis_types: Optional[tuple[AxisType, ...]] = None,
     ) -> None: ...
     def __enter__(self) -> Mesh: ...
-    def __exit__(self, *args: object) -> None: ...
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None: ...
 
 class AbstractMesh:
     axis_names: tuple[str, ...]
     axis_types: tuple[AxisType, ...]
     shape: dict[str, int]
     size: int
-    empty: bool
+    @property
+    def empty(self) -> bool: ...
 
 class NamedSharding(Sharding):
-    mesh: Union[Mesh, AbstractMesh]
-    spec: PartitionSpec
+    @property
+    def mesh(self) -> Union[Mesh, AbstractMesh]: ...
+    @property
+    def spec(self) -> PartitionSpec: ...
     def __init__(
         self,
         mesh: Union[Mesh, AbstractMesh],
