@@ -7,6 +7,7 @@ made while restoring targets host memory for them), with the saved mesh and
 middle of a save leaves the previous checkpoint loadable (`python tests/test_checkpoint.py
 DIRECTORY MODE` is that process)."""
 
+import asyncio
 import json
 import os
 import signal
@@ -40,9 +41,8 @@ def make_params(mesh: Optional[jax.sharding.Mesh] = None) -> dict[str, jax.Array
     rng = np.random.default_rng(0)
     shapes = {"w1": (8, 8), "b1": (8,), "w2": (8, 8), "b2": (8,)}
     params = {k: jnp.asarray(rng.standard_normal(s, np.float32) / 3) for k, s in shapes.items()}
-    if mesh is None:
-        return params
-    return {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
+    return params if mesh is None else {
+        k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
 
 
 def mesh_for(layout: str) -> Optional[jax.sharding.Mesh]:
@@ -80,17 +80,11 @@ def train(params: Any, state: Any, step: Any, steps: range,
     return params, state, losses
 
 
-def trained(layout: str, steps: range = range(2)) -> tuple[Any, Any, Any, Any]:
-    mesh, opt = mesh_for(layout), make_opt()
-    params = make_params(mesh)
-    return (*train(params, opt.init(params), make_step(opt), steps, mesh)[:2], opt, mesh)
-
-
 def placements(tree: Any) -> list[tuple[str, Optional[str], Any]]:
     """Path, memory kind and each device's shard index per leaf: equal placements hold
     the same bytes in the same memories, whichever `Sharding` class describes them."""
-    return [(jtu.keystr(p), x.sharding.memory_kind,
-             sorted((d.id, str(i)) for d, i in x.sharding.devices_indices_map(tuple(x.shape)).items()))
+    return [(jtu.keystr(p), x.sharding.memory_kind, sorted(
+        (d.id, str(i)) for d, i in x.sharding.devices_indices_map(tuple(x.shape)).items()))
             for p, x in jtu.tree_flatten_with_path(tree)[0]]
 
 
@@ -112,7 +106,8 @@ def device_puts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], 
 
     def spy(x: Any, device: Any = None, *args: Any, **kwargs: Any) -> Any:
         xs = x if isinstance(x, (list, tuple)) else [x]
-        for value, to in zip(xs, device if isinstance(device, (list, tuple)) else [device] * len(xs)):
+        tos = device if isinstance(device, (list, tuple)) else [device] * len(xs)
+        for value, to in zip(xs, tos):
             to = getattr(to, "sharding", to)  # a `Format` wraps one
             calls.append((tuple(value.shape), getattr(to, "memory_kind", None)))
         return original(x, device, *args, **kwargs)
@@ -139,21 +134,21 @@ def test_abstract_init_is_what_init_makes(layout: str) -> None:
     a `SingleDeviceSharding` as device memory), also from abstract params."""
     mesh = mesh_for(layout)
     params = make_params(mesh)
-    for opt in [make_opt(), eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/nu/.*")),
-                eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9))]:
+    for opt in [make_opt(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)),
+                eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/nu/.*"))]:
         state, target = opt.init(params), eqx_offload.abstract_init(opt, params)
         assert jtu.tree_structure(target) == jtu.tree_structure(state)
         for (path, t), s in zip(jtu.tree_flatten_with_path(target)[0], jtu.tree_leaves(state)):
-            assert isinstance(t, jax.ShapeDtypeStruct)
-            assert (t.shape, t.dtype, t.sharding.memory_kind) == (s.shape, s.dtype, s.sharding.memory_kind)
+            assert isinstance(t, jax.ShapeDtypeStruct) and (t.shape, t.dtype) == (s.shape, s.dtype)
+            assert t.sharding.memory_kind == s.sharding.memory_kind, path
             assert t.sharding.is_equivalent_to(s.sharding, s.ndim), (path, t.sharding, s.sharding)
             if mesh is not None:
                 assert t.sharding == s.sharding, path
             elif t.sharding.memory_kind == "pinned_host":
                 assert isinstance(t.sharding, NamedSharding) and t.sharding.mesh.size == 1
-        abstract_params = eqx_offload.restore_target(params)
-        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(abstract_params))
-        assert placements(eqx_offload.abstract_init(opt, abstract_params)) == placements(target)
+        abstract = eqx_offload.restore_target(params)
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(abstract))
+        assert placements(eqx_offload.abstract_init(opt, abstract)) == placements(target)
 
 
 def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,24 +158,29 @@ def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> N
     params = make_params(mesh_for("mesh"))
     plain = optax.adam(1e-3).init(params)  # as restored without host shardings
     shardings = eqx_offload.host_shardings(plain, eqx_offload.min_ndim(1))
-    assert shardings[0].count == plain[0].count.sharding and shardings[1] == optax.EmptyState()
-    assert all(shardings[0].mu[k] == params[k].sharding.with_memory_kind("pinned_host") for k in SPECS)
+    host = {k: params[k].sharding.with_memory_kind("pinned_host") for k in SPECS}
+    assert shardings[0].count == plain[0].count.sharding and shardings[0].mu == host
+    assert shardings[1] == optax.EmptyState()
     assert placements(eqx_offload.restore_target(plain)) == placements(plain)
-    target = eqx_offload.restore_target(plain, eqx_offload.pattern(".*mu/.*"), memory_kind="unpinned_host")
+    target = eqx_offload.restore_target(plain, eqx_offload.pattern(".*mu/.*"),
+                                        memory_kind="unpinned_host")
     assert target[0].mu["w1"].sharding == params["w1"].sharding.with_memory_kind("unpinned_host")
     assert target[0].nu["w1"].sharding == params["w1"].sharding
-    mu = eqx_offload.restore_target(jax.eval_shape(optax.adam(1e-3).init, make_params()), True)[0].mu
-    assert mu["w1"].sharding.memory_kind == "pinned_host" and mu["w1"].sharding.is_fully_replicated
-    assert mu["w1"].sharding.device_set == {jax.devices()[0]}
-    assert eqx_offload.restore_target({"a": 1.5, "b": None, "c": "x"}) == {"a": 1.5, "b": None, "c": "x"}
+    abstract = jax.eval_shape(optax.adam(1e-3).init, make_params())  # leaves without a sharding
+    w1 = eqx_offload.restore_target(abstract, True)[0].mu["w1"].sharding
+    assert w1.memory_kind == "pinned_host" and w1.is_fully_replicated
+    assert w1.device_set == {jax.devices()[0]}
+    other = {"a": 1.5, "b": None, "c": "x"}
+    assert eqx_offload.restore_target(other) == other
     with pytest.raises(eqx_offload.MemoryKindError, match="memory_kind='device'.*host memory kind"):
         unchecked(eqx_offload.host_shardings)({"w": jnp.ones(3)}, memory_kind="device")
     with pytest.raises(eqx_offload.MemoryKindError, match="memory_kind='hbm'"):
         unchecked(eqx_offload.restore_target)({"w": jnp.ones(3)}, memory_kind="hbm")
-    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds", lambda d: ("device", "pinned_host"))
+    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds",
+                        lambda d: ("device", "pinned_host"))
     with pytest.raises(eqx_offload.MemoryKindError, match=r"memory_kind='unpinned_host'.*leaf "
                        r"0/count does not offer.*'device', 'pinned_host'"):
-        eqx_offload.host_shardings(optax.adam(1e-3).init({"w": jnp.ones(3)}), memory_kind="unpinned_host")
+        eqx_offload.host_shardings(plain, memory_kind="unpinned_host")
 
 
 def test_deserialise_filter_spec(tmp_path: Path) -> None:
@@ -193,9 +193,9 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
     assert out["b"].dtype == jnp.bfloat16 and out["b"].sharding.memory_kind == "pinned_host"
     assert bits(out) == bits(tree) and isinstance(out["n"], np.ndarray) and out["s"] == 2.0
     eqx.tree_serialise_leaves(tmp_path / "w.eqx", {"w": jnp.ones((3, 4))})
+    like = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
     with pytest.raises(Exception) as info:
-        eqx.tree_deserialise_leaves(tmp_path / "w.eqx", {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)},
-                                    filter_spec=FILTER)
+        eqx.tree_deserialise_leaves(tmp_path / "w.eqx", like, filter_spec=FILTER)
     assert "DictKey(key='w')" in str(info.value)
     cause: Optional[BaseException] = info.value
     while cause is not None and not isinstance(cause, eqx_offload.CheckpointError):
@@ -207,11 +207,13 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
 def test_restored_stack_is_ready_for_scan_layers(tmp_path: Path) -> None:
     """A layer stack restored with a host `restore_target` is in host memory, bitwise,
     and `scan_layers` differentiates it as a freshly offloaded stack."""
-    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(0), 3))
+    keys = jax.random.split(jax.random.key(0), 3)
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(keys)
     eqx.tree_serialise_leaves(tmp_path / "layers.eqx", layers)
-    restored = eqx.tree_deserialise_leaves(tmp_path / "layers.eqx",
-                                           eqx_offload.restore_target(layers, where=True), filter_spec=FILTER)
-    assert all(x.sharding.memory_kind == "pinned_host" and host_typed(x) for x in jtu.tree_leaves(restored))
+    restored = eqx.tree_deserialise_leaves(tmp_path / "layers.eqx", eqx_offload.restore_target(
+        layers, where=True), filter_spec=FILTER)
+    assert all(x.sharding.memory_kind == "pinned_host" and host_typed(x)
+               for x in jtu.tree_leaves(restored))
     assert bits(restored) == bits(layers)
     grad = jax.jit(jax.grad(lambda stack: jnp.sum(eqx_offload.scan_layers(
         stack, jnp.ones(8), lambda layer, h: jnp.tanh(layer(h))) ** 2)))
@@ -220,49 +222,50 @@ def test_restored_stack_is_ready_for_scan_layers(tmp_path: Path) -> None:
 
 @LAYOUTS
 @pytest.mark.parametrize("fmt", ["orbax", "eqx"])
-def test_restores_into_host(layout: str, fmt: str, tmp_path: Path, device_puts: list[Any]) -> None:
+def test_restores_into_host(layout: str, fmt: str, tmp_path: Path,
+                            device_puts: list[Any]) -> None:
     """Neither format records memory kinds: without a target orbax restores the state in
-    device memory and Equinox whole on the default device; with `abstract_init`'s target
+    device memory, Equinox whole on the default device; with `abstract_init`'s target
     every offloaded leaf goes straight to host memory."""
-    params, state, opt, _ = trained(layout)
-    target = eqx_offload.abstract_init(opt, params)
+    mesh, opt = mesh_for(layout), make_opt()
+    params, state, _ = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt),
+                             range(2), mesh)
+    save(fmt, tmp_path, {"state": state})
     if fmt == "orbax":
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp_path / "state", state)
-        checkpointer.wait_until_finished()
-        naive = {(x.sharding.memory_kind,) for x in jtu.tree_leaves(checkpointer.restore(tmp_path / "state"))}
-        assert naive == {("device",)}
-        device_puts.clear()
-        restored = checkpointer.restore(tmp_path / "state", target)
-        assert isinstance(restored, eqx_offload.OffloadedState)
+        naive = ocp.StandardCheckpointer().restore(tmp_path / "3" / "state")
+        assert {x.sharding.memory_kind for x in jtu.tree_leaves(naive)} == {"device"}
     else:
-        eqx.tree_serialise_leaves(tmp_path / "state.eqx", state)
-        naive = {(x.sharding.memory_kind, len(x.sharding.device_set))
-                 for x in jtu.tree_leaves(eqx.tree_deserialise_leaves(tmp_path / "state.eqx", state))}
-        assert naive == {("device", 1)}
-        device_puts.clear()
-        restored = eqx.tree_deserialise_leaves(tmp_path / "state.eqx", target, filter_spec=FILTER)
+        naive = eqx.tree_deserialise_leaves(tmp_path / "3.eqx", {"state": state})
+        assert {(x.sharding.memory_kind, len(x.sharding.device_set))
+                for x in jtu.tree_leaves(naive)} == {("device", 1)}
+    target = {"state": eqx_offload.abstract_init(opt, params)}
+    device_puts.clear()
+    restored = load(fmt, tmp_path, target)["state"]
+    assert isinstance(restored, eqx_offload.OffloadedState)
     assert_restored_on_host(restored, state, device_puts)
 
 
-def save(fmt: str, directory: Path, tree: Any, step: int = 3) -> None:
-    if fmt == "orbax":
-        with ocp.CheckpointManager(directory) as manager:
-            manager.save(step, args=ocp.args.Composite(**{
-                k: ocp.args.StandardSave(v) for k, v in zip(("params", "state"), tree)}))
-            manager.wait_until_finished()
-    else:
-        directory.mkdir(parents=True)
-        eqx.tree_serialise_leaves(directory / f"{step}.eqx", tree)
+def save(fmt: str, directory: Path, tree: dict[str, Any], step: int = 3,
+         spec: Any = eqx.default_serialise_filter_spec) -> None:
+    """A step of an orbax `CheckpointManager`, or an Equinox file written beside and
+    renamed into place once complete (the pattern of docs/checkpointing.md)."""
+    if fmt == "eqx":
+        directory.mkdir(parents=True, exist_ok=True)
+        eqx.tree_serialise_leaves(directory / f"{step}.eqx.tmp", tree, filter_spec=spec)
+        return os.replace(directory / f"{step}.eqx.tmp", directory / f"{step}.eqx")
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(step, args=ocp.args.Composite(
+            **{k: ocp.args.StandardSave(v) for k, v in tree.items()}))
+        manager.wait_until_finished()
 
 
-def load(fmt: str, directory: Path, targets: tuple[Any, Any], step: int = 3) -> tuple[Any, Any]:
+def load(fmt: str, directory: Path, targets: dict[str, Any], step: int = 3) -> dict[str, Any]:
     if fmt == "eqx":
         return eqx.tree_deserialise_leaves(directory / f"{step}.eqx", targets, filter_spec=FILTER)
     with ocp.CheckpointManager(directory) as manager:
         restored = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(targets[0]), state=ocp.args.StandardRestore(targets[1])))
-    return restored.params, restored.state
+            **{k: ocp.args.StandardRestore(v) for k, v in targets.items()}))
+    return {k: restored[k] for k in targets}
 
 
 @LAYOUTS
@@ -271,20 +274,20 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path) -> None:
     """Three steps, save, forget; restore as a new run would (a new optimizer, targets and
     step function): the restored placements hit one executable, and the six steps are
     bitwise those of the uninterrupted run."""
-    mesh = mesh_for(layout)
-    opt = make_opt()
+    mesh, opt = mesh_for(layout), make_opt()
     full = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt), range(6), mesh)
     opt = make_opt()
-    params, state, losses = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt),
-                                  range(3), mesh)
-    save(fmt, tmp_path / "ckpt", (params, state))
-    params_target = eqx_offload.restore_target(params)
+    params, state, losses = train(make_params(mesh), opt.init(make_params(mesh)),
+                                  make_step(opt), range(3), mesh)
+    save(fmt, tmp_path, {"params": params, "state": state})
+    targets = {"params": eqx_offload.restore_target(params)}
     del params, state
     opt = make_opt()
-    state_target = eqx_offload.abstract_init(opt, params_target)
-    params, state = load(fmt, tmp_path / "ckpt", (params_target, state_target))
-    for x, t in zip(jtu.tree_leaves(state), jtu.tree_leaves(state_target)):
-        assert x.sharding == t.sharding and host_typed(x) == (t.sharding.memory_kind == "pinned_host")
+    targets["state"] = eqx_offload.abstract_init(opt, targets["params"])
+    params, state = load(fmt, tmp_path, targets).values()
+    for x, t in zip(jtu.tree_leaves(state), jtu.tree_leaves(targets["state"])):
+        assert x.sharding == t.sharding
+        assert host_typed(x) == (t.sharding.memory_kind == "pinned_host")
     with count_compiles("step") as compiles:
         params, state, more = train(params, state, make_step(opt), range(3, 6), mesh)
     assert len(compiles) == 1
@@ -293,79 +296,67 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path) -> None:
 
 
 def worker(directory: str, mode: str) -> None:
-    """Saves step 1 completely (its values to `expected.json`), trains one more step and
-    starts saving step 2; in the middle prints `SAVING` and waits to be killed:
-    `orbax-writing` after the first array of step 2, `orbax-committing` just before the
-    commit (the rename into place), `eqx` after the first leaf of a temporary file that
-    is renamed once complete (the pattern of docs/checkpointing.md)."""
+    """Saves step 1 (its values to `expected.json`), trains a step and starts saving step
+    2; prints `SAVING` and waits to be killed after the first array (`*-writing`) or just
+    before orbax commits (renames into place) the checkpoint (`orbax-committing`)."""
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
 
-    def stop_here() -> None:
+    def stop(*args: Any) -> None:
         print("SAVING", flush=True)
         time.sleep(600)
 
-    opt = make_opt()
-    params, state, _ = train(make_params(), opt.init(make_params()), make_step(opt), range(1))
-
-    def save_atomically(path: str, tree: Any, spec: Any = eqx.default_serialise_filter_spec) -> None:
-        eqx.tree_serialise_leaves(path + ".tmp", tree, filter_spec=spec)
-        os.replace(path + ".tmp", path)
-
-    if mode == "eqx":
-        save_atomically(os.path.join(directory, "step_1.eqx"), (params, state))
-    else:
-        manager = ocp.CheckpointManager(os.path.join(directory, "ckpt"))
-        manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                state=ocp.args.StandardSave(state)))
-        manager.wait_until_finished()
-    Path(directory, "expected.json").write_text(json.dumps(hex_bits((params, state))))
-    params, state, _ = train(params, state, make_step(opt), range(1, 2))
     written: list[bool] = []
-    if mode == "eqx":
-        def write_one_then_stop(f: Any, x: Any) -> None:
-            if written:
-                f.flush()
-                stop_here()
-            written.append(True)
-            eqx.default_serialise_filter_spec(f, x)
+    write = serialization.async_serialize_from_host
 
-        save_atomically(os.path.join(directory, "step_2.eqx"), (params, state), write_one_then_stop)
-    else:
-        if mode == "orbax-writing":
-            original = serialization.async_serialize_from_host
+    def first_leaf_then_stop(f: Any, x: Any) -> None:
+        if written:
+            f.flush()
+            stop()
+        written.append(True)
+        eqx.default_serialise_filter_spec(f, x)
 
-            async def write_one_then_stop_async(*args: Any, **kwargs: Any) -> Any:
-                if written:
-                    threading.Thread(target=stop_here).start()
-                    await __import__("asyncio").sleep(600)
-                written.append(True)
-                return await original(*args, **kwargs)
+    async def first_array_then_stop(*args: Any, **kwargs: Any) -> Any:
+        if written:
+            threading.Thread(target=stop).start()
+            await asyncio.sleep(600)
+        written.append(True)
+        return await write(*args, **kwargs)
 
-            serialization.async_serialize_from_host = write_one_then_stop_async
-        else:
-            async def stop_before_commit(self: Any) -> None:
-                stop_here()
+    async def stop_before_commit(self: Any) -> None:
+        stop()
 
-            atomicity.AtomicRenameTemporaryPath.finalize = stop_before_commit  # type: ignore[method-assign]  # the point of the test
-        manager.save(2, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                state=ocp.args.StandardSave(state)))
-        manager.wait_until_finished()
+    fmt, opt = mode.split("-")[0], make_opt()
+    step = make_step(opt)
+    params, state, _ = train(make_params(), opt.init(make_params()), step, range(1))
+    save(fmt, Path(directory, "ckpt"), {"params": params, "state": state}, step=1)
+    Path(directory, "expected.json").write_text(json.dumps(hex_bits([params, state])))
+    params, state, _ = train(params, state, step, range(1, 2))
+    if mode == "orbax-writing":
+        serialization.async_serialize_from_host = first_array_then_stop
+    if mode == "orbax-committing":
+        commit = atomicity.AtomicRenameTemporaryPath
+        commit.finalize = stop_before_commit  # type: ignore[method-assign]  # the point of the test
+    save(fmt, Path(directory, "ckpt"), {"params": params, "state": state}, step=2,
+         spec=first_leaf_then_stop)
     print("FINISHED (the parent should have killed this process)", flush=True)
 
 
-def start_and_kill(directory: Path, mode: str) -> tuple[Any, Any]:
-    """Runs `worker` in a process until it is in the middle of saving step 2, SIGKILLs
-    it, and returns the restore targets of its state."""
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["orbax-writing", "orbax-committing", "eqx-writing"])
+def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
+    """`worker`, in a process of its own, SIGKILLed in the middle of saving step 2: step 2
+    was started (orbax: its temporary directory; eqx: a torn file whose second leaf was
+    never written) but not committed, and step 1 restores bitwise into host memory."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    log_path = directory / "worker.log"
+    log_path, ckpt = tmp_path / "worker.log", tmp_path / "ckpt"
     with open(log_path, "w+b") as log:
-        proc = subprocess.Popen([sys.executable, __file__, str(directory), mode],
-                                env=env | {"JAX_PLATFORMS": "cpu"}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, __file__, str(tmp_path), mode], stdout=log,
+                                env=env | {"JAX_PLATFORMS": "cpu"}, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
             while b"SAVING" not in log_path.read_bytes():
-                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
                 time.sleep(0.02)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -375,30 +366,22 @@ def start_and_kill(directory: Path, mode: str) -> tuple[Any, Any]:
                 proc.wait()
     assert proc.returncode == -signal.SIGKILL
     params_target = eqx_offload.restore_target(make_params())
-    return params_target, eqx_offload.abstract_init(make_opt(), params_target)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["orbax-writing", "orbax-committing", "eqx"])
-def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
-    """Step 2 was started (orbax: its temporary directory; eqx: a torn file whose second
-    leaf was never written) but not committed; step 1 restores bitwise into host memory."""
-    targets = start_and_kill(tmp_path, mode)
-    if mode == "eqx":
-        partial = tmp_path / "step_2.eqx.tmp"
-        assert partial.exists() and not (tmp_path / "step_2.eqx").exists()
+    targets = {"params": params_target,
+               "state": eqx_offload.abstract_init(make_opt(), params_target)}
+    fmt = mode.split("-")[0]
+    if fmt == "eqx":
+        assert not (ckpt / "2.eqx").exists()
         # (Equinox's `TreePathError` is a `RuntimeError` naming the leaf.)
-        with pytest.raises(RuntimeError, match=r"Error at leaf with path \(SequenceKey\(idx=0\), "
-                           r"DictKey\(key='b2'\)\)"):
-            eqx.tree_deserialise_leaves(partial, targets, filter_spec=FILTER)
-        restored = eqx.tree_deserialise_leaves(tmp_path / "step_1.eqx", targets, filter_spec=FILTER)
+        with pytest.raises(RuntimeError, match=r"Error at leaf with path "
+                           r"\(DictKey\(key='params'\), DictKey\(key='b2'\)\)"):
+            eqx.tree_deserialise_leaves(ckpt / "2.eqx.tmp", targets, filter_spec=FILTER)
     else:
-        assert any(p.name.startswith("2.") and "tmp" in p.name for p in (tmp_path / "ckpt").iterdir())
-        with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        assert any(p.name.startswith("2.") and "tmp" in p.name for p in ckpt.iterdir())
+        with ocp.CheckpointManager(ckpt) as manager:
             assert manager.all_steps() == [1]
-        restored = load("orbax", tmp_path / "ckpt", targets, step=1)
-    assert hex_bits(restored) == json.loads((tmp_path / "expected.json").read_text())
-    assert all(x.sharding.memory_kind == "pinned_host" for x in offloaded_leaves(restored[1]))
+    restored = load(fmt, ckpt, targets, step=1)
+    assert hex_bits(list(restored.values())) == json.loads((tmp_path / "expected.json").read_text())
+    assert all(x.sharding.memory_kind == "pinned_host" for x in offloaded_leaves(restored["state"]))
 
 
 def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
@@ -415,7 +398,8 @@ def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index])
 
     rebuilt = jax.tree.map(assembled, state)
-    assert all(x.sharding.memory_kind == "pinned_host" and not host_typed(x) for x in offloaded_leaves(rebuilt))
+    assert all(x.sharding.memory_kind == "pinned_host" and not host_typed(x)
+               for x in offloaded_leaves(rebuilt))
     assert bits(rebuilt) == bits(state)
     new = train(jax.tree.map(jnp.copy, params), rebuilt, step, range(1))
     assert all(x.is_deleted() for x in jtu.tree_leaves(rebuilt))
