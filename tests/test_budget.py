@@ -15,7 +15,8 @@ from helpers import assert_tree_equal, unchecked
 import eqx_offload
 
 
-PARAMS = {"big": jnp.ones((64, 32)), "mid": jnp.ones((16, 16)), "small": jnp.ones(8), "s": jnp.ones(())}
+PARAMS = {"big": jnp.ones((64, 32)), "mid": jnp.ones((16, 16)), "small": jnp.ones(8),
+          "s": jnp.ones(())}
 # adam's mu and nu per parameter: big 8 KiB each, mid 1 KiB, small 32 B, s 4 B; count 4 B.
 TOTAL = 2 * (8192 + 1024 + 32 + 4) + 4
 NOT_SCALARS = ["inner_state/0/mu/big", "inner_state/0/mu/mid", "inner_state/0/mu/small",
@@ -30,7 +31,8 @@ NOT_SCALARS = ["inner_state/0/mu/big", "inner_state/0/mu/mid", "inner_state/0/mu
     (TOTAL - 8192 - 1, ["inner_state/0/mu/big", "inner_state/0/nu/big"]),
 ])
 def test_within_budget(budget: int, on_host: list[str]) -> None:
-    opt = eqx_offload.offloaded(optax.adam(0.1), eqx_offload.within_budget(optax.adam(0.1), PARAMS, budget))
+    where = eqx_offload.within_budget(optax.adam(0.1), PARAMS, budget)
+    opt = eqx_offload.offloaded(optax.adam(0.1), where)
     report = eqx_offload.memory_report(opt.init(PARAMS))
     assert report.device_bytes <= max(budget, 16)
     assert [leaf.path for leaf in report.leaves if leaf.memory_kind == "pinned_host"] == on_host
@@ -48,10 +50,7 @@ def test_budget_offloaded_is_bitwise_and_bad_budget_rejected() -> None:
 
 
 def test_prefetch_options_compile_and_keep_results() -> None:
-    """No budget, no options (XLA's latency-hiding scheduler is on by default on GPUs); a
-    budget is a whole percentage of the device's memory, rounded down, at least 1%, and
-    needs the device's size (the CPU reports none). The CPU compiler ignores these GPU
-    options: the same results."""
+    """A budget is a whole percentage of device memory; results unchanged."""
     assert eqx_offload.prefetch_options() == {}
     slop = "xla_gpu_memory_limit_slop_factor"
     assert eqx_offload.prefetch_options(3 << 30, device_memory_size=8 << 30) == {slop: 37}
@@ -78,10 +77,7 @@ def test_prefetch_options_compile_and_keep_results() -> None:
 
 @pytest.mark.parametrize("group_bytes", [None, 0])
 def test_state_copies_to_the_device_wait_for_nothing(group_bytes: Any) -> None:
-    """Lowered for a GPU, every copy of the state to the device in a whole training step
-    reads a step argument directly (so the scheduler may start it at the top of the
-    step); with `group_bytes`, those of the first group (later groups wait for the
-    update before them)."""
+    """For a GPU, each state copy to the device reads a step argument directly."""
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     params = jax.device_put(eqx.filter(model, eqx.is_array), jax.devices()[0])
     opt = eqx_offload.offloaded(optax.adam(0.1), group_bytes=group_bytes, lookahead=1)

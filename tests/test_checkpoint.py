@@ -81,8 +81,7 @@ def train(params: Any, state: Any, step: Any, steps: range,
 
 
 def placements(tree: Any) -> list[tuple[str, Optional[str], Any]]:
-    """Path, memory kind and each device's shard index per leaf: equal placements hold
-    the same bytes in the same memories, whichever `Sharding` class describes them."""
+    """Path, memory kind and each device's shard index, per leaf."""
     return [(jtu.keystr(p), x.sharding.memory_kind, sorted(
         (d.id, str(i)) for d, i in x.sharding.devices_indices_map(tuple(x.shape)).items()))
             for p, x in jtu.tree_flatten_with_path(tree)[0]]
@@ -99,8 +98,7 @@ def offloaded_leaves(state: Any) -> list[jax.Array]:
 
 @pytest.fixture
 def device_puts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], Optional[str]]]:
-    """Shape and destination memory kind of every array `jax.device_put` moves (orbax and
-    `deserialise_filter_spec` place each shard with it)."""
+    """Shape and destination memory kind of each array `jax.device_put` moves."""
     calls: list[tuple[tuple[int, ...], Optional[str]]] = []
     original = jax.device_put
 
@@ -117,8 +115,7 @@ def device_puts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], 
 
 
 def assert_restored_on_host(restored: Any, saved: Any, calls: list[Any]) -> None:
-    """The saved values, shardings and memory kinds, and no non-scalar leaf passed
-    through device memory on the way."""
+    """The saved bits and placements; no offloaded leaf passed through the device."""
     assert bits(restored) == bits(saved) and placements(restored) == placements(saved)
     big = offloaded_leaves(restored)
     assert big and all(x.sharding.memory_kind == "pinned_host" and host_typed(x) for x in big)
@@ -129,9 +126,7 @@ def assert_restored_on_host(restored: Any, saved: Any, calls: list[Any]) -> None
 
 @LAYOUTS
 def test_abstract_init_is_what_init_makes(layout: str) -> None:
-    """Structure, shapes, dtypes, memory kinds and shardings of `init`'s state (a
-    one-device host leaf as a one-device `NamedSharding`: JAX types shards assembled into
-    a `SingleDeviceSharding` as device memory), also from abstract params."""
+    """Shapes, dtypes, memory kinds and shardings of `init`'s state."""
     mesh = mesh_for(layout)
     params = make_params(mesh)
     for opt in [make_opt(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)),
@@ -152,9 +147,7 @@ def test_abstract_init_is_what_init_makes(layout: str) -> None:
 
 
 def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`host_shardings` keeps mesh and spec; `restore_target` keeps placements and adds
-    host leaves by `where`; leaves without a sharding go to the default device; other
-    leaves pass through; a bad or missing memory kind names the leaf and the offer."""
+    """Host shardings keep mesh and spec; bad kinds name the leaf."""
     params = make_params(mesh_for("mesh"))
     plain = optax.adam(1e-3).init(params)  # as restored without host shardings
     shardings = eqx_offload.host_shardings(plain, eqx_offload.min_ndim(1))
@@ -184,8 +177,7 @@ def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_deserialise_filter_spec(tmp_path: Path) -> None:
-    """bfloat16 and NumPy leaves come back as they were; a mismatched leaf is a
-    `CheckpointError` (a `ValueError`) that Equinox wraps naming the leaf."""
+    """bfloat16 and NumPy leaves round-trip; a mismatch names the leaf."""
     tree = {"b": jnp.arange(4, dtype=jnp.bfloat16), "n": np.arange(3.0), "s": 2.0}
     eqx.tree_serialise_leaves(tmp_path / "s.eqx", tree)
     like = {"b": eqx_offload.restore_target(tree["b"], True), "n": np.zeros(3), "s": 0.0}
@@ -205,8 +197,7 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
 
 
 def test_restored_stack_is_ready_for_scan_layers(tmp_path: Path) -> None:
-    """A layer stack restored with a host `restore_target` is in host memory, bitwise,
-    and `scan_layers` differentiates it as a freshly offloaded stack."""
+    """A restored host layer stack works as a freshly offloaded one."""
     keys = jax.random.split(jax.random.key(0), 3)
     layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(keys)
     eqx.tree_serialise_leaves(tmp_path / "layers.eqx", layers)
@@ -224,9 +215,7 @@ def test_restored_stack_is_ready_for_scan_layers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["orbax", "eqx"])
 def test_restores_into_host(layout: str, fmt: str, tmp_path: Path,
                             device_puts: list[Any]) -> None:
-    """Neither format records memory kinds: without a target orbax restores the state in
-    device memory, Equinox whole on the default device; with `abstract_init`'s target
-    every offloaded leaf goes straight to host memory."""
+    """Without a target the state comes back on the device; with one, on host."""
     mesh, opt = mesh_for(layout), make_opt()
     params, state, _ = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt),
                              range(2), mesh)
@@ -247,8 +236,7 @@ def test_restores_into_host(layout: str, fmt: str, tmp_path: Path,
 
 def save(fmt: str, directory: Path, tree: dict[str, Any], step: int = 3,
          spec: Any = eqx.default_serialise_filter_spec) -> None:
-    """A step of an orbax `CheckpointManager`, or an Equinox file written beside and
-    renamed into place once complete (the pattern of docs/checkpointing.md)."""
+    """An orbax step, or an Equinox file renamed into place once complete."""
     if fmt == "eqx":
         directory.mkdir(parents=True, exist_ok=True)
         eqx.tree_serialise_leaves(directory / f"{step}.eqx.tmp", tree, filter_spec=spec)
@@ -271,9 +259,7 @@ def load(fmt: str, directory: Path, targets: dict[str, Any], step: int = 3) -> d
 @LAYOUTS
 @pytest.mark.parametrize("fmt", ["orbax", "eqx"])
 def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path) -> None:
-    """Three steps, save, forget; restore as a new run would (a new optimizer, targets and
-    step function): the restored placements hit one executable, and the six steps are
-    bitwise those of the uninterrupted run."""
+    """Save after 3 steps, restore as a new run: one compile, bitwise."""
     mesh, opt = mesh_for(layout), make_opt()
     full = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt), range(6), mesh)
     opt = make_opt()
@@ -296,9 +282,7 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path) -> None:
 
 
 def worker(directory: str, mode: str) -> None:
-    """Saves step 1 (its values to `expected.json`), trains a step and starts saving step
-    2; prints `SAVING` and waits to be killed after the first array (`*-writing`) or just
-    before orbax commits (renames into place) the checkpoint (`orbax-committing`)."""
+    """Saves step 1, then is killed mid-save of step 2 (`python THIS_FILE DIR MODE`)."""
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
 
@@ -345,9 +329,7 @@ def worker(directory: str, mode: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["orbax-writing", "orbax-committing", "eqx-writing"])
 def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
-    """`worker`, in a process of its own, SIGKILLed in the middle of saving step 2: step 2
-    was started (orbax: its temporary directory; eqx: a torn file whose second leaf was
-    never written) but not committed, and step 1 restores bitwise into host memory."""
+    """Killed mid-save, step 2 is not committed; step 1 restores bitwise."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     log_path, ckpt = tmp_path / "worker.log", tmp_path / "ckpt"
     with open(log_path, "w+b") as log:
@@ -385,10 +367,8 @@ def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
 
 
 def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
-    """A state built the way orbax restores (shards assembled into a `SingleDeviceSharding`
-    array) is typed as device memory by JAX 0.10 although it lives in host memory;
-    `filter_jit` copies such leaves once into correctly typed arrays: no `OffloadWarning`
-    (an error under this suite's filterwarnings), the same numbers, donation honoured."""
+    """Shards assembled as orbax does are typed device memory (JAX 0.10): `filter_jit`
+    retypes them without a warning, bitwise, donation honoured."""
     opt = make_opt()
     step, params = make_step(opt), make_params()
     state = opt.init(params)

@@ -32,8 +32,7 @@ def make_step(mw: Any) -> Any:
 
 
 def reference_step(inner: Any) -> Any:
-    """The same update written out: fp32 master weights and state on the device, bf16
-    gradients widened, the update in fp32, the compute weights rounded from it."""
+    """The update written out: fp32 master and state on device, bf16 weights rounded."""
 
     def step(model: Any, master: Any, state: Any, x: jax.Array) -> Any:
         grads = eqx.filter_grad(loss_fn)(model, x)
@@ -59,9 +58,7 @@ OFFLOADS = {
 
 @pytest.mark.parametrize("offload", list(OFFLOADS))
 def test_master_weights_bitwise_and_memory_kinds(offload: str) -> None:
-    """Three donated steps, one compile: bf16 weights on the device are the rounding of
-    the fp32 master weights, and everything is bitwise the update written out; master
-    weights and moments in host memory (or on the device without `offload`)."""
+    """Donated steps, one compile, bitwise the written-out update; kinds kept."""
     inner = optax.adamw(1e-2)
     mw = eqx_offload.master_weights(inner, offload=OFFLOADS[offload])
     model, state = mw.init(make_model())
@@ -85,7 +82,8 @@ def test_master_weights_bitwise_and_memory_kinds(offload: str) -> None:
         inner_state = (state.inner_state if offload != "device" else state).inner_state
         assert bits(inner_state) == bits(ref_state)
     assert set(memory_kinds(model).values()) == {"device"}
-    assert {x.dtype for x in jtu.tree_leaves(eqx.filter(model, eqx.is_array))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jtu.tree_leaves(eqx.filter(model, eqx.is_array))} == {
+        jnp.dtype(jnp.bfloat16)}
     assert set(memory_kinds(master_of(state)).values()) == {host}
     assert {x.dtype for x in jtu.tree_leaves(master_of(state))} == {jnp.dtype(jnp.float32)}
     moments = memory_kinds(state)
@@ -151,9 +149,7 @@ def _transformer() -> tuple[Any, Any, Any]:
     (_demo_task, 3e-3, 0.6, 0.02), (_transformer, 1e-2, 0.8, 0.03)], ids=["mlp", "transformer"])
 def test_master_weights_loss_curve_follows_fp32(task: Any, lr: float, learns: float,
                                                 within: float) -> None:
-    """The demo's regression MLP (60 steps) and the benchmark's small transformer LM (40):
-    bf16 compute with fp32 master weights learns, and its last five losses are within a
-    few percent of plain fp32 AdamW's."""
+    """bf16 with fp32 master weights learns and ends near plain fp32 AdamW."""
     model, loss, batches = task()
     plain = train(model, loss, batches, optax.adamw(lr), mixed=False)
     mixed = train(model, loss, batches, optax.adamw(lr), mixed=True)
@@ -162,9 +158,7 @@ def test_master_weights_loss_curve_follows_fp32(task: Any, lr: float, learns: fl
 
 
 def test_master_weights_with_compute_weights_in_host_memory() -> None:
-    """bf16 compute weights kept in host memory (`host_weights`) stay there after the
-    update, their gradients come from host memory, and every bit is that of the same
-    model with its compute weights on the device."""
+    """Host compute weights stay on host, bitwise the device ones."""
     x = jax.random.normal(jax.random.key(2), (16, 8), jnp.bfloat16)
     results = []
     for wrap in (eqx_offload.host_weights, eqx_offload.HostWeights):
@@ -179,5 +173,6 @@ def test_master_weights_with_compute_weights_in_host_memory() -> None:
     assert kinds.pop("layers/1/module/weight") == kinds.pop("layers/1/module/bias") == "pinned_host"
     assert set(kinds.values()) == {"device"}
     assert set(memory_kinds(device_model).values()) == {"device"}
-    assert bits(eqx.filter(host_model, eqx.is_array)) == bits(eqx.filter(device_model, eqx.is_array))
+    assert bits(eqx.filter(host_model, eqx.is_array)) == bits(
+        eqx.filter(device_model, eqx.is_array))
     assert bits(host_state) == bits(device_state)

@@ -20,15 +20,14 @@ GIB = 1 << 30
 
 
 def test_supported_memory_kinds() -> None:
-    """The CPU's kinds, each one a device really takes; by default those of the default
-    device (also when set by platform name); a device, not a string."""
+    """The CPU's kinds, each one a device really takes; a device, not a string."""
     assert eqx_offload.supported_memory_kinds() == CPU_KINDS
     assert all(eqx_offload.supported_memory_kinds(d) == CPU_KINDS for d in jax.devices())
     x = jnp.ones(2)
     for kind in CPU_KINDS:
         assert jax.device_put(x, x.sharding.with_memory_kind(kind)).sharding.memory_kind == kind
     with pytest.raises(TypeCheckError, match="device"):
-        eqx_offload.supported_memory_kinds("cpu:0")  # type: ignore[arg-type]  # the error under test
+        eqx_offload.supported_memory_kinds("cpu:0")  # type: ignore[arg-type]  # under test
 
 
 def test_supported_memory_kinds_asks_the_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,8 +51,7 @@ def _lacking(monkeypatch: pytest.MonkeyPatch, kind: str, only: Optional[set[Any]
 
 
 def test_unsupported_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The error names the kind, device, platform and leaf and what the device offers;
-    it is a `ValueError`; the kinds the device has still work."""
+    """The error names kind, device, platform, leaf and the offer; a `ValueError`."""
     _lacking(monkeypatch, "unpinned_host")
     assert eqx_offload.supported_memory_kinds() == ("device", "pinned_host")
     tree = {"state": {"mu": jnp.ones(3)}}
@@ -74,8 +72,7 @@ def test_unsupported_kind_for_numpy_leaf(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_unsupported_kind_on_one_device_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One device of a sharded leaf lacking the kind is enough; every leaf is checked
-    before the one `device_put` (no half-moved tree); other devices are fine."""
+    """One device lacking the kind is enough, and nothing moves."""
     devices = jax.devices()
     _lacking(monkeypatch, "pinned_host", only={devices[2], devices[7]})
     x = jax.device_put(jnp.ones((8, 2)), NamedSharding(Mesh(np.array(devices[:4]), ("data",)),
@@ -97,8 +94,7 @@ def test_unsupported_kind_on_one_device_moves_nothing(monkeypatch: pytest.Monkey
     ("1_0", 64), ("2e3", 64)])
 def test_host_pool_limit_is_read_as_xla_reads_it(value: Optional[str], gigabytes: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """XLA reads `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` with `tsl::ReadInt64FromEnvVar`: an
-    integer (spaces around it allowed), else 64 GiB; init's check and the planner agree."""
+    """An integer, spaces allowed, else 64 GiB; init and the planner agree."""
     variable = _memory.HOST_LIMIT_VARIABLE
     assert _memory.host_pool_limit("cuda", {} if value is None else {variable: value}) == (
         gigabytes * GIB)
@@ -114,7 +110,8 @@ def test_client_memory_fraction_is_read_as_jax_reads_it() -> None:
     assert read({}) == (0.75, "XLA's default")
     assert read({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) == (0.75, "XLA's default")
     assert read({"XLA_CLIENT_MEM_FRACTION": ".9"}) == (0.9, "XLA_CLIENT_MEM_FRACTION")
-    assert read({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == (0.5, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    old = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    assert read({old: "0.5"}) == (0.5, old)
     assert read({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})[0] == 1.0
     for bad in ("abc", "0", "1.5"):
         with pytest.raises(eqx_offload.OptionError, match="XLA_CLIENT_MEM_FRACTION"):

@@ -59,8 +59,9 @@ def make_model(mesh: Optional[jax.sharding.Mesh] = None, layout: str = "data") -
 
 
 def batches() -> list[tuple[jax.Array, jax.Array]]:
-    return [(jax.random.normal(k, (BATCH, DIM)), jax.random.normal(jax.random.fold_in(k, 1), (BATCH, DIM)))
-            for k in jax.random.split(jax.random.key(1), STEPS)]
+    keys = jax.random.split(jax.random.key(1), STEPS)
+    return [(jax.random.normal(k, (BATCH, DIM)), jax.random.normal(jax.random.fold_in(k, 1),
+                                                                   (BATCH, DIM))) for k in keys]
 
 
 def make_mesh(layout: str, axis_type: AxisType) -> jax.sharding.Mesh:
@@ -93,9 +94,8 @@ def train(model: Model, opt: Any, jit: Callable[..., Any], data: list[Any],
     return model, state, losses
 
 
-def check_placement(model: Model, state: eqx_offload.OffloadedState, mesh: jax.sharding.Mesh) -> None:
-    """Every moment in host memory with its parameter's mesh and spec; the count on the
-    device, replicated over the mesh; the model on the device, on the mesh."""
+def check_placement(model: Model, state: Any, mesh: jax.sharding.Mesh) -> None:
+    """Moments on host with their parameter's sharding; count and model on device."""
     adam = state.inner_state[0]
     for moments in (adam.mu, adam.nu):
         for path, leaf in jtu.tree_flatten_with_path(moments)[0]:
@@ -112,11 +112,8 @@ def check_placement(model: Model, state: eqx_offload.OffloadedState, mesh: jax.s
 @AXIS_TYPES
 @LAYOUT
 def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) -> None:
-    """`to_host`/`to_device` keep each leaf's sharding; `init` keeps the parameters'
-    shardings in host memory with the unwrapped values; four donated steps compile once,
-    keep every placement and are bitwise the same sharded program with the unwrapped
-    optimizer, and match one device to float tolerance (cross-device sums may add in
-    another order)."""
+    """Placements kept, donated, one compile, bitwise the unwrapped sharded run, and
+    one device to float tolerance (cross-device sums may add in another order)."""
     mesh = make_mesh(layout, axis_type)
     model = make_model(mesh, layout)
     on_host = eqx_offload.to_host(model)
@@ -137,8 +134,8 @@ def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) ->
         seen.append((model, state))
 
     with count_compiles("step") as compiles:
-        model, state, losses = train(make_model(mesh, layout), eqx_offload.offloaded(optax.adamw(1e-2)),
-                                     eqx_offload.filter_jit(donate="all"), data, out_sharding, check)
+        model, state, losses = train(make_model(mesh, layout), eqx_offload.offloaded(
+            optax.adamw(1e-2)), eqx_offload.filter_jit(donate="all"), data, out_sharding, check)
     assert len(compiles) == 1  # the outputs keep the inputs' shardings exactly
     check_placement(model, state, mesh)
     assert all(leaf.is_deleted() for leaf in jtu.tree_leaves(seen))
@@ -152,8 +149,7 @@ def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) ->
 @AXIS_TYPES
 @LAYOUT
 def test_sharded_update_is_bitwise_one_device(axis_type: AxisType, layout: str) -> None:
-    """Where no collective reorders a sum (the update itself is elementwise), the
-    sharded, offloaded update equals the one-device unwrapped update bit for bit."""
+    """The elementwise update, sharded and offloaded, is bitwise one device's."""
     mesh = make_mesh(layout, axis_type)
     params = eqx.filter(make_model(), eqx.is_array)
     # Fresh arrays for each use: `jax.device_put` onto a replicated sharding may reuse a
@@ -172,8 +168,9 @@ def test_sharded_update_is_bitwise_one_device(axis_type: AxisType, layout: str) 
     sharded = eqx.filter(make_model(mesh, layout), eqx.is_array)
     state, ref_state = opt.init(sharded), ref_opt.init(params)
     for grads in grad_list:
-        sharded, state = update(jax.tree.map(lambda g, p: jax.device_put(g, p.sharding, may_alias=False),
-                                             grads, sharded), state, sharded)
+        grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding, may_alias=False),
+                             grads, sharded)
+        sharded, state = update(grads, state, sharded)
         params, ref_state = ref_update(grads, ref_state, params)
     check_placement(make_model(mesh, layout), state, mesh)
     assert_tree_equal((sharded, state.inner_state), (params, ref_state))
@@ -181,8 +178,7 @@ def test_sharded_update_is_bitwise_one_device(axis_type: AxisType, layout: str) 
 
 @AXIS_TYPES
 def test_uncommitted_batch_with_sharded_model(axis_type: AxisType) -> None:
-    """A fresh `jnp` array (uncommitted) or a NumPy array next to a sharded model goes
-    where `jax.jit` would put it: replicated over the mesh."""
+    """Uncommitted and NumPy batches are replicated, as `jax.jit` would."""
     mesh = make_mesh("data+model", axis_type)
     opt = eqx_offload.offloaded(optax.adamw(1e-2))
     replicated = NamedSharding(mesh, P())
@@ -202,9 +198,7 @@ def test_uncommitted_batch_with_sharded_model(axis_type: AxisType) -> None:
 
 
 def test_same_shape_outputs_keep_their_own_sharding() -> None:
-    """With auto axes every traced value has an all-`None` spec: `filter_jit` does not
-    trust it to replicate the outputs, nor gives two outputs of one shape the first
-    input's sharding."""
+    """Auto axes: outputs of one shape keep their own shardings."""
     mesh = make_mesh("data+model", AxisType.Auto)
     w1 = jax.device_put(jnp.ones((DIM, DIM)), NamedSharding(mesh, P(None, "model")))
     w2 = jax.device_put(jnp.ones((DIM, DIM)), NamedSharding(mesh, P("model", None)))
@@ -222,10 +216,8 @@ def test_same_shape_outputs_keep_their_own_sharding() -> None:
 
 
 def test_filter_shard_idiom_bitwise_and_state_stays_on_host() -> None:
-    """Equinox's data-parallel idiom, ported: `eqx_offload.filter_shard` for the eager
-    placement after `init` (JAX commits every host array, and `eqx.filter_shard` outside
-    `jit` can neither move a committed array to other devices nor keep its memory);
-    `eqx.filter_shard` inside the step as it is (a placement: the state stays on host)."""
+    """Equinox's data-parallel idiom with `eqx_offload.filter_shard` after `init` (eqx's
+    cannot move committed host arrays): bitwise, the state stays on host."""
     mesh = make_mesh("data", AxisType.Auto)
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data", None))
 
@@ -234,9 +226,11 @@ def test_filter_shard_idiom_bitwise_and_state_stays_on_host() -> None:
         def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> Any:
             model, state = eqx.filter_shard((model, state), replicated)
             x, y = eqx.filter_shard((x, y), data)
-            value, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x, None) - y) ** 2))(model)
+            loss = lambda m: jnp.mean((m(x, None) - y) ** 2)  # noqa: E731
+            value, grads = eqx.filter_value_and_grad(loss)(model)
             updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-            return (*eqx.filter_shard((eqx.apply_updates(model, updates), state), replicated), value)
+            model = eqx.apply_updates(model, updates)
+            return (*eqx.filter_shard((model, state), replicated), value)
         return step
 
     model, ref_opt, opt = make_model(), optax.adamw(1e-2), eqx_offload.offloaded(optax.adamw(1e-2))
@@ -260,8 +254,7 @@ def test_filter_shard_idiom_bitwise_and_state_stays_on_host() -> None:
 
 
 def test_filter_shard_under_jit_keeps_memory() -> None:
-    """Eagerly a placement, under `jit` a constraint (the arguments already on the mesh's
-    devices): each leaf keeps its memory kind; a non-sharding is an `OptionError`."""
+    """Eagerly a placement, under jit a constraint: memory kinds kept."""
     mesh = make_mesh("data", AxisType.Auto)
     tree = {"host": eqx_offload.to_host(jnp.arange(8.0)), "device": jnp.arange(4.0), "n": 3}
     eager = eqx_offload.filter_shard(tree, NamedSharding(mesh, P()))
@@ -269,7 +262,8 @@ def test_filter_shard_under_jit_keeps_memory() -> None:
     jitted = eqx_offload.filter_jit(lambda t: eqx_offload.filter_shard(t, spread))(eager)
     assert jitted["host"].sharding.spec == P("data")
     for out in (eager, jitted):
-        assert out["host"].sharding.memory_kind == "pinned_host" and out["host"].sharding.mesh == mesh
+        assert out["host"].sharding.memory_kind == "pinned_host"
+        assert out["host"].sharding.mesh == mesh
         assert out["device"].sharding.memory_kind == "device" and out["n"] == 3
         assert_tree_equal(out, tree)
     with pytest.raises(eqx_offload.OptionError, match="must be a `jax.sharding.Sharding`"):

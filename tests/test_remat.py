@@ -38,8 +38,7 @@ def grads_of(block: Any, x: jax.Array) -> Any:
 
 
 def host_residuals(fun: Any, *args: Any) -> list[tuple[int, ...]]:
-    """Shapes of the values the forward pass sends to host memory for the backward
-    pass (the `device_put`s to host in the jaxpr of the gradient)."""
+    """Shapes of the values the forward pass sends to host for the backward pass."""
     jaxpr, _, _ = eqx.filter_make_jaxpr(fun)(*args)
     return [tuple(v.aval.shape) for e in walk_eqns(jaxpr) if e.primitive.name == "device_put"
             and jax.memory.Space.Host in e.params["devices"] for v in e.outvars]
@@ -72,8 +71,7 @@ def test_offload_names_bitwise_to_the_same_remat_on_device(names: Any, save: Any
 
 
 def test_filter_remat_on_a_module_lowered_for_gpu() -> None:
-    """Gradients reach the module's weights through the wrapper, bitwise; lowered for
-    CUDA the activation goes to host after the forward pass and back before its use."""
+    """Bitwise gradients; for CUDA, to host after the forward, back before use."""
     offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
     assert bits(grads_of(offloading, X)) == bits(grads_of(BLOCK, X))
     loss = eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2))
@@ -106,7 +104,8 @@ def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
 
     w1, w2 = jnp.ones((8, 16)) * 0.1, jnp.ones((16, 8)) * 0.2
     offloading = eqx_offload.filter_remat(mlp, eqx_offload.offload_dots())
-    keeping = eqx.filter_checkpoint(mlp, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    keeping = eqx.filter_checkpoint(mlp, policy=saveable)
     grad = jax.jit(jax.grad(lambda *a: a[-1](*a[:-1]), argnums=(0, 1)), static_argnums=3)
     assert bits(grad(w1, w2, X, offloading)) == bits(grad(w1, w2, X, keeping))
     # both products (x @ w1 and h @ w2) wait in host memory

@@ -26,8 +26,7 @@ def _tree() -> dict[str, Any]:
 
 
 def test_by_kind_totals_and_leaves() -> None:
-    """Bytes per kind (NumPy apart, in neither total) and one row per array leaf, in tree
-    order; non-array leaves are not listed."""
+    """Bytes per kind (NumPy in neither total) and one row per array leaf."""
     report = memory_report(eqx_offload.to_host(_tree(), where=pattern("mu/w")))
     assert isinstance(report, MemoryReport)
     assert report.by_kind == {"pinned_host": 8192, "device": 64 + 4, "numpy": 12,
@@ -44,7 +43,8 @@ def test_by_kind_totals_and_leaves() -> None:
 
 
 def test_optax_state_paths() -> None:
-    state = optax.chain(optax.clip(1.0), optax.adam(1e-3)).init({"layers": [{"weight": jnp.ones((4, 4))}]})
+    params = {"layers": [{"weight": jnp.ones((4, 4))}]}
+    state = optax.chain(optax.clip(1.0), optax.adam(1e-3)).init(params)
     report = memory_report(eqx_offload.to_host(state, where=pattern(".*/(mu|nu)/.*")))
     assert [(leaf.path, leaf.memory_kind) for leaf in report.leaves] == [
         ("1/0/count", "device"), ("1/0/mu/layers/0/weight", "pinned_host"),
@@ -68,9 +68,7 @@ def test_bare_array_empty_tree_and_sharded() -> None:
 
 
 def test_abstract_leaves_count_where_their_sharding_says() -> None:
-    """Each `ShapeDtypeStruct` counts under its sharding's memory kind, or "unplaced"
-    without one (in neither `device_bytes` nor `host_bytes`): `filter_eval_shape` of an
-    offloaded init reports what `init` would hold."""
+    """Abstract leaves count under their sharding's kind, or as unplaced."""
     device = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2),
@@ -88,9 +86,9 @@ def test_abstract_leaves_count_where_their_sharding_says() -> None:
 
 
 def test_typed_prng_keys() -> None:
-    """Keys by their key data's bytes, eagerly and under jit (sizes only there: JAX 0.10
-    types a host-resident key array as device memory inside `jit`)."""
-    tree = {"key": eqx_offload.to_host(jax.random.key(0)), "keys": jax.random.split(jax.random.key(1), 4)}
+    """Keys count their key data (under jit sizes only: JAX 0.10 types them device)."""
+    tree = {"key": eqx_offload.to_host(jax.random.key(0)),
+            "keys": jax.random.split(jax.random.key(1), 4)}
     report = memory_report(tree)
     assert report.by_kind == {"pinned_host": 8, "device": 32}
     assert [leaf.dtype for leaf in report.leaves] == ["key<fry>", "key<fry>"]
@@ -117,8 +115,7 @@ def test_str_is_a_table() -> None:
 
 
 def test_under_jit() -> None:
-    """Inside `jit` the kind comes from each tracer's memory space: before and after a
-    move, and for host-resident inputs; the traced report agrees with the result."""
+    """Under jit the kind comes from each tracer's memory space."""
     seen: list[MemoryReport] = []
 
     @jax.jit

@@ -24,7 +24,8 @@ HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
 def make_layers(seed: int = 0) -> eqx.nn.Linear:
-    return eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(jax.random.key(seed), L))
+    keys = jax.random.split(jax.random.key(seed), L)
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)
 
 
 def tanh_layer(layer: Any, x: jax.Array) -> jax.Array:
@@ -41,7 +42,8 @@ def plain_scan(layers: Any, x: jax.Array, call: Any = tanh_layer) -> jax.Array:
     return jax.lax.scan(body, x, dynamic)[0]
 
 
-def scan_loss(layers: Any, x: jax.Array, offload_input: bool = False, prefetch: bool = True) -> jax.Array:
+def scan_loss(layers: Any, x: jax.Array, offload_input: bool = False,
+              prefetch: bool = True) -> jax.Array:
     return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer, offload_input=offload_input,
                                            prefetch=prefetch) ** 2)
 
@@ -55,7 +57,8 @@ def _scans(jaxpr: Any) -> list[Any]:
 
 
 def _fetches(jaxpr: Any) -> list[Any]:
-    return [e for e in walk_eqns(jaxpr) if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
+    return [e for e in walk_eqns(jaxpr)
+            if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
 
 
 def _carries_a_device_layer(scan: Any) -> bool:
@@ -69,38 +72,34 @@ def _carries_a_device_layer(scan: Any) -> bool:
     (True, True, False), (True, True, True), (True, False, False),
     (eqx_offload.pattern("weight"), True, False), (False, True, False)],
     ids=["host", "host-offload_input", "host-no-prefetch", "host-weights", "device"])
-def test_scan_layers_is_bitwise_the_plain_scan(where: Any, prefetch: bool, offload_input: bool) -> None:
-    """Loss and gradients bitwise those of the plain rematted scan, each gradient in its
-    leaf's memory. Only host leaves are prefetched (a device weight carried from one
-    iteration to the next); without the prefetch each iteration fetches its own layer.
-    With `offload_input` the layer inputs the backward pass needs wait in host memory (an
-    `[L, D]` host residual), without it on the device."""
+def test_scan_layers_is_bitwise_the_plain_scan(where: Any, prefetch: bool,
+                                               offload_input: bool) -> None:
+    """Bitwise, gradients in each leaf's memory; host leaves prefetched (carried), and
+    with `offload_input` the layer inputs wait in host memory."""
     layers = make_layers()
     x = jax.random.normal(jax.random.key(1), (D,))
     placed = eqx_offload.to_host(layers, where=where)
-    got = jax.jit(jax.value_and_grad(scan_loss), static_argnums=(2, 3))(placed, x, offload_input, prefetch)
+    args = (placed, x, offload_input, prefetch)
+    got = jax.jit(jax.value_and_grad(scan_loss), static_argnums=(2, 3))(*args)
     assert bits(got) == bits(jax.jit(jax.value_and_grad(plain_loss))(layers, x))
     assert memory_kinds(got[1]) == memory_kinds(placed)
     if where is not False:
-        scans = _scans(jax.make_jaxpr(jax.grad(scan_loss), static_argnums=(2, 3))(
-            placed, x, offload_input, prefetch))
+        scans = _scans(jax.make_jaxpr(jax.grad(scan_loss), static_argnums=(2, 3))(*args))
         assert [_carries_a_device_layer(e) for e in scans] == [prefetch, prefetch]
         residuals = [v.aval.memory_space for v in scans[0].outvars if v.aval.shape == (L, D)]
         assert residuals == [HOST if offload_input else DEVICE]
 
 
 def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
-    """The forward and the backward scan each take the stacked weights from host memory
-    and inside their body move one layer's slice to the device, carried to the next
-    iteration. No stacked device copy of a weight is kept between the passes, and the
-    weight gradients leave the backward scan in host memory."""
+    """Both scans fetch one slice per step; no stacked device copy is kept."""
     forward, backward = _scans(jax.make_jaxpr(jax.grad(scan_loss))(
         eqx_offload.to_host(make_layers()), jnp.ones(D)))
     assert backward.params["reverse"]
     for scan in (forward, backward):
         weights_in = [v.aval for v in scan.invars if v.aval.shape == (L, D, D)]
         assert weights_in and all(a.memory_space == HOST for a in weights_in)
-        assert any(v.aval.shape == (1, D, D) for e in _fetches(scan.params["jaxpr"]) for v in e.outvars)
+        fetched = [v.aval.shape for e in _fetches(scan.params["jaxpr"]) for v in e.outvars]
+        assert (1, D, D) in fetched
         assert _carries_a_device_layer(scan)
     assert all(v.aval.memory_space == HOST for v in forward.outvars if v.aval.shape == (L, D, D))
     grads_out = [v.aval for v in backward.outvars if v.aval.shape == (L, D, D)]
@@ -109,10 +108,7 @@ def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
 
 @pytest.mark.parametrize("offload_input", [False, True])
 def test_scan_layers_under_vmap_sums_weight_gradients_inside(offload_input: bool) -> None:
-    """The Equinox idiom (the model per example under `jax.vmap`): the weight gradients
-    are one sum inside the backward scan (no per-example weight gradients in host
-    memory), a differentiated value `call` closes over gets its gradient, and all is
-    bitwise the plain rematted scan's."""
+    """Per-example `vmap`: one weight-gradient sum in the scan, bitwise."""
     xs, scales = jax.random.normal(jax.random.key(1), (3, D)), jnp.arange(1.0, 4.0)
 
     def loss(scan: Any, layers: Any, scale: jax.Array, scales: jax.Array) -> jax.Array:
@@ -124,22 +120,23 @@ def test_scan_layers_under_vmap_sums_weight_gradients_inside(offload_input: bool
     on_host = eqx_offload.to_host(make_layers())
     scan = functools.partial(eqx_offload.scan_layers, offload_input=offload_input)
     got = jax.jit(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
-    assert bits(got) == bits(jax.jit(grad, static_argnums=0)(plain_scan, make_layers(), jnp.float32(0.5), scales))
+    want = jax.jit(grad, static_argnums=0)(plain_scan, make_layers(), jnp.float32(0.5), scales)
+    assert bits(got) == bits(want)
     assert memory_kinds(got[0]) == {"weight": "pinned_host", "bias": "pinned_host"}
     jaxpr = jax.make_jaxpr(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
-    host_outputs = [v.aval.shape for e in _scans(jaxpr) for v in e.outvars if v.aval.memory_space == HOST]
+    host_outputs = [v.aval.shape for e in _scans(jaxpr) for v in e.outvars
+                    if v.aval.memory_space == HOST]
     assert (L, D, D) in host_outputs and (L, 3, D, D) not in host_outputs
 
 
 def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
-    """Lowered for CUDA (no GPU needed), the loops fetch each slice to the device
-    (weight and bias, forward and backward) and send each weight gradient to host;
-    without host weights nothing is placed."""
+    """Lowered for CUDA, slices go to the device and gradients to host."""
     def lowered(layers: Any) -> str:
         return jax.jit(jax.grad(scan_loss)).trace(layers, jnp.ones(D)).lower(
             lowering_platforms=("cuda",)).as_text()
 
-    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', lowered(eqx_offload.to_host(make_layers())))
+    text = lowered(eqx_offload.to_host(make_layers()))
+    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
     assert placements.count("device") >= 4 and placements.count("pinned_host") >= 2
     assert "_xla_buffer_placement" not in lowered(make_layers())
 
@@ -149,7 +146,9 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
     scale = jnp.float32(0.5)
 
     def loss(layers: Any, policy: Any) -> jax.Array:
-        call = lambda layer, h: jax.ad_checkpoint.checkpoint_name(jnp.tanh(layer(h)), "act") * scale  # noqa: E731
+        def call(layer: Any, h: jax.Array) -> jax.Array:
+            return jax.ad_checkpoint.checkpoint_name(jnp.tanh(layer(h)), "act") * scale
+
         return jnp.sum(eqx_offload.scan_layers(layers, jnp.ones(D), call, policy=policy) ** 2)
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
@@ -158,13 +157,13 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
 
 
 def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
-    """`jax.vmap` over the stacked layers themselves (an ensemble) in host memory: the
-    prefetch refuses, naming the fix; `prefetch=False` is bitwise."""
+    """The prefetch refuses an ensemble, naming the fix; without it, bitwise."""
     ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
 
     def loss(layers: Any, prefetch: bool) -> jax.Array:
-        return jnp.sum(jax.vmap(lambda stack, x: eqx_offload.scan_layers(stack, x, tanh_layer, prefetch=prefetch))(
-            layers, jnp.ones((2, D))) ** 2)
+        def one(stack: Any, x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(stack, x, tanh_layer, prefetch=prefetch)
+        return jnp.sum(jax.vmap(one)(layers, jnp.ones((2, D))) ** 2)
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
     with pytest.raises(eqx_offload.CompositionError, match="prefetch=False"):
@@ -182,9 +181,9 @@ def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
 
 
 def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None:
-    """Bitwise the same sharded program without the moves; gradients in host memory on
-    the layers' mesh and sharding."""
-    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    """Bitwise the sharded plain scan; gradients keep mesh and sharding."""
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
     layers = make_layers()
     sharded = eqx.tree_at(lambda m: (m.weight, m.bias), layers, (
         jax.device_put(layers.weight, NamedSharding(mesh, P(None, "model", None))),
@@ -199,30 +198,26 @@ def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None
 
 
 def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
-    """`filter_jit` lets a `dynamic_slice` of a host array through (the prefetch's fetch,
-    which XLA turns into one asynchronous copy) and still refuses computing on the slice
-    in host memory."""
+    """`filter_jit` allows fetching a host slice, not computing on it."""
     stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), HOST)
 
     def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
         return jax.device_put(jax.lax.dynamic_slice(a, (i, 0), (1, 3)), DEVICE)[0] * 2
 
-    assert_tree_equal(eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2)), jnp.arange(6.0, 9.0) * 2)
+    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
+    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
     with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
         eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
             stacked, jnp.int32(2))
 
 
 def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
-    """A `filter_jit` step whose `scan_layers` prefetches host weights is compiled for a
-    GPU with the scheduler's copy limit raised (a layer's fetches then run side by side
-    under the layer before); nothing is added without host weights, without the
-    prefetch, or for the CPU."""
+    """Only a prefetching host-weight GPU step raises the async copy limit."""
     from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
     from eqx_offload._jit import _flatten_call
 
     def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
-        step = eqx_offload.filter_jit(jax.grad(lambda stack, x: scan_loss(stack, x, prefetch=prefetch)))
+        step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
         call = _flatten_call((layers, jnp.ones(D)), {}, step._donate)
         with eqx_offload._deviceless.compiling_for(platform):
             return step._lower_call(call, platforms=(platform,))._default_options
@@ -230,4 +225,5 @@ def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> N
     on_host = eqx_offload.to_host(make_layers())
     assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS == {
         "xla_gpu_experimental_parallel_async_compute_limit": 32}
-    assert defaults(on_host, False) == defaults(make_layers(), True) == defaults(on_host, True, "cpu") == {}
+    assert defaults(on_host, False) == defaults(make_layers(), True) == {}
+    assert defaults(on_host, True, "cpu") == {}

@@ -50,7 +50,8 @@ TREES = {
     "pair": lambda: Pair(Linear(jnp.ones(2), jnp.ones(1)), [jnp.ones(1)]),
     "scoped": lambda: {"opt": {"mu": jnp.ones(2), "nu": jnp.ones(2)}, "other": {"mu": jnp.ones(2)}},
     "mixed": lambda: {"a": jnp.ones(3), "b": [jnp.ones(()), "x", None, 2.0]},
-    "dtypes": lambda: {"a": jnp.ones(3), "b": jnp.ones((), jnp.int32), "c": "text", "d": np.ones(2)},
+    "dtypes": lambda: {"a": jnp.ones(3), "b": jnp.ones((), jnp.int32), "c": "text",
+                       "d": np.ones(2)},
     "ndims": lambda: {"count": jnp.zeros((), jnp.int32), "v": jnp.ones(3), "m": jnp.ones((2, 0)),
                       "s": 1.0},
     # bytes: 16, 16, 14, 16, 16, 4, 0, 16
@@ -133,8 +134,7 @@ def test_paths() -> None:
 
 
 def test_masks() -> None:
-    """Only arrays are shown to a callable and selected; any truthy result counts; None
-    stands where the tree has None and any filter may stand on a non-array leaf."""
+    """Only arrays are shown to callables and selected; any truthy result counts."""
     mixed, dtypes = TREES["mixed"](), TREES["dtypes"]()
     assert leaf_mask(mixed, True) == [True, True, False, False]
     assert leaf_mask(mixed, False) == [False] * 4
@@ -174,9 +174,7 @@ def test_pattern_warns_on_a_fragment() -> None:
 
 
 def test_filter_values() -> None:
-    """Filters are hashable values, combine with plain callables on either side into a
-    `Filter` (`~` never selects a non-array), and reject what is not a filter; a sharded
-    array counts its global size."""
+    """Filters are hashable values that compose with callables into `Filter`s."""
     assert pattern("a") == pattern("a") and hash(pattern("a")) == hash(pattern("a"))
     assert min_bytes(4) != min_bytes(5)
     assert len({min_ndim(1) & pattern("x"), min_ndim(1) & pattern("x")}) == 1
@@ -203,9 +201,7 @@ def test_filter_values() -> None:
     ({"a": True, "b": [True, 0]}, "b/1"), ({"a": jnp.ones(3), "b": True}, "a"),
 ])
 def test_not_a_filter(where: Any, path: str) -> None:
-    """eqx_offload's own check names the path (what a user without runtime type checks
-    sees); under the pytest hook the `Where` annotation catches it first, down to the
-    depth it checks."""
+    """Not a filter: a `WhereError` naming the path (or the annotation first)."""
     tree = TREES["errors"]()
     message = rf"where has .* at path {re.escape(path)}, which is not a filter"
     with pytest.raises(WhereError, match=message):
@@ -220,11 +216,13 @@ def test_not_a_filter(where: Any, path: str) -> None:
             eqx_offload.to_host({"a": jnp.ones(3)}, where=where)
 
 
-LINEAR_ENC = "Linear with 2 children and static fields {'name': 'enc'}"
 MISMATCHES = [
-    ("errors", {"b": True}, "<root>", "dict with keys ['b'] where the tree has dict with keys ['a', 'b']"),
-    ("errors", {"a": True, "b": [True]}, "b", "list with 1 children where the tree has list with 2"),
-    ("errors", {"a": True, "b": (True, True)}, "b", "tuple with 2 children where the tree has list"),
+    ("errors", {"b": True}, "<root>",
+     "dict with keys ['b'] where the tree has dict with keys ['a', 'b']"),
+    ("errors", {"a": True, "b": [True]}, "b",
+     "list with 1 children where the tree has list with 2"),
+    ("errors", {"a": True, "b": (True, True)}, "b",
+     "tuple with 2 children where the tree has list"),
     ("errors", {"a": True, "b": [True, {"x": True}]}, "b/1",
      "dict with keys ['x'] where the tree has array float32[]"),
     ("errors", {"a": None, "b": True}, "a", "None where the tree has array float32[3]"),
@@ -236,7 +234,8 @@ MISMATCHES = [
      "1/0/mu", "dict with keys ['layers'] where the tree has dict with keys ['layers', 'scale']"),
     # a module's static fields count
     ("linear", Linear(True, False), "<root>",
-     "Linear with 2 children and static fields {'name': 'linear'} where the tree has " + LINEAR_ENC),
+     "Linear with 2 children and static fields {'name': 'linear'} where the tree has "
+     "Linear with 2 children and static fields {'name': 'enc'}"),
     ("linear", {"weight": True, "bias": True}, "<root>",
      "dict with keys ['bias', 'weight'] where the tree has Linear"),
 ]
