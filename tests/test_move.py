@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, memory_kinds, unchecked
+from helpers import assert_tree_equal, memory_kinds, tree_equal, unchecked
 from hypothesis import given, HealthCheck, Phase, settings
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
@@ -219,10 +219,8 @@ def test_optax_state_and_unpinned_inputs() -> None:
     params = {"layers": [{"weight": jnp.ones((3, 2)), "bias": jnp.zeros(2)}]}
     state = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)).init(params)
     host = to_host(state)
-    kinds = memory_kinds(host)
-    assert "1/0/mu/layers/0/weight" in kinds and "1/0/count" in kinds
-    assert set(kinds.values()) == {"pinned_host"}
-    assert type(host[1][0]) is optax.ScaleByAdamState
+    assert set(memory_kinds(host).values()) == {"pinned_host"}
+    assert len(memory_kinds(host)) == 5 and type(host[1][0]) is optax.ScaleByAdamState
     assert_tree_equal(to_device(host), state)
     x = jnp.arange(3.0)
     unpinned = to_host(x, memory_kind="unpinned_host")
@@ -268,15 +266,12 @@ def test_numpy_leaves_and_devices() -> None:
         assert_tree_equal(out[key], original)
     assert to_host({"a": a}, where=False)["a"] is a
     on_device = to_device({"a": a})["a"]
-    assert on_device.sharding.memory_kind == "device"
-    assert_tree_equal(on_device, a)
+    assert on_device.sharding.memory_kind == "device" and tree_equal(on_device, a)
     with jax.default_device(jax.devices()[2]):
         assert to_host(a).devices() == {jax.devices()[2]}
-    x = jax.device_put(jnp.arange(4.0), jax.devices()[5])
-    host = to_host(x)
-    back = to_device(host)
-    assert (host.devices(), host.sharding.memory_kind) == ({jax.devices()[5]}, "pinned_host")
-    assert (back.devices(), back.sharding.memory_kind) == ({jax.devices()[5]}, "device")
+    host = to_host(jax.device_put(jnp.arange(4.0), jax.devices()[5]))
+    for out, kind in ((host, "pinned_host"), (to_device(host), "device")):
+        assert (out.devices(), out.sharding.memory_kind) == ({jax.devices()[5]}, kind)
 
 
 @pytest.mark.parametrize("kind, jit", [("pinned_host", False), ("unpinned_host", False),
@@ -316,9 +311,8 @@ def test_already_on_target_is_not_copied() -> None:
     assert to_device(x) is x
     unpinned = to_host(x, memory_kind="unpinned_host")
     assert to_host(unpinned, memory_kind="unpinned_host") is unpinned
-    moved = to_host(host, memory_kind="unpinned_host")
-    assert moved.sharding.memory_kind == "unpinned_host"
-    assert_tree_equal(moved, x)
+    moved = to_host(host, memory_kind="unpinned_host")  # pinned -> unpinned is a move
+    assert moved.sharding.memory_kind == "unpinned_host" and tree_equal(moved, x)
     out = to_host({"h": host, "d": x})
     assert out["h"] is host and out["d"].sharding.memory_kind == "pinned_host"
 
@@ -357,7 +351,9 @@ def test_one_device_put(device_put_calls: list[int]) -> None:
 
 @pytest.mark.parametrize("kind", ["gpu", "device", "host", None])
 def test_bad_memory_kind(kind: Any, device_put_calls: list[int]) -> None:
-    """The annotation, or without it eqx_offload's check, rejects it before any move."""
+    """The annotation (the pytest hook wraps the public functions), or without it
+    eqx_offload's check, rejects it before anything moves."""
+    assert inspect.unwrap(to_host) is not to_host and inspect.unwrap(to_device) is not to_device
     x = jnp.ones(2)
     with pytest.raises(TypeCheckError, match="memory_kind"):
         to_host(x, memory_kind=kind)
@@ -367,13 +363,6 @@ def test_bad_memory_kind(kind: Any, device_put_calls: list[int]) -> None:
         with pytest.raises(MemoryKindError, match=message):
             unchecked(to_host)(tree, memory_kind=kind)
     assert device_put_calls == []
-
-
-def test_runtime_type_checking_is_on() -> None:
-    """The pytest hook wraps the public functions and accepts every valid call."""
-    assert inspect.unwrap(to_host) is not to_host and inspect.unwrap(to_device) is not to_device
-    for kind in HOST_KINDS:
-        assert to_host(jnp.ones(2), memory_kind=kind).sharding.memory_kind == kind
 
 
 @pytest.mark.parametrize("make", [lambda: (x for x in [jnp.ones(3)]), lambda: iter([jnp.ones(3)]),

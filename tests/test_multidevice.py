@@ -1,10 +1,5 @@
-"""Offload on a mesh of CPU devices (`tests/conftest.py` gives the process 8): sharded
-models, sharded offloaded state, `filter_shard`.
-
-Most tests run with both mesh axis types (`Explicit`, JAX 0.10's default, and `Auto`, the
-GSPMD style), data-parallel (params replicated, batch split) and data- plus
-model-parallel (Megatron-style: the first weight split by columns, the second by rows,
-both 8x8 so that shape alone cannot tell their shardings apart)."""
+"""Sharded models and offloaded state on 8 CPU devices, `Explicit` and `Auto` axes, data-
+and data+model-parallel (Megatron-style; both weights 8x8 so shape cannot tell them apart)."""
 
 from collections.abc import Callable
 from typing import Any, Optional

@@ -1,7 +1,5 @@
-"""Parameters in host memory: `host_weights`, `with_host_params`, `apply_updates`.
-
-On the CPU backend every move is a no-op, so each program is compared bitwise with the
-same program without the moves; what is fetched where is read from the jaxpr."""
+"""`host_weights`, `with_host_params`, `apply_updates`: bitwise the program without moves
+(a no-op on CPU); what is fetched where is read from the jaxpr."""
 
 from typing import Any
 

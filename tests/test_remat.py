@@ -1,9 +1,5 @@
-"""Activations in host memory: the offloading remat policies and `filter_remat`.
-
-Each offloading policy is compared bitwise with the same remat that keeps the same
-values on the device (JAX's `save_only_these_names` / `dots_with_no_batch_dims_saveable`);
-where the values wait is read from the jaxpr (host-typed residuals) and from the program
-lowered for CUDA (`annotate_device_placement`)."""
+"""Offloading remat policies and `filter_remat`, bitwise the remat that saves the same values
+on the device; where they wait is read from the jaxpr and the CUDA lowering."""
 
 import re
 from typing import Any

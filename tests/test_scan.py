@@ -1,9 +1,5 @@
-"""`scan_layers`: stacked layers whose weights in host memory come to the device one
-layer at a time.
-
-On the CPU backend every move is a no-op, so each program is compared bitwise with the
-same rematted scan without the moves; what is fetched where, and what the backward pass
-keeps, is read from the jaxpr and from the program lowered for CUDA."""
+"""`scan_layers`, bitwise the rematted scan without moves (a no-op on CPU); what moves where
+is read from the jaxpr and from the program lowered for CUDA."""
 
 import functools
 import re
