@@ -153,8 +153,9 @@ def test_host_params_of_a_layer_stack_wait_for_their_gradients(offload: bool) ->
     want_step = jax.jit(_step(plain, eqx_offload.apply_updates, loss))
     barriers = step.lower(placed, state, x).as_text().count("stablehlo.optimization_barrier")
     assert barriers == 2  # weight, bias
-    assert "optimization_barrier" not in jax.jit(_step(opt, eqx_offload.apply_updates, loss)).trace(
-        placed, state, x).lower().as_text()
+    if not offload:
+        traced = jax.jit(_step(opt, eqx_offload.apply_updates, loss)).trace(placed, state, x)
+        assert "optimization_barrier" not in traced.lower().as_text()
     for i in range(2):
         old = placed
         with count_compiles("step") as compiles:
