@@ -78,7 +78,7 @@ def _containers(children: Any) -> Any:
 PYTREES = _containers(st.recursive(st.one_of(
     array_leaves(), array_leaves(), st.none(), st.integers(-3, 3),
     st.floats(allow_nan=False, width=32), st.booleans(), st.text(max_size=3)),
-    _containers, max_leaves=12))
+    _containers, max_leaves=8))
 
 
 # Filters at a position of a `where` prefix, each with an independent statement of what
