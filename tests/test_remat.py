@@ -1,9 +1,5 @@
-"""Activations in host memory: the offloading remat policies and `filter_remat`.
-
-Each offloading policy is compared bitwise with the same remat that keeps the same
-values on the device (JAX's `save_only_these_names` / `dots_with_no_batch_dims_saveable`);
-where the values wait is read from the jaxpr (host-typed residuals) and from the program
-lowered for CUDA (`annotate_device_placement`)."""
+"""Offloading remat policies and `filter_remat`, bitwise the remat that saves the same values
+on the device; where they wait is read from the jaxpr and the CUDA lowering."""
 
 import re
 from typing import Any
@@ -11,9 +7,8 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from helpers import unchecked, walk_eqns
+from helpers import hex_bits as bits, unchecked, walk_eqns
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 
 import eqx_offload
@@ -34,17 +29,12 @@ class Block(eqx.Module):
         return x + checkpoint_name(self.down(a), "block/down")
 
 
-def bits(tree: Any) -> list[bytes]:
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 def grads_of(block: Any, x: jax.Array) -> Any:
     return eqx.filter_jit(eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2)))(block, x)
 
 
 def host_residuals(fun: Any, *args: Any) -> list[tuple[int, ...]]:
-    """Shapes of the values the forward pass sends to host memory for the backward
-    pass (the `device_put`s to host in the jaxpr of the gradient)."""
+    """Shapes of the values the forward pass sends to host for the backward pass."""
     jaxpr, _, _ = eqx.filter_make_jaxpr(fun)(*args)
     return [tuple(v.aval.shape) for e in walk_eqns(jaxpr) if e.primitive.name == "device_put"
             and jax.memory.Space.Host in e.params["devices"] for v in e.outvars]
@@ -65,9 +55,8 @@ X = jax.random.normal(jax.random.key(1), (4, 8))
     (("block/up",), ("block/act",), [(4, 32)]),
     (("block/down",), ("block/act",), []),
 ])
-def test_offload_names_bitwise_to_the_same_remat_on_device(
-    names: Any, save: Any, offloaded: Any
-) -> None:
+def test_offload_names_bitwise_to_the_same_remat_on_device(names: Any, save: Any,
+                                                           offloaded: Any) -> None:
     offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names(*names, save=save))
     keeping = eqx.filter_checkpoint(
         BLOCK, policy=jax.checkpoint_policies.save_only_these_names(*names, *save))
@@ -77,14 +66,15 @@ def test_offload_names_bitwise_to_the_same_remat_on_device(
     assert host_residuals(loss, keeping) == []
 
 
-def test_offloaded_activations_lowered_for_gpu_go_to_pinned_host() -> None:
+def test_filter_remat_on_a_module_lowered_for_gpu() -> None:
+    """Bitwise gradients; for CUDA, to host after the forward, back before use."""
     offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
+    assert bits(grads_of(offloading, X)) == bits(grads_of(BLOCK, X))
     loss = eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2))
     dynamic, static = eqx.partition(offloading, eqx.is_array)
     text = jax.jit(lambda d, x: loss(eqx.combine(d, static), x)).trace(dynamic, X).lower(
         lowering_platforms=("cuda",)).as_text()
-    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
-    assert placements == ["pinned_host", "device"]  # to host after the forward, back before use
+    assert re.findall(r'_xla_buffer_placement = "(\w+)"', text) == ["pinned_host", "device"]
 
 
 def test_offload_regex_chooses_by_full_match_and_save_wins() -> None:
@@ -95,8 +85,7 @@ def test_offload_regex_chooses_by_full_match_and_save_wins() -> None:
     assert policy(name_p, name="block/act") is Saveable
     assert policy(name_p, name="block/down") is Recompute
     assert policy(name_p, name="xblock/up") is Recompute  # fullmatch
-    tanh = jax.lax.tanh_p
-    assert policy(tanh) is Recompute
+    assert policy(jax.lax.tanh_p) is Recompute
     offloading = eqx_offload.filter_remat(BLOCK, policy)
     keeping = eqx.filter_checkpoint(
         BLOCK, policy=jax.checkpoint_policies.save_only_these_names("block/up", "block/act"))
@@ -111,30 +100,21 @@ def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
 
     w1, w2 = jnp.ones((8, 16)) * 0.1, jnp.ones((16, 8)) * 0.2
     offloading = eqx_offload.filter_remat(mlp, eqx_offload.offload_dots())
-    keeping = eqx.filter_checkpoint(mlp, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    keeping = eqx.filter_checkpoint(mlp, policy=saveable)
     grad = jax.jit(jax.grad(lambda *a: a[-1](*a[:-1]), argnums=(0, 1)), static_argnums=3)
     assert bits(grad(w1, w2, X, offloading)) == bits(grad(w1, w2, X, keeping))
+    # both products (x @ w1 and h @ w2) wait in host memory
     def grads(w1: jax.Array, w2: jax.Array, x: jax.Array) -> Any:
         return jax.grad(offloading, argnums=(0, 1))(w1, w2, x)
 
-    # both products (x @ w1 and h @ w2) wait in host memory
     assert sorted(host_residuals(grads, w1, w2, X)) == [(4, 8), (4, 16)]
 
 
-def test_filter_remat_on_a_function_and_on_a_module_differentiates_the_module() -> None:
-    wrapped = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
-    grads = grads_of(wrapped, X)
-    # gradients reach the module's weights through the wrapper
-    assert bits(grads_of(BLOCK, X)) == bits(grads)
-
-
-def test_policies_are_hashable_and_equal_by_value() -> None:
+def test_policies_are_values_and_bad_ones_option_errors() -> None:
     """`jax.checkpoint` keys its cache on the policy: equal policies hit it."""
     assert eqx_offload.offload_names("a") == eqx_offload.offload_names("a")
     assert hash(eqx_offload.offload_regex("a.*")) == hash(eqx_offload.offload_regex("a.*"))
-
-
-def test_bad_policies_are_option_errors() -> None:
     with pytest.raises(eqx_offload.OptionError, match="both offloaded and saved"):
         eqx_offload.offload_names("a", save=("a",))
     with pytest.raises(eqx_offload.OptionError, match="not a name"):

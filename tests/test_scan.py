@@ -1,0 +1,228 @@
+"""`scan_layers`, bitwise the rematted scan without moves (a no-op on CPU); what moves where
+is read from the jaxpr and from the program lowered for CUDA."""
+
+import functools
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_equal, hex_bits as bits, memory_kinds, unchecked, walk_eqns
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqx_offload
+
+
+L, D = 4, 16
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def make_layers(seed: int = 0) -> eqx.nn.Linear:
+    keys = jax.random.split(jax.random.key(seed), L)
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)
+
+
+def tanh_layer(layer: Any, x: jax.Array) -> jax.Array:
+    return jnp.tanh(layer(x))
+
+
+def plain_scan(layers: Any, x: jax.Array, call: Any = tanh_layer) -> jax.Array:
+    """The same computation without `scan_layers`: a rematted scan, no moves."""
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+
+    def body(x: jax.Array, arrays: Any) -> tuple[jax.Array, None]:
+        return jax.checkpoint(lambda x, a: call(eqx.combine(a, static), x))(x, arrays), None
+
+    return jax.lax.scan(body, x, dynamic)[0]
+
+
+def scan_loss(layers: Any, x: jax.Array, offload_input: bool = False,
+              prefetch: bool = True) -> jax.Array:
+    return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer, offload_input=offload_input,
+                                           prefetch=prefetch) ** 2)
+
+
+def plain_loss(layers: Any, x: jax.Array) -> jax.Array:
+    return jnp.sum(plain_scan(layers, x) ** 2)
+
+
+PLAIN = jax.jit(jax.value_and_grad(plain_loss))  # one executable for the table's reference
+
+
+def _scans(jaxpr: Any) -> list[Any]:
+    return [e for e in walk_eqns(jaxpr) if e.primitive.name == "scan"]
+
+
+def _fetches(jaxpr: Any) -> list[Any]:
+    return [e for e in walk_eqns(jaxpr)
+            if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
+
+
+def _carries_a_device_layer(scan: Any) -> bool:
+    """Whether a scan's body takes and returns one layer's weight in device memory."""
+    body = scan.params["jaxpr"].jaxpr
+    return all(any(v.aval.shape == (D, D) and v.aval.memory_space == DEVICE for v in vs)
+               for vs in (body.invars, body.outvars))
+
+
+@pytest.mark.parametrize("where, prefetch, offload_input", [
+    (True, True, False), (True, True, True), (True, False, False),
+    (eqx_offload.pattern("weight"), True, False), (False, True, False)],
+    ids=["host", "host-offload_input", "host-no-prefetch", "host-weights", "device"])
+def test_scan_layers_is_bitwise_the_plain_scan(where: Any, prefetch: bool,
+                                               offload_input: bool) -> None:
+    """Bitwise, gradients in each leaf's memory; host leaves prefetched (carried), and
+    with `offload_input` the layer inputs wait in host memory."""
+    layers = make_layers()
+    x = jax.random.normal(jax.random.key(1), (D,))
+    placed = eqx_offload.to_host(layers, where=where)
+    args = (placed, x, offload_input, prefetch)
+    got = jax.jit(jax.value_and_grad(scan_loss), static_argnums=(2, 3))(*args)
+    assert bits(got) == bits(PLAIN(layers, x))
+    assert memory_kinds(got[1]) == memory_kinds(placed)
+    if where is not False:
+        scans = _scans(jax.make_jaxpr(jax.grad(scan_loss), static_argnums=(2, 3))(*args))
+        assert [_carries_a_device_layer(e) for e in scans] == [prefetch, prefetch]
+        residuals = [v.aval.memory_space for v in scans[0].outvars if v.aval.shape == (L, D)]
+        assert residuals == [HOST if offload_input else DEVICE]
+
+
+def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
+    """Both scans fetch one slice per step; no stacked device copy is kept."""
+    forward, backward = _scans(jax.make_jaxpr(jax.grad(scan_loss))(
+        eqx_offload.to_host(make_layers()), jnp.ones(D)))
+    assert backward.params["reverse"]
+    for scan in (forward, backward):
+        weights_in = [v.aval for v in scan.invars if v.aval.shape == (L, D, D)]
+        assert weights_in and all(a.memory_space == HOST for a in weights_in)
+        fetched = [v.aval.shape for e in _fetches(scan.params["jaxpr"]) for v in e.outvars]
+        assert (1, D, D) in fetched
+        assert _carries_a_device_layer(scan)
+    assert all(v.aval.memory_space == HOST for v in forward.outvars if v.aval.shape == (L, D, D))
+    grads_out = [v.aval for v in backward.outvars if v.aval.shape == (L, D, D)]
+    assert grads_out and all(a.memory_space == HOST for a in grads_out)
+
+
+@pytest.mark.parametrize("offload_input", [False, True])
+def test_scan_layers_under_vmap_sums_weight_gradients_inside(offload_input: bool) -> None:
+    """Per-example `vmap`: one weight-gradient sum in the scan, bitwise."""
+    xs, scales = jax.random.normal(jax.random.key(1), (3, D)), jnp.arange(1.0, 4.0)
+
+    def loss(scan: Any, layers: Any, scale: jax.Array, scales: jax.Array) -> jax.Array:
+        def one(x: jax.Array, per_example: jax.Array) -> jax.Array:
+            return scan(layers, x, lambda layer, h: jnp.tanh(layer(h)) * scale * per_example)
+        return jnp.sum(jax.vmap(one)(xs, scales) ** 2)
+
+    grad = jax.grad(loss, argnums=(1, 2, 3))
+    on_host = eqx_offload.to_host(make_layers())
+    scan = functools.partial(eqx_offload.scan_layers, offload_input=offload_input)
+    got = jax.jit(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
+    want = jax.jit(grad, static_argnums=0)(plain_scan, make_layers(), jnp.float32(0.5), scales)
+    assert bits(got) == bits(want)
+    assert memory_kinds(got[0]) == {"weight": "pinned_host", "bias": "pinned_host"}
+    jaxpr = jax.make_jaxpr(grad, static_argnums=0)(scan, on_host, jnp.float32(0.5), scales)
+    host_outputs = [v.aval.shape for e in _scans(jaxpr) for v in e.outvars
+                    if v.aval.memory_space == HOST]
+    assert (L, D, D) in host_outputs and (L, 3, D, D) not in host_outputs
+
+
+def test_scan_layers_lowered_for_gpu_places_slices_on_the_device() -> None:
+    """Lowered for CUDA, slices go to the device and gradients to host."""
+    def lowered(layers: Any) -> str:
+        return jax.jit(jax.grad(scan_loss)).trace(layers, jnp.ones(D)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(eqx_offload.to_host(make_layers()))
+    placements = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
+    assert placements.count("device") >= 4 and placements.count("pinned_host") >= 2
+    assert "_xla_buffer_placement" not in lowered(make_layers())
+
+
+def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
+    """An offloading policy on host layers is bitwise the saving policy on device layers."""
+    scale = jnp.float32(0.5)
+
+    def loss(layers: Any, policy: Any) -> jax.Array:
+        def call(layer: Any, h: jax.Array) -> jax.Array:
+            return jax.ad_checkpoint.checkpoint_name(jnp.tanh(layer(h)), "act") * scale
+
+        return jnp.sum(eqx_offload.scan_layers(layers, jnp.ones(D), call, policy=policy) ** 2)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    assert bits(grad(eqx_offload.to_host(make_layers()), eqx_offload.offload_names("act"))) == bits(
+        grad(make_layers(), jax.checkpoint_policies.save_only_these_names("act")))
+
+
+def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
+    """The prefetch refuses an ensemble, naming the fix; without it, bitwise."""
+    ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
+
+    def loss(layers: Any, prefetch: bool) -> jax.Array:
+        def one(stack: Any, x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(stack, x, tanh_layer, prefetch=prefetch)
+        return jnp.sum(jax.vmap(one)(layers, jnp.ones((2, D))) ** 2)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    with pytest.raises(eqx_offload.CompositionError, match="prefetch=False"):
+        grad(eqx_offload.to_host(ensemble), True)
+    got = grad(eqx_offload.to_host(ensemble), False)
+    assert bits(got) == bits(grad(ensemble, False))
+    assert memory_kinds(got) == {"weight": "pinned_host", "bias": "pinned_host"}
+
+
+def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
+    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
+    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
+
+
+def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None:
+    """Bitwise the sharded plain scan; gradients keep mesh and sharding."""
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    layers = make_layers()
+    sharded = eqx.tree_at(lambda m: (m.weight, m.bias), layers, (
+        jax.device_put(layers.weight, NamedSharding(mesh, P(None, "model", None))),
+        jax.device_put(layers.bias, NamedSharding(mesh, P(None, "model")))))
+    on_host = eqx_offload.to_host(sharded)
+    x = jax.device_put(jnp.ones(D), NamedSharding(mesh, P()))
+    grads = jax.jit(jax.grad(scan_loss))(on_host, x)
+    assert bits(grads) == bits(jax.jit(jax.grad(plain_loss))(sharded, x))
+    assert memory_kinds(grads) == {"weight": "pinned_host", "bias": "pinned_host"}
+    assert grads.weight.sharding.mesh == mesh
+    assert grads.weight.sharding.is_equivalent_to(on_host.weight.sharding, 3)
+
+
+def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
+    """`filter_jit` allows fetching a host slice, not computing on it."""
+    stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), HOST)
+
+    def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.device_put(jax.lax.dynamic_slice(a, (i, 0), (1, 3)), DEVICE)[0] * 2
+
+    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
+    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
+    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+        eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
+            stacked, jnp.int32(2))
+
+
+def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
+    """Only a prefetching host-weight GPU step raises the async copy limit."""
+    from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
+    from eqx_offload._jit import _flatten_call
+
+    def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
+        step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
+        call = _flatten_call((layers, jnp.ones(D)), {}, step._donate)
+        with eqx_offload._deviceless.compiling_for(platform):
+            return step._lower_call(call, platforms=(platform,))._default_options
+
+    on_host = eqx_offload.to_host(make_layers())
+    assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS == {
+        "xla_gpu_experimental_parallel_async_compute_limit": 32}
+    assert defaults(on_host, False) == defaults(make_layers(), True) == {}
+    assert defaults(on_host, True, "cpu") == {}
