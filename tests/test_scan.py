@@ -213,13 +213,10 @@ def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -
 def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
     """Only a prefetching host-weight GPU step raises the async copy limit."""
     from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
-    from eqx_offload._jit import _flatten_call
 
     def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
         step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
-        call = _flatten_call((layers, jnp.ones(D)), {}, step._donate)
-        with eqx_offload._deviceless.compiling_for(platform):
-            return step._lower_call(call, platforms=(platform,))._default_options
+        return step.lower_for((platform,), (layers, jnp.ones(D)), {}).compiler_options
 
     on_host = eqx_offload.to_host(make_layers())
     assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS == {

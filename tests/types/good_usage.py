@@ -237,7 +237,7 @@ def call_block(block: Block, x: jax.Array) -> jax.Array:
 
 def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
     """Weights, activations and master weights in host memory (type-checked here; run
-    in tests/test_params.py, test_remat.py and test_master.py)."""
+    in tests/test_scan.py, test_params.py, test_remat.py and test_master.py)."""
     keys = jax.random.split(key, 3)
     blocks = eqx.filter_vmap(Block)(keys)
     policy: eqx_offload.Policy = eqx_offload.offload_names(eqx_offload.LAYER_INPUT)
