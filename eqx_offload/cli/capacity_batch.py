@@ -126,9 +126,11 @@ def _host_accumulating_step(update: Callable[..., Any], accumulate: Any) -> Call
         total, _ = jax.lax.scan(micro, zeros, tokens)
         like = jax.tree.map(functools.partial(_struct, None), params)
         # The mean in the weights' dtype and memory: once to the device for the update.
-        mean = host_compute(lambda t: jax.tree.map(
-            functools.partial(_host_mean, tokens.shape[0]), t, like), compute_type="device_host",
-            out_memory_spaces=jax.tree.map(_space, params))(total)
+        def mean_of(t: Any) -> Any:
+            return jax.tree.map(functools.partial(_host_mean, tokens.shape[0]), t, like)
+
+        mean = host_compute(mean_of, compute_type="device_host",
+                            out_memory_spaces=jax.tree.map(_space, params))(total)
         return update(model, state, mean)
     return step
 
@@ -144,9 +146,11 @@ def _stacking_step(update: Callable[..., Any], accumulate: Any) -> Callable[...,
         _, stacked = jax.lax.scan(micro, None, tokens)
         params = eqx.filter(model, eqx.is_inexact_array)
         like = jax.tree.map(functools.partial(_struct, None), params)
-        mean = host_compute(lambda s: jax.tree.map(
-            functools.partial(_stack_mean, accumulate), s, like), compute_type="device_host",
-            out_memory_spaces=jax.tree.map(_space, params))(stacked)
+        def mean_of(s: Any) -> Any:
+            return jax.tree.map(functools.partial(_stack_mean, accumulate), s, like)
+
+        mean = host_compute(mean_of, compute_type="device_host",
+                            out_memory_spaces=jax.tree.map(_space, params))(stacked)
         return update(model, state, mean)
     return step
 
@@ -345,7 +349,7 @@ def batch_point_from_record(record: dict[str, Any]) -> BatchPoint:
     """The `BatchPoint` of a `row_record`'s `"low"` or `"high"`; a point recorded
     before its run settings were gets them as `GpuPlan.run_settings()` gives them with
     JAX's and XLA's defaults."""
-    values = dict(record, shape=LlamaShape(**record["shape"]))
+    values: dict[str, Any] = dict(record, shape=LlamaShape(**record["shape"]))
     values["run_settings"] = tuple(record["run_settings"]) if "run_settings" in record else (
         default_settings(record["device_peak_bytes"], record["device_memory_bytes"],
                          record["host_bytes"], record["fits"]))
