@@ -117,10 +117,10 @@ newest() {
 # The fast tier: the library's tests without the slow and once ones, and without the
 # heaviest files, on 2 workers, in .venv as it is (installed if missing). Left out, 4,200
 # of the rest's 5,300 test-seconds (--durations=0, a busy machine): the ported programs
-# (test_programs, test_ports), the streamed update's (test_stream), the field checks
-# (test_field) and the LLVM-level canary. The bitwise matrix (test_equivalence) marks its
-# heavy cases slow; its common optimizers and its hypothesis tests stay.
-FAST_IGNORE=(test_programs.py test_ports.py test_stream.py test_field.py
+# (test_programs, test_ports), the streamed update's (test_stream) and the LLVM-level
+# canary. The bitwise matrix (test_equivalence) marks its heavy cases slow, as the saving
+# and soak checks (test_checkpoint) do; its common optimizers and hypothesis tests stay.
+FAST_IGNORE=(test_programs.py test_ports.py test_stream.py
              upstream/test_upstream_llvm_level.py)
 fast() {
   if ! in_env .venv python -c 'import eqx_offload, xdist' 2>/dev/null; then

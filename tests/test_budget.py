@@ -1,13 +1,11 @@
 """Offloading only what must go (`within_budget`) and letting the copies overlap the
-step (`prefetch_options`, and the dependency structure that allows it)."""
+step (`prefetch_options`; the dependency structure that allows it: test_stream.py)."""
 
-import re
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import optax
 import pytest
 from helpers import assert_tree_equal, unchecked
@@ -73,27 +71,3 @@ def test_prefetch_options_compile_and_keep_results() -> None:
     args = (model, opt.init(eqx.filter(model, eqx.is_array)), jnp.ones((4, 3)))
     assert_tree_equal(eqx_offload.filter_jit(step, compiler_options=options)(*args),
                       eqx_offload.filter_jit(step)(*args))
-
-
-@pytest.mark.parametrize("group_bytes", [None, 0])
-def test_state_copies_to_the_device_wait_for_nothing(group_bytes: Any) -> None:
-    """For a GPU, each state copy to the device reads a step argument directly."""
-    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
-    params = jax.device_put(eqx.filter(model, eqx.is_array), jax.devices()[0])
-    opt = eqx_offload.offloaded(optax.adam(0.1), group_bytes=group_bytes, lookahead=1)
-    state = opt.init(params)
-    static = eqx.filter(model, eqx.is_array, inverse=True)
-
-    def step(params: Any, state: Any, x: jax.Array) -> Any:
-        grads = jax.grad(lambda p: jnp.sum(jax.vmap(eqx.combine(p, static))(x) ** 2))(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    text = jax.jit(step).trace(params, state, jnp.ones((4, 3))).lower(
-        lowering_platforms=("cuda",)).as_text()
-    operands = re.findall(r"annotate_device_placement\((%[\w#]+)\).*_xla_buffer_placement = "
-                          r"\"device\"", text)
-    n_state = sum(x.ndim > 0 for x in jtu.tree_leaves(state))
-    assert len(operands) == n_state
-    free = [op for op in operands if op.startswith("%arg")]
-    assert len(free) == (n_state if group_bytes is None else 2)  # mu, nu of the first group

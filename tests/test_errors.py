@@ -1,8 +1,8 @@
 """Bad input and faults: each raises a documented `eqx_offload` error (a `ValueError` or
 `TypeError` subclass) whose message names the argument, the leaf path where there is one,
-and the fix; a failed call leaves donated inputs intact. Under pytest's jaxtyping hook
-beartype rejects what the type hints forbid first; `unchecked(f)` reaches the library's
-own checks, as users without the hook do.
+and the fix (that a failed call leaves donated inputs intact: test_donation.py). Under
+pytest's jaxtyping hook beartype rejects what the type hints forbid first; `unchecked(f)`
+reaches the library's own checks, as users without the hook do.
 """
 
 import pathlib
@@ -14,11 +14,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
-import numpy as np
 import optax
 import pytest
-from helpers import tree_bits as bits, unchecked
+from helpers import unchecked
 
 import eqx_offload
 from eqx_offload import (CompositionError, MemoryKindError, NotATransformationError,
@@ -27,10 +25,6 @@ from eqx_offload import (CompositionError, MemoryKindError, NotATransformationEr
 
 def params() -> dict[str, jax.Array]:
     return {"w": jnp.arange(6.0).reshape(2, 3) / 7 + 0.5, "b": jnp.arange(3.0) / 5 - 0.2}
-
-
-def kinds(tree: Any) -> dict[str, str]:
-    return {jtu.keystr(p): x.sharding.memory_kind for p, x in jtu.tree_flatten_with_path(tree)[0]}
 
 
 @pytest.mark.parametrize("error,base", [
@@ -145,180 +139,6 @@ def test_kind_the_backend_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_multi_steps_is_accepted() -> None:
     """A `MultiSteps` is not a GradientTransformation but has one: accepted."""
     eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2))  # type: ignore[arg-type]  # MultiSteps is converted
-
-
-def test_state_from_another_where_is_used_with_a_warning() -> None:
-    """A state made with another `where` is used as it is, with a warning; the new state
-    follows this transformation's `where`."""
-    every = _adam()
-    state = _adam(where=eqx_offload.pattern(".*/mu/.*")).init(params())
-    assert kinds(state)[".inner_state[0].nu['w']"] == "device"
-    with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/nu/b is in device memory"):
-        _, new = every.update(params(), state, params())
-    assert kinds(new)[".inner_state[0].nu['w']"] == "pinned_host"
-
-
-def test_state_on_device_warns_once_and_is_used() -> None:
-    """A state in device memory (restored without host shardings) is used with one
-    `OffloadWarning` per transformation; bitwise as unwrapped, the new state on the host."""
-    inner = optax.adam(1e-2)
-    opt = eqx_offload.offloaded(inner)
-    on_device = eqx_offload.to_device(opt.init(params()))
-    assert set(kinds(on_device).values()) == {"device"}
-    with pytest.warns(eqx_offload.OffloadWarning) as record:
-        updates, state = opt.update(params(), on_device, params())
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "state leaf inner_state/0/mu/b is in device memory" in message
-    assert "eqx_offload.host_shardings" in message  # the fix
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once: the second call does not warn
-        updates2, state2 = opt.update(params(), eqx_offload.to_device(state), params())
-    ref_updates, ref_state = inner.update(params(), inner.init(params()), params())
-    ref_updates2, ref_state2 = inner.update(params(), ref_state, params())
-    assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
-    assert bits((updates2, state2.inner_state)) == bits((ref_updates2, ref_state2))
-    assert kinds(state2)[".inner_state[0].mu['w']"] == "pinned_host"
-
-
-def test_update_under_vmap() -> None:
-    """`vmap` over `init` and `update`, eager and jitted: bitwise as unwrapped, on the host."""
-    inner = optax.adam(1e-2)
-    opt = eqx_offload.offloaded(inner)
-    batch = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), params())
-    states = jax.vmap(opt.init)(batch)
-    assert kinds(states)[".inner_state[0].mu['w']"] == "pinned_host"
-    assert kinds(states)[".inner_state[0].count"] == "device"  # 0-d per member: not selected
-    ref_states = jax.vmap(inner.init)(batch)
-    for update in (jax.vmap(opt.update), jax.jit(jax.vmap(opt.update))):
-        updates, new = update(batch, states, batch)
-        ref_updates, ref_new = jax.vmap(inner.update)(batch, ref_states, batch)
-        assert bits((updates, new.inner_state)) == bits((ref_updates, ref_new))
-        assert kinds(new)[".inner_state[0].nu['b']"] == "pinned_host"
-
-
-def test_update_under_grad() -> None:
-    """`grad` through `update` by the gradients and an offloaded leaf: as unwrapped."""
-    inner = optax.adam(1e-2)
-    opt = eqx_offload.offloaded(inner)
-    p = params()
-    _, state = opt.update(p, opt.init(p), p)
-    _, ref_state = inner.update(p, inner.init(p), p)
-
-    def loss(g: Any, mu: Any) -> jax.Array:
-        s = eqx_offload.OffloadedState((state.inner_state[0]._replace(mu=mu), state.inner_state[1]))
-        return sum(jnp.sum(u ** 2) for u in jax.tree.leaves(opt.update(g, s, p)[0]))
-
-    def ref_loss(g: Any, mu: Any) -> jax.Array:
-        s = (ref_state[0]._replace(mu=mu), ref_state[1])
-        return sum(jnp.sum(u ** 2) for u in jax.tree.leaves(inner.update(g, s, p)[0]))
-
-    grads = jax.tree.map(lambda x: x * 3, p)
-    for transform in (lambda f: f, jax.jit):  # compared eager with eager, jitted with jitted
-        d_g, d_mu = transform(jax.grad(loss, argnums=(0, 1)))(grads, state.inner_state[0].mu)
-        ref_g, ref_mu = transform(jax.grad(ref_loss, argnums=(0, 1)))(grads, ref_state[0].mu)
-        assert bits(d_g) == bits(ref_g)
-        np.testing.assert_array_equal(np.asarray(d_mu["w"]), np.asarray(ref_mu["w"]))
-        # The cotangent of a host-resident leaf is host-resident too.
-        assert d_mu["w"].sharding.memory_kind == "pinned_host"
-
-
-# ------------------------------------------------------------ failed calls keep donated inputs
-
-
-class Model(eqx.Module):
-    w: jax.Array
-    b: jax.Array
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.w + self.b
-
-
-def setup() -> tuple[Model, optax.GradientTransformation, Any]:
-    model = Model(jnp.arange(6.0).reshape(3, 2) / 7, jnp.ones(2) / 3)
-    opt = eqx_offload.offloaded(optax.adamw(1e-2))
-    return model, opt, opt.init(eqx.filter(model, eqx.is_array))
-
-
-def make_step(opt: optax.GradientTransformation, fail: list[bool]) -> Callable[..., Any]:
-    @eqx_offload.filter_jit(donate="all")
-    def step(model: Model, state: Any, x: jax.Array) -> tuple[Model, Any]:
-        if fail and fail[0]:
-            raise RuntimeError("a bug in the step function")
-        grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
-        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state
-
-    return step
-
-
-def reference(n: int) -> tuple[Model, Any]:
-    model, opt, state = setup()
-    step = make_step(opt, [])
-    for _ in range(n):
-        model, state = step(model, state, jnp.ones((4, 3)))
-    return model, state
-
-
-def intact(*trees: Any) -> bool:
-    return not any(x.is_deleted() for x in jtu.tree_leaves(trees))
-
-
-def test_error_while_tracing_keeps_donated_inputs() -> None:
-    model, opt, state = setup()
-    fail = [True]
-    step = make_step(opt, fail)
-    with pytest.raises(RuntimeError, match="a bug in the step function"):
-        step(model, state, jnp.ones((4, 3)))
-    assert intact(model, state)
-    fail[0] = False  # fixed: training goes on from the same model and state
-    for _ in range(2):
-        model, state = step(model, state, jnp.ones((4, 3)))
-    assert bits((model, state)) == bits(reference(2))
-
-
-def test_bad_state_keeps_donated_inputs() -> None:
-    model, opt, state = setup()
-    step = make_step(opt, [])
-    model, state = step(model, state, jnp.ones((4, 3)))
-    # A bug: the state of another optimizer.
-    wrong = eqx_offload.offloaded(optax.sgd(1e-2, momentum=0.9)).init(eqx.filter(model, eqx.is_array))
-    with pytest.raises(eqx_offload.StateError, match="does not belong to this optimizer"):
-        step(model, wrong, jnp.ones((4, 3)))
-    assert intact(model, state, wrong)
-    with pytest.raises(TypeError):  # a batch of the wrong shape: fails while tracing
-        step(model, state, jnp.ones((4, 5)))
-    assert intact(model, state)
-    model, state = step(model, state, jnp.ones((4, 3)))
-    assert bits((model, state)) == bits(reference(2))
-
-
-def test_stale_state_keeps_the_other_inputs() -> None:
-    """A state an earlier step donated fails before anything runs; the model survives."""
-    model, opt, state = setup()
-    step = make_step(opt, [])
-    model, new_state = step(model, state, jnp.ones((4, 3)))
-    assert not intact(state)
-    with pytest.raises(RuntimeError, match="deleted"):
-        step(model, state, jnp.ones((4, 3)))
-    assert intact(model, new_state)
-    model, new_state = step(model, new_state, jnp.ones((4, 3)))
-    assert bits((model, new_state)) == bits(reference(2))
-
-
-def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
-    """`inject_hyperparams(adam)` turns a bfloat16 moment into float32 when the params
-    mix dtypes: `offloaded` accepts the changed state as the unwrapped optimizer does."""
-    p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
-    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.8)
-    opt = eqx_offload.offloaded(inner, where=True)
-    state, ref_state = opt.init(p), inner.init(p)
-    for _ in range(3):
-        updates, state = opt.update(p, state, p)
-        ref_updates, ref_state = inner.update(p, ref_state, p)
-        assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
-    assert state.inner_state.inner_state[0].mu["a"].dtype == jnp.float32
-    assert state.inner_state.inner_state[0].mu["a"].sharding.memory_kind == "pinned_host"
 
 
 # ----------------------------------------------------------- the mistakes a newcomer makes

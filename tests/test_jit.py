@@ -1,6 +1,8 @@
-"""`filter_jit`: donation of host-resident state, memory kinds of the outputs, one
-compilation per configuration. (How plain `jax.jit` compiles the same step, and which
-forms of `compute_on` JAX offers, are upstream behaviour: `tests/upstream/`.)"""
+"""`filter_jit`: donation of host-resident state, memory kinds of the outputs (host arrays
+assembled from shards retyped), one compilation per configuration, the host-compute
+check, the GPU compiler options, `jax.export`. (A failed call and shared buffers:
+test_donation.py. How plain `jax.jit` compiles the same step, and which forms of
+`compute_on` JAX offers, are upstream behaviour: `tests/upstream/`.)"""
 
 import re
 import warnings
@@ -14,8 +16,10 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, count_compiles, hex_bits, kind_list
+from helpers import assert_tree_equal, count_compiles, hex_bits, kind_list, tree_bits as bits
 from isolated import call_isolated
+from test_checkpoint import host_typed, make_opt, make_params, make_step, offloaded_leaves, train
+from test_scan import D, make_layers, scan_loss
 
 import eqx_offload
 from eqx_offload._compat import host_compute
@@ -306,6 +310,27 @@ def test_output_memory_kinds_follow_the_program():
     assert b.sharding.memory_kind == "device"
 
 
+def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
+    """Shards assembled as orbax does are typed device memory (JAX 0.10): `filter_jit`
+    retypes them without a warning, bitwise, donation honoured."""
+    opt = make_opt()
+    step, params = make_step(opt), make_params()
+    state = opt.init(params)
+
+    def assembled(leaf: jax.Array) -> jax.Array:
+        value = np.asarray(leaf)
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index])
+
+    rebuilt = jax.tree.map(assembled, state)
+    assert all(x.sharding.memory_kind == "pinned_host" and not host_typed(x)
+               for x in offloaded_leaves(rebuilt))
+    assert bits(rebuilt) == bits(state)
+    new = train(jax.tree.map(jnp.copy, params), rebuilt, step, range(1))
+    assert all(x.is_deleted() for x in jtu.tree_leaves(rebuilt))
+    assert bits(new) == bits(train(params, state, step, range(1)))
+    assert all(host_typed(x) for x in offloaded_leaves(new[1]))
+
+
 # ---------------------------------------------------------------------------------------
 # Compute on host-resident values
 
@@ -329,6 +354,20 @@ def test_host_compute_under_compute_on_is_allowed():
     out = eqx_offload.filter_jit(double)(host)
     assert out.sharding.memory_kind == "pinned_host"
     assert_tree_equal(jax.device_put(out, jax.memory.Space.Device), jnp.arange(3.0) * 2)
+
+
+def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
+    """`filter_jit` allows fetching a host slice, not computing on it."""
+    stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), jax.memory.Space.Host)
+
+    def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.device_put(jax.lax.dynamic_slice(a, (i, 0), (1, 3)), jax.memory.Space.Device)[0] * 2
+
+    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
+    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
+    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+        eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
+            stacked, jnp.int32(2))
 
 
 def test_scan_over_steps_with_host_state():
@@ -422,3 +461,88 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     assert step.lower(params, state).compiler_options == {}
     _, state = step(params, state)
     assert kind_list(state) == ["device"] + ["pinned_host"] * 4
+
+
+def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
+    """Only a prefetching host-weight GPU step raises the async copy limit."""
+    from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
+
+    def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
+        step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
+        return step.lower_for((platform,), (layers, jnp.ones(D)), {}).compiler_options
+
+    on_host = eqx_offload.to_host(make_layers())
+    assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS == {
+        "xla_gpu_experimental_parallel_async_compute_limit": 32}
+    assert defaults(on_host, False) == defaults(make_layers(), True) == {}
+    assert defaults(on_host, True, "cpu") == {}
+
+
+# ---------------------------------------------------------------------------------------
+# `jax.export`
+
+
+def _export_setup() -> tuple[Any, Any, Any]:
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+
+    def step(params, state):
+        updates, state = opt.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return params, opt.init(params), step
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_export_keeps_memory_kinds_and_copies_for_cuda(donate: str) -> None:
+    params, state, step = _export_setup()
+    exported = eqx_offload.filter_jit(step, donate=donate).export(platforms=["cuda"])(params, state)
+    text = exported.mlir_module()
+    assert exported.platforms == ("cuda",)
+    # Each of the 4 offloaded leaves: one copy to the device, one back.
+    assert text.count("annotate_device_placement") >= 8
+    kinds = re.findall(r'mhlo.memory_kind = "(\w+)"', text)
+    assert kinds.count("pinned_host") == 8  # 4 state inputs, 4 state outputs
+
+
+def test_export_runs_bitwise_on_this_backend() -> None:
+    params, state, step = _export_setup()
+    jitted = eqx_offload.filter_jit(step)
+    exported = jitted.export()(params, state)
+    out = exported.call(*jax.tree.leaves((params, state)))
+    ref = jax.tree.leaves(jitted(params, state))
+    assert_tree_equal(list(out), ref)
+    assert [x.sharding.memory_kind for x in out] == [x.sharding.memory_kind for x in ref]
+    assert {x.sharding.memory_kind for x in out if x.ndim} >= {"pinned_host"}
+
+
+def test_export_of_plain_jit_with_specs_is_loud() -> None:
+    # The silent case of the issue: specs from the arrays' own shardings, `jax.jit`
+    # without shardings. The program has no copies; `offloaded` says so and names the
+    # fix.
+    params, state, step = _export_setup()
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                         (params, state))
+    with pytest.warns(eqx_offload.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
+        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(*specs)
+    assert "traced without the state's memory kinds" in str(record[0].message)
+    ported = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state)
+    assert (exported.mlir_module().count("annotate_device_placement")
+            < ported.mlir_module().count("annotate_device_placement"))
+
+
+def test_export_of_streamed_and_host_compute_steps() -> None:
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    for options in ({"group_bytes": 0}, {"compute": "host"}):
+        opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
+        state = opt.init(params)
+
+        def step(params, state):
+            updates, state = opt.update(params, state, params)
+            return optax.apply_updates(params, updates), state
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            text = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state).mlir_module()
+        assert re.findall(r'mhlo.memory_kind = "(\w+)"', text).count("pinned_host") == 8, options
+        assert np.ndim(state.inner_state[0].count) == 0

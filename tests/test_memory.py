@@ -1,18 +1,21 @@
-"""Memory kinds the backend offers, the error for a kind a device lacks, and the
-environment variables that size the memory pools."""
+"""Memory kinds the backend offers, the error for a kind a device lacks, the environment
+variables that size the memory pools, and the pinned host pool's cap: checked by `init`
+and the restores, shown by `memory_report`."""
 
+import gc
 import re
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 import eqx_offload
-from eqx_offload import _deviceless, _memory, MemoryKindError
+from eqx_offload import _checkpoint, _deviceless, _memory, _report, MemoryKindError
 
 
 CPU_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -96,8 +99,12 @@ def test_host_pool_limit_is_read_as_xla_reads_it(value: Optional[str], gigabytes
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An integer, spaces allowed, else 64 GiB; init and the planner agree."""
     variable = _memory.HOST_LIMIT_VARIABLE
-    assert _memory.host_pool_limit("cuda", {} if value is None else {variable: value}) == (
-        gigabytes * GIB)
+    environ = {} if value is None else {variable: value}
+    assert _memory.host_pool_limit("cuda", environ) == gigabytes * GIB
+    assert _memory.host_pool_limit("gpu", environ) == gigabytes * GIB
+    # Off CUDA/ROCm there is no such pool.
+    assert _memory.host_pool_limit("cpu", environ) is None
+    assert _memory.host_pool_limit("tpu", environ) is None
     if value is None:
         monkeypatch.delenv(variable, raising=False)
     else:
@@ -128,3 +135,84 @@ def test_run_settings(peak: int, fraction: float, host: int, expected: list[str]
     """The settings to print for a run of an 80 GiB device with a 64 GiB host pool."""
     assert _memory.run_settings(max(peak * GIB, 1), 80 * GIB, fraction, host * GIB,
                                 64 * GIB) == expected
+
+
+# ---------------------------------------------------------------------------------------
+# The pinned host pool: its cap checked by `init` and the restores, shown by `memory_report`
+
+
+def test_check_host_pool_fails_naming_the_variable() -> None:
+    _memory.check_host_pool(4 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB, limit=64 * GIB)
+    with pytest.raises(eqx_offload.MemoryKindError) as info:
+        _memory.check_host_pool(10 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB,
+                                limit=64 * GIB)
+    message = str(info.value)
+    assert message.startswith("offloaded(...).init: placing 10.0 GiB in 'pinned_host'")
+    assert "60.0 GiB already there" in message and "64.0 GiB cap" in message
+    assert "export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=71" in message  # the fix
+    # Off CUDA/ROCm there is no such pool: nothing to check.
+    _memory.check_host_pool(10**15, "cpu", "offloaded(...).init")
+
+
+@pytest.fixture
+def small_pool(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The CPU treated as a CUDA backend whose pinned host pool holds 64 KiB."""
+    cap = 64 << 10
+
+    def limit(platform: str, environ: Any = None) -> int:
+        return cap
+
+    for module in (_memory, _checkpoint, _report):
+        monkeypatch.setattr(module, "host_pool_limit", limit)
+    # The pool is the process's: what earlier tests in this worker left in `pinned_host`
+    # is not this test's (counted from here on).
+    gc.collect()
+    before = _memory.live_pooled_bytes
+    baseline = before("cpu")
+
+    def live(platform: str) -> int:
+        return before(platform) - baseline
+
+    monkeypatch.setattr(_memory, "live_pooled_bytes", live)
+    return cap
+
+
+def _sharded_params(mesh_size: int = 4) -> Any:
+    mesh = jax.make_mesh((mesh_size,), ("x",), devices=jax.devices()[:mesh_size])
+    return {"w": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("x"))),
+            "b": jax.device_put(jnp.ones(64), NamedSharding(mesh, P()))}
+
+
+def test_init_and_restores_check_the_pool(small_pool: int) -> None:
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    small = {"w": jnp.ones((32, 32))}  # 2 moments x 4 KiB: fits
+    state = opt.init(small)
+    big = {"w": jnp.ones((64, 128))}  # 2 moments x 32 KiB, with 8 KiB in use: does not
+    before = {id(x) for x in jax.live_arrays()}
+    with pytest.raises(eqx_offload.MemoryKindError,
+                       match=r"offloaded\(\.\.\.\)\.init: placing 64\.0 KiB .* with 8\.0 KiB already there"):
+        opt.init(big)
+    placed = [x for x in jax.live_arrays() if id(x) not in before]
+    assert not [x for x in placed if x.sharding.memory_kind == "pinned_host"], placed  # nothing placed
+    with pytest.raises(eqx_offload.MemoryKindError, match=r"abstract_init\(\.\.\.\): placing"):
+        eqx_offload.abstract_init(opt, big)
+    with pytest.raises(eqx_offload.MemoryKindError, match=r"restore_target\(\.\.\.\): placing"):
+        eqx_offload.restore_target(optax.adam(1e-3).init(big), eqx_offload.min_ndim(1))
+    # `memory_report` shows the pool against its cap.
+    report = eqx_offload.memory_report(state)
+    assert report.host_pool_limit == small_pool and report.host_pool_bytes == 2 * 32 * 32 * 4
+    assert str(report).splitlines()[-1] == (
+        "pinned host pool: 8.0 KiB of the 64.0 KiB cap (12.5%; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+
+
+def test_pool_bytes_count_each_devices_shard(small_pool: int) -> None:
+    # A replicated leaf takes its full size on each device; a sharded one its shard.
+    state = eqx_offload.offloaded(optax.adam(1e-3)).init(_sharded_params())
+    report = eqx_offload.memory_report(state)
+    assert report.host_pool_bytes == 2 * (64 * 64 * 4 + 4 * 64 * 4)
+
+
+def test_no_pool_line_on_the_cpu() -> None:
+    report = eqx_offload.memory_report(eqx_offload.to_host({"w": jnp.ones(4)}))
+    assert report.host_pool_limit is None and "pinned host pool" not in str(report)
+    assert report.host_pool_bytes == 16

@@ -1,7 +1,10 @@
 """Sharded models and offloaded state on 8 CPU devices, `Explicit` and `Auto` axes, data-
-and data+model-parallel (Megatron-style; both weights 8x8 so shape cannot tell them apart)."""
+and data+model-parallel (Megatron-style; both weights 8x8 so shape cannot tell them apart);
+every shard's data through `to_host`, `filter_shard` and the restores, non-replicated
+(jax-ml/jax#36308; the canary: tests/upstream/test_upstream_multidevice_put.py)."""
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import equinox as eqx
@@ -10,6 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_tree_equal, count_compiles, unchecked
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -263,3 +267,110 @@ def test_filter_shard_under_jit_keeps_memory() -> None:
         assert_tree_equal(out, tree)
     with pytest.raises(eqx_offload.OptionError, match="must be a `jax.sharding.Sharding`"):
         unchecked(eqx_offload.filter_shard)(tree, P())
+
+
+# ---------------------------------------------------------------------------------------
+# Every shard's data through every move, on a 4-device mesh
+
+
+def _checksums(tree: Any) -> list[Any]:
+    """Per array leaf: its memory kind, its values and each shard's values with index."""
+    out = []
+    for x in jtu.tree_leaves(tree):
+        shards = sorted(((str(s.index), np.asarray(s.data).tobytes(), s.device.id)
+                         for s in x.addressable_shards), key=lambda s: (s[2], s[0]))
+        out.append((x.sharding.memory_kind, np.asarray(x).tobytes(), shards))
+    return out
+
+
+def _expected_shards(x: jax.Array, values: np.ndarray) -> None:
+    for shard in x.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), values[shard.index]), shard.device
+
+
+MESHES = {
+    "x": ((4,), ("x",), P("x")),
+    "x_y": ((2, 2), ("x", "y"), P("x", "y")),
+    "cols": ((2, 2), ("x", "y"), P(None, "y")),
+}
+
+
+def _mesh(name: str) -> tuple[jax.sharding.Mesh, P]:
+    shape, names, spec = MESHES[name]
+    devices = np.asarray(jax.devices()[4:8]).reshape(shape)  # not the default device
+    return jax.sharding.Mesh(devices, names), spec
+
+
+def _values() -> np.ndarray:
+    return (np.arange(8 * 12, dtype=np.float32).reshape(8, 12) - 40.0) / 3.0
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_to_host_and_back_keep_every_shard(layout: str) -> None:
+    mesh, spec = _mesh(layout)
+    values = _values()
+    tree = {"a": jax.device_put(values, NamedSharding(mesh, spec)), "n": 3}
+    host = eqx_offload.to_host(tree)
+    assert host["a"].sharding.memory_kind == "pinned_host" and host["a"].sharding.spec == spec
+    _expected_shards(host["a"], values)
+    back = eqx_offload.to_device(host)
+    assert back["a"].sharding.memory_kind == "device"
+    _expected_shards(back["a"], values)
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_filter_shard_keeps_every_shard(layout: str) -> None:
+    # An offloaded state made on one device, resharded (not replicated) onto the mesh.
+    mesh, spec = _mesh(layout)
+    values = _values()
+    opt = eqx_offload.offloaded(optax.sgd(1e-2, momentum=0.9))
+    state = opt.init({"w": jnp.zeros((8, 12))})
+    state = eqx_offload.OffloadedState(
+        optax.TraceState(trace={"w": eqx_offload.to_host(jnp.asarray(values))}))
+    sharded = eqx_offload.filter_shard(state, NamedSharding(mesh, spec))
+    leaf = sharded.inner_state.trace["w"]
+    assert leaf.sharding.memory_kind == "pinned_host" and leaf.sharding.spec == spec
+    assert leaf.sharding.device_set == set(mesh.devices.flat)
+    _expected_shards(leaf, values)
+    # And back onto one device.
+    single = eqx_offload.filter_shard(sharded, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    _expected_shards(single.inner_state.trace["w"], values)
+
+
+def _sharded_run(layout: str) -> tuple[Any, Any, Any]:
+    mesh, spec = _mesh(layout)
+    params = {"w": jax.device_put(jnp.asarray(_values()), NamedSharding(mesh, spec))}
+    opt = eqx_offload.offloaded(optax.adam(1e-2))
+    state = opt.init(params)
+
+    @eqx_offload.filter_jit(donate="all-except-first")
+    def step(params, state):
+        grads = jax.tree.map(lambda p: jnp.sin(p) * 0.5, params)
+        updates, state = opt.update(grads, state, params)
+        return state
+
+    for _ in range(2):
+        state = step(params, state)
+    return opt, params, state
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "eqx"])
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_restores_keep_every_shard(layout: str, fmt: str, tmp_path: Path) -> None:
+    opt, params, state = _sharded_run(layout)
+    target = eqx_offload.abstract_init(opt, params)
+    if fmt == "orbax":
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp_path / "state", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "state", target)
+        checkpointer.close()
+    else:
+        eqx.tree_serialise_leaves(tmp_path / "state.eqx", state)
+        restored = eqx.tree_deserialise_leaves(tmp_path / "state.eqx", target,
+                                               filter_spec=eqx_offload.deserialise_filter_spec)
+    assert _checksums(restored) == _checksums(state)
+    for leaf in jtu.tree_leaves(restored):
+        if leaf.ndim:
+            assert leaf.sharding.spec == params["w"].sharding.spec
+            assert leaf.sharding.memory_kind == "pinned_host"

@@ -1,16 +1,119 @@
-"""What one eager default `offloaded(...).update` costs in the package's own code: the
-functions it runs, their files and lines, and the pytree walks it makes."""
+"""`offloaded`'s update on states it did not make (another `where`, in device memory, a
+dtype the inner optimizer changed), under `vmap` and `grad`; and what one eager default
+update costs in the package's own code: the functions it runs, their files and lines,
+and the pytree walks it makes."""
 
 import inspect
 import os
 import sys
+import warnings
 from types import FrameType
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from helpers import memory_kinds, tree_bits as bits
 
 import eqx_offload
+
+
+def params() -> dict[str, jax.Array]:
+    return {"w": jnp.arange(6.0).reshape(2, 3) / 7 + 0.5, "b": jnp.arange(3.0) / 5 - 0.2}
+
+
+def test_state_from_another_where_is_used_with_a_warning() -> None:
+    """A state made with another `where` is used as it is, with a warning; the new state
+    follows this transformation's `where`."""
+    every = eqx_offload.offloaded(optax.adam(1e-3))
+    state = eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/mu/.*")).init(
+        params())
+    assert memory_kinds(state)["inner_state/0/nu/w"] == "device"
+    with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/nu/b is in device memory"):
+        _, new = every.update(params(), state, params())
+    assert memory_kinds(new)["inner_state/0/nu/w"] == "pinned_host"
+
+
+def test_state_on_device_warns_once_and_is_used() -> None:
+    """A state in device memory (restored without host shardings) is used with one
+    `OffloadWarning` per transformation; bitwise as unwrapped, the new state on the host."""
+    inner = optax.adam(1e-2)
+    opt = eqx_offload.offloaded(inner)
+    on_device = eqx_offload.to_device(opt.init(params()))
+    assert set(memory_kinds(on_device).values()) == {"device"}
+    with pytest.warns(eqx_offload.OffloadWarning) as record:
+        updates, state = opt.update(params(), on_device, params())
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "state leaf inner_state/0/mu/b is in device memory" in message
+    assert "eqx_offload.host_shardings" in message  # the fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second call does not warn
+        updates2, state2 = opt.update(params(), eqx_offload.to_device(state), params())
+    ref_updates, ref_state = inner.update(params(), inner.init(params()), params())
+    ref_updates2, ref_state2 = inner.update(params(), ref_state, params())
+    assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
+    assert bits((updates2, state2.inner_state)) == bits((ref_updates2, ref_state2))
+    assert memory_kinds(state2)["inner_state/0/mu/w"] == "pinned_host"
+
+
+def test_update_under_vmap() -> None:
+    """`vmap` over `init` and `update`, eager and jitted: bitwise as unwrapped, on the host."""
+    inner = optax.adam(1e-2)
+    opt = eqx_offload.offloaded(inner)
+    batch = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), params())
+    states = jax.vmap(opt.init)(batch)
+    assert memory_kinds(states)["inner_state/0/mu/w"] == "pinned_host"
+    assert memory_kinds(states)["inner_state/0/count"] == "device"  # 0-d per member: not selected
+    ref_states = jax.vmap(inner.init)(batch)
+    for update in (jax.vmap(opt.update), jax.jit(jax.vmap(opt.update))):
+        updates, new = update(batch, states, batch)
+        ref_updates, ref_new = jax.vmap(inner.update)(batch, ref_states, batch)
+        assert bits((updates, new.inner_state)) == bits((ref_updates, ref_new))
+        assert memory_kinds(new)["inner_state/0/nu/b"] == "pinned_host"
+
+
+def test_update_under_grad() -> None:
+    """`grad` through `update` by the gradients and an offloaded leaf: as unwrapped."""
+    inner = optax.adam(1e-2)
+    opt = eqx_offload.offloaded(inner)
+    p = params()
+    _, state = opt.update(p, opt.init(p), p)
+    _, ref_state = inner.update(p, inner.init(p), p)
+
+    def loss(g: Any, mu: Any) -> jax.Array:
+        s = eqx_offload.OffloadedState((state.inner_state[0]._replace(mu=mu), state.inner_state[1]))
+        return sum(jnp.sum(u ** 2) for u in jax.tree.leaves(opt.update(g, s, p)[0]))
+
+    def ref_loss(g: Any, mu: Any) -> jax.Array:
+        s = (ref_state[0]._replace(mu=mu), ref_state[1])
+        return sum(jnp.sum(u ** 2) for u in jax.tree.leaves(inner.update(g, s, p)[0]))
+
+    grads = jax.tree.map(lambda x: x * 3, p)
+    for transform in (lambda f: f, jax.jit):  # compared eager with eager, jitted with jitted
+        d_g, d_mu = transform(jax.grad(loss, argnums=(0, 1)))(grads, state.inner_state[0].mu)
+        ref_g, ref_mu = transform(jax.grad(ref_loss, argnums=(0, 1)))(grads, ref_state[0].mu)
+        assert bits(d_g) == bits(ref_g)
+        np.testing.assert_array_equal(np.asarray(d_mu["w"]), np.asarray(ref_mu["w"]))
+        # The cotangent of a host-resident leaf is host-resident too.
+        assert d_mu["w"].sharding.memory_kind == "pinned_host"
+
+
+def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
+    """`inject_hyperparams(adam)` turns a bfloat16 moment into float32 when the params
+    mix dtypes: `offloaded` accepts the changed state as the unwrapped optimizer does."""
+    p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.8)
+    opt = eqx_offload.offloaded(inner, where=True)
+    state, ref_state = opt.init(p), inner.init(p)
+    for _ in range(3):
+        updates, state = opt.update(p, state, p)
+        ref_updates, ref_state = inner.update(p, ref_state, p)
+        assert bits((updates, state.inner_state)) == bits((ref_updates, ref_state))
+    assert state.inner_state.inner_state[0].mu["a"].dtype == jnp.float32
+    assert state.inner_state.inner_state[0].mu["a"].sharding.memory_kind == "pinned_host"
 
 
 _PACKAGE = os.path.dirname(eqx_offload.__file__) + os.sep

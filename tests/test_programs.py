@@ -1,20 +1,18 @@
-"""Ported programs (tests/ports/): Equinox's MNIST, DCGAN and vision-transformer
-examples, Flax NNX's `nnx.Optimizer`, optimistix's `OptaxMinimiser`, each as written and
-ported, bitwise; and what `filter_jit` does for such programs: compile counts, buffers
-shared between donated arguments, `jax.export`, a donating `nnx.jit` refused."""
+"""Ported programs (tests/ports/): Equinox's MNIST and vision-transformer examples, Flax
+NNX's `nnx.Optimizer`, optimistix's `OptaxMinimiser`, each as written and ported, bitwise
+(the DCGAN ports, whose models share buffers: test_donation.py); and what `filter_jit`
+does for such programs: compile counts, a donating `nnx.jit` refused, the DCGAN example's
+read-only model named."""
 
-import re
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, count_compiles, memory_kinds
+from helpers import memory_kinds
 from isolated import call_isolated
-from ports import dcgan, dcgan_example, mnist, nnx as nnx_port, solver, vit
+from ports import dcgan_example, mnist, nnx as nnx_port, solver, vit
 from test_ports import _assert_same_run
 
 import eqx_offload
@@ -41,22 +39,6 @@ def test_ported_program(name: str) -> None:
     plain, ported = train(False), train(True)
     _assert_same_run(plain, ported)
     assert check is None or check(ported), ported.extra
-
-
-@pytest.mark.parametrize("program", [dcgan, dcgan_example])
-def test_dcgan_shared_buffers_donated(program: Any) -> None:
-    """The models' states share their arrays: plain `eqx.filter_jit` cannot donate
-    them; the port (DCGAN: `donate="all"`; the example as written: each step donating
-    by name what it returns) is bitwise the undonated plain run and consumes every input."""
-    with pytest.raises(Exception, match="donate the same buffer twice"):
-        program.train(False, donate="all")
-    deleted: list[bool] = []
-    ported = program.train(True, donate="all" if program is dcgan else "returned", deleted=deleted)
-    plain = program.train(False, donate="none")
-    _assert_same_run(plain, ported)
-    assert deleted == [True] * program.STEPS
-    if program is dcgan_example:
-        assert ported.compiles == plain.compiles == [2] + [0] * (program.STEPS - 1)
 
 
 def test_mnist_without_the_remedy_compiles_the_users_functions_twice() -> None:
@@ -164,114 +146,6 @@ def test_optimistix_solver_moves_the_state_every_iteration() -> None:
     body = ported[ported.index("stablehlo.while"):]
     # mu and nu of both leaves, to the device and back: 4 leaves x 2 directions.
     assert body.count("annotate_device_placement") >= 8
-
-
-def _double(a: Any, b: Any) -> Any:
-    return a * 2, b + 1
-
-
-def test_a_shared_buffer_is_donated_once() -> None:
-    x = jnp.arange(4.0)
-    step = eqx_offload.filter_jit(_double, donate="all")
-    with count_compiles() as compiled:
-        a, b = step(x, x)  # one buffer at two donated leaves
-        assert x.is_deleted()
-        y, z = jnp.arange(4.0), jnp.arange(4.0)
-        c, d = step(y, z)  # two buffers: the same executable
-    assert len(compiled) == 1
-    assert_tree_equal((a, b), (c, d))
-    assert_tree_equal((a, b), (jnp.arange(4.0) * 2, jnp.arange(4.0) + 1))
-
-
-def test_a_buffer_shared_with_an_undonated_argument_survives() -> None:
-    x = jnp.arange(4.0)
-    step = eqx_offload.filter_jit(_double, donate="all-except-first")
-    a, b = step(x, x)
-    assert not x.is_deleted()  # the first argument is never donated
-    assert_tree_equal((a, b), (x * 2, x + 1))
-
-
-def test_a_shared_host_buffer_is_donated_once() -> None:
-    opt = eqx_offload.offloaded(optax.adam(1e-2))
-    params = {"w": jnp.ones((2, 3))}
-    state = opt.init(params)
-
-    @eqx_offload.filter_jit(donate="all")
-    def step(params, state, same_state):
-        updates, state = opt.update(params, state, params)
-        return optax.apply_updates(params, updates), state
-
-    ref = optax.adam(1e-2)
-    ref_updates, ref_state = ref.update(params, ref.init(params), params)
-    new_params, new_state = step(params, state, state)
-    assert_tree_equal(new_state.inner_state, ref_state)
-    assert all(x.is_deleted() for x in jax.tree.leaves(state))
-
-
-def _export_setup() -> tuple[Any, Any, Any]:
-    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
-
-    def step(params, state):
-        updates, state = opt.update(params, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return params, opt.init(params), step
-
-
-@pytest.mark.parametrize("donate", ["none", "all"])
-def test_export_keeps_memory_kinds_and_copies_for_cuda(donate: str) -> None:
-    params, state, step = _export_setup()
-    exported = eqx_offload.filter_jit(step, donate=donate).export(platforms=["cuda"])(params, state)
-    text = exported.mlir_module()
-    assert exported.platforms == ("cuda",)
-    # Each of the 4 offloaded leaves: one copy to the device, one back.
-    assert text.count("annotate_device_placement") >= 8
-    kinds = re.findall(r'mhlo.memory_kind = "(\w+)"', text)
-    assert kinds.count("pinned_host") == 8  # 4 state inputs, 4 state outputs
-
-
-def test_export_runs_bitwise_on_this_backend() -> None:
-    params, state, step = _export_setup()
-    jitted = eqx_offload.filter_jit(step)
-    exported = jitted.export()(params, state)
-    out = exported.call(*jax.tree.leaves((params, state)))
-    ref = jax.tree.leaves(jitted(params, state))
-    assert_tree_equal(list(out), ref)
-    assert [x.sharding.memory_kind for x in out] == [x.sharding.memory_kind for x in ref]
-    assert {x.sharding.memory_kind for x in out if x.ndim} >= {"pinned_host"}
-
-
-def test_export_of_plain_jit_with_specs_is_loud() -> None:
-    # The silent case of the issue: specs from the arrays' own shardings, `jax.jit`
-    # without shardings. The program has no copies; `offloaded` says so and names the
-    # fix.
-    params, state, step = _export_setup()
-    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                         (params, state))
-    with pytest.warns(eqx_offload.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
-        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(*specs)
-    assert "traced without the state's memory kinds" in str(record[0].message)
-    ported = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state)
-    assert (exported.mlir_module().count("annotate_device_placement")
-            < ported.mlir_module().count("annotate_device_placement"))
-
-
-def test_export_of_streamed_and_host_compute_steps() -> None:
-    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
-    for options in ({"group_bytes": 0}, {"compute": "host"}):
-        opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
-        state = opt.init(params)
-
-        def step(params, state):
-            updates, state = opt.update(params, state, params)
-            return optax.apply_updates(params, updates), state
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            text = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state).mlir_module()
-        assert re.findall(r'mhlo.memory_kind = "(\w+)"', text).count("pinned_host") == 8, options
-        assert np.ndim(state.inner_state[0].count) == 0
 
 
 def test_dcgan_example_donate_all_names_the_read_only_model() -> None:

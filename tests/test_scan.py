@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_equal, hex_bits as bits, memory_kinds, unchecked, walk_eqns
+from helpers import hex_bits as bits, memory_kinds, unchecked, walk_eqns
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload
@@ -194,32 +194,3 @@ def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None
     assert memory_kinds(grads) == {"weight": "pinned_host", "bias": "pinned_host"}
     assert grads.weight.sharding.mesh == mesh
     assert grads.weight.sharding.is_equivalent_to(on_host.weight.sharding, 3)
-
-
-def test_a_host_slice_only_moved_to_the_device_passes_the_host_compute_check() -> None:
-    """`filter_jit` allows fetching a host slice, not computing on it."""
-    stacked = jax.device_put(jnp.arange(12.0).reshape(4, 3), HOST)
-
-    def fetch(a: jax.Array, i: jax.Array) -> jax.Array:
-        return jax.device_put(jax.lax.dynamic_slice(a, (i, 0), (1, 3)), DEVICE)[0] * 2
-
-    out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
-    assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
-    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
-        eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
-            stacked, jnp.int32(2))
-
-
-def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
-    """Only a prefetching host-weight GPU step raises the async copy limit."""
-    from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
-
-    def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
-        step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
-        return step.lower_for((platform,), (layers, jnp.ones(D)), {}).compiler_options
-
-    on_host = eqx_offload.to_host(make_layers())
-    assert defaults(on_host, True) == GPU_PREFETCHED_OPTIONS == {
-        "xla_gpu_experimental_parallel_async_compute_limit": 32}
-    assert defaults(on_host, False) == defaults(make_layers(), True) == {}
-    assert defaults(on_host, True, "cpu") == {}

@@ -1,6 +1,7 @@
 """The streamed update's runner (`_stream.py`) and the host-compute update: the
 program they lower to (groups in, barriers, groups out; lowered for a GPU without one),
-the default's choice of streaming, and stacked leaves streamed by rows."""
+the default's choice of streaming, stacked leaves streamed by rows, and state copies to
+the device that wait for nothing (they read a step argument directly)."""
 
 import re
 from collections.abc import Callable
@@ -351,3 +352,27 @@ def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
     for leaf in jax.tree.leaves(state.inner_state[0].mu):
         assert leaf.sharding.memory_kind == "pinned_host"
         assert tuple(leaf.sharding.spec)[: len(spec)] == spec
+
+
+@pytest.mark.parametrize("group_bytes", [None, 0])
+def test_state_copies_to_the_device_wait_for_nothing(group_bytes: Any) -> None:
+    """For a GPU, each state copy to the device reads a step argument directly."""
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    params = jax.device_put(eqx.filter(model, eqx.is_array), jax.devices()[0])
+    opt = eqx_offload.offloaded(optax.adam(0.1), group_bytes=group_bytes, lookahead=1)
+    state = opt.init(params)
+    static = eqx.filter(model, eqx.is_array, inverse=True)
+
+    def step(params: Any, state: Any, x: jax.Array) -> Any:
+        grads = jax.grad(lambda p: jnp.sum(jax.vmap(eqx.combine(p, static))(x) ** 2))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    text = jax.jit(step).trace(params, state, jnp.ones((4, 3))).lower(
+        lowering_platforms=("cuda",)).as_text()
+    operands = re.findall(r"annotate_device_placement\((%[\w#]+)\).*_xla_buffer_placement = "
+                          r"\"device\"", text)
+    n_state = sum(x.ndim > 0 for x in jax.tree.leaves(state))
+    assert len(operands) == n_state
+    free = [op for op in operands if op.startswith("%arg")]
+    assert len(free) == (n_state if group_bytes is None else 2)  # mu, nu of the first group

@@ -5,7 +5,7 @@ shards as device memory, whatever its sharding's memory kind.
 restores this way) with a `pinned_host` `SingleDeviceSharding` give an array that lives
 in host memory but whose type (`jax.typeof(x).memory_space`, what `jax.jit` traces it
 as) says device. `filter_jit` retypes such leaves (`_mistyped_host` in `_jit.py`;
-`tests/test_checkpoint.py` tests that). Measured on JAX 0.10.2 and 0.12.0.1. If this
+`tests/test_jit.py` tests that). Measured on JAX 0.10.2 and 0.12.0.1. If this
 canary fails after a JAX upgrade, upstream types them correctly now: the retyping may go
 (and the precondition in `test_filter_jit_retypes_host_arrays_assembled_from_shards`
 needs updating).
