@@ -29,7 +29,6 @@ import optax
 
 import eqx_offload
 
-from .._memory import DEFAULT_HOST_LIMIT_GB, DEFAULT_MEM_FRACTION, run_settings
 from .llama import Llama, llama_loss, LlamaShape
 
 
@@ -417,6 +416,8 @@ class PointCache:
                 for line in f:
                     if line.strip():
                         record = json.loads(line)
+                        if "run_settings" not in record:  # planned by an older version
+                            continue
                         point = point_from_record(record)
                         self._points[self._key(point.shape, point.mode, point.target,
                                                point.n_devices, point.host_memory_bytes,
@@ -454,21 +455,8 @@ def point_from_record(record: dict[str, Any]) -> CapacityPoint:
     values["shape"] = LlamaShape(**record["shape"])
     collectives: dict[str, Any] = record["collectives"]
     values["collectives"] = {k: (int(c), int(b)) for k, (c, b) in collectives.items()}
-    values["run_settings"] = tuple(record["run_settings"]) if "run_settings" in record else (
-        default_settings(record["device_peak_bytes"], record["device_memory_bytes"],
-                         record["host_bytes"], record["fits"]))
+    values["run_settings"] = tuple(record["run_settings"])
     return CapacityPoint(**values)
-
-
-def default_settings(device_peak: int, device_memory: int, host_bytes: int, fits: bool
-                     ) -> tuple[str, ...]:
-    """The `run_settings` of a point planned before they were recorded: as
-    `GpuPlan.run_settings()` gives them with JAX's and XLA's defaults (memory fraction
-    0.75, pinned pool 64 GiB); none for a point that does not fit."""
-    if not fits:
-        return ()
-    return tuple(run_settings(device_peak, device_memory, DEFAULT_MEM_FRACTION, host_bytes,
-                              DEFAULT_HOST_LIMIT_GB << 30))
 
 
 def settings_text(settings: Sequence[str]) -> str:

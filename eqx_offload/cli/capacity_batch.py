@@ -27,13 +27,18 @@ from typing import Any, Optional, Union
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.experimental import compute_on
 
 import eqx_offload
 
-from .._compat import host_compute
-from .capacity import (abstract_tokens, argument_bytes, CapacityMode, default_settings, GB,
+from .capacity import (abstract_tokens, argument_bytes, CapacityMode, GB,
                        over_limits, plan_fits, settings_text, size_text, training_update)
 from .llama import llama_loss, LlamaShape
+
+
+# The function form of `compute_on`: `compute_on2` in JAX 0.10, `compute_on` from 0.11.
+host_compute: Callable[..., Any] = (getattr(compute_on, "compute_on2", None)
+                                    or compute_on.compute_on)
 
 
 def _add(acc: jax.Array, grad: jax.Array) -> jax.Array:
@@ -350,9 +355,7 @@ def batch_point_from_record(record: dict[str, Any]) -> BatchPoint:
     before its run settings were gets them as `GpuPlan.run_settings()` gives them with
     JAX's and XLA's defaults."""
     values: dict[str, Any] = dict(record, shape=LlamaShape(**record["shape"]))
-    values["run_settings"] = tuple(record["run_settings"]) if "run_settings" in record else (
-        default_settings(record["device_peak_bytes"], record["device_memory_bytes"],
-                         record["host_bytes"], record["fits"]))
+    values["run_settings"] = tuple(record["run_settings"])
     return BatchPoint(**values)
 
 
