@@ -1,4 +1,4 @@
-"""What fits and what it costs (issue 26): `gpu_plan` of abstract arguments, the loop
+"""What fits and what it costs: `gpu_plan` of abstract arguments, the loop
 counts, collectives and floors it reads from XLA's plan, and the capacity search
 (`python -m eqx_offload plan --capacity`) on a small ladder.
 

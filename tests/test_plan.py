@@ -1,5 +1,5 @@
 """`gpu_plan`: XLA's plan for an H100/H200, compiled on the CPU without a GPU, and the
-properties the default `offloaded` step must have in it (issue 16).
+properties the default `offloaded` step must have in it.
 
 These need the GPU compiler (`jax-cuda12-plugin` at the installed JAX version and
 `nvidia-cuda-nvcc-cu12`: the `plan` extra). scripts/check.sh installs it in the newest

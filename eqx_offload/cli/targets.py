@@ -1,6 +1,6 @@
 """The benchmark's targets: pass, FAIL or n/a per target, with the numbers behind each
 verdict. The step-time targets of the CPU run hold for the CPU backend; those against
-the copy estimate (issue 12) for an accelerator, where the copies cross a link."""
+the copy estimate for an accelerator, where the copies cross a link."""
 
 from collections.abc import Callable
 from typing import Any, Optional
@@ -106,7 +106,7 @@ def _run_targets(points: list[dict[str, Any]], failed: list[dict[str, Any]],
 
 
 def _copy_estimate_targets(points: list[dict[str, Any]], on_cpu: bool, add: _Add) -> None:
-    """Against the copy estimate (issue 12), for an accelerator."""
+    """Against the copy estimate, for an accelerator."""
     gpu = None if on_cpu else True
     lm = [p for p in points if p["workload"] == "transformer" and p["mode"] == "baseline"]
     add("transformer sizing: baseline step >= 2x the state's one-way copy"
@@ -133,7 +133,7 @@ def _copy_estimate_targets(points: list[dict[str, Any]], on_cpu: bool, add: _Add
 
 def _plan_targets(points: list[dict[str, Any]],
                   add: _Add) -> None:
-    """The accelerator targets of issue 16, in XLA's GPU plan of each point (recorded
+    """The accelerator targets, in XLA's GPU plan of each point (recorded
     with `--plan`): the default step frees 80% of the state's bytes at the peak, and 90%
     of the state's copies overlap compute."""
     base = {(p["workload"], p["optimizer"], p["params"]): p["plan"] for p in points
