@@ -1,6 +1,6 @@
 """What the runtime checks (beartype through jaxtyping's import hook) cost.
 
-    python tests/types/runtime_cost.py [--runs 5]
+    python bench/runtime_cost.py [--runs 5]
 
 Each measurement runs in a fresh interpreter, in three modes: `eqx_offload` imported
 under `jaxtyping.install_import_hook("eqx_offload", "beartype.beartype")` (every function
