@@ -273,3 +273,17 @@ def assert_multi_steps_updates(expected: Any, got: Any) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
         assert np.all(b == 0) and not np.signbit(b).any(), b  # +0.0 everywhere
         assert np.all((a == 0) | np.isnan(a)), a  # MultiSteps' 0 * u
+
+
+def donated_step(optimizer: Any, model: Any, x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+    """A donated training step of `model` under `optimizer` (mean square of its outputs
+    on `x`), and its arguments `(model, state, x)`."""
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(model: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    return step, (model, state, x)

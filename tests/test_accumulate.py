@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload
-from helpers import assert_tree_equal, gpu_plan_marks, walk_eqns
+from helpers import assert_tree_equal, donated_step, gpu_plan_marks, walk_eqns
 
 
 K = 3
@@ -173,15 +173,7 @@ def test_state_crosses_only_in_the_applying_branch():
 def test_donation():
     model = eqx.nn.MLP(4, 1, width_size=8, depth=1, key=jax.random.key(0))
     opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=2))
-    state = opt.init(eqx.filter(model, eqx.is_array))
-
-    @eqx_offload.filter_jit(donate="all")
-    def step(model, state, x):
-        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state
-
-    x = jnp.ones((8, 4))
+    step, (model, state, x) = donated_step(opt, model, jnp.ones((8, 4)))
     for _ in range(3):
         old = jax.tree.leaves((eqx.filter(model, eqx.is_array), state))
         model, state = step(model, state, x)

@@ -21,7 +21,7 @@ import pytest
 
 import eqx_offload
 from eqx_offload import _deviceless
-from helpers import Stacked, gpu_plan_marks
+from helpers import donated_step, gpu_plan_marks, Stacked
 
 
 
@@ -45,21 +45,7 @@ ACTIVATION_HEAVY = Workload(1024, 4, 8192)
 def _step(optimizer, workload):
     model = eqx.nn.MLP(workload.width, workload.width, workload.width, workload.depth,
                        key=jax.random.key(0))
-    return _model_step(optimizer, model, jnp.ones((workload.batch, workload.width)))
-
-
-def _model_step(optimizer, model, x):
-    """A donated AdamW-style training step of `model` (mean square of its outputs on
-    `x`), and its arguments."""
-    state = optimizer.init(eqx.filter(model, eqx.is_array))
-
-    @eqx_offload.filter_jit(donate="all")
-    def step(model, state, x):
-        grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state
-
-    return step, (model, state, x)
+    return donated_step(optimizer, model, jnp.ones((workload.batch, workload.width)))
 
 
 _PLANS: dict = {}
@@ -256,7 +242,7 @@ def test_stacked_layers_stream_by_layer():
     x = jnp.ones((256, width))
 
     def planned(optimizer):
-        step, args = _model_step(optimizer, model, x)
+        step, args = donated_step(optimizer, model, x)
         return eqx_offload.gpu_plan(step, *args)
 
     plain = planned(optax.adamw(1e-3))
