@@ -240,6 +240,18 @@ class CapacityPoint:
 HOST_KINDS: tuple[str, ...] = typing.get_args(eqx_offload.HostMemoryKind)
 
 
+def write_outputs(markdown: Optional[str], json_path: Optional[str], table: str,
+                  records: list[Any]) -> None:
+    """`--markdown` and `--json` of the capacity commands: the table and the records,
+    each where asked."""
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(table + "\n")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+
+
 def size_text(n: Union[int, float]) -> str:
     """Bytes as GiB, or as MiB below one GiB (a small model's plan would read 0.0 GiB)."""
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -32,7 +32,8 @@ from jax.experimental import compute_on
 import eqx_offload
 
 from .capacity import (abstract_tokens, argument_bytes, CapacityMode, GB,
-                       over_limits, plan_fits, settings_text, size_text, training_update)
+                       over_limits, plan_fits, settings_text, size_text, training_update,
+                       write_outputs)
 from .llama import llama_loss, LlamaShape
 
 
@@ -439,12 +440,7 @@ def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
           f"the smallest batch is extrapolated from the plans at {args.micro_batches} and "
           f"{2 * args.micro_batches} micro-batches (a line in the micro-batches: matrix-product "
           "flops at the peak rate; the larger direction of the copies at 64 GB/s).")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([row_record(r) for r in rows], f, indent=1)
+    write_outputs(args.markdown, args.json, table, [row_record(r) for r in rows])
     return 0
 
 

@@ -3,7 +3,6 @@
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -15,7 +14,7 @@ import eqx_offload
 
 from .capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
                        over_limits, PointCache, capacity, point_from_record, point_record,
-                       settings_text, size_text)
+                       settings_text, size_text, write_outputs)
 from .llama import LlamaShape
 
 
@@ -212,13 +211,8 @@ def run_capacity(args: Any) -> int:
           f"{args.host_memory:g} GB of host memory per GPU. The floors are lower bounds, not "
           "predictions: matrix-product flops at the GPU's peak rate, and the larger "
           "direction of the copies at the host link's rate (PCIe 5.0 x16, 64 GB/s each way).")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"mode": r.mode.name, "target": r.target, "n_devices": r.n_devices,
-                        "largest": None if r.largest is None else point_record(r.largest),
-                        "planned": [point_record(p) for p in r.planned]} for r in results],
-                      f, indent=1)
+    write_outputs(args.markdown, args.json, table, [
+        {"mode": r.mode.name, "target": r.target, "n_devices": r.n_devices,
+         "largest": None if r.largest is None else point_record(r.largest),
+         "planned": [point_record(p) for p in r.planned]} for r in results])
     return 0
