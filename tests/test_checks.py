@@ -1,5 +1,4 @@
-"""The state checks of `offloaded` (`_checks.py`): a state this optimizer made is never
-refused, one made for other params or by another optimizer is, naming the leaf."""
+"""`offloaded`'s state checks: never refuse a state it made; name the leaf of one it did not."""
 
 from typing import Any, NamedTuple
 
@@ -22,17 +21,14 @@ class _ScalarState(NamedTuple):
 def _python_scalar_state() -> optax.GradientTransformation:
     """A transformation whose state holds Python scalars (as some of optax's tests do)."""
 
-    def init_fn(params: Any) -> _ScalarState:
-        return _ScalarState(0, 0.5, jtu.tree_map(jnp.zeros_like, params))
-
     def update_fn(updates: Any, state: _ScalarState, params: Any = None) -> Any:
         mu = jtu.tree_map(lambda m, u: state.scale * m + u, state.mu, updates)
         return mu, _ScalarState(state.count + 1, state.scale, mu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(
+        lambda params: _ScalarState(0, 0.5, jtu.tree_map(jnp.zeros_like, params)), update_fn)
 
 
-# (Under filter_jit the Python counter compiles each step and says so once: test_jit.py)
 @pytest.mark.filterwarnings("ignore:filter_jit.*Python int:eqx_offload.OffloadWarning")
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_python_scalars_in_state_not_rejected(mode: str) -> None:
@@ -54,8 +50,7 @@ class _Counted(NamedTuple):
 
 
 def _counting(calls: list[int]) -> optax.GradientTransformation:
-    """Sums the updates into a state that gains an entry at the first update (as
-    `optax.monitor`'s does); counts every call of its `update`, traced or not."""
+    """Sums into a state that gains an entry at the first update; counts calls of `update`."""
 
     def update(updates: Any, state: Any, params: Any = None) -> Any:
         calls.append(1)
@@ -79,8 +74,7 @@ def test_grown_state_is_checked_once_not_every_eager_step() -> None:
 
 
 def test_acceptance_does_not_depend_on_earlier_init_calls() -> None:
-    """A state made by one `offloaded(...)` is accepted by another that never ran `init`
-    (an aggregator: per-example updates shaped unlike the state)."""
+    """Another `offloaded(...)` that never ran `init` accepts the state (updates per example)."""
     def init(params: Any) -> Any:
         return _Counted(jax.tree.map(jnp.zeros_like, params))
 
@@ -100,8 +94,8 @@ def test_a_state_for_other_params_that_would_broadcast_is_refused() -> None:
     """A (1,) moment against (3,) updates (which `inner.update` would broadcast)."""
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     state = opt.init({"w": jnp.ones(1)})
-    with pytest.raises(eqx_offload.StateError, match=r"leaf inner_state/0/mu/w is float32\[1\], "
-                       r"but `inner.update` makes it float32\[3\]"):
+    match = r"leaf inner_state/0/mu/w is float32\[1\], but `inner.update` makes it float32\[3\]"
+    with pytest.raises(eqx_offload.StateError, match=match):
         opt.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
 
 
@@ -115,8 +109,7 @@ def test_another_optimizers_state_names_the_difference_and_the_update_error() ->
 
 
 def test_a_state_that_differs_after_the_first_update_is_still_checked() -> None:
-    """The checks skipped on the happy path run for a state whose structure or shapes
-    differ from the layouts seen, and for a selected leaf found in device memory."""
+    """The checks skipped on the happy path run for other structures, shapes, memory kinds."""
     params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     _, state = opt.update(params, opt.init(params), params)

@@ -1,9 +1,5 @@
-"""Bad input and faults: each raises a documented `eqx_offload` error (a `ValueError` or
-`TypeError` subclass) whose message names the argument, the leaf path where there is one,
-and the fix (that a failed call leaves donated inputs intact: test_donation.py). Under
-pytest's jaxtyping hook beartype rejects what the type hints forbid first; `unchecked(f)`
-reaches the library's own checks, as users without the hook do.
-"""
+"""Bad input raises a documented error naming the argument, the leaf path and the fix
+(`unchecked(f)`: the library's own checks, past beartype's)."""
 
 import pathlib
 import re
@@ -19,8 +15,8 @@ import pytest
 from helpers import unchecked
 
 import eqx_offload
-from eqx_offload import (CompositionError, MemoryKindError, NotATransformationError,
-                         StateError, TracedMoveError, WhereError)
+from eqx_offload import (CompositionError, MemoryKindError, NotATransformationError, StateError,
+                         TracedMoveError, WhereError)
 
 
 def params() -> dict[str, jax.Array]:
@@ -39,16 +35,21 @@ def _adam(**kwargs: Any) -> Any:
     return eqx_offload.offloaded(optax.adam(1e-3), **kwargs)
 
 
+def _sgd_state() -> Any:
+    return eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init(params())
+
+
+_TRANSPOSED = {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
 _FACTORY_FIX = r"call it first \(`optax\.adamw\(1e-3\)`\)"
+_NOT_A_KIND = ["memory_kind='hbm' is not a memory kind", "'device', 'pinned_host', 'unpinned_host'"]
 # mistake -> (call, error, regexes its message must match: the argument, path and fix)
 RAISES: dict[str, tuple[Callable[[], Any], type, list[str]]] = {
     "to_host(memory_kind='hbm')": (
         lambda: unchecked(eqx_offload.to_host)(params(), memory_kind="hbm"), MemoryKindError,
-        ["memory_kind='hbm' is not a memory kind", "'device', 'pinned_host', 'unpinned_host'"]),
+        _NOT_A_KIND),
     "offloaded(memory_kind='hbm')": (
         lambda: unchecked(eqx_offload.offloaded)(optax.adam(1e-3), memory_kind="hbm"),
-        MemoryKindError,
-        ["memory_kind='hbm' is not a memory kind", "'device', 'pinned_host', 'unpinned_host'"]),
+        MemoryKindError, _NOT_A_KIND),
     # `device` is a memory kind, but not one state can be offloaded to.
     "to_host(memory_kind='device')": (
         lambda: unchecked(eqx_offload.to_host)(params(), memory_kind="device"), MemoryKindError,
@@ -98,15 +99,11 @@ RAISES: dict[str, tuple[Callable[[], Any], type, list[str]]] = {
         StateError, [r"update\(state=\.\.\.\)", "got tuple",
                      "Call `init` on the `offloaded\\(\\.\\.\\.\\)` transformation"]),
     "state of another optimizer": (
-        lambda: _adam().update(
-            params(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init(params()),
-            params()),
-        StateError, [r"state=\.\.\.\)", "does not belong to this optimizer",
-                     "at path inner_state/",
+        lambda: _adam().update(params(), _sgd_state(), params()),
+        StateError, [r"state=\.\.\.\)", "does not belong to this optimizer", "at path inner_state/",
                      "Pass the state returned by this transformation's `init`"]),
     "state for other params": (
-        lambda: _adam().update(params(), _adam().init({"w": jnp.ones((3, 2)), "b": jnp.ones(3)}),
-                               params()),
+        lambda: _adam().update(params(), _adam().init(_TRANSPOSED), params()),
         StateError, [r"leaf inner_state/0/mu/w is float32\[3, 2\] but this optimizer expects "
                      r"float32\[2, 3\]"]),
 }
@@ -141,12 +138,9 @@ def test_multi_steps_is_accepted() -> None:
     eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2))  # type: ignore[arg-type]  # MultiSteps is converted
 
 
-# ----------------------------------------------------------- the mistakes a newcomer makes
-
-
 def _offloaded_step(jit: Callable[..., Any]) -> Callable[[], Any]:
     """An offloaded Adam step jitted by `jit`, lowered only (a missed check cannot abort)."""
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    opt = _adam()
     p = params()
     state = opt.init(p)
 
@@ -158,7 +152,7 @@ def _offloaded_step(jit: Callable[..., Any]) -> Callable[[], Any]:
 
 
 def _init_with(where: Any) -> Callable[[], Any]:
-    return lambda: eqx_offload.offloaded(optax.adam(1e-3), where=where).init(params())
+    return lambda: _adam(where=where).init(params())
 
 
 _MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
@@ -189,18 +183,16 @@ _MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
         lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(
             p, where=lambda x: x > 0))(params()), eqx_offload.WhereError, "Python bool"),
     # Nothing to move.
-    "to_host([1, 2, 3])": (lambda: eqx_offload.to_host([1, 2, 3]),
-                           eqx_offload.OffloadWarning, "jnp.asarray"),
-    "to_host(3.0)": (lambda: eqx_offload.to_host(3.0), eqx_offload.OffloadWarning,
-                     "jnp.asarray"),
-    "to_device(3.0)": (lambda: eqx_offload.to_device(3.0), eqx_offload.OffloadWarning,
-                       "jax.device_put"),
+    "to_host([1, 2, 3])": (
+        lambda: eqx_offload.to_host([1, 2, 3]), eqx_offload.OffloadWarning, "jnp.asarray"),
+    "to_host(3.0)": (lambda: eqx_offload.to_host(3.0), eqx_offload.OffloadWarning, "jnp.asarray"),
+    "to_device(3.0)": (
+        lambda: eqx_offload.to_device(3.0), eqx_offload.OffloadWarning, "jax.device_put"),
 }
 
 
 def _check_message(text: str, fix: str) -> None:
-    """At most 4 lines and 80 words; the fix in the first line; a docs link last, to a
-    section that exists."""
+    """At most 4 lines and 80 words; the fix first; a link to a docs section that exists last."""
     lines = text.strip().splitlines()
     assert len(lines) <= 4 and len(text.split()) <= 80, text
     assert fix in lines[0], text
@@ -212,19 +204,19 @@ def _check_message(text: str, fix: str) -> None:
 
 @pytest.mark.parametrize("mistake", list(_MISTAKES))
 def test_newcomer_mistakes(mistake: str) -> None:
-    """An `OffloadError` (or `OffloadWarning` for valid input surely not meant), never a
-    bare `TypeError` or tracer error, in at most 4 lines: fix, where, docs section."""
+    """An `OffloadError` (or `OffloadWarning`), never a bare `TypeError`: fix, where, docs."""
     call, kind, fix = _MISTAKES[mistake]
     if issubclass(kind, Warning):
         with pytest.warns(kind) as record:
             call()
         [warning] = [w for w in record if issubclass(w.category, kind)]
-        _check_message(str(warning.message), fix)
+        message = str(warning.message)
     else:
         with pytest.raises(kind) as info:
             call()
         assert isinstance(info.value, eqx_offload.OffloadError)
-        _check_message(str(info.value), fix)
+        message = str(info.value)
+    _check_message(message, fix)
 
 
 def test_pmap_message() -> None:

@@ -1,7 +1,5 @@
-"""Run-time checks (`_runtime.py`): beartype through jaxtyping's hook names the argument
-and what was expected; `install_runtime_checks` checks a user's own modules with short
-errors.
-"""
+"""Run-time checks: beartype names the argument and what was expected;
+`install_runtime_checks` checks a user's own modules with short errors."""
 
 import os
 import pathlib
@@ -25,57 +23,48 @@ from eqx_offload import Nested
 PARAMS = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
 
 
-def _step(x: jax.Array) -> jax.Array:
-    return x * 2
-
-
-def _model() -> eqx.nn.Linear:
-    return eqx.nn.Linear(4, 4, key=jax.random.key(0))
+def _adam(**kwargs: Any) -> Any:
+    return eqx_offload.offloaded(optax.adam(1e-3), **kwargs)
 
 
 # (call, argument the error names, a word it contains, error class: beartype's for a
 # value outside the annotation, else the library's own)
 Check = jaxtyping.TypeCheckError
 RUNTIME_MISTAKES = {
-    "memory kind gpu": (lambda: eqx_offload.to_host(PARAMS, memory_kind="gpu"),
-                        "memory_kind", "pinned_host", Check),
+    "memory kind gpu": (lambda: eqx_offload.to_host(PARAMS, memory_kind="gpu"), "memory_kind",
+                        "pinned_host", Check),
     "device memory for offloaded": (
-        lambda: eqx_offload.offloaded(optax.adam(1e-3), memory_kind="device"),
-        "memory_kind", "unpinned_host", Check),
+        lambda: _adam(memory_kind="device"), "memory_kind", "unpinned_host", Check),
     # Python's own: `to_device` has no such keyword.
     "memory kind for to_device": (
         lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None,
         TypeError),
-    "platform name for a device": (lambda: eqx_offload.supported_memory_kinds("cpu"),
-                                   "device", "Device", Check),
-    "optimizer factory": (lambda: eqx_offload.offloaded(optax.adam),
-                          "inner", "GradientTransformation", Check),
-    "model for a transformation": (lambda: eqx_offload.offloaded(_model()),
-                                   "inner", "GradientTransformation", Check),
+    "platform name for a device": (
+        lambda: eqx_offload.supported_memory_kinds("cpu"), "device", "Device", Check),
+    "optimizer factory": (
+        lambda: eqx_offload.offloaded(optax.adam), "inner", "GradientTransformation", Check),
+    "model for a transformation": (
+        lambda: eqx_offload.offloaded(eqx.nn.Linear(4, 4, key=jax.random.key(0))), "inner",
+        "GradientTransformation", Check),
     "transformation as its state": (
-        lambda: (lambda opt: opt.update(PARAMS, opt, PARAMS))(
-            eqx_offload.offloaded(optax.adam(1e-3))),
-        "state", "OffloadedState", eqx_offload.StateError),
-    "compute tpu": (lambda: eqx_offload.offloaded(optax.adam(1e-3), compute="tpu"),
-                    "compute", "'host'", Check),
-    "group_bytes string": (
-        lambda: eqx_offload.offloaded(optax.adam(1e-3), group_bytes="1MiB"),
-        "group_bytes", "int", Check),
+        lambda: (lambda opt: opt.update(PARAMS, opt, PARAMS))(_adam()), "state",
+        "OffloadedState", eqx_offload.StateError),
+    "compute tpu": (lambda: _adam(compute="tpu"), "compute", "'host'", Check),
+    "group_bytes string": (lambda: _adam(group_bytes="1MiB"), "group_bytes", "int", Check),
     # (`Where` resolves at run time: a forward reference would make it `Any`.)
-    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable",
-                     Check),
-    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable",
-                  Check),
+    "string where": (lambda: eqx_offload.to_host(PARAMS, where=".*/w"), "where", "Callable", Check),
+    "int where": (lambda: eqx_offload.to_device(PARAMS, where=1024), "where", "Callable", Check),
     "min_bytes string": (lambda: eqx_offload.min_bytes("1MiB"), "nbytes", "int", Check),
     "pattern int": (lambda: eqx_offload.pattern(0), "regex", "str", Check),
     # Deeper than the runtime check looks into a `Where`: the library's check.
     "string in a where prefix": (
         lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter",
         eqx_offload.WhereError),
-    "donate mode": (lambda: eqx_offload.filter_jit(_step, donate="everything"),
-                    "donate", "all-except-first", Check),
-    "donate bool": (lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first",
-                    Check),
+    "donate mode": (
+        lambda: eqx_offload.filter_jit(lambda x: x, donate="everything"), "donate",
+        "all-except-first", Check),
+    "donate bool": (
+        lambda: eqx_offload.filter_jit(donate=True), "donate", "all-except-first", Check),
 }
 
 
@@ -85,10 +74,7 @@ def test_runtime_mistake_names_argument_and_expectation(name: str) -> None:
     with pytest.raises(error) as info:
         call()
     assert type(info.value) is error, type(info.value)
-    message = str(info.value)
-    assert argument in message
-    if expected is not None:
-        assert expected in message
+    assert argument in str(info.value) and (expected or "") in str(info.value)
 
 
 @jaxtyping.jaxtyped(typechecker=beartype)
@@ -123,11 +109,10 @@ def test_beartype_checks_nested_in_user_code() -> None:
 
 
 def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hook decorates each `def` when it runs: an eager `to_host` and a compiled
-    step define no function per call."""
+    """An eager `to_host` and a compiled step define (so decorate) no function per call."""
     import jaxtyping._decorator as decorator
 
-    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    opt = _adam()
     state = opt.init(PARAMS)
 
     @eqx_offload.filter_jit(donate="none")
@@ -151,11 +136,7 @@ def test_hooked_calls_decorate_nothing_per_call(monkeypatch: pytest.MonkeyPatch)
     assert decorated == []
 
 
-# ------------------------------------------------------------------ install_runtime_checks
-
-
 USER_MODULE = '''
-"""A user's training code, checked by install_runtime_checks."""
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -174,6 +155,7 @@ def wrong_result(x: Float[Array, "n d"]) -> Float[Array, "n"]:
 
 ENTRY_POINT = '''
 import sys
+import traceback
 
 import jax.numpy as jnp
 import optax
@@ -194,19 +176,16 @@ calls = {
     "pattern": lambda: eqx_offload.pattern(0),
 }
 # Every case in this one process, each error as Python prints it, after a marker line.
-import traceback
 for case in sys.argv[1:]:
     try:
         calls[case]()
     except Exception as error:
-        print(f"@@case {case}@@", flush=True)
         sys.stderr.write(f"@@case {case}@@\\n" + "".join(traceback.format_exception(error)))
     else:
         print(f"@@case {case}@@ no error", flush=True)
 '''
 
-# case -> what the error contains. The user's functions raise jaxtyping's own message;
-# eqx_offload's its first lines, the whole as `.full_message`.
+# case -> what the error contains (the user's functions: jaxtyping's own message)
 SHORT_ERRORS = {
     "shape": ["my_training.model.loss", "parameter 'y'", "f32[8,3]", "'n 1'", "n=8"],
     "result": ["return value of my_training.model.wrong_result", "'n'"],
@@ -254,13 +233,13 @@ def test_install_runtime_checks_errors(user_errors: dict[str, str], case: str) -
 
 
 def test_install_runtime_checks_refuses_imported_modules(user_project: pathlib.Path) -> None:
-    script = ("import my_training.model, eqx_offload\n"
-              "eqx_offload.install_runtime_checks('my_training')\n")
+    script = "import my_training.model, eqx_offload\n" \
+             "eqx_offload.install_runtime_checks('my_training')"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=user_project, timeout=300)
     assert proc.returncode == 1
-    assert "OptionError: install_runtime_checks: my_training, my_training.model is already " \
-           "imported" in proc.stderr
+    assert ("OptionError: install_runtime_checks: my_training, my_training.model is already "
+            "imported") in proc.stderr
 
 
 def test_checked_keeps_errors_of_inner_calls() -> None:

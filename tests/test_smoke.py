@@ -5,8 +5,7 @@ import pytest
 import eqx_offload
 
 
-# JAX-version dependent: also run in the newest environment (scripts/check.sh).
-pytestmark = pytest.mark.both
+pytestmark = pytest.mark.both  # JAX-version dependent: run in the newest environment too
 
 
 def test_smoke():

@@ -1,11 +1,5 @@
-"""The type checkers really check, statically.
-
-Static: mypy --strict, pytype, pyright and pyrefly over `tests/types/` as a wheel user runs
-them (`tests/types/checkers.py`): `good_usage.py` passes all four, each `# expect:` line of
-a `bad_*.py` is reported by exactly the named checkers with the named codes, nothing else
-is (the run-time checks: test_runtime.py). Slow: the wheel ships the stubs and the docs'
-commands work; the pytype gate and stub drift can fail.
-"""
+"""mypy, pytype, pyright and pyrefly over `tests/types/` report exactly the `# expect:` lines;
+the wheel ships the stubs, the docs' commands work, the gates can fail."""
 
 import ast
 import importlib.util
@@ -27,13 +21,6 @@ import pytest
 import eqx_offload
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TYPES = ROOT / "tests" / "types"
-GOOD = TYPES / "good_usage.py"
-BAD = sorted(TYPES.glob("bad_*.py"))
-DOCS = ROOT / "docs" / "typing.md"
-
-
 def _load(path: pathlib.Path) -> Any:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
@@ -42,14 +29,14 @@ def _load(path: pathlib.Path) -> Any:
     return module
 
 
-TABLE = _load(TYPES / "checkers.py")
-CHECKERS = TABLE.CHECKERS
+TABLE = _load(pathlib.Path(__file__).resolve().parent / "types" / "checkers.py")
+ROOT, TYPES, GOOD, BAD, CHECKERS = TABLE.ROOT, TABLE.TYPES, TABLE.GOOD, TABLE.BAD, TABLE.CHECKERS
+DOCS = ROOT / "docs" / "typing.md"
 once = pytest.mark.once
 needs_pytype = pytest.mark.skipif(
     not TABLE.PYTYPE_RUNS, reason="pytype's last release runs on Python <= 3.12")
 
 
-# One test per checker over every file (a shared fixture would run once per xdist worker).
 @once
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -62,15 +49,12 @@ def test_checker_reports_exactly_the_expected_errors(checker: str) -> None:
 @once
 @pytest.mark.slow
 def test_optax_stub_gives_pyright_and_pyrefly_no_false_errors(tmp_path: pathlib.Path) -> None:
-    """With the optax stub (pyright's `stubPath`, pyrefly's mypy.ini `mypy_path`) neither
-    rejects correct code nor reports a line that is not a mistake."""
+    """With the optax stub neither rejects correct code nor reports a line not a mistake."""
     _, mypy_path = TABLE.stub_paths()
-    files = [GOOD, *BAD]
-    results = {
-        "pyright": TABLE.run("pyright", files, tmp_path, f'{{"stubPath": "{mypy_path}"}}'),
-        "pyrefly": TABLE.run("pyrefly", files, tmp_path, f'search-path = ["{mypy_path}"]\n'),
-    }
-    for checker, errors in results.items():
+    configs = {"pyright": f'{{"stubPath": "{mypy_path}"}}',
+               "pyrefly": f'search-path = ["{mypy_path}"]\n'}
+    for checker, config in configs.items():
+        errors = TABLE.run(checker, [GOOD, *BAD], tmp_path, config)
         assert errors.get(GOOD.name, set()) == set(), checker
         for path in BAD:
             marked = {line for c in CHECKERS for line, _ in TABLE.expected_errors(path)[c]}
@@ -105,12 +89,8 @@ def test_docs_table_is_generated_from_the_markers() -> None:
 
 @once
 def test_bad_usage_covers_the_listed_mistakes() -> None:
-    mistakes = {
-        (path.name, line)
-        for path in BAD
-        for checker in CHECKERS
-        for line, _ in TABLE.expected_errors(path)[checker]
-    }
+    expected = {p.name: TABLE.expected_errors(p) for p in BAD}
+    mistakes = {(p, line) for p, e in expected.items() for c in CHECKERS for line, _ in e[c]}
     assert len(mistakes) >= 8
     text = "\n".join(p.read_text() for p in BAD)
     for needle in ('memory_kind="gpu"', "offloaded(optax.adam)", "offloaded(model)",
@@ -118,19 +98,14 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
                    "where=1024", 'return "mu"', "assert isinstance(state, eqx_offload.Offloaded",
                    "if isinstance(state, eqx_offload.OffloadedState)"):
         assert needle in text, needle
-    for path in BAD:
-        for checker in CHECKERS:
-            assert TABLE.expected_errors(path)[checker], (path.name, checker)
-    # Each checker catches all but a handful (mypy: jax.Device untyped; pytype: dict
-    # literals in a union, isinstance on an `Any` state).
-    for checker in CHECKERS:
-        caught = {(p.name, line) for p in BAD for line, _ in TABLE.expected_errors(p)[checker]}
+    for checker in CHECKERS:  # each has a mistake in every file; misses at most 3 of all
+        assert all(e[checker] for e in expected.values()), checker
+        caught = {(p, line) for p, e in expected.items() for line, _ in e[checker]}
         assert len(caught) >= len(mistakes) - 3, checker
     # pytype reports mistakes after `assert isinstance(state, OffloadedState)`.
-    narrowing = TYPES / "bad_narrowing.py"
-    pytype_lines = {line for line, _ in TABLE.expected_errors(narrowing)["pytype"]}
+    pytype_lines = {line for line, _ in expected["bad_narrowing.py"]["pytype"]}
     assert len(pytype_lines) >= 3
-    text = narrowing.read_text().splitlines()
+    text = (TYPES / "bad_narrowing.py").read_text().splitlines()
     assert_line = next(i for i, t in enumerate(text, 1) if t.startswith("assert isinstance"))
     branch_line = next(i for i, t in enumerate(text, 1) if "if isinstance(state" in t)
     assert {n for n in pytype_lines if n > assert_line}
@@ -152,9 +127,6 @@ def test_good_usage_runs() -> None:
     assert jnp.isfinite(_load(GOOD).train(steps=2))
 
 
-# ----------------------------------------------------------------------------- the gates
-
-
 def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
     for name in ("eqx_offload", "scripts", "typings"):
         shutil.copytree(ROOT / name, tmp_path / name, symlinks=True,
@@ -171,48 +143,28 @@ def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     source = memory.read_text()
     assert "\ndef default_device() -> Device:\n" in source
     memory.write_text(source + "\n\ndef _broken() -> str:\n    return jax.local_devices()\n")
-    proc = subprocess.run(
-        [sys.executable, str(repo / "scripts" / "pytype_gate.py"), str(memory)],
-        capture_output=True, text=True, cwd=repo,
-    )
+    proc = subprocess.run([sys.executable, str(repo / "scripts" / "pytype_gate.py"), str(memory)],
+                          capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "eqx_offload/_memory.py: FAILED" in proc.stdout
     assert "[bad-return-type]" in proc.stdout
 
 
-STUB = ROOT / "typings" / "pytype" / "eqx_offload" / "__init__.pyi"
-
-
-def stubtest(repo: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    """The stub-drift gate of scripts/gates.sh, on the checkout at `repo`."""
-    typings = repo / "typings"
-    return subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "eqx_offload", "--allowlist",
-         str(typings / "stubtest-allowlist.txt"), "--mypy-config-file", str(repo / "mypy.ini")],
-        capture_output=True, text=True, cwd=repo, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(repo),
-             "MYPYPATH": f"{typings / 'pytype'}{os.pathsep}{typings / 'mypy'}"})
-
-
-def _reexports(init: pathlib.Path) -> set[str]:
-    """The names `__init__.py` re-exports (`from ._x import name as name`)."""
-    return {a.name for node in ast.parse(init.read_text()).body
-            if isinstance(node, ast.ImportFrom) and node.level
-            for a in node.names if a.asname == a.name}
-
-
 @once
 def test_all_is_every_reexport() -> None:
-    """stubtest holds the stub to `__all__`; `__all__` is what the package exports."""
-    assert sorted(eqx_offload.__all__) == sorted(_reexports(ROOT / "eqx_offload" / "__init__.py"))
+    """stubtest holds the stub to `__all__`; `__all__` is every `from ._x import a as a`."""
+    init = ast.parse((ROOT / "eqx_offload" / "__init__.py").read_text()).body
+    reexports = {a.name for node in init if isinstance(node, ast.ImportFrom) and node.level
+                 for a in node.names if a.asname == a.name}
+    assert sorted(eqx_offload.__all__) == sorted(reexports)
     assert len(set(eqx_offload.__all__)) == len(eqx_offload.__all__)
 
 
 @once
 def test_stub_literals_have_the_runtime_values() -> None:
     """The `Literal` aliases stubtest cannot compare (its allowlist) are compared here."""
-    stub = {node.targets[0].id: ast.literal_eval(node.value.slice)
-            for node in ast.parse(STUB.read_text()).body
+    text = (ROOT / "typings" / "pytype" / "eqx_offload" / "__init__.pyi").read_text()
+    stub = {node.targets[0].id: ast.literal_eval(node.value.slice) for node in ast.parse(text).body
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
             and ast.unparse(node.value.value) == "Literal"}
     assert sorted(stub) == ["Compute", "Donate", "HostMemoryKind", "MemoryKind"]
@@ -235,14 +187,17 @@ def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> No
                                         "donate: bool = False) -> _T:"))
     init = repo / "eqx_offload" / "__init__.py"
     init.write_text(init.read_text() + "\nfrom ._move import move as move\n__all__ += ['move']\n")
-    proc = stubtest(repo)
+    typings = repo / "typings"  # the stub-drift gate of scripts/gates.sh
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "eqx_offload", "--allowlist",
+         str(typings / "stubtest-allowlist.txt"), "--mypy-config-file", str(repo / "mypy.ini")],
+        capture_output=True, text=True, cwd=repo, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(repo),
+             "MYPYPATH": f"{typings / 'pytype'}{os.pathsep}{typings / 'mypy'}"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "eqx_offload.move is not present in stub" in out
     assert "eqx_offload.to_device is inconsistent" in out and "donate" in out
-
-
-# ------------------------------------------------------------------ wheel users
 
 
 def _docs_block(containing: str) -> str:
@@ -254,19 +209,16 @@ def _docs_block(containing: str) -> str:
 
 
 def _site_packages(prefix: pathlib.Path) -> pathlib.Path:
-    return prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    return prefix / "lib" / "python{}.{}".format(*sys.version_info[:2]) / "site-packages"
 
 
 @once
 @pytest.mark.slow
 def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path) -> None:
     dist = tmp_path / "dist"
-    # uv where installed, else pip: the same isolated hatchling build.
-    has_uv = importlib.util.find_spec("uv") is not None
-    if has_uv:
-        build = [sys.executable, "-m", "uv", "build", "--wheel", "-q", "-o", str(dist)]
-    else:
-        build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist)]
+    has_uv = importlib.util.find_spec("uv") is not None  # else pip: the same hatchling build
+    build = ([sys.executable, "-m", "uv", "build", "--wheel", "-q", "-o", str(dist)] if has_uv
+             else [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist)])
     subprocess.run([*build, str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
     (wheel,) = dist.glob("eqx_offload-*.whl")
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".pyi")}
@@ -281,11 +233,8 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
                     str(venv)], check=True, timeout=300)
     tools = ["mypy==2.4.1", "pyright==1.1.414", "pyrefly==1.5.0"]
     tools += ["pytype==2024.10.11"] if TABLE.PYTYPE_RUNS else []
-    if has_uv:
-        install = [sys.executable, "-m", "uv", "pip", "install", "--python",
-                   str(venv / "bin" / "python")]
-    else:
-        install = [str(venv / "bin" / "python"), "-m", "pip", "install"]
+    install = ([sys.executable, "-m", "uv", "pip", "install", "--python", str(venv / "bin/python")]
+               if has_uv else [str(venv / "bin" / "python"), "-m", "pip", "install"])
     subprocess.run([*install, "--no-deps", "-q", str(wheel), *tools],
                    check=True, capture_output=True, text=True, timeout=600)
     # (After the install, or pip would find the tools installed and write no scripts.)
@@ -294,19 +243,19 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "VIRTUAL_ENV": str(venv), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("PYTHONPATH", None)  # a checkout on the path would stand in for the wheel
-    where = subprocess.run(["python", "-c", "import eqx_offload; print(eqx_offload.__file__)"],
-                           capture_output=True, text=True, env=env, check=True,
-                           cwd=tmp_path).stdout
+
+    def python(*args: str) -> str:
+        return subprocess.run(["python", *args], capture_output=True, text=True, env=env,
+                              check=True, cwd=tmp_path).stdout.strip()
+
+    where = python("-c", "import eqx_offload; print(eqx_offload.__file__)")
     assert where.startswith(str(_site_packages(venv))), where  # the wheel, not the checkout
     # mypy refuses a mypy_path in site-packages: a copy in the cache, the same each call.
-    printed = [subprocess.run(["python", "-m", "eqx_offload", "typings", "--mypy"],
-                              capture_output=True, text=True, env=env, check=True,
-                              cwd=tmp_path).stdout.strip() for _ in range(2)]
+    printed = [python("-m", "eqx_offload", "typings", "--mypy") for _ in range(2)]
     assert printed[0] == printed[1] and printed[0].startswith(str(tmp_path / "cache")), printed
     assert (pathlib.Path(printed[0]) / "optax" / "__init__.pyi").read_bytes() == (
         stubs / "mypy" / "optax" / "__init__.pyi").read_bytes()
-    # The installed stubs are the checkout's byte for byte (what the checker table proves
-    # of typings/ holds for them); the docs' commands run once each against the wheel.
+    # The installed stubs are the checkout's byte for byte; the docs' commands run on the wheel.
     installed = _site_packages(venv) / "eqx_offload" / ".typings"
     assert {p.relative_to(installed): p.read_bytes() for p in installed.rglob("*.pyi")} == {
         p.relative_to(stubs): p.read_bytes() for p in stubs.rglob("*.pyi")}
@@ -324,14 +273,11 @@ def test_wheel_ships_the_stubs_and_the_docs_commands_work(tmp_path: pathlib.Path
 
     mypy = _docs_block("mypy --strict").strip().splitlines()[-1]
     pytype = _docs_block("pytype-single --pythonpath=$(python -m eqx_offload typings) train.py")
-    pytype = pytype.strip().splitlines()[-1]
-    found = {(int(m[1]), m[2]) for m in re.finditer(r"bad_narrowing.py:(\d+): error: .*\[([a-z-]+)\]",
-                                                     run(mypy, "bad_narrowing.py"))}
-    assert found == expected["mypy"]
-    if TABLE.PYTYPE_RUNS:
-        found = {(int(m[1]), m[2]) for m in re.finditer(
-            r"bad_narrowing.py:(\d+):\d+: .*\[([a-z-]+)\]", run(pytype, "bad_narrowing.py"))}
-        assert found == expected["pytype"]
+    for checker, command, error in [("mypy", mypy, ": error: .*"), ("pytype", pytype, r":\d+: .*")]:
+        if checker == "mypy" or TABLE.PYTYPE_RUNS:
+            output = run(command.strip().splitlines()[-1], "bad_narrowing.py")
+            found = re.finditer(rf"bad_narrowing.py:(\d+){error}\[([a-z-]+)\]", output)
+            assert {(int(m[1]), m[2]) for m in found} == expected[checker], checker
     # pyright and pyrefly need no stub, and the one in site-packages does not bother them.
     assert "0 errors" in run("pyright train.py", "train.py")
     (project / "pyrefly.toml").write_text("")
@@ -368,12 +314,11 @@ TWO_MODULES = {
 @needs_pytype
 @once
 def test_documented_pytype_loop_checks_across_modules(tmp_path: pathlib.Path) -> None:
-    package = tmp_path / "my_project"
-    package.mkdir()
+    (tmp_path / "my_project").mkdir()
     for name, text in TWO_MODULES.items():
-        (package / name).write_text(text)
+        (tmp_path / "my_project" / name).write_text(text)
     loop = _docs_block("for pass in 1 2")
-    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", "-c", loop], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=600)
     output = TABLE._ANSI.sub("", proc.stdout + proc.stderr)

@@ -1,5 +1,4 @@
-"""User mistakes about memory kinds. Each line marked `# expect:` must be reported by
-the named checkers with the named error codes (tests/test_types.py)."""
+"""User mistakes about memory kinds."""
 
 import jax
 import jax.numpy as jnp

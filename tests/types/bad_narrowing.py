@@ -1,6 +1,5 @@
-"""User mistakes after `isinstance` narrowing of an optimizer state. pytype must not go
-silent here by reading every line after `assert isinstance(state, OffloadedState)` as
-unreachable (see the `OptState` note in the optax stub)."""
+"""User mistakes after `isinstance` narrowing of an optimizer state: pytype must not read the
+lines after `assert isinstance(state, OffloadedState)` as unreachable (the optax stub's note)."""
 
 import jax
 import jax.numpy as jnp

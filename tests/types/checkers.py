@@ -1,12 +1,8 @@
-"""The four static checkers over `tests/types/`, run as docs/typing.md tells a user to (on
-copies of the files in a fresh folder), and the table of what each catches.
+"""The four static checkers over copies of `tests/types/`, as docs/typing.md runs them; a
+`bad_*.py` line marked `# expect: mypy=CODE ...` must be reported by exactly those checkers.
 
     python tests/types/checkers.py                 # rerun the checkers, rewrite the table
     python tests/types/checkers.py --markers-only  # rewrite it from the markers alone
-
-A line of a `bad_*.py` marked `# expect: mypy=CODE pytype=CODE ...` is a mistake that the
-named checkers must report with that code and the others must not report;
-tests/test_types.py holds each checker and the table (docs/typing-checkers.txt) to them.
 """
 
 import collections
@@ -25,6 +21,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TYPES = ROOT / "tests" / "types"
 GOOD = TYPES / "good_usage.py"
+BAD = sorted(TYPES.glob("bad_*.py"))
 TABLE = ROOT / "docs" / "typing-checkers.txt"
 CHECKERS = ("mypy", "pytype", "pyright", "pyrefly")
 PYTYPE_RUNS = sys.version_info < (3, 13)  # pytype's last release runs on Python <= 3.12
@@ -33,10 +30,6 @@ Errors = dict[str, set[tuple[int, str]]]  # file name -> {(line, code)}
 _EXPECT = re.compile(r"#\s*expect:\s*((?:(?:mypy|pytype|pyright|pyrefly)=[A-Za-z-]+\s*)+)$")
 _ERROR = re.compile(r"^([^:\s]+):(\d+):(?:\d+:)? .*\[([a-z-]+)\]$")  # mypy's and pytype's
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def bad_files() -> list[pathlib.Path]:
-    return sorted(TYPES.glob("bad_*.py"))
 
 
 def expected_errors(path: pathlib.Path) -> dict[str, set[tuple[int, str]]]:
@@ -59,8 +52,7 @@ def stub_paths() -> tuple[str, str]:
 
 
 def run(checker: str, files: list[pathlib.Path], tmp: pathlib.Path, config: str = "") -> Errors:
-    """The errors `checker` reports on copies of `files` in a folder of `tmp`, run in
-    this environment as activated (`config`: pyright's or pyrefly's configuration file)."""
+    """The errors `checker` reports on copies of `files` (`config`: pyright's or pyrefly's)."""
     folder = tmp / checker
     folder.mkdir()
     names = [shutil.copy(f, folder / f.name) and f.name for f in files]
@@ -111,7 +103,7 @@ def problems_of(results: dict[str, Errors]) -> list[str]:
     """What differs from the `# expect:` markers (and from a clean `good_usage.py`)."""
     problems = [f"{c}: {GOOD.name}: {sorted(e[GOOD.name])}" for c, e in results.items() if e.get(GOOD.name)]
     for checker, errors in results.items():
-        for path in bad_files():
+        for path in BAD:
             expected, got = expected_errors(path)[checker], errors.get(path.name, set())
             problems += [f"{checker}: {path.name}: unexpected {sorted(got - expected)}"] * bool(got - expected)
             problems += [f"{checker}: {path.name}: missed {sorted(expected - got)}"] * bool(expected - got)
@@ -119,11 +111,10 @@ def problems_of(results: dict[str, Errors]) -> list[str]:
 
 
 def table_from_markers() -> str:
-    """The Markdown table: a row per marked mistake (the comment above it says what it
-    is), a column per checker with the codes its marker names."""
+    """A row per marked mistake (the comment above says what), a column per checker's codes."""
     rows = ["| file:line | mistake | " + " | ".join(CHECKERS) + " |", "|" + " --- |" * (2 + len(CHECKERS))]
     totals = dict.fromkeys(CHECKERS, 0)
-    for path in bad_files():
+    for path in BAD:
         lines, expected = path.read_text().splitlines(), expected_errors(path)
         for number, text in enumerate(lines, start=1):
             if not _EXPECT.search(text):
@@ -137,15 +128,14 @@ def table_from_markers() -> str:
             totals.update({k: totals[k] + (cell != "—") for k, cell in zip(CHECKERS, cells)})
             rows.append(f"| `{path.name}:{number}` | {what or text.split('#')[0].strip()} | "
                         + " | ".join(cells) + " |")
-    count = len(rows) - 2
-    rows.append(f"| **caught** | **of {count}** | " + " | ".join(f"**{totals[c]}**" for c in CHECKERS) + " |")
+    rows.append(f"| **caught** | **of {len(rows) - 2}** | " + " | ".join(f"**{totals[c]}**" for c in CHECKERS) + " |")
     return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":
     if "--markers-only" not in sys.argv:
         checkers = CHECKERS if PYTYPE_RUNS else tuple(c for c in CHECKERS if c != "pytype")
-        if problems := problems_of(run_checkers([GOOD, *bad_files()], checkers)):
+        if problems := problems_of(run_checkers([GOOD, *BAD], checkers)):
             sys.exit("the checkers disagree with the # expect: markers:\n  " + "\n  ".join(problems))
     TABLE.write_text(table_from_markers())
     print(f"wrote {TABLE.relative_to(ROOT)}")

@@ -1,6 +1,5 @@
-"""A realistic Equinox + optax training script that uses every public name of
-`eqx_offload`. mypy --strict, pytype (with the shipped stubs), pyright and pyrefly must accept
-it without a single error, and it runs (tests/test_types.py does all three)."""
+"""An Equinox + optax training script using every public name of `eqx_offload`: it runs, and
+mypy --strict, pytype, pyright and pyrefly accept it without an error (tests/test_types.py)."""
 
 import tempfile
 import warnings
@@ -57,16 +56,14 @@ def make_optimizer(
 
 
 def make_accumulating_optimizer(k: int) -> optax.GradientTransformationExtraArgs:
-    # `optax.MultiSteps` inside: its inner state crosses once per `k` mini-steps, its
-    # accumulated gradients in host memory with `accumulator="host"`.
+    # The inner state crosses once per `k` mini-steps; the accumulated gradients stay on host.
     multi = optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=k)
     return eqx_offload.offloaded(multi, accumulator="host")
 
 
 def as_nested(params: dict[str, jax.Array]) -> Nested[jax.typing.ArrayLike]:
-    """Arrays in tuples, lists and dicts, typed as `Nested`. (Not an optax state: optax
-    declares its fields as `ArrayTree`, a union with `Iterable`, which pyright and pyrefly
-    rightly refuse as a `Nested`; pass optax states to the movers as they are.)"""
+    """Arrays in tuples, lists and dicts, typed as `Nested`. (Not an optax state: pyright and
+    pyrefly refuse its `ArrayTree` fields as a `Nested`; pass it to the movers as it is.)"""
     nested: Nested[jax.typing.ArrayLike] = ((params["w"], [params["b"]]), {"lr": 1e-3})
     return nested
 
@@ -150,8 +147,7 @@ def train(steps: int = 3) -> float:
 
     # Streaming the update group by group; the plan says what goes together.
     plan: eqx_offload.StreamPlan = eqx_offload.stream_plan(
-        optax.adamw(1e-3), tree, optax.adamw(1e-3).init(tree), tree, group_bytes=1 << 10
-    )
+        optax.adamw(1e-3), tree, optax.adamw(1e-3).init(tree), tree, group_bytes=1 << 10)
     print(len(plan.groups), plan.max_group_nbytes)
 
     # Checkpoints: restore straight into host memory.
@@ -161,40 +157,32 @@ def train(steps: int = 3) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = tmp + "/state.eqx"
         eqx.tree_serialise_leaves(path, state)
-        restored = eqx.tree_deserialise_leaves(
-            path, like, filter_spec=eqx_offload.deserialise_filter_spec
-        )
+        spec = eqx_offload.deserialise_filter_spec
+        restored = eqx.tree_deserialise_leaves(path, like, filter_spec=spec)
     print(type(target).__name__, type(shardings).__name__, type(restored).__name__)
 
     # Every error the library raises is an OffloadError and a ValueError or TypeError.
     try:
         eqx_offload.to_host(tree, where={"not a key of tree": True})
-    except eqx_offload.MemoryKindError as e:
-        print("memory kind:", e)
-    except (eqx_offload.WhereError, eqx_offload.TracedMoveError, eqx_offload.TreeError) as e:
-        print("where:", e)
-    except (eqx_offload.OptionError, eqx_offload.SignatureError) as e:
-        print("option or signature:", e)
-    except (eqx_offload.StateError, eqx_offload.NotATransformationError) as e:
-        print("state:", e)
-    except (eqx_offload.CompositionError, eqx_offload.CheckpointError,
+    except (eqx_offload.MemoryKindError, eqx_offload.WhereError, eqx_offload.TracedMoveError,
+            eqx_offload.TreeError, eqx_offload.OptionError, eqx_offload.SignatureError,
+            eqx_offload.StateError, eqx_offload.NotATransformationError,
+            eqx_offload.CompositionError, eqx_offload.CheckpointError,
             eqx_offload.DonationError) as e:
-        print("composition or checkpoint:", e)
+        print("a documented mistake:", e)
     except eqx_offload.OffloadError as e:
         print("other:", e)
     return float(loss)
 
 
 if __name__ == "__main__":
-    # Run time checks on eqx_offload's own functions (name your modules to check them
-    # too; they must be imported after this call).
+    # Run time checks on eqx_offload's functions (and on modules named here, imported after).
     eqx_offload.install_runtime_checks()
     print(train())
 
 
 def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
-    """XLA's GPU plan of the step (type-checked here; run in tests/test_plan.py, as it
-    needs the `plan` extra)."""
+    """XLA's GPU plan of the step (type-checked here; run in tests/test_plan.py)."""
     optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
 
     def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:
@@ -236,8 +224,7 @@ def call_block(block: Block, x: jax.Array) -> jax.Array:
 
 
 def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
-    """Weights, activations and master weights in host memory (type-checked here; run
-    in tests/test_scan.py, test_params.py, test_remat.py and test_master.py)."""
+    """Weights, activations and master weights in host memory (type-checked here, run elsewhere)."""
     keys = jax.random.split(key, 3)
     blocks = eqx.filter_vmap(Block)(keys)
     policy: eqx_offload.Policy = eqx_offload.offload_names(eqx_offload.LAYER_INPUT)
@@ -257,8 +244,7 @@ def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def jax_jit_step(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """A program written for `jax.jit`, ported with `eqx_offload.jit` (type-checked
-    here; run in tests/test_jax_jit.py)."""
+    """A `jax.jit` program ported to `eqx_offload.jit` (run in test_jax_jit.py)."""
 
     def apply(params: dict[str, jax.Array], x: jax.Array, scale: float) -> jax.Array:
         return x @ params["w"] * scale
