@@ -43,8 +43,7 @@ def result_of(process: subprocess.CompletedProcess) -> Any:
     lines = [line for line in process.stdout.splitlines() if line.startswith(_MARK)]
     assert process.returncode == 0 and lines, (
         f"child exited with {process.returncode}\n--- stdout ---\n{process.stdout[-4000:]}"
-        f"\n--- stderr ---\n{process.stderr[-8000:]}"
-    )
+        f"\n--- stderr ---\n{process.stderr[-8000:]}")
     return json.loads(lines[-1][len(_MARK):])
 
 

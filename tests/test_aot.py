@@ -85,8 +85,7 @@ def test_compiler_options_reach_the_executable() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"donate": "some"}, "donate must be one of"),
-    ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict"),
-])
+    ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict")])
 def test_bad_options_are_option_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(eqx_offload.OptionError, match=match):
         unchecked(eqx_offload.filter_jit)(lambda x: x, **kwargs)

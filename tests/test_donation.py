@@ -126,13 +126,9 @@ def test_donation_checks_can_fail():
     unusable = ("Some donated buffers were not usable: float32[8,3], float32[4,3].\n"
                 "See an explanation at https://docs.jax.dev/en/latest/faq.html.")
     for bad, donate in [
-        ({"losses": ["x"]}, "all"),
-        ({"deleted_state": [[True, False]]}, "all"),
-        ({"deleted_model": [[True]]}, "all-except-first"),
-        ({"warnings": [unusable]}, "warn"),
-        ({"warnings": [unusable]}, "all"),
-        ({"compiles": 2}, "all"),
-    ]:
+        ({"losses": ["x"]}, "all"), ({"deleted_state": [[True, False]]}, "all"),
+        ({"deleted_model": [[True]]}, "all-except-first"), ({"warnings": [unusable]}, "warn"),
+        ({"warnings": [unusable]}, "all"), ({"compiles": 2}, "all")]:
         assert _donation_failures({**good, **bad}, reference, donate), (bad, donate)
 
 

@@ -44,10 +44,8 @@ def _make_branchy() -> Any:
 
 
 @pytest.mark.parametrize("options", [
-    {"static_argnums": 1, "static_argnames": "mode"},
-    {"static_argnames": ("n", "mode")},
-    {"static_argnums": (-1,), "static_argnames": "mode"},
-])
+    {"static_argnums": 1, "static_argnames": "mode"}, {"static_argnames": ("n", "mode")},
+    {"static_argnums": (-1,), "static_argnames": "mode"}])
 def test_static_arguments_by_number_and_name(options: dict[str, Any]) -> None:
     ours = eqx_offload.jit(_make_branchy(), **options)
     theirs = jax.jit(_make_branchy(), **options)

@@ -209,17 +209,21 @@ def test_scan_over_steps_with_host_state():
     assert kind_list(s_off) == state_kinds(s_off)
 
 
-def _adam_step(opt: optax.GradientTransformation) -> Any:
+def _adam_setup(**options: Any) -> tuple[Any, Any, Any]:
+    """Params, an offloaded adam's state, and a step with that adam."""
+    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
+
     def step(params, state):
         updates, state = opt.update(params, state, params)
         return optax.apply_updates(params, updates), state
 
-    return step
+    return params, opt.init(params), step
 
 
 def test_default_compiler_options_only_for_a_gpu_step_that_streams():
-    """Scheduler options only for a GPU step with a streamed update (or, others, a whole
-    host state in one update; streamed wins); none on the CPU: its program is unchanged."""
+    """GPU scheduler options for a streamed update, others for a whole host state in one
+    update (streamed wins); none on the CPU, whose program is unchanged."""
     from eqx_offload._compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
                                                GPU_WHOLE_STATE_OPTIONS)
 
@@ -233,15 +237,12 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     assert GPU_STREAMED_OPTIONS["xla_gpu_experimental_parallel_async_compute_limit"] > 2
     assert GPU_WHOLE_STATE_OPTIONS == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
 
-    params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
-
     def lowered_for_gpu(**options):
-        opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
-        state = opt.init(params)
-        step = eqx_offload.filter_jit(_adam_step(opt), donate="all-except-first")
-        return step.lower_for(("cuda",), (params, state), {}), step, state
+        params, state, step = _adam_setup(**options)
+        step = eqx_offload.filter_jit(step, donate="all-except-first")
+        return step.lower_for(("cuda",), (params, state), {}), step, params, state
 
-    default, step, state = lowered_for_gpu()
+    default, step, params, state = lowered_for_gpu()
     assert default.compiler_options == GPU_STREAMED_OPTIONS
     assert lowered_for_gpu(group_bytes=0)[0].compiler_options == GPU_STREAMED_OPTIONS
     assert lowered_for_gpu(group_bytes=None)[0].compiler_options == GPU_WHOLE_STATE_OPTIONS
@@ -271,17 +272,11 @@ def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> N
 # `jax.export`
 
 
-def _export_setup(**options: Any) -> tuple[Any, Any, Any]:
-    params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
-    return params, opt.init(params), _adam_step(opt)
-
-
 @pytest.mark.parametrize("donate, options", [
     ("none", {}), ("all", {}), ("none", {"group_bytes": 0}), ("none", {"compute": "host"})])
 def test_export_keeps_memory_kinds_and_copies_for_cuda(donate: str, options: dict) -> None:
     """Streamed and host-compute steps too (without a warning)."""
-    params, state, step = _export_setup(**options)
+    params, state, step = _adam_setup(**options)
     exported = eqx_offload.filter_jit(step, donate=donate).export(platforms=["cuda"])(params, state)
     text = exported.mlir_module()
     assert exported.platforms == ("cuda",)
@@ -293,7 +288,7 @@ def test_export_keeps_memory_kinds_and_copies_for_cuda(donate: str, options: dic
 
 
 def test_export_runs_bitwise_on_this_backend() -> None:
-    params, state, step = _export_setup()
+    params, state, step = _adam_setup()
     jitted = eqx_offload.filter_jit(step)
     exported = jitted.export()(params, state)
     out = exported.call(*jax.tree.leaves((params, state)))
@@ -305,7 +300,7 @@ def test_export_runs_bitwise_on_this_backend() -> None:
 
 def test_export_of_plain_jit_with_specs_is_loud() -> None:
     """Specs from the arrays' shardings, `jax.jit`: no copies; `offloaded` names the fix."""
-    params, state, step = _export_setup()
+    params, state, step = _adam_setup()
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                          (params, state))
     with pytest.warns(eqx_offload.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
