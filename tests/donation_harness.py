@@ -1,7 +1,7 @@
-"""The donation harness shared by `tests/test_trap.py` (ours passes) and
-`tests/upstream/test_upstream_donation.py` (plain JAX and Equinox abort): a few steps of
-an `eqx.nn.MLP` trained with `offloaded(adamw)`, jitted and donated in a given way. Runs
-in a fresh process (`isolated.run_isolated`): an abort must not take the suite down."""
+"""The donation harness of `tests/test_trap.py` (ours passes) and
+`tests/upstream/test_upstream_donation.py` (plain JAX and Equinox abort), and its MLP step
+(also `tests/test_donation.py`, `test_jit.py`, `test_aot.py`). Each run is a fresh process
+(`isolated.run_isolated`): an abort must not take the suite down."""
 
 import json
 import warnings
@@ -10,8 +10,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
+import jax.tree_util as jtu
 import optax
+from helpers import hex_bits
 
 import eqx_offload
 
@@ -19,27 +20,45 @@ import eqx_offload
 STEPS = 3
 
 
-def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[str, Any]:
-    """`STEPS` steps of an `eqx.nn.MLP` trained with `offloaded(adamw)` (or plain adamw
-    for `jit="reference"`), jitted by `jit`, donating per `donate`, returning
-    `(model, state, loss)` or `(state, model, loss)` per `order`. Runs in a child.
-    Without `guarded`, `offloaded`'s check for a donating plain `jax.jit` /
-    `eqx.filter_jit` is off: what plain JAX does (the upstream canary)."""
-    from eqx_offload import _lint
-
-    _lint.CHECK_FOREIGN_DONATION = guarded
+def mlp_setup(offload: bool = True) -> tuple[Any, Any, Any, jax.Array]:
+    """An MLP, `adamw` (offloaded or not), its state, and a (4, 3) batch: a shape no
+    parameter or state leaf has, so the only input a donation can leave unused."""
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
-    opt = optax.adamw(1e-2) if jit == "reference" else eqx_offload.offloaded(optax.adamw(1e-2))
-    state = opt.init(eqx.filter(model, eqx.is_array))
+    opt = eqx_offload.offloaded(optax.adamw(1e-2)) if offload else optax.adamw(1e-2)
     x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    return model, opt, opt.init(eqx.filter(model, eqx.is_array)), x
+
+
+def mlp_step(opt: Any, order: str = "model_state") -> Any:
+    """A training step returning `(model, state, loss)`, or `(state, model, loss)`."""
 
     def step(model, state, x):
-        loss, grads = eqx.filter_value_and_grad(
-            lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
         updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
         return (model, state, loss) if order == "model_state" else (state, model, loss)
 
+    return step
+
+
+def unpack(out: tuple, order: str) -> tuple:
+    return out if order == "model_state" else (out[1], out[0], out[2])
+
+
+def state_kinds(state: Any) -> list[str]:
+    """`offloaded`'s default `where`: every array but 0-d scalars is in host memory."""
+    return ["pinned_host" if x.ndim >= 1 else "device" for x in jtu.tree_leaves(state)]
+
+
+def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[str, Any]:
+    """`STEPS` steps of `mlp_step` (plain adamw for `jit="reference"`), jitted by `jit`,
+    donating per `donate`. Without `guarded`, `offloaded`'s check for a donating plain
+    `jax.jit` / `eqx.filter_jit` is off: what plain JAX does (the upstream canary)."""
+    from eqx_offload import _lint
+
+    _lint.CHECK_FOREIGN_DONATION = guarded
+    model, opt, state, x = mlp_setup(offload=jit != "reference")
+    step = mlp_step(opt, order)
     if jit in ("jax", "reference"):
         params, static = eqx.partition(model, eqx.is_array)
 
@@ -52,33 +71,25 @@ def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[st
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         jitted = jax.jit(array_step, donate_argnums=argnums[donate])
         model = params
-    elif jit == "eqx":
-        jitted = eqx.filter_jit(step, donate=donate)
     else:
-        jitted = eqx_offload.filter_jit(step, donate=donate)
+        jitted = (eqx.filter_jit if jit == "eqx" else eqx_offload.filter_jit)(step, donate=donate)
     losses = []
     for _ in range(STEPS):
-        out = jitted(model, state, x)
-        model, state, loss = out if order == "model_state" else (out[1], out[0], out[2])
-        losses.append(np.asarray(loss).tobytes().hex())
-    params = [np.asarray(p).tobytes().hex() for p in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-    return {"losses": losses, "params": params}
+        model, state, loss = unpack(jitted(model, state, x), order)
+        losses.append(loss)
+    return {"losses": hex_bits(losses), "params": hex_bits(eqx.filter(model, eqx.is_array))}
 
 
-def harness_many(configs: list[list[str]]) -> dict[str, Any]:
-    """`harness` for each `[jit, donate, order]`, in one child (for the configurations
-    that must not abort)."""
-    return {json.dumps(c): harness(*c) for c in configs}
-
-
-def guarded_many(configs: list[list[str]]) -> dict[str, Any]:
-    """For each `[jit, donate, order]`, with `offloaded`'s check on: the error of the
-    run (its type and first words), or `None`."""
+def harness_many(configs: list[list[str]], guarded: bool = False) -> dict[str, Any]:
+    """`harness` for each `[jit, donate, order]`, in one child; with `guarded` (`offloaded`'s
+    check on), a run's error is its result (its type and first words)."""
     results: dict[str, Any] = {}
     for config in configs:
         try:
-            harness(*config, guarded=True)
-            results[json.dumps(config)] = {"error": None}
+            result = harness(*config, guarded=guarded)
         except Exception as e:  # (reported to the parent)
-            results[json.dumps(config)] = {"error": type(e).__name__, "message": str(e)[:300]}
+            if not guarded:
+                raise
+            result = {"error": type(e).__name__, "message": str(e)[:300]}
+        results[json.dumps(config)] = result
     return results

@@ -1,10 +1,7 @@
-"""Run a test-module function in a fresh Python process.
-
-Patterns that can abort the process (XLA aliasing a donated buffer across memory kinds)
-run here, so an abort is a failed test, not a crashed suite. The child imports the test
-file with `runpy`, calls one module-level function with JSON arguments, and prints its
-JSON result after a marker line.
-"""
+"""Run a test-module function in a fresh Python process, so that a pattern that can abort
+the process (XLA aliasing a donated buffer across memory kinds) fails a test, not the suite.
+The child imports the test file with `runpy`, calls one module-level function with JSON
+arguments, and prints its JSON result after a marker line."""
 
 import json
 import os
@@ -25,47 +22,31 @@ print({mark!r} + json.dumps(result), flush=True)
 """
 
 
-def run_isolated(
-    func: Callable[..., Any], *args: Any, timeout: float = 600,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess:
-    """Runs `func(*args)` in a fresh Python (with `-W error`, 8 CPU devices, CPU only,
-    this environment updated with `env`) and returns the finished process; `func` must
-    be a module-level function of a file in `tests/`, its arguments and result
-    JSON-serialisable."""
+def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = 600,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `func(*args)` in a fresh Python (`-W error`, 8 CPU devices, CPU only, this
+    environment updated with `env`); `func` is a module-level function of a file in
+    `tests/`, its arguments and result JSON-serialisable."""
     file = sys.modules[func.__module__].__file__
     assert file is not None
-    code = _CHILD.format(
-        tests=_TESTS, file=os.path.abspath(file), name=func.__name__,
-        args=json.dumps(args), mark=_MARK,
-    )
-    child_env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": "8",
-        "PYTHONHASHSEED": "0",
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        capture_output=True, text=True, timeout=timeout, env=child_env, cwd=_TESTS,
-    )
+    code = _CHILD.format(tests=_TESTS, file=os.path.abspath(file), name=func.__name__,
+                         args=json.dumps(args), mark=_MARK)
+    child_env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
+                 "PYTHONHASHSEED": "0", **(env or {})}
+    return subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                          text=True, timeout=timeout, env=child_env, cwd=_TESTS)
 
 
 def result_of(process: subprocess.CompletedProcess) -> Any:
-    """The JSON result of a finished `run_isolated` child; fails (with its output) if
-    it did not exit cleanly."""
+    """The JSON result of a finished `run_isolated` child; fails (with its output) if it
+    did not exit cleanly."""
     lines = [line for line in process.stdout.splitlines() if line.startswith(_MARK)]
     assert process.returncode == 0 and lines, (
         f"child exited with {process.returncode}\n--- stdout ---\n{process.stdout[-4000:]}"
-        f"\n--- stderr ---\n{process.stderr[-8000:]}"
-    )
+        f"\n--- stderr ---\n{process.stderr[-8000:]}")
     return json.loads(lines[-1][len(_MARK):])
 
 
-def call_isolated(
-    func: Callable[..., Any], *args: Any, timeout: float = 600,
-    env: dict[str, str] | None = None,
-) -> Any:
+def call_isolated(func: Callable[..., Any], *args: Any, env: dict[str, str] | None = None) -> Any:
     """`run_isolated` and `result_of` in one."""
-    return result_of(run_isolated(func, *args, timeout=timeout, env=env))
+    return result_of(run_isolated(func, *args, env=env))

@@ -7,28 +7,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import optax
 import pytest
+from donation_harness import mlp_setup, mlp_step
 from helpers import assert_tree_equal, count_compiles, unchecked
 
 import eqx_offload
 
 
-# JAX-version dependent: also run in the newest environment (scripts/check.sh).
-pytestmark = pytest.mark.both
+pytestmark = pytest.mark.both  # JAX-version dependent
 
 
 def _setup() -> tuple[Any, Any, Any, Any]:
-    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
-    opt = eqx_offload.offloaded(optax.adamw(1e-2))
-    state = opt.init(eqx.filter(model, eqx.is_array))
-
-    def step(model: Any, state: Any, x: jax.Array) -> Any:
-        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(model)
-        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
-
-    return model, state, step, jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    model, opt, state, x = mlp_setup()
+    return model, state, mlp_step(opt), x
 
 
 def test_lower_compile_call_equals_the_call() -> None:
@@ -52,28 +43,10 @@ def test_lower_compile_call_equals_the_call() -> None:
     assert mu.sharding.memory_kind == "pinned_host"
 
 
-def test_lower_does_not_fill_the_call_cache() -> None:
-    model, state, step, x = _setup()
-    jitted = eqx_offload.filter_jit(step)
-    jitted.lower(model, state, x).compile()
-    with count_compiles("step") as compiles:
-        jitted(model, state, x)
-        jitted(model, state, x)
-    assert len(compiles) == 1
-
-
-def test_compiled_rejects_other_arguments() -> None:
-    model, state, step, x = _setup()
-    compiled = eqx_offload.filter_jit(step).lower(model, state, x).compile()
-    with pytest.raises(eqx_offload.SignatureError, match="differ from those it was lowered for"):
-        compiled(model, state, jnp.ones((5, 3)))
-    with pytest.raises(TypeError):  # a SignatureError is a TypeError too
-        compiled(model, state, x.astype(jnp.float16))
-
-
 def test_user_function_traced_once_per_compilation() -> None:
-    """The step runs once per compilation (the compiled program is a replay of that
-    trace), so `offloaded`'s update path and its `where` resolution run once too."""
+    """The step runs once per compilation (so do `offloaded`'s update path and its `where`
+    resolution); `.lower(...).compile()` does not fill the call's cache, and its executable
+    rejects other arguments."""
     model, state, step, x = _setup()
     calls = []
 
@@ -82,11 +55,18 @@ def test_user_function_traced_once_per_compilation() -> None:
         return step(model, state, x)
 
     jitted = eqx_offload.filter_jit(counted)
-    for _ in range(3):
-        model, state, _ = jitted(model, state, x)
-    assert len(calls) == 1
-    jitted.lower(model, state, x)
+    compiled = jitted.lower(model, state, x).compile()
+    with pytest.raises(eqx_offload.SignatureError, match="differ from those it was lowered for"):
+        compiled(model, state, jnp.ones((5, 3)))
+    with pytest.raises(TypeError):  # a SignatureError is a TypeError too
+        compiled(model, state, x.astype(jnp.float16))
+    with count_compiles("counted") as compiles:
+        for _ in range(3):
+            model, state, _ = jitted(model, state, x)
+    assert len(compiles) == 1
     assert len(calls) == 2
+    jitted.lower(model, state, x)
+    assert len(calls) == 3
 
 
 def test_compiler_options_reach_the_executable() -> None:
@@ -105,8 +85,7 @@ def test_compiler_options_reach_the_executable() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"donate": "some"}, "donate must be one of"),
-    ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict"),
-])
+    ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict")])
 def test_bad_options_are_option_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(eqx_offload.OptionError, match=match):
         unchecked(eqx_offload.filter_jit)(lambda x: x, **kwargs)

@@ -17,8 +17,7 @@ PARAMS = {"big": jnp.ones((64, 32)), "mid": jnp.ones((16, 16)), "small": jnp.one
           "s": jnp.ones(())}
 # adam's mu and nu per parameter: big 8 KiB each, mid 1 KiB, small 32 B, s 4 B; count 4 B.
 TOTAL = 2 * (8192 + 1024 + 32 + 4) + 4
-NOT_SCALARS = ["inner_state/0/mu/big", "inner_state/0/mu/mid", "inner_state/0/mu/small",
-               "inner_state/0/nu/big", "inner_state/0/nu/mid", "inner_state/0/nu/small"]
+NOT_SCALARS = [f"inner_state/0/{m}/{k}" for m in ("mu", "nu") for k in ("big", "mid", "small")]
 
 
 @pytest.mark.parametrize("budget, on_host", [

@@ -21,8 +21,8 @@ def _scaled(x: jax.Array, scale: Any, power: Any) -> Any:
 
 
 def test_python_scalars_are_traced_weakly_as_jax_jit_traces_them() -> None:
-    # A new value of a Python scalar does not recompile; results (dtype and weak type,
-    # `n`, `scale`, `y` in order) are jax.jit's; Python scalar outputs come back as arrays.
+    """A new Python scalar value does not recompile; results (dtype, weak type) are jax.jit's;
+    Python scalar outputs come back as arrays."""
     x = jnp.arange(4.0, dtype=jnp.bfloat16)
     ours, theirs = eqx_offload.jit(_scaled), jax.jit(_scaled)
     with count_compiles() as compiled:
@@ -44,10 +44,8 @@ def _make_branchy() -> Any:
 
 
 @pytest.mark.parametrize("options", [
-    {"static_argnums": 1, "static_argnames": "mode"},
-    {"static_argnames": ("n", "mode")},
-    {"static_argnums": (-1,), "static_argnames": "mode"},
-])
+    {"static_argnums": 1, "static_argnames": "mode"}, {"static_argnames": ("n", "mode")},
+    {"static_argnums": (-1,), "static_argnames": "mode"}])
 def test_static_arguments_by_number_and_name(options: dict[str, Any]) -> None:
     ours = eqx_offload.jit(_make_branchy(), **options)
     theirs = jax.jit(_make_branchy(), **options)
@@ -92,8 +90,7 @@ def _run(jit: Any, offload: bool, options: dict[str, Any]) -> dict[str, Any]:
             "count": [str(count.dtype), jax.typeof(count).weak_type]}
 
 
-DONATIONS = {"argnums": {"donate_argnums": 0}, "argnames": {"donate_argnames": "state"},
-             "none": {}}
+DONATIONS = {"argnums": {"donate_argnums": 0}, "argnames": {"donate_argnames": "state"}, "none": {}}
 
 
 def donation_child() -> dict[str, Any]:
@@ -104,9 +101,8 @@ def donation_child() -> dict[str, Any]:
 
 
 def test_donating_a_host_resident_state() -> None:
-    # In a fresh process (a wrong alias aborts it): bitwise equal to plain jax.jit, the
-    # donated inputs deleted exactly where jax.jit deletes them, one compilation, the
-    # moments in host memory after every step, the Python int counter an int32 array.
+    """In a fresh process (a wrong alias aborts it): bitwise plain jax.jit, inputs deleted
+    where it deletes them, one compile, moments on the host, the int counter an int32 array."""
     results = call_isolated(donation_child)
     for name, runs in results.items():
         plain, ported = runs["plain"], runs["ported"]
@@ -116,8 +112,7 @@ def test_donating_a_host_resident_state() -> None:
         assert plain["compiles"] == ported["compiles"] == 1, name
         assert ported["count"] == plain["count"] == ["int32", True]
         for kinds in ported["kinds"]:
-            assert kinds == ["device", "pinned_host", "pinned_host", "pinned_host",
-                             "pinned_host"], kinds
+            assert kinds == ["device"] + ["pinned_host"] * 4, kinds
 
 
 def test_as_a_decorator_and_a_method() -> None:
@@ -130,8 +125,7 @@ def test_as_a_decorator_and_a_method() -> None:
             return self.w * x + k
 
     # (`self` static: jax.jit's way for methods of hashable objects)
-    model = Model()
-    assert_tree_equal(model.apply(jnp.ones(3), 2), jnp.arange(3.0) + 2)
+    assert_tree_equal(Model().apply(jnp.ones(3), 2), jnp.arange(3.0) + 2)
 
 
 def _inject_run(jit: Any, port: bool) -> dict[str, Any]:
@@ -164,9 +158,8 @@ def _inject_run(jit: Any, port: bool) -> dict[str, Any]:
 
 
 def test_inject_hyperparams_python_float_between_steps() -> None:
-    # `state.hyperparams["b2"] = 0.95`: jax.jit compiles once more when the array
-    # becomes a (weakly typed) Python float, then never again; eqx_offload.jit does
-    # the same. filter_jit compiles at every new value, and says so once.
+    """jax.jit (and eqx_offload.jit) compile once more when `b2` becomes a Python float, then
+    never again; filter_jit compiles at every new value, and says so once."""
     plain = _inject_run(jax.jit, False)
     ported = _inject_run(eqx_offload.jit, True)
     filtered = _inject_run(eqx_offload.filter_jit, True)
