@@ -22,7 +22,8 @@ class PlannedCopy:
     layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
     in a branch of a conditional, so it runs only when that branch is taken: the
     applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
-    `GpuPlan.bytes_moved` count it as taken)."""
+    `GpuPlan.bytes_moved` count it as taken). A host computation's reads from and writes
+    to device memory are copies too (`name` is its `custom-call-start`)."""
 
     direction: Direction
     nbytes: int
@@ -94,6 +95,39 @@ def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int
     if any(on_host(m) for m in operands):
         return "to_device", _array_bytes(destination)
     return None
+
+
+# A host computation (`compute_on("device_host")`): XLA's GPU runtime reads its
+# operands from, and writes its results to, the memories their layouts name, so each of
+# those in device memory crosses PCIe like a copy.
+_HOST_CALL = 'custom_call_target="HostExecute"'
+
+
+def _device_operand_bytes(rest: str) -> int:
+    """The bytes of a host call's operands in device memory: the first group of its
+    `custom-call-start` shape, `((operands...), results, context)`."""
+    depth, end = 0, 0
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 1 and char == ")":
+            end = i
+            break
+    operands = _ARRAY.finditer(rest[1: end + 1])
+    return sum(_array_bytes(m) for m in operands if "S(5)" not in (m.group("layout") or ""))
+
+
+def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, int, int],
+                      kernels: int, runs: int, in_branch: bool) -> list["PlannedCopy"]:
+    """A finished host call as copies: its device-memory operands to the host, its
+    device-memory results (the `custom-call-done`'s shape) to the device."""
+    _, to_host, before = started
+    name = _OPERAND.findall(rest[op.end():])[0]
+    results = _ARRAY.finditer(rest[: op.start()])
+    to_device = sum(_array_bytes(m) for m in results if "S(5)" not in (m.group("layout") or ""))
+    between = kernels - before
+    moved: tuple[tuple[Direction, int], ...] = (("to_host", to_host), ("to_device", to_device))
+    return [PlannedCopy(direction, nbytes, between > 0, between, name, runs, in_branch)
+            for direction, nbytes in moved if nbytes]
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)")
@@ -245,6 +279,14 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
             open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
+        elif opcode == "custom-call-start" and _HOST_CALL in rest:
+            kernels += 1  # the host's compute: what a copy beside it overlaps
+            open_copies[match.group("name")] = ("to_host", _device_operand_bytes(rest), kernels)
+        elif opcode == "custom-call-done" and (
+                started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
+        ) is not None:
+            copies.extend(_host_call_copies(rest, op, started, kernels, runs, in_branch))
+            kernels += 1
         elif opcode in ("copy-done", "fusion-done") and (
                 started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
         ) is not None:
