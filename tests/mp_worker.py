@@ -67,10 +67,9 @@ def train() -> dict[str, np.ndarray]:
         losses.append(value)
         for path, leaf in jtu.tree_flatten_with_path(state)[0]:
             kinds.add(f"{jtu.keystr(path)} {leaf.sharding.memory_kind} {leaf.sharding.spec}")
-    result = {
-        jtu.keystr(path): np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        for path, leaf in jtu.tree_flatten_with_path((params, state.inner_state, losses))[0]
-    }
+    leaves = jtu.tree_flatten_with_path((params, state.inner_state, losses))[0]
+    result = {jtu.keystr(path): np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+              for path, leaf in leaves}
     result["__kinds__"] = np.array(sorted(kinds))
     result["__num_devices__"] = np.array(len(jax.devices()))
     result["__num_processes__"] = np.array(jax.process_count())

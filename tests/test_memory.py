@@ -100,9 +100,8 @@ def test_host_pool_limit_is_read_as_xla_reads_it(value: Optional[str], gigabytes
     for platform, limit in [("cuda", gigabytes * GIB), ("gpu", gigabytes * GIB), ("cpu", None),
                             ("tpu", None)]:  # off CUDA/ROCm there is no such pool
         assert _memory.host_pool_limit(platform, environ) == limit
-    if value is None:
-        monkeypatch.delenv(variable, raising=False)
-    else:
+    monkeypatch.delenv(variable, raising=False)
+    if value is not None:
         monkeypatch.setenv(variable, value)
     assert _deviceless.host_pool_limit_bytes() == gigabytes * GIB
 

@@ -174,13 +174,10 @@ def test_uncommitted_batch_with_sharded_model(axis_type: AxisType) -> None:
     opt = eqx_offload.offloaded(optax.adamw(1e-2))
     replicated = NamedSharding(mesh, P())
     out_sharding = replicated if axis_type == AxisType.Explicit else None
-    step = make_step(opt, eqx_offload.filter_jit(donate="all-except-first"), out_sharding)
-    model = make_model(mesh, "data+model")
-    state = opt.init(eqx.filter(model, eqx.is_array))
     (x, y), (x2, y2) = batches()[:2]
     assert not x.committed
-    model, state, _ = step(model, state, x, y)
-    model, state, _ = step(model, state, np.asarray(x2), np.asarray(y2))
+    model, state, _ = train(make_model(mesh, "data+model"), opt, eqx_offload.filter_jit(
+        donate="all-except-first"), [(x, y), (np.asarray(x2), np.asarray(y2))], out_sharding)
     check_placement(model, state, mesh)
     data = [jax.device_put(pair, replicated) for pair in ((x, y), (x2, y2))]
     ref_model, _, _ = train(make_model(mesh, "data+model"), optax.adamw(1e-2), eqx.filter_jit,
@@ -280,11 +277,8 @@ def _expected_shards(x: jax.Array, values: np.ndarray) -> None:
         assert np.array_equal(np.asarray(shard.data), values[shard.index]), shard.device
 
 
-MESHES = {
-    "x": ((4,), ("x",), P("x")),
-    "x_y": ((2, 2), ("x", "y"), P("x", "y")),
-    "cols": ((2, 2), ("x", "y"), P(None, "y")),
-}
+MESHES = {"x": ((4,), ("x",), P("x")), "x_y": ((2, 2), ("x", "y"), P("x", "y")),
+          "cols": ((2, 2), ("x", "y"), P(None, "y"))}
 
 
 def _mesh(name: str) -> tuple[jax.sharding.Mesh, P, np.ndarray]:
