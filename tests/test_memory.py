@@ -22,8 +22,9 @@ CPU_KINDS = ("device", "pinned_host", "unpinned_host")
 GIB = 1 << 30
 
 
-def test_supported_memory_kinds() -> None:
-    """The CPU's kinds, each one a device really takes; a device, not a string."""
+def test_supported_memory_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's kinds, each one a device really takes; a device, not a string; without one,
+    the default device's."""
     assert eqx_offload.supported_memory_kinds() == CPU_KINDS
     assert all(eqx_offload.supported_memory_kinds(d) == CPU_KINDS for d in jax.devices())
     x = jnp.ones(2)
@@ -31,9 +32,6 @@ def test_supported_memory_kinds() -> None:
         assert jax.device_put(x, x.sharding.with_memory_kind(kind)).sharding.memory_kind == kind
     with pytest.raises(TypeCheckError, match="device"):
         eqx_offload.supported_memory_kinds("cpu:0")  # type: ignore[arg-type]  # under test
-
-
-def test_supported_memory_kinds_asks_the_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[jax.Device] = []
     original = _memory.device_memory_kinds
     monkeypatch.setattr(_memory, "device_memory_kinds", lambda d: asked.append(d) or original(d))
@@ -54,7 +52,8 @@ def _lacking(monkeypatch: pytest.MonkeyPatch, kind: str, only: Optional[set[Any]
 
 
 def test_unsupported_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The error names kind, device, platform, leaf and the offer; a `ValueError`."""
+    """The error names kind, device, platform, leaf (a NumPy leaf: on the default device) and
+    the offer; a `ValueError`."""
     _lacking(monkeypatch, "unpinned_host")
     assert eqx_offload.supported_memory_kinds() == ("device", "pinned_host")
     tree = {"state": {"mu": jnp.ones(3)}}
@@ -64,9 +63,7 @@ def test_unsupported_kind(monkeypatch: pytest.MonkeyPatch) -> None:
         eqx_offload.to_host(tree, memory_kind="unpinned_host")
     assert isinstance(info.value, MemoryKindError)
     assert eqx_offload.to_host(tree)["state"]["mu"].sharding.memory_kind == "pinned_host"
-
-
-def test_unsupported_kind_for_numpy_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
     _lacking(monkeypatch, "pinned_host")
     with jax.default_device(jax.devices()[1]), pytest.raises(MemoryKindError, match=re.escape(
             "memory_kind='pinned_host': device cpu:1 (platform 'cpu') holding leaf <root> "
@@ -100,14 +97,11 @@ def test_host_pool_limit_is_read_as_xla_reads_it(value: Optional[str], gigabytes
     """An integer, spaces allowed, else 64 GiB; init and the planner agree."""
     variable = _memory.HOST_LIMIT_VARIABLE
     environ = {} if value is None else {variable: value}
-    assert _memory.host_pool_limit("cuda", environ) == gigabytes * GIB
-    assert _memory.host_pool_limit("gpu", environ) == gigabytes * GIB
-    # Off CUDA/ROCm there is no such pool.
-    assert _memory.host_pool_limit("cpu", environ) is None
-    assert _memory.host_pool_limit("tpu", environ) is None
-    if value is None:
-        monkeypatch.delenv(variable, raising=False)
-    else:
+    for platform, limit in [("cuda", gigabytes * GIB), ("gpu", gigabytes * GIB), ("cpu", None),
+                            ("tpu", None)]:  # off CUDA/ROCm there is no such pool
+        assert _memory.host_pool_limit(platform, environ) == limit
+    monkeypatch.delenv(variable, raising=False)
+    if value is not None:
         monkeypatch.setenv(variable, value)
     assert _deviceless.host_pool_limit_bytes() == gigabytes * GIB
 
@@ -133,15 +127,12 @@ def test_client_memory_fraction_is_read_as_jax_reads_it() -> None:
 ])
 def test_run_settings(peak: int, fraction: float, host: int, expected: list[str]) -> None:
     """The settings to print for a run of an 80 GiB device with a 64 GiB host pool."""
-    assert _memory.run_settings(max(peak * GIB, 1), 80 * GIB, fraction, host * GIB,
-                                64 * GIB) == expected
-
-
-# ---------------------------------------------------------------------------------------
-# The pinned host pool: its cap checked by `init` and the restores, shown by `memory_report`
+    assert _memory.run_settings(max(peak * GIB, 1), 80 * GIB, fraction, host * GIB, 64 * GIB) == (
+        expected)
 
 
 def test_check_host_pool_fails_naming_the_variable() -> None:
+    """Over the cap, the error names the variable; off CUDA/ROCm there is no such pool."""
     _memory.check_host_pool(4 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB, limit=64 * GIB)
     with pytest.raises(eqx_offload.MemoryKindError) as info:
         _memory.check_host_pool(10 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB,
@@ -150,37 +141,23 @@ def test_check_host_pool_fails_naming_the_variable() -> None:
     assert message.startswith("offloaded(...).init: placing 10.0 GiB in 'pinned_host'")
     assert "60.0 GiB already there" in message and "64.0 GiB cap" in message
     assert "export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=71" in message  # the fix
-    # Off CUDA/ROCm there is no such pool: nothing to check.
     _memory.check_host_pool(10**15, "cpu", "offloaded(...).init")
+    report = eqx_offload.memory_report(eqx_offload.to_host({"w": jnp.ones(4)}))
+    assert report.host_pool_limit is None and "pinned host pool" not in str(report)
+    assert report.host_pool_bytes == 16
 
 
 @pytest.fixture
 def small_pool(monkeypatch: pytest.MonkeyPatch) -> int:
-    """The CPU treated as a CUDA backend whose pinned host pool holds 64 KiB."""
+    """The CPU treated as a CUDA backend whose pinned host pool holds 64 KiB, counted from
+    here on (what earlier tests left in `pinned_host` is not this test's)."""
     cap = 64 << 10
-
-    def limit(platform: str, environ: Any = None) -> int:
-        return cap
-
     for module in (_memory, _checkpoint, _report):
-        monkeypatch.setattr(module, "host_pool_limit", limit)
-    # The pool is the process's: what earlier tests in this worker left in `pinned_host`
-    # is not this test's (counted from here on).
+        monkeypatch.setattr(module, "host_pool_limit", lambda platform, environ=None: cap)
     gc.collect()
-    before = _memory.live_pooled_bytes
-    baseline = before("cpu")
-
-    def live(platform: str) -> int:
-        return before(platform) - baseline
-
-    monkeypatch.setattr(_memory, "live_pooled_bytes", live)
+    live, baseline = _memory.live_pooled_bytes, _memory.live_pooled_bytes("cpu")
+    monkeypatch.setattr(_memory, "live_pooled_bytes", lambda platform: live(platform) - baseline)
     return cap
-
-
-def _sharded_params(mesh_size: int = 4) -> Any:
-    mesh = jax.make_mesh((mesh_size,), ("x",), devices=jax.devices()[:mesh_size])
-    return {"w": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("x"))),
-            "b": jax.device_put(jnp.ones(64), NamedSharding(mesh, P()))}
 
 
 def test_init_and_restores_check_the_pool(small_pool: int) -> None:
@@ -189,11 +166,11 @@ def test_init_and_restores_check_the_pool(small_pool: int) -> None:
     state = opt.init(small)
     big = {"w": jnp.ones((64, 128))}  # 2 moments x 32 KiB, with 8 KiB in use: does not
     before = {id(x) for x in jax.live_arrays()}
-    with pytest.raises(eqx_offload.MemoryKindError,
-                       match=r"offloaded\(\.\.\.\)\.init: placing 64\.0 KiB .* with 8\.0 KiB already there"):
+    with pytest.raises(eqx_offload.MemoryKindError, match=r"offloaded\(\.\.\.\)\.init: placing "
+                       r"64\.0 KiB .* with 8\.0 KiB already there"):
         opt.init(big)
     placed = [x for x in jax.live_arrays() if id(x) not in before]
-    assert not [x for x in placed if x.sharding.memory_kind == "pinned_host"], placed  # nothing placed
+    assert not [x for x in placed if x.sharding.memory_kind == "pinned_host"], placed
     with pytest.raises(eqx_offload.MemoryKindError, match=r"abstract_init\(\.\.\.\): placing"):
         eqx_offload.abstract_init(opt, big)
     with pytest.raises(eqx_offload.MemoryKindError, match=r"restore_target\(\.\.\.\): placing"):
@@ -206,13 +183,9 @@ def test_init_and_restores_check_the_pool(small_pool: int) -> None:
 
 
 def test_pool_bytes_count_each_devices_shard(small_pool: int) -> None:
-    # A replicated leaf takes its full size on each device; a sharded one its shard.
-    state = eqx_offload.offloaded(optax.adam(1e-3)).init(_sharded_params())
-    report = eqx_offload.memory_report(state)
+    """A replicated leaf takes its full size on each device; a sharded one its shard."""
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    params = {"w": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("x"))),
+              "b": jax.device_put(jnp.ones(64), NamedSharding(mesh, P()))}
+    report = eqx_offload.memory_report(eqx_offload.offloaded(optax.adam(1e-3)).init(params))
     assert report.host_pool_bytes == 2 * (64 * 64 * 4 + 4 * 64 * 4)
-
-
-def test_no_pool_line_on_the_cpu() -> None:
-    report = eqx_offload.memory_report(eqx_offload.to_host({"w": jnp.ones(4)}))
-    assert report.host_pool_limit is None and "pinned host pool" not in str(report)
-    assert report.host_pool_bytes == 16

@@ -1,7 +1,6 @@
-"""Sharded models and offloaded state on 8 CPU devices, `Explicit` and `Auto` axes, data-
-and data+model-parallel (Megatron-style; both weights 8x8 so shape cannot tell them apart);
-every shard's data through `to_host`, `filter_shard` and the restores, non-replicated
-(jax-ml/jax#36308; the canary: tests/upstream/test_upstream_multidevice_put.py)."""
+"""Sharded models and offloaded state on 8 CPU devices, `Explicit` and `Auto` axes, data- and
+data+model-parallel (both weights 8x8, so shape cannot tell them apart); every shard's data
+through `to_host`, `filter_shard` and the restores, not replicated."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -59,8 +58,8 @@ def make_model(mesh: Optional[jax.sharding.Mesh] = None, layout: str = "data") -
 
 def batches() -> list[tuple[jax.Array, jax.Array]]:
     keys = jax.random.split(jax.random.key(1), STEPS)
-    return [(jax.random.normal(k, (BATCH, DIM)), jax.random.normal(jax.random.fold_in(k, 1),
-                                                                   (BATCH, DIM))) for k in keys]
+    normal = lambda k: jax.random.normal(k, (BATCH, DIM))  # noqa: E731
+    return [(normal(k), normal(jax.random.fold_in(k, 1))) for k in keys]
 
 
 def make_mesh(layout: str, axis_type: AxisType) -> jax.sharding.Mesh:
@@ -111,8 +110,9 @@ def check_placement(model: Model, state: Any, mesh: jax.sharding.Mesh) -> None:
 @AXIS_TYPES
 @LAYOUT
 def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) -> None:
-    """Placements kept, donated, one compile, bitwise the unwrapped sharded run, and
-    one device to float tolerance (cross-device sums may add in another order)."""
+    """Placements kept, donated, one compile, bitwise the unwrapped sharded run, and one device
+    to float tolerance (cross-device sums may add in another order); the elementwise update
+    alone, sharded and offloaded, is bitwise one device's."""
     mesh = make_mesh(layout, axis_type)
     model = make_model(mesh, layout)
     on_host = eqx_offload.to_host(model)
@@ -144,32 +144,24 @@ def test_sharded_training_matches_unsharded(axis_type: AxisType, layout: str) ->
     for a, b in zip(jtu.tree_leaves((model, state.inner_state, losses)), jtu.tree_leaves(one)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
 
-
-@AXIS_TYPES
-@LAYOUT
-def test_sharded_update_is_bitwise_one_device(axis_type: AxisType, layout: str) -> None:
-    """The elementwise update, sharded and offloaded, is bitwise one device's."""
-    mesh = make_mesh(layout, axis_type)
     params = eqx.filter(make_model(), eqx.is_array)
     # Fresh arrays for each use: `jax.device_put` onto a replicated sharding may reuse a
     # one-device array's buffer for that device's shard, and the sharded run donates.
     grad_list = [jax.tree.map(lambda x, k=k: jnp.sin(x * (k + 2)), params) for k in range(STEPS)]
 
-    def update_of(opt: Any) -> Any:
-        def update(grads: Any, state: Any, p: Any) -> Any:
-            updates, state = opt.update(grads, state, p)
-            return eqx.apply_updates(p, updates), state
-        return update
+    def update(opt: Any, grads: Any, state: Any, p: Any) -> Any:
+        updates, state = opt.update(grads, state, p)
+        return eqx.apply_updates(p, updates), state
 
     opt, ref_opt = eqx_offload.offloaded(optax.adamw(1e-2)), optax.adamw(1e-2)
-    update = eqx_offload.filter_jit(update_of(opt), donate="all-except-first")
-    ref_update = jax.jit(update_of(ref_opt))
+    sharded_update = eqx_offload.filter_jit(lambda *a: update(opt, *a), donate="all-except-first")
+    ref_update = jax.jit(lambda *a: update(ref_opt, *a))
     sharded = eqx.filter(make_model(mesh, layout), eqx.is_array)
     state, ref_state = opt.init(sharded), ref_opt.init(params)
     for grads in grad_list:
         grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding, may_alias=False),
                              grads, sharded)
-        sharded, state = update(grads, state, sharded)
+        sharded, state = sharded_update(grads, state, sharded)
         params, ref_state = ref_update(grads, ref_state, params)
     check_placement(make_model(mesh, layout), state, mesh)
     assert_tree_equal((sharded, state.inner_state), (params, ref_state))
@@ -182,13 +174,10 @@ def test_uncommitted_batch_with_sharded_model(axis_type: AxisType) -> None:
     opt = eqx_offload.offloaded(optax.adamw(1e-2))
     replicated = NamedSharding(mesh, P())
     out_sharding = replicated if axis_type == AxisType.Explicit else None
-    step = make_step(opt, eqx_offload.filter_jit(donate="all-except-first"), out_sharding)
-    model = make_model(mesh, "data+model")
-    state = opt.init(eqx.filter(model, eqx.is_array))
     (x, y), (x2, y2) = batches()[:2]
     assert not x.committed
-    model, state, _ = step(model, state, x, y)
-    model, state, _ = step(model, state, np.asarray(x2), np.asarray(y2))
+    model, state, _ = train(make_model(mesh, "data+model"), opt, eqx_offload.filter_jit(
+        donate="all-except-first"), [(x, y), (np.asarray(x2), np.asarray(y2))], out_sharding)
     check_placement(model, state, mesh)
     data = [jax.device_put(pair, replicated) for pair in ((x, y), (x2, y2))]
     ref_model, _, _ = train(make_model(mesh, "data+model"), optax.adamw(1e-2), eqx.filter_jit,
@@ -288,27 +277,23 @@ def _expected_shards(x: jax.Array, values: np.ndarray) -> None:
         assert np.array_equal(np.asarray(shard.data), values[shard.index]), shard.device
 
 
-MESHES = {
-    "x": ((4,), ("x",), P("x")),
-    "x_y": ((2, 2), ("x", "y"), P("x", "y")),
-    "cols": ((2, 2), ("x", "y"), P(None, "y")),
-}
+MESHES = {"x": ((4,), ("x",), P("x")), "x_y": ((2, 2), ("x", "y"), P("x", "y")),
+          "cols": ((2, 2), ("x", "y"), P(None, "y"))}
 
 
-def _mesh(name: str) -> tuple[jax.sharding.Mesh, P]:
+def _mesh(name: str) -> tuple[jax.sharding.Mesh, P, np.ndarray]:
+    """The mesh on devices 4-7 (not the default device), its spec, and fresh (8, 12) values."""
     shape, names, spec = MESHES[name]
-    devices = np.asarray(jax.devices()[4:8]).reshape(shape)  # not the default device
-    return jax.sharding.Mesh(devices, names), spec
-
-
-def _values() -> np.ndarray:
-    return (np.arange(8 * 12, dtype=np.float32).reshape(8, 12) - 40.0) / 3.0
+    devices = np.asarray(jax.devices()[4:8]).reshape(shape)
+    values = (np.arange(8 * 12, dtype=np.float32).reshape(8, 12) - 40.0) / 3.0
+    return jax.sharding.Mesh(devices, names), spec, values
 
 
 @pytest.mark.parametrize("layout", sorted(MESHES))
-def test_to_host_and_back_keep_every_shard(layout: str) -> None:
-    mesh, spec = _mesh(layout)
-    values = _values()
+def test_moves_keep_every_shard(layout: str) -> None:
+    """`to_host` and back; `filter_shard` of a state made on one device onto the mesh (not
+    replicated) and back onto one device."""
+    mesh, spec, values = _mesh(layout)
     tree = {"a": jax.device_put(values, NamedSharding(mesh, spec)), "n": 3}
     host = eqx_offload.to_host(tree)
     assert host["a"].sharding.memory_kind == "pinned_host" and host["a"].sharding.spec == spec
@@ -316,15 +301,6 @@ def test_to_host_and_back_keep_every_shard(layout: str) -> None:
     back = eqx_offload.to_device(host)
     assert back["a"].sharding.memory_kind == "device"
     _expected_shards(back["a"], values)
-
-
-@pytest.mark.parametrize("layout", sorted(MESHES))
-def test_filter_shard_keeps_every_shard(layout: str) -> None:
-    # An offloaded state made on one device, resharded (not replicated) onto the mesh.
-    mesh, spec = _mesh(layout)
-    values = _values()
-    opt = eqx_offload.offloaded(optax.sgd(1e-2, momentum=0.9))
-    state = opt.init({"w": jnp.zeros((8, 12))})
     state = eqx_offload.OffloadedState(
         optax.TraceState(trace={"w": eqx_offload.to_host(jnp.asarray(values))}))
     sharded = eqx_offload.filter_shard(state, NamedSharding(mesh, spec))
@@ -332,32 +308,24 @@ def test_filter_shard_keeps_every_shard(layout: str) -> None:
     assert leaf.sharding.memory_kind == "pinned_host" and leaf.sharding.spec == spec
     assert leaf.sharding.device_set == set(mesh.devices.flat)
     _expected_shards(leaf, values)
-    # And back onto one device.
     single = eqx_offload.filter_shard(sharded, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     _expected_shards(single.inner_state.trace["w"], values)
-
-
-def _sharded_run(layout: str) -> tuple[Any, Any, Any]:
-    mesh, spec = _mesh(layout)
-    params = {"w": jax.device_put(jnp.asarray(_values()), NamedSharding(mesh, spec))}
-    opt = eqx_offload.offloaded(optax.adam(1e-2))
-    state = opt.init(params)
-
-    @eqx_offload.filter_jit(donate="all-except-first")
-    def step(params, state):
-        grads = jax.tree.map(lambda p: jnp.sin(p) * 0.5, params)
-        updates, state = opt.update(grads, state, params)
-        return state
-
-    for _ in range(2):
-        state = step(params, state)
-    return opt, params, state
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "eqx"])
 @pytest.mark.parametrize("layout", sorted(MESHES))
 def test_restores_keep_every_shard(layout: str, fmt: str, tmp_path: Path) -> None:
-    opt, params, state = _sharded_run(layout)
+    """Two donated steps on the mesh, saved, restored into `abstract_init`'s targets."""
+    mesh, spec, values = _mesh(layout)
+    params = {"w": jax.device_put(jnp.asarray(values), NamedSharding(mesh, spec))}
+    opt = eqx_offload.offloaded(optax.adam(1e-2))
+
+    @eqx_offload.filter_jit(donate="all-except-first")
+    def step(params, state):
+        updates, state = opt.update(jax.tree.map(lambda p: jnp.sin(p) * 0.5, params), state, params)
+        return state
+
+    state = step(params, step(params, opt.init(params)))
     target = eqx_offload.abstract_init(opt, params)
     if fmt == "orbax":
         checkpointer = ocp.StandardCheckpointer()
