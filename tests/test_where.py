@@ -32,8 +32,7 @@ class Linear(eqx.Module):
 
 
 def _chain_state() -> Any:
-    params = {"layers": [{"weight": jnp.ones((4, 3)), "bias": jnp.zeros(3)}],
-              "scale": jnp.ones(())}
+    params = {"layers": [{"weight": jnp.ones((4, 3)), "bias": jnp.zeros(3)}], "scale": jnp.ones(())}
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)).init(params)
 
 
@@ -71,8 +70,7 @@ MOMENTS = pattern(".*/(mu|nu)/.*")
 ADAM = optax.ScaleByAdamState(count=False, mu=True, nu=min_bytes(48))
 
 SELECTIONS = [
-    ("mixed", True, {"a", "b/0"}),
-    ("mixed", False, set()),
+    ("mixed", True, {"a", "b/0"}), ("mixed", False, set()),
     ("dtypes", _is_float, {"a", "d"}),
     # a prefix: bools, filters, callables at its leaves; a bool over a subtree
     ("nested", {"a": [False, True], "b": min_ndim(1), "c": lambda x: x.size == 1},
@@ -91,19 +89,16 @@ SELECTIONS = [
     ("pair", pattern("first/weight"), {"first/weight"}),
     ("pair", pattern("second/0"), {"second/0"}),
     # the size of the whole array, every dtype; `min_ndim`
-    ("sizes", min_bytes(16), SIXTEEN),
-    ("sizes", min_bytes(17), set()),
+    ("sizes", min_bytes(16), SIXTEEN), ("sizes", min_bytes(17), set()),
     ("sizes", min_bytes(14), SIXTEEN | {"f16x7"}),
     ("sizes", min_bytes(1), set(TREES["sizes"]()) - {"empty"}),
     ("sizes", min_bytes(0), set(TREES["sizes"]())),
     ("ndims", min_ndim(0), {"count", "v", "m"}),
-    ("ndims", min_ndim(1), {"v", "m"}),
-    ("ndims", min_ndim(2), {"m"}),
+    ("ndims", min_ndim(1), {"v", "m"}), ("ndims", min_ndim(2), {"m"}),
     # combinators
     ("chain", MOMENTS & min_ndim(1), LAYERS),
     ("chain", pattern(".*/mu/.*") | pattern(".*count"), MU | {"1/0/count"}),
-    ("chain", ~MOMENTS, {"1/0/count"}),
-    ("chain", ~(MOMENTS | min_ndim(0)), set()),
+    ("chain", ~MOMENTS, {"1/0/count"}), ("chain", ~(MOMENTS | min_ndim(0)), set()),
     ("chain", MOMENTS & ~pattern(".*/nu/.*") & min_bytes(48), {"1/0/mu/layers/0/weight"}),
 ]
 
@@ -216,36 +211,34 @@ def test_not_a_filter(where: Any, path: str) -> None:
             eqx_offload.to_host({"a": jnp.ones(3)}, where=where)
 
 
-MISMATCHES = [
-    ("errors", {"b": True}, "<root>",
-     "dict with keys ['b'] where the tree has dict with keys ['a', 'b']"),
-    ("errors", {"a": True, "b": [True]}, "b",
-     "list with 1 children where the tree has list with 2"),
-    ("errors", {"a": True, "b": (True, True)}, "b",
-     "tuple with 2 children where the tree has list"),
-    ("errors", {"a": True, "b": [True, {"x": True}]}, "b/1",
-     "dict with keys ['x'] where the tree has array float32[]"),
-    ("errors", {"a": None, "b": True}, "a", "None where the tree has array float32[3]"),
-    ("errors", [True, True], "<root>", "list with 2 children where the tree has dict"),
+MISMATCHES = [  # the tree, `where`, the path, what `where` has there, what the tree has
+    ("errors", {"b": True}, "<root>", "dict with keys ['b']", "dict with keys ['a', 'b']"),
+    ("errors", {"a": True, "b": [True]}, "b", "list with 1 children", "list with 2"),
+    ("errors", {"a": True, "b": (True, True)}, "b", "tuple with 2 children", "list"),
+    ("errors", {"a": True, "b": [True, {"x": True}]}, "b/1", "dict with keys ['x']",
+     "array float32[]"),
+    ("errors", {"a": None, "b": True}, "a", "None", "array float32[3]"),
+    ("errors", [True, True], "<root>", "list with 2 children", "dict"),
     # a plain tuple where an optax state has a ScaleByAdamState; the params dict in mu
-    ("chain", (True, ((False, True, True), True)), "1/0",
-     "tuple with 3 children where the tree has ScaleByAdamState"),
+    ("chain", (True, ((False, True, True), True)), "1/0", "tuple with 3 children",
+     "ScaleByAdamState"),
     ("chain", (True, (optax.ScaleByAdamState(count=False, mu={"layers": True}, nu=True), True)),
-     "1/0/mu", "dict with keys ['layers'] where the tree has dict with keys ['layers', 'scale']"),
+     "1/0/mu", "dict with keys ['layers']", "dict with keys ['layers', 'scale']"),
     # a module's static fields count
-    ("linear", Linear(True, False), "<root>",
-     "Linear with 2 children and static fields {'name': 'linear'} where the tree has "
-     "Linear with 2 children and static fields {'name': 'enc'}"),
-    ("linear", {"weight": True, "bias": True}, "<root>",
-     "dict with keys ['bias', 'weight'] where the tree has Linear"),
+    ("linear", Linear(True, False), "<root>", "Linear with 2 children and static fields "
+     "{'name': 'linear'}", "Linear with 2 children and static fields {'name': 'enc'}"),
+    ("linear", {"weight": True, "bias": True}, "<root>", "dict with keys ['bias', 'weight']",
+     "Linear"),
 ]
 
 
-@pytest.mark.parametrize("tree, where, path, what", MISMATCHES)
-def test_prefix_mismatch_names_the_path(tree: str, where: Any, path: str, what: str) -> None:
+@pytest.mark.parametrize("tree, where, path, what, has", MISMATCHES)
+def test_prefix_mismatch_names_the_path(tree: str, where: Any, path: str, what: str,
+                                        has: str) -> None:
     """Both ways, eagerly and under jit; a `WhereError` is a `ValueError`."""
     tree = TREES[tree]()
-    expected = rf"not a prefix of the tree: at path {re.escape(path)} it has {re.escape(what)}"
+    expected = (rf"not a prefix of the tree: at path {re.escape(path)} it has {re.escape(what)}"
+                rf" where the tree has {re.escape(has)}")
     with pytest.raises(ValueError, match=expected) as info:
         eqx_offload.to_host(tree, where=where)
     assert isinstance(info.value, WhereError)
