@@ -42,8 +42,7 @@ def grads_step(offload_input: bool = False) -> Any:
 @pytest.mark.parametrize("where, offload_input, moved", [
     (True, False, 2 * WEIGHT_BYTES), (False, True, L * B * D * 4)], ids=["params", "inputs"])
 def test_offload_frees_what_it_moves(where: bool, offload_input: bool, moved: int) -> None:
-    """Weights and their gradients, or every layer's input (for the backward pass), in host
-    memory: at least 80% of their bytes leave the device's peak."""
+    """Weights and gradients, or every layer's input, in host memory: 80% leave the peak."""
     x = jnp.ones((B, D))
     kept = eqx_offload.gpu_plan(grads_step(), layers(), x)
     offloaded = eqx_offload.gpu_plan(grads_step(offload_input),
@@ -123,8 +122,7 @@ def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
 
 
 def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None:
-    """Layer `i + 1`'s fetch spans layer `i`'s kernels (more than a fetch at the top of its
-    own iteration), at the cost of one layer of weights on the device."""
+    """Layer `i + 1`'s fetch spans layer `i`'s kernels, for one layer of weights on the device."""
     n, d, b = 4, 256, 128
 
     def step_for(prefetch: bool) -> Any:
@@ -153,8 +151,7 @@ def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None
 
 
 def test_master_weights_of_host_layers_stream_a_layer_at_a_time() -> None:
-    """Host bf16 blocks with host fp32 master weights and AdamW state, the update streamed
-    a layer at a time: the device never holds a whole stacked leaf."""
+    """Host blocks, master weights and AdamW state, streamed: no whole stacked leaf on device."""
     n, d, b = 16, 512, 64
     mw = eqx_offload.master_weights(eqx_offload.with_host_params(optax.adamw(1e-3)),
                                     offload=STREAMED)

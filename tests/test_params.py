@@ -30,8 +30,8 @@ def _fetches(jaxpr: Any) -> int:
                for e in walk_eqns(jaxpr))
 
 
-def test_host_weights_bitwise_and_memory_kinds() -> None:
-    """Weights and gradients of the wrapped layer in host memory, bitwise."""
+def test_host_weights_bitwise_memory_kinds_and_fetches() -> None:
+    """Weights and gradients of the wrapped layer in host memory, bitwise, fetched when needed."""
     model = make_mlp()
     x = jax.random.normal(jax.random.key(4), (8, D))
     wrapped = eqx.tree_at(lambda m: m.layers[1], model, replace_fn=eqx_offload.host_weights)
@@ -45,10 +45,7 @@ def test_host_weights_bitwise_and_memory_kinds() -> None:
         "layers/0/weight": "device", "layers/0/bias": "device",
         "layers/1/module/weight": "pinned_host", "layers/1/module/bias": "pinned_host",
         "layers/2/weight": "device", "layers/2/bias": "device"}
-
-
-def test_host_weights_where_selects_and_backward_fetches_again() -> None:
-    """The backward pass fetches the weight again only when it needs it."""
+    # `where` selects; the backward pass fetches the weight again only when it needs it
     wrapped = eqx_offload.host_weights(eqx.nn.Linear(D, D, key=jax.random.key(5)),
                                        where=eqx_offload.pattern("weight"))
     assert memory_kinds(wrapped) == {"module/weight": "pinned_host", "module/bias": "device"}

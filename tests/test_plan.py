@@ -1,6 +1,5 @@
-"""`gpu_plan`: XLA's plan for an H100/H200, compiled on the CPU without a GPU (the `plan`
-extra), and the properties the default `offloaded` step must have in it, on an MLP where the
-state dominates the step's memory and one where the activations do."""
+"""`gpu_plan` (XLA's plan for an H100/H200, compiled without a GPU) and what the `offloaded`
+step must be in it, on MLPs where the state or the activations dominate the step's memory."""
 
 import collections
 import importlib.util
@@ -73,8 +72,7 @@ def test_never_more_than_plain(mode, workload):
 
 
 def test_whole_state_mode_brings_each_leaf_for_its_update():
-    """`group_bytes=None`, under XLA's older latency estimator: no state at the peak, no
-    copy under compute."""
+    """`group_bytes=None` (XLA's older latency estimator): no state at the peak, no overlap."""
     plain, whole = plan("plain", STATE_HEAVY), plan("whole", STATE_HEAVY)
     assert whole.compiler_options == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
     assert whole.device_peak_bytes < plain.device_peak_bytes - 0.5 * state_bytes(STATE_HEAVY)
@@ -91,8 +89,7 @@ def test_fits_where_plain_does_not():
 
 
 def test_copies_are_read_from_the_schedule():
-    """Every state leaf crosses once each way (the plan keeps `pinned_host`); streamed,
-    more copies to the device overlap compute than with the whole state at once."""
+    """Each state leaf crosses once each way; streamed, more copies overlap than whole."""
     default, whole = plan("default", STATE_HEAVY), plan("whole", STATE_HEAVY)
     n_leaves = 2 * 2 * (STATE_HEAVY.depth + 1)  # mu and nu of every weight and bias
     assert len(default.copies_to("to_device")) == n_leaves
@@ -137,8 +134,7 @@ def test_the_same_step_is_compiled_once(monkeypatch):
 
 
 def test_plain_function_and_host_pool(monkeypatch):
-    """Any function is planned as `filter_jit(fun)`; host bytes meet the pinned pool's cap
-    (whole GiB, as XLA reads it) and the summary names the cap the run needs."""
+    """Any function is planned; host bytes meet the pinned pool's cap (whole GiB), or say it."""
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
     state = eqx_offload.to_host({"w": jnp.ones((256, 256))})
 
@@ -155,8 +151,7 @@ def test_plain_function_and_host_pool(monkeypatch):
 
 
 def test_targets_errors_and_the_memory_jax_allocates(monkeypatch):
-    """`fits` judges the share of the GPU JAX allocates (0.75 or `XLA_CLIENT_MEM_FRACTION`),
-    a `device_memory` given whole; the summary and `run_settings` give the fraction needed."""
+    """`fits` judges the share of the GPU JAX allocates (or a `device_memory`), and says the fix."""
     assert eqx_offload.GPU_TARGETS["h100"].device_memory_size < eqx_offload.GPU_TARGETS[
         "h200"].device_memory_size
     step, args = _step(optax.sgd(1e-3), Workload(8, 1, 2))
@@ -209,8 +204,7 @@ def test_stacked_layers_stream_by_layer():
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_default_copies_overlap_compute(workload):
-    """90% of the copies and every copy to the device have a kernel under them, with
-    `filter_jit`'s async-compute limit (XLA's default, 2, overlaps far less)."""
+    """90% of copies, all to the device, overlap compute (with `filter_jit`'s async limit)."""
     default = plan("default", WORKLOADS[workload])
     assert default.compiler_options["xla_gpu_experimental_parallel_async_compute_limit"] == 32
     assert default.overlapped_fraction() >= 0.9, default.summary()

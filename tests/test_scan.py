@@ -155,8 +155,12 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
         grad(make_layers(), jax.checkpoint_policies.save_only_these_names("act")))
 
 
-def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
-    """The prefetch refuses an ensemble, naming the fix; without it, bitwise."""
+def test_scan_layers_refuses_bad_options_and_prefetching_an_ensemble() -> None:
+    """Non-bool options, and the prefetch of an ensemble (naming the fix); without it, bitwise."""
+    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
+    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
     ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
 
     def loss(layers: Any, prefetch: bool) -> jax.Array:
@@ -170,13 +174,6 @@ def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
     got = grad(eqx_offload.to_host(ensemble), False)
     assert bits(got) == bits(grad(ensemble, False))
     assert memory_kinds(got) == {"weight": "pinned_host", "bias": "pinned_host"}
-
-
-def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
-    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
-        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
-    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
-        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
 
 
 def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None:

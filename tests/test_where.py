@@ -1,7 +1,8 @@
 """`where` filter specs: every form, the path-aware helpers, the combinators, the errors."""
 
+import collections
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,9 +21,7 @@ from eqx_offload._leaves import path_to_str
 from eqx_offload._where import leaf_mask, structure_divergence
 
 
-class Pair(NamedTuple):
-    first: Any
-    second: Any
+Pair = collections.namedtuple("Pair", "first second")
 
 
 class Linear(eqx.Module):
@@ -118,14 +117,22 @@ def test_selects(tree: str, where: Any, expected: set[str]) -> None:
     assert _on_host(TREES[tree](), where) == expected
 
 
-def test_paths() -> None:
-    """What `pattern` matches: optax states, modules and NamedTuples by field name."""
+def test_paths_and_structure_divergence() -> None:
+    """What `pattern` matches: optax states, modules and NamedTuples by field name; where a
+    prefix first differs from the tree."""
     paths = [path_to_str(p) for p, _ in jtu.tree_flatten_with_path(_chain_state())[0]]
     assert paths == ["1/0/count", *sorted(MU), *sorted(NU)]
     assert list(memory_kinds(TREES["pair"]())) == ["first/weight", "first/bias", "second/0"]
     # A bare array has the empty path.
     assert leaf_mask(jnp.ones(2), pattern("")) == [True]
     assert leaf_mask(jnp.ones(2), pattern(".+")) == [False]
+    tree = {"a": [jnp.ones(1), Pair(jnp.ones(1), None)]}
+    is_true = lambda x: x is True  # noqa: E731
+    assert structure_divergence({"a": [True, Pair(True, None)]}, tree, is_true) is None
+    assert structure_divergence({"a": True}, tree, is_true) is None
+    assert structure_divergence(tree, tree) is None
+    assert structure_divergence({"a": [True, (True, None)]}, tree, is_true) == (
+        "a/1", "tuple with 2 children where the tree has Pair with 2 children")
 
 
 def test_masks() -> None:
@@ -150,19 +157,14 @@ def test_masks() -> None:
         eqx_offload.to_host({"a": jnp.ones(1)}, where=broken)
 
 
-def test_specs_built_from_the_tree() -> None:
-    """A full spec built with `jax.tree.map` or `eqx.tree_at`, as with Equinox."""
+def test_specs_built_from_the_tree_and_pattern_fragments() -> None:
+    """Specs built with `jax.tree.map` or `eqx.tree_at`; a path's fragment selects none, warned."""
     state = _chain_state()
     assert _on_host(state, jax.tree.map(lambda x: x.ndim >= 1, state)) == _on_host(
         state, min_ndim(1))
     model = TREES["model"]()
     spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
     assert _on_host(model, spec) == {"head/weight"}
-
-
-def test_pattern_warns_on_a_fragment() -> None:
-    """A fragment of a path selects nothing (a full match), and `to_host` warns so."""
-    state = _chain_state()
     for fragment in ("mu", "mu/layers/0/weight"):
         with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
             assert _on_host(state, pattern(fragment)) == set()
@@ -244,13 +246,3 @@ def test_prefix_mismatch_names_the_path(tree: str, where: Any, path: str, what: 
     assert isinstance(info.value, WhereError)
     with pytest.raises(WhereError, match=expected):
         eqx.filter_jit(lambda t: eqx_offload.to_device(t, where=where))(tree)
-
-
-def test_structure_divergence() -> None:
-    tree = {"a": [jnp.ones(1), Pair(jnp.ones(1), None)]}
-    is_true = lambda x: x is True  # noqa: E731
-    assert structure_divergence({"a": [True, Pair(True, None)]}, tree, is_true) is None
-    assert structure_divergence({"a": True}, tree, is_true) is None
-    assert structure_divergence(tree, tree) is None
-    assert structure_divergence({"a": [True, (True, None)]}, tree, is_true) == (
-        "a/1", "tuple with 2 children where the tree has Pair with 2 children")
