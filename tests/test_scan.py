@@ -55,11 +55,6 @@ def _scans(jaxpr: Any) -> list[Any]:
     return [e for e in walk_eqns(jaxpr) if e.primitive.name == "scan"]
 
 
-def _fetches(jaxpr: Any) -> list[Any]:
-    return [e for e in walk_eqns(jaxpr)
-            if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
-
-
 def _carries_a_device_layer(scan: Any) -> bool:
     """Whether a scan's body takes and returns one layer's weight in device memory."""
     body = scan.params["jaxpr"].jaxpr
@@ -97,7 +92,8 @@ def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
     for scan in (forward, backward):
         weights_in = [v.aval for v in scan.invars if v.aval.shape == (L, D, D)]
         assert weights_in and all(a.memory_space == HOST for a in weights_in)
-        fetched = [v.aval.shape for e in _fetches(scan.params["jaxpr"]) for v in e.outvars]
+        fetched = [v.aval.shape for e in walk_eqns(scan.params["jaxpr"]) for v in e.outvars
+                   if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
         assert (1, D, D) in fetched
         assert _carries_a_device_layer(scan)
     assert all(v.aval.memory_space == HOST for v in forward.outvars if v.aval.shape == (L, D, D))

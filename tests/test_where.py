@@ -135,8 +135,9 @@ def test_paths_and_structure_divergence() -> None:
         "a/1", "tuple with 2 children where the tree has Pair with 2 children")
 
 
-def test_masks() -> None:
-    """Only arrays are shown to callables and selected; any truthy result counts."""
+def test_masks_and_filter_values() -> None:
+    """Only arrays are shown to callables and selected; any truthy result counts. Filters are
+    hashable values that compose with callables into `Filter`s."""
     mixed, dtypes = TREES["mixed"](), TREES["dtypes"]()
     assert leaf_mask(mixed, True) == [True, True, False, False]
     assert leaf_mask(mixed, False) == [False] * 4
@@ -155,23 +156,6 @@ def test_masks() -> None:
 
     with pytest.raises(RuntimeError, match="boom"):  # a callable's error propagates
         eqx_offload.to_host({"a": jnp.ones(1)}, where=broken)
-
-
-def test_specs_built_from_the_tree_and_pattern_fragments() -> None:
-    """Specs built with `jax.tree.map` or `eqx.tree_at`; a path's fragment selects none, warned."""
-    state = _chain_state()
-    assert _on_host(state, jax.tree.map(lambda x: x.ndim >= 1, state)) == _on_host(
-        state, min_ndim(1))
-    model = TREES["model"]()
-    spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
-    assert _on_host(model, spec) == {"head/weight"}
-    for fragment in ("mu", "mu/layers/0/weight"):
-        with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
-            assert _on_host(state, pattern(fragment)) == set()
-
-
-def test_filter_values() -> None:
-    """Filters are hashable values that compose with callables into `Filter`s."""
     assert pattern("a") == pattern("a") and hash(pattern("a")) == hash(pattern("a"))
     assert min_bytes(4) != min_bytes(5)
     assert len({min_ndim(1) & pattern("x"), min_ndim(1) & pattern("x")}) == 1
@@ -191,6 +175,19 @@ def test_filter_values() -> None:
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data", None)))  # 128 bytes
     assert leaf_mask(x, min_bytes(128)) == [True] and leaf_mask(x, min_bytes(129)) == [False]
+
+
+def test_specs_built_from_the_tree_and_pattern_fragments() -> None:
+    """Specs built with `jax.tree.map` or `eqx.tree_at`; a path's fragment selects none, warned."""
+    state = _chain_state()
+    assert _on_host(state, jax.tree.map(lambda x: x.ndim >= 1, state)) == _on_host(
+        state, min_ndim(1))
+    model = TREES["model"]()
+    spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
+    assert _on_host(model, spec) == {"head/weight"}
+    for fragment in ("mu", "mu/layers/0/weight"):
+        with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
+            assert _on_host(state, pattern(fragment)) == set()
 
 
 @pytest.mark.parametrize("where, path", [
