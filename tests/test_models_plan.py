@@ -1,6 +1,5 @@
-"""What parameter and activation offload free in XLA's GPU plan (`eqx_offload.gpu_plan`,
-an H200 compiled without a GPU): a plan, not a measurement; the CPU backend moves
-nothing, so this is where the techniques show."""
+"""What parameter and activation offload free in XLA's GPU plan of an H200 (`gpu_plan`):
+the CPU backend moves nothing, so this is where the techniques show."""
 
 import functools
 from typing import Any
@@ -9,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import eqx_offload
 from helpers import gpu_plan_marks
@@ -18,8 +18,7 @@ pytestmark = gpu_plan_marks()
 
 L, D, B = 8, 512, 256
 WEIGHT_BYTES = L * (D * D + D) * 4
-
-
+STREAMED = functools.partial(eqx_offload.offloaded, group_bytes=0)
 
 
 def layers() -> Any:
@@ -40,30 +39,21 @@ def grads_step(offload_input: bool = False) -> Any:
     return step
 
 
-def test_parameter_offload_frees_what_it_moves() -> None:
+@pytest.mark.parametrize("where, offload_input, moved", [
+    (True, False, 2 * WEIGHT_BYTES), (False, True, L * B * D * 4)], ids=["params", "inputs"])
+def test_offload_frees_what_it_moves(where: bool, offload_input: bool, moved: int) -> None:
+    """Weights and gradients, or every layer's input, in host memory: 80% leave the peak."""
     x = jnp.ones((B, D))
-    on_device = eqx_offload.gpu_plan(grads_step(), layers(), x)
-    on_host = eqx_offload.gpu_plan(grads_step(), eqx_offload.to_host(layers()), x)
-    # the weights and their gradients are in host memory ...
-    assert on_host.host_bytes >= 2 * WEIGHT_BYTES
-    # ... and at least 80% of those bytes leave the device's peak
-    freed = on_device.device_peak_bytes - on_host.device_peak_bytes
-    assert freed >= 0.8 * 2 * WEIGHT_BYTES, (freed, on_device.summary(), on_host.summary())
-    # (XLA fetches each layer's slice with an asynchronous dynamic-slice from host
-    # memory inside the loop; test_prefetched_weight_fetches_... counts those.)
-
-
-def test_activation_offload_frees_what_it_moves() -> None:
-    x = jnp.ones((B, D))
-    kept = eqx_offload.gpu_plan(grads_step(False), layers(), x)
-    offloaded = eqx_offload.gpu_plan(grads_step(True), layers(), x)
-    inputs = L * B * D * 4  # every layer's input, for the backward pass
-    assert offloaded.host_bytes >= inputs > kept.host_bytes
+    kept = eqx_offload.gpu_plan(grads_step(), layers(), x)
+    offloaded = eqx_offload.gpu_plan(grads_step(offload_input),
+                                     eqx_offload.to_host(layers(), where=where), x)
+    assert offloaded.host_bytes >= moved > kept.host_bytes
     freed = kept.device_peak_bytes - offloaded.device_peak_bytes
-    assert freed >= 0.8 * inputs, (freed, kept.summary(), offloaded.summary())
+    assert freed >= 0.8 * moved, (freed, kept.summary(), offloaded.summary())
 
 
 def test_master_weights_keep_fp32_off_the_device() -> None:
+    """Streamed, the fp32 master weights and both moments wait in host memory."""
     model = eqx.nn.MLP(D, D, D, 4, key=jax.random.key(1))
     x = jnp.ones((B, D))
 
@@ -75,23 +65,17 @@ def test_master_weights_keep_fp32_off_the_device() -> None:
     opt = optax.adamw(1e-3)
     plain = eqx_offload.gpu_plan(eqx_offload.filter_jit(plain_step, donate="all"), model,
                                  opt.init(eqx.filter(model, eqx.is_array)))
-    # Streamed: with the default `offloaded`, the whole fp32 master and state come to
-    # the device at the update, and the peak barely moves (22.9 vs 23.1 MB here).
-    mw = eqx_offload.master_weights(
-        opt, offload=functools.partial(eqx_offload.offloaded, group_bytes=0))
+    mw = eqx_offload.master_weights(opt, offload=STREAMED)
     compute, state = mw.init(model)
     xb = x.astype(jnp.bfloat16)
 
     def mixed_step(model: Any, state: Any) -> Any:
-        grads = eqx.filter_grad(
-            lambda m: jnp.sum(jax.vmap(m)(xb).astype(jnp.float32) ** 2))(model)
+        grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(xb).astype(jnp.float32) ** 2))(model)
         return mw.update(grads, state, model)
 
     mixed = eqx_offload.gpu_plan(eqx_offload.filter_jit(mixed_step, donate="all"), compute, state)
     fp32 = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    # master weights and both moments wait in host memory
     assert mixed.host_bytes >= 3 * fp32
-    # on the device: at most what the plain step holds less the fp32 master and moments
     assert mixed.device_peak_bytes <= plain.device_peak_bytes - 2 * fp32, (
         plain.summary(), mixed.summary())
 
@@ -111,14 +95,8 @@ def mlp_blocks(n: int, d: int) -> Any:
 
 
 def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
-    """A whole AdamW step (`with_host_params`, its state on the device, `apply_updates`)
-    of stacked blocks run by `scan_layers` with their weights in host memory, against
-    the same rematted step on the device: at least 80% of the bytes moved to host
-    memory leave the device's peak, at least 90% of the layer fetches have kernels
-    under them, and the update fetches each weight (and its gradient) once. The
-    smallest stack that shows it: before each weight waited for its gradient
-    (`_params._after_gradients`), XLA's scheduler started the update's copy of one
-    stacked weight before the forward pass, and this step freed 75%."""
+    """An AdamW step of host blocks (`with_host_params`) against the same on the device: 80%
+    of the host bytes leave the peak, 90% of fetches overlap, one update fetch per leaf."""
     n, d, b = 8, 256, 4096
     opt = eqx_offload.with_host_params(optax.adamw(1e-3))
 
@@ -144,12 +122,7 @@ def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
 
 
 def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None:
-    """`scan_layers` fetches layer `i + 1`'s weights while layer `i` computes (and layer
-    `i - 1`'s in the backward pass). With room in XLA's scheduler for a layer's fetches
-    at once (`xla_gpu_experimental_parallel_async_compute_limit`), every fetch in the
-    plan has kernels between its start and its end, most of them the layer's, at the
-    cost of one layer of weights on the device; fetched at the top of their own
-    iteration they span only what runs before the layer first uses them."""
+    """Layer `i + 1`'s fetch spans layer `i`'s kernels, for one layer of weights on the device."""
     n, d, b = 4, 256, 128
 
     def step_for(prefetch: bool) -> Any:
@@ -165,13 +138,10 @@ def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None
     on_host = eqx_offload.to_host(mlp_blocks(n, d))
     prefetched = eqx_offload.gpu_plan(step_for(True), on_host, x, compiler_options=options)
     fetched = eqx_offload.gpu_plan(step_for(False), on_host, x, compiler_options=options)
-    # every to-device copy of these steps is a fetch of one layer's weights
     fetches = prefetched.copies_to("to_device")
     assert len(fetches) >= 4 * 2  # 4 leaves, both passes
     assert prefetched.overlapped_fraction("to_device") >= 0.9, fetches
-    # ... and the layer's kernels run under it: the median prefetched fetch spans at
-    # least as many kernels as any fetched at the top of its own iteration (which has
-    # only what precedes the layer's first use of its weights)
+    # the median prefetched fetch spans more kernels than any fetched at the top
     under = sorted(c.kernels for c in fetches)
     at_top = max(c.kernels for c in fetched.copies_to("to_device"))
     assert under[len(under) // 2] > at_top, (under, fetched.copies)
@@ -181,18 +151,10 @@ def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None
 
 
 def test_master_weights_of_host_layers_stream_a_layer_at_a_time() -> None:
-    """bf16 stacked blocks in host memory (`scan_layers`), their fp32 master weights and
-    AdamW state in host memory too (`master_weights(with_host_params(adamw))`, the
-    update streamed): the update brings each layer's rows of master weights, moments
-    and gradients to the device and sends that layer's new bf16 weights straight back
-    into host memory, so the device never holds a whole stacked leaf. (Before, the
-    fetch of the master weights inside `with_host_params` kept each stacked unit whole,
-    and the new bf16 weights were concatenated on the device: in the plan of a 2B
-    Llama-style step, 19.7 GiB at the peak instead of 3.9.)"""
+    """Host blocks, master weights and AdamW state, streamed: no whole stacked leaf on device."""
     n, d, b = 16, 512, 64
-    mw = eqx_offload.master_weights(
-        eqx_offload.with_host_params(optax.adamw(1e-3)),
-        offload=functools.partial(eqx_offload.offloaded, group_bytes=0))
+    mw = eqx_offload.master_weights(eqx_offload.with_host_params(optax.adamw(1e-3)),
+                                    offload=STREAMED)
     model, state = mw.init(eqx_offload.to_host(mlp_blocks(n, d)))
     assert model.up.weight.dtype == jnp.bfloat16
     assert model.up.weight.sharding.memory_kind == "pinned_host"

@@ -1,9 +1,10 @@
 """`to_host` / `to_device`: round trips, memory kinds, sharding, identity, one `device_put`."""
 
+import collections
 import contextlib
 import inspect
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -26,26 +27,19 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32,
                                      jnp.bool_, jnp.complex64))
 SHAPES = ((), (0,), (3,), (2, 0), (2, 3))
-# Drawing puts arrays on devices (slow for Hypothesis on a busy machine); under jit each
-# example compiles, so a failure is reported as found, not shrunk.
+# Drawing puts arrays on devices (slow); under jit each example compiles: failures not shrunk.
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 JIT_SETTINGS = settings(SETTINGS, max_examples=25,
                         phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
-class Pair(NamedTuple):
-    first: Any
-    second: Any
+Pair = collections.namedtuple("Pair", "first second")
 
 
 class Box(eqx.Module):
     x: Any
     y: Any
     tag: str = eqx.field(static=True, default="box")
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _kind(x: Any) -> str:
@@ -67,9 +61,8 @@ def array_leaves(draw: Any) -> Any:
 
 
 def _containers(children: Any) -> Any:
-    kids = st.lists(children, max_size=4)
-    return st.one_of(kids, kids.map(tuple), st.dictionaries(st.sampled_from("abcd"), children,
-                                                            max_size=4),
+    kids, keys = st.lists(children, max_size=4), st.sampled_from("abcd")
+    return st.one_of(kids, kids.map(tuple), st.dictionaries(keys, children, max_size=4),
                      st.builds(Pair, children, children),
                      st.builds(Box, children, children, st.sampled_from(["box", "other"])))
 
@@ -101,7 +94,7 @@ def spec_for(draw: Any, node: Any) -> tuple[Any, Any]:
     kids, treedef = jtu.tree_flatten(node, is_leaf=lambda x: x is not node)
     if treedef == jtu.tree_structure(0) or draw(st.integers(0, 3)) == 0:
         spec, selects = draw(st.sampled_from(SPEC_LEAVES))
-        return spec, jtu.tree_map(lambda x: _is_array(x) and bool(selects(x)), node)
+        return spec, jtu.tree_map(lambda x: eqx.is_array(x) and bool(selects(x)), node)
     pairs = [draw(spec_for(kid)) for kid in kids]
     return treedef.unflatten([s for s, _ in pairs]), treedef.unflatten([e for _, e in pairs])
 
@@ -116,24 +109,23 @@ def cases(draw: Any) -> tuple[Any, Any, list[bool]]:
 def _nothing_to_move(tree: Any) -> Any:
     """`to_host([1, 2])` (leaves, none an array) warns; nothing else does."""
     leaves = jtu.tree_leaves(tree)
-    if leaves and not any(map(_is_array, leaves)):
+    if leaves and not any(map(eqx.is_array, leaves)):
         return pytest.warns(eqx_offload.OffloadWarning, match="nothing moved")
     return contextlib.nullcontext()
 
 
 def _check_moved(tree: Any, out: Any, selected: list[bool], kind: str, *, eager: bool) -> None:
-    """Selected leaves in `kind`, bitwise; others the same objects, or via jit unmoved."""
+    """Selected leaves bitwise in `kind`; eagerly others (or already there) the same objects."""
     assert jtu.tree_structure(tree) == jtu.tree_structure(out)
     leaves = jtu.tree_leaves(tree)
     assert len(selected) == len(leaves)
     for x, y, sel in zip(leaves, jtu.tree_leaves(out), selected):
-        if sel or not eager:
-            assert_tree_equal(y, x)
+        assert_tree_equal(y, x)
         if sel:
             assert isinstance(y, jax.Array) and y.sharding.memory_kind == kind
-        elif eager:
-            assert y is x
-        elif isinstance(y, jax.Array):
+        if eager and (not sel or isinstance(x, jax.Array) and _kind(x) == kind):
+            assert y is x  # not selected, or already in `kind`
+        elif not sel and isinstance(y, jax.Array):
             assert y.sharding.memory_kind == _kind(x)
 
 
@@ -145,14 +137,11 @@ def test_round_trip_eager(case: Any, kind: str) -> None:
     with _nothing_to_move(tree):
         out = to_host(tree, where=where, memory_kind=kind)
         _check_moved(tree, out, selected, kind, eager=True)
-        for x, y, sel in zip(jtu.tree_leaves(tree), jtu.tree_leaves(out), selected):
-            if sel and _kind(x) == kind and isinstance(x, jax.Array):
-                assert y is x
         back = to_device(out)
         assert_tree_equal(back, tree)
         assert set(memory_kinds(back).values()) <= {"device"}
         assert all(y is x for x, y in zip(jtu.tree_leaves(tree), jtu.tree_leaves(back))
-                   if not _is_array(x))
+                   if not eqx.is_array(x))
         partial = to_device(out, where=where)
         assert_tree_equal(partial, tree)
         for x, y, sel in zip(jtu.tree_leaves(tree), jtu.tree_leaves(partial), selected):
@@ -302,21 +291,6 @@ def test_sharded(kind: str, jit: bool) -> None:
             s.data.unsafe_buffer_pointer() for s in host.addressable_shards]
 
 
-def test_already_on_target_is_not_copied() -> None:
-    """A leaf already in the target memory is returned, not copied."""
-    x = jnp.arange(5.0)
-    host = to_host(x)
-    again = to_host(host)
-    assert again is host and again.unsafe_buffer_pointer() == host.unsafe_buffer_pointer()
-    assert to_device(x) is x
-    unpinned = to_host(x, memory_kind="unpinned_host")
-    assert to_host(unpinned, memory_kind="unpinned_host") is unpinned
-    moved = to_host(host, memory_kind="unpinned_host")  # pinned -> unpinned is a move
-    assert moved.sharding.memory_kind == "unpinned_host" and tree_equal(moved, x)
-    out = to_host({"h": host, "d": x})
-    assert out["h"] is host and out["d"].sharding.memory_kind == "pinned_host"
-
-
 @pytest.fixture
 def device_put_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many arrays each `jax.device_put` call moved."""
@@ -332,7 +306,8 @@ def device_put_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_one_device_put(device_put_calls: list[int]) -> None:
-    """One `device_put` for the selected leaves, eagerly and under jit; none if none."""
+    """One `device_put` for the selected leaves, eagerly and under jit; none if none (a leaf
+    already in the target memory is returned, not copied)."""
     tree = {f"w{i}": jnp.full((2, i + 1), float(i)) for i in range(12)} | {
         "count": jnp.zeros((), jnp.int32), "name": "adam", "none": None}
     host = to_host(tree)
@@ -347,12 +322,22 @@ def test_one_device_put(device_put_calls: list[int]) -> None:
     same = eqx.filter_jit(lambda t: to_host(t))(host)
     assert device_put_calls == [13, 12, 13, 13]
     assert set(memory_kinds(same).values()) == {"pinned_host"}
+    x = jnp.arange(5.0)
+    host = to_host(x)
+    again = to_host(host)
+    assert again is host and again.unsafe_buffer_pointer() == host.unsafe_buffer_pointer()
+    assert to_device(x) is x
+    unpinned = to_host(x, memory_kind="unpinned_host")
+    assert to_host(unpinned, memory_kind="unpinned_host") is unpinned
+    moved = to_host(host, memory_kind="unpinned_host")  # pinned -> unpinned is a move
+    assert moved.sharding.memory_kind == "unpinned_host" and tree_equal(moved, x)
+    out = to_host({"h": host, "d": x})
+    assert out["h"] is host and out["d"].sharding.memory_kind == "pinned_host"
 
 
 @pytest.mark.parametrize("kind", ["gpu", "device", "host", None])
 def test_bad_memory_kind(kind: Any, device_put_calls: list[int]) -> None:
-    """The annotation (the pytest hook wraps the public functions), or without it
-    eqx_offload's check, rejects it before anything moves."""
+    """The annotation (the pytest hook's) or eqx_offload's check rejects it before a move."""
     assert inspect.unwrap(to_host) is not to_host and inspect.unwrap(to_device) is not to_device
     x = jnp.ones(2)
     with pytest.raises(TypeCheckError, match="memory_kind"):

@@ -30,8 +30,8 @@ def _fetches(jaxpr: Any) -> int:
                for e in walk_eqns(jaxpr))
 
 
-def test_host_weights_bitwise_and_memory_kinds() -> None:
-    """Weights and gradients of the wrapped layer in host memory, bitwise."""
+def test_host_weights_bitwise_memory_kinds_and_fetches() -> None:
+    """Weights and gradients of the wrapped layer in host memory, bitwise, fetched when needed."""
     model = make_mlp()
     x = jax.random.normal(jax.random.key(4), (8, D))
     wrapped = eqx.tree_at(lambda m: m.layers[1], model, replace_fn=eqx_offload.host_weights)
@@ -45,10 +45,7 @@ def test_host_weights_bitwise_and_memory_kinds() -> None:
         "layers/0/weight": "device", "layers/0/bias": "device",
         "layers/1/module/weight": "pinned_host", "layers/1/module/bias": "pinned_host",
         "layers/2/weight": "device", "layers/2/bias": "device"}
-
-
-def test_host_weights_where_selects_and_backward_fetches_again() -> None:
-    """The backward pass fetches the weight again only when it needs it."""
+    # `where` selects; the backward pass fetches the weight again only when it needs it
     wrapped = eqx_offload.host_weights(eqx.nn.Linear(D, D, key=jax.random.key(5)),
                                        where=eqx_offload.pattern("weight"))
     assert memory_kinds(wrapped) == {"module/weight": "pinned_host", "module/bias": "device"}
@@ -112,56 +109,43 @@ def test_with_host_params_inside_offloaded_is_bitwise(group_bytes: Any) -> None:
             (want_updates, params, want_state))
 
 
-def test_host_params_step_through_filter_jit_with_donation() -> None:
-    """A whole host model: donated steps, one compile, bitwise."""
-    opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adamw(1e-2)))
-    plain = optax.adamw(1e-2)
-    model, x = make_mlp(), jax.random.normal(jax.random.key(7), (8, D))
+@pytest.mark.parametrize("stack, offload", [(False, True), (True, False), (True, True)],
+                         ids=["mlp-offloaded", "stack", "stack-offloaded"])
+def test_host_params_donated_steps(stack: bool, offload: bool) -> None:
+    """Donated steps of a host model, one compile, bitwise; each host weight of a stack waits
+    for its gradient (a barrier `jax.jit` leaves out) so a GPU fetches it once, for the update."""
+    opt = eqx_offload.with_host_params(optax.adamw(1e-2))
+    opt, plain = eqx_offload.offloaded(opt) if offload else opt, optax.adamw(1e-2)
+    if stack:
+        model = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(
+            jax.random.split(jax.random.key(0), 4))
+        x = jax.random.normal(jax.random.key(3), (D,))
+
+        def loss(layers: Any, x: jax.Array) -> jax.Array:
+            out = eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(layer(h)))
+            return jnp.sum(out ** 2)
+    else:
+        model, x = make_mlp(), jax.random.normal(jax.random.key(7), (8, D))
+        loss = lambda m, x: mlp_loss(eqx_offload.to_device(m), x)  # noqa: E731
     placed = eqx_offload.to_host(model)
     state = opt.init(eqx.filter(placed, eqx.is_array))
     want_state = plain.init(eqx.filter(model, eqx.is_array))
-    host_loss = lambda m, x: mlp_loss(eqx_offload.to_device(m), x)  # noqa: E731
-    step = eqx_offload.filter_jit(_step(opt, eqx_offload.apply_updates, host_loss), donate="all")
-    want_step = eqx.filter_jit(_step(plain, eqx_offload.apply_updates, host_loss))
-    for i in range(3):
-        old = placed
-        with count_compiles("step") as compiles:
-            placed, state = step(placed, state, x)
-        assert len(compiles) == (i == 0) and old.layers[0].weight.is_deleted()
-        model, want_state = want_step(model, want_state, x)
-    assert set(memory_kinds(placed).values()) == {"pinned_host"}
-    assert bits(eqx.filter(placed, eqx.is_array)) == bits(eqx.filter(model, eqx.is_array))
-
-
-@pytest.mark.parametrize("offload", [False, True])
-def test_host_params_of_a_layer_stack_wait_for_their_gradients(offload: bool) -> None:
-    """Bitwise donated steps; each host weight waits for its gradient (a barrier `jax.jit`
-    leaves out) so a GPU fetches it once, after the backward pass, for the update."""
-    opt = eqx_offload.with_host_params(optax.adamw(1e-2))
-    opt = eqx_offload.offloaded(opt) if offload else opt
-    plain = optax.adamw(1e-2)
-    keys = jax.random.split(jax.random.key(0), 4)
-    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)
-
-    def loss(layers: Any, x: jax.Array) -> jax.Array:
-        return jnp.sum(eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(layer(h))) ** 2)
-
-    placed = eqx_offload.to_host(layers)
-    state, want_state = opt.init(placed), plain.init(layers)
-    x = jax.random.normal(jax.random.key(3), (D,))
     step = eqx_offload.filter_jit(_step(opt, eqx_offload.apply_updates, loss), donate="all")
-    want_step = jax.jit(_step(plain, eqx_offload.apply_updates, loss))
-    barriers = step.lower(placed, state, x).as_text().count("stablehlo.optimization_barrier")
-    assert barriers == 2  # weight, bias
-    if not offload:
+    jit = jax.jit if stack else eqx.filter_jit
+    want_step = jit(_step(plain, eqx_offload.apply_updates, loss))
+    if stack:
+        barriers = step.lower(placed, state, x).as_text().count("stablehlo.optimization_barrier")
+        assert barriers == 2  # weight, bias
+    if stack and not offload:
         traced = jax.jit(_step(opt, eqx_offload.apply_updates, loss)).trace(placed, state, x)
         assert "optimization_barrier" not in traced.lower().as_text()
-    for i in range(2):
+    for i in range(2 if stack else 3):
         old = placed
         with count_compiles("step") as compiles:
             placed, state = step(placed, state, x)
-        assert len(compiles) == (i == 0) and old.weight.is_deleted()
-        layers, want_state = want_step(layers, want_state, x)
+        assert len(compiles) == (i == 0)
+        assert (old.weight if stack else old.layers[0].weight).is_deleted()
+        model, want_state = want_step(model, want_state, x)
     assert set(memory_kinds(placed).values()) == {"pinned_host"}
-    assert_tree_equal(placed, eqx_offload.to_host(layers))
+    assert_tree_equal(placed, eqx_offload.to_host(model))
     assert_tree_equal(state.inner_state if offload else state, want_state)

@@ -12,6 +12,7 @@ from helpers import hex_bits as bits, unchecked, walk_eqns
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 
 import eqx_offload
+from eqx_offload import offload_names, offload_regex
 
 
 class Block(eqx.Module):
@@ -44,22 +45,20 @@ BLOCK = Block(jax.random.key(0))
 X = jax.random.normal(jax.random.key(1), (4, 8))
 
 
-@pytest.mark.parametrize("names, save, offloaded", [
-    # The backward pass needs tanh's output (its derivative is 1 - a**2): offloaded.
-    (("block/act",), (), [(4, 32)]),
-    # Offloading its input instead: the backward recomputes tanh from it. `down`'s
-    # output is needed by nothing in the backward pass, so it is not kept at all.
-    (("block/up", "block/down"), (), [(4, 32)]),
-    # tanh's output kept on the device, its input in host memory: JAX keeps every
-    # chosen value that the backward pass's recomputation reads.
-    (("block/up",), ("block/act",), [(4, 32)]),
-    (("block/down",), ("block/act",), []),
+# The backward pass needs tanh's output (1 - a**2), or recomputes it from its input; it needs
+# `down`'s output not at all; it reads every chosen value, kept on the device or in host memory.
+@pytest.mark.parametrize("policy, saved, offloaded", [
+    (offload_names("block/act"), ("block/act",), [(4, 32)]),
+    (offload_names("block/up", "block/down"), ("block/up", "block/down"), [(4, 32)]),
+    (offload_names("block/up", save=("block/act",)), ("block/up", "block/act"), [(4, 32)]),
+    (offload_names("block/down", save=("block/act",)), ("block/down", "block/act"), []),
+    (offload_regex(r"block/(up|act)", save=r".*/act"), ("block/up", "block/act"), [(4, 32)]),
 ])
-def test_offload_names_bitwise_to_the_same_remat_on_device(names: Any, save: Any,
-                                                           offloaded: Any) -> None:
-    offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names(*names, save=save))
-    keeping = eqx.filter_checkpoint(
-        BLOCK, policy=jax.checkpoint_policies.save_only_these_names(*names, *save))
+def test_policy_bitwise_to_saving_on_device(policy: Any, saved: Any, offloaded: Any) -> None:
+    """Bitwise the remat that saves the same values on the device; `offloaded` in host memory."""
+    offloading = eqx_offload.filter_remat(BLOCK, policy)
+    saving = jax.checkpoint_policies.save_only_these_names(*saved)
+    keeping = eqx.filter_checkpoint(BLOCK, policy=saving)
     assert bits(grads_of(offloading, X)) == bits(grads_of(keeping, X))
     loss = eqx.filter_grad(lambda b: jnp.sum(jax.vmap(b)(X) ** 2))
     assert host_residuals(loss, offloading) == offloaded
@@ -68,30 +67,13 @@ def test_offload_names_bitwise_to_the_same_remat_on_device(names: Any, save: Any
 
 def test_filter_remat_on_a_module_lowered_for_gpu() -> None:
     """Bitwise gradients; for CUDA, to host after the forward, back before use."""
-    offloading = eqx_offload.filter_remat(BLOCK, eqx_offload.offload_names("block/act"))
+    offloading = eqx_offload.filter_remat(BLOCK, offload_names("block/act"))
     assert bits(grads_of(offloading, X)) == bits(grads_of(BLOCK, X))
     loss = eqx.filter_grad(lambda b, x: jnp.sum(jax.vmap(b)(x) ** 2))
     dynamic, static = eqx.partition(offloading, eqx.is_array)
     text = jax.jit(lambda d, x: loss(eqx.combine(d, static), x)).trace(dynamic, X).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.findall(r'_xla_buffer_placement = "(\w+)"', text) == ["pinned_host", "device"]
-
-
-def test_offload_regex_chooses_by_full_match_and_save_wins() -> None:
-    policy = eqx_offload.offload_regex(r"block/(up|act)", save=r".*/act")
-    name_p = next(e.primitive for e in walk_eqns(jax.make_jaxpr(BLOCK)(X[0]))
-                  if e.primitive.name == "name")
-    assert policy(name_p, name="block/up") == Offloadable(src="device", dst="pinned_host")
-    assert policy(name_p, name="block/act") is Saveable
-    assert policy(name_p, name="block/down") is Recompute
-    assert policy(name_p, name="xblock/up") is Recompute  # fullmatch
-    assert policy(jax.lax.tanh_p) is Recompute
-    offloading = eqx_offload.filter_remat(BLOCK, policy)
-    keeping = eqx.filter_checkpoint(
-        BLOCK, policy=jax.checkpoint_policies.save_only_these_names("block/up", "block/act"))
-    assert bits(grads_of(offloading, X)) == bits(grads_of(keeping, X))
-    loss = eqx.filter_grad(lambda b: jnp.sum(jax.vmap(b)(X) ** 2))
-    assert host_residuals(loss, offloading) == [(4, 32)]
 
 
 def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
@@ -105,21 +87,29 @@ def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
     grad = jax.jit(jax.grad(lambda *a: a[-1](*a[:-1]), argnums=(0, 1)), static_argnums=3)
     assert bits(grad(w1, w2, X, offloading)) == bits(grad(w1, w2, X, keeping))
     # both products (x @ w1 and h @ w2) wait in host memory
-    def grads(w1: jax.Array, w2: jax.Array, x: jax.Array) -> Any:
+    def grads(w1: jax.Array, w2: jax.Array, x: jax.Array) -> Any:  # (a function, not a jax.grad)
         return jax.grad(offloading, argnums=(0, 1))(w1, w2, x)
 
     assert sorted(host_residuals(grads, w1, w2, X)) == [(4, 8), (4, 16)]
 
 
-def test_policies_are_values_and_bad_ones_option_errors() -> None:
-    """`jax.checkpoint` keys its cache on the policy: equal policies hit it."""
-    assert eqx_offload.offload_names("a") == eqx_offload.offload_names("a")
-    assert hash(eqx_offload.offload_regex("a.*")) == hash(eqx_offload.offload_regex("a.*"))
+def test_policies_choose_by_full_match_are_values_and_bad_ones_option_errors() -> None:
+    """`save` wins; equal policies hit `jax.checkpoint`'s cache (keyed on the policy)."""
+    policy = offload_regex(r"block/(up|act)", save=r".*/act")
+    name_p = next(e.primitive for e in walk_eqns(jax.make_jaxpr(BLOCK)(X[0]))
+                  if e.primitive.name == "name")
+    assert policy(name_p, name="block/up") == Offloadable(src="device", dst="pinned_host")
+    assert policy(name_p, name="block/act") is Saveable
+    assert policy(name_p, name="block/down") is Recompute
+    assert policy(name_p, name="xblock/up") is Recompute  # fullmatch
+    assert policy(jax.lax.tanh_p) is Recompute
+    assert offload_names("a") == offload_names("a")
+    assert hash(offload_regex("a.*")) == hash(offload_regex("a.*"))
     with pytest.raises(eqx_offload.OptionError, match="both offloaded and saved"):
-        eqx_offload.offload_names("a", save=("a",))
+        offload_names("a", save=("a",))
     with pytest.raises(eqx_offload.OptionError, match="not a name"):
-        unchecked(eqx_offload.offload_names)(3)
+        unchecked(offload_names)(3)
     with pytest.raises(eqx_offload.OptionError, match="not a valid regular expression"):
-        eqx_offload.offload_regex("(")
+        offload_regex("(")
     with pytest.raises(eqx_offload.OptionError, match="a policy is a callable"):
         unchecked(eqx_offload.filter_remat)(BLOCK, "block/act")

@@ -55,11 +55,6 @@ def _scans(jaxpr: Any) -> list[Any]:
     return [e for e in walk_eqns(jaxpr) if e.primitive.name == "scan"]
 
 
-def _fetches(jaxpr: Any) -> list[Any]:
-    return [e for e in walk_eqns(jaxpr)
-            if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
-
-
 def _carries_a_device_layer(scan: Any) -> bool:
     """Whether a scan's body takes and returns one layer's weight in device memory."""
     body = scan.params["jaxpr"].jaxpr
@@ -97,7 +92,8 @@ def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
     for scan in (forward, backward):
         weights_in = [v.aval for v in scan.invars if v.aval.shape == (L, D, D)]
         assert weights_in and all(a.memory_space == HOST for a in weights_in)
-        fetched = [v.aval.shape for e in _fetches(scan.params["jaxpr"]) for v in e.outvars]
+        fetched = [v.aval.shape for e in walk_eqns(scan.params["jaxpr"]) for v in e.outvars
+                   if e.primitive.name == "device_put" and DEVICE in e.params["devices"]]
         assert (1, D, D) in fetched
         assert _carries_a_device_layer(scan)
     assert all(v.aval.memory_space == HOST for v in forward.outvars if v.aval.shape == (L, D, D))
@@ -155,8 +151,12 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
         grad(make_layers(), jax.checkpoint_policies.save_only_these_names("act")))
 
 
-def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
-    """The prefetch refuses an ensemble, naming the fix; without it, bitwise."""
+def test_scan_layers_refuses_bad_options_and_prefetching_an_ensemble() -> None:
+    """Non-bool options, and the prefetch of an ensemble (naming the fix); without it, bitwise."""
+    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
+    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
+        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
     ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
 
     def loss(layers: Any, prefetch: bool) -> jax.Array:
@@ -170,13 +170,6 @@ def test_scan_layers_vmapped_over_an_ensemble_of_host_stacks() -> None:
     got = grad(eqx_offload.to_host(ensemble), False)
     assert bits(got) == bits(grad(ensemble, False))
     assert memory_kinds(got) == {"weight": "pinned_host", "bias": "pinned_host"}
-
-
-def test_scan_layers_rejects_a_non_bool_offload_input_or_prefetch() -> None:
-    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
-        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
-    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
-        unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
 
 
 def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None:

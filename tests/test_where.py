@@ -1,7 +1,8 @@
 """`where` filter specs: every form, the path-aware helpers, the combinators, the errors."""
 
+import collections
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,9 +21,7 @@ from eqx_offload._leaves import path_to_str
 from eqx_offload._where import leaf_mask, structure_divergence
 
 
-class Pair(NamedTuple):
-    first: Any
-    second: Any
+Pair = collections.namedtuple("Pair", "first second")
 
 
 class Linear(eqx.Module):
@@ -32,8 +31,7 @@ class Linear(eqx.Module):
 
 
 def _chain_state() -> Any:
-    params = {"layers": [{"weight": jnp.ones((4, 3)), "bias": jnp.zeros(3)}],
-              "scale": jnp.ones(())}
+    params = {"layers": [{"weight": jnp.ones((4, 3)), "bias": jnp.zeros(3)}], "scale": jnp.ones(())}
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)).init(params)
 
 
@@ -71,8 +69,7 @@ MOMENTS = pattern(".*/(mu|nu)/.*")
 ADAM = optax.ScaleByAdamState(count=False, mu=True, nu=min_bytes(48))
 
 SELECTIONS = [
-    ("mixed", True, {"a", "b/0"}),
-    ("mixed", False, set()),
+    ("mixed", True, {"a", "b/0"}), ("mixed", False, set()),
     ("dtypes", _is_float, {"a", "d"}),
     # a prefix: bools, filters, callables at its leaves; a bool over a subtree
     ("nested", {"a": [False, True], "b": min_ndim(1), "c": lambda x: x.size == 1},
@@ -91,19 +88,16 @@ SELECTIONS = [
     ("pair", pattern("first/weight"), {"first/weight"}),
     ("pair", pattern("second/0"), {"second/0"}),
     # the size of the whole array, every dtype; `min_ndim`
-    ("sizes", min_bytes(16), SIXTEEN),
-    ("sizes", min_bytes(17), set()),
+    ("sizes", min_bytes(16), SIXTEEN), ("sizes", min_bytes(17), set()),
     ("sizes", min_bytes(14), SIXTEEN | {"f16x7"}),
     ("sizes", min_bytes(1), set(TREES["sizes"]()) - {"empty"}),
     ("sizes", min_bytes(0), set(TREES["sizes"]())),
     ("ndims", min_ndim(0), {"count", "v", "m"}),
-    ("ndims", min_ndim(1), {"v", "m"}),
-    ("ndims", min_ndim(2), {"m"}),
+    ("ndims", min_ndim(1), {"v", "m"}), ("ndims", min_ndim(2), {"m"}),
     # combinators
     ("chain", MOMENTS & min_ndim(1), LAYERS),
     ("chain", pattern(".*/mu/.*") | pattern(".*count"), MU | {"1/0/count"}),
-    ("chain", ~MOMENTS, {"1/0/count"}),
-    ("chain", ~(MOMENTS | min_ndim(0)), set()),
+    ("chain", ~MOMENTS, {"1/0/count"}), ("chain", ~(MOMENTS | min_ndim(0)), set()),
     ("chain", MOMENTS & ~pattern(".*/nu/.*") & min_bytes(48), {"1/0/mu/layers/0/weight"}),
 ]
 
@@ -123,18 +117,27 @@ def test_selects(tree: str, where: Any, expected: set[str]) -> None:
     assert _on_host(TREES[tree](), where) == expected
 
 
-def test_paths() -> None:
-    """What `pattern` matches: optax states, modules and NamedTuples by field name."""
+def test_paths_and_structure_divergence() -> None:
+    """What `pattern` matches: optax states, modules and NamedTuples by field name; where a
+    prefix first differs from the tree."""
     paths = [path_to_str(p) for p, _ in jtu.tree_flatten_with_path(_chain_state())[0]]
     assert paths == ["1/0/count", *sorted(MU), *sorted(NU)]
     assert list(memory_kinds(TREES["pair"]())) == ["first/weight", "first/bias", "second/0"]
     # A bare array has the empty path.
     assert leaf_mask(jnp.ones(2), pattern("")) == [True]
     assert leaf_mask(jnp.ones(2), pattern(".+")) == [False]
+    tree = {"a": [jnp.ones(1), Pair(jnp.ones(1), None)]}
+    is_true = lambda x: x is True  # noqa: E731
+    assert structure_divergence({"a": [True, Pair(True, None)]}, tree, is_true) is None
+    assert structure_divergence({"a": True}, tree, is_true) is None
+    assert structure_divergence(tree, tree) is None
+    assert structure_divergence({"a": [True, (True, None)]}, tree, is_true) == (
+        "a/1", "tuple with 2 children where the tree has Pair with 2 children")
 
 
-def test_masks() -> None:
-    """Only arrays are shown to callables and selected; any truthy result counts."""
+def test_masks_and_filter_values() -> None:
+    """Only arrays are shown to callables and selected; any truthy result counts. Filters are
+    hashable values that compose with callables into `Filter`s."""
     mixed, dtypes = TREES["mixed"](), TREES["dtypes"]()
     assert leaf_mask(mixed, True) == [True, True, False, False]
     assert leaf_mask(mixed, False) == [False] * 4
@@ -153,28 +156,6 @@ def test_masks() -> None:
 
     with pytest.raises(RuntimeError, match="boom"):  # a callable's error propagates
         eqx_offload.to_host({"a": jnp.ones(1)}, where=broken)
-
-
-def test_specs_built_from_the_tree() -> None:
-    """A full spec built with `jax.tree.map` or `eqx.tree_at`, as with Equinox."""
-    state = _chain_state()
-    assert _on_host(state, jax.tree.map(lambda x: x.ndim >= 1, state)) == _on_host(
-        state, min_ndim(1))
-    model = TREES["model"]()
-    spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
-    assert _on_host(model, spec) == {"head/weight"}
-
-
-def test_pattern_warns_on_a_fragment() -> None:
-    """A fragment of a path selects nothing (a full match), and `to_host` warns so."""
-    state = _chain_state()
-    for fragment in ("mu", "mu/layers/0/weight"):
-        with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
-            assert _on_host(state, pattern(fragment)) == set()
-
-
-def test_filter_values() -> None:
-    """Filters are hashable values that compose with callables into `Filter`s."""
     assert pattern("a") == pattern("a") and hash(pattern("a")) == hash(pattern("a"))
     assert min_bytes(4) != min_bytes(5)
     assert len({min_ndim(1) & pattern("x"), min_ndim(1) & pattern("x")}) == 1
@@ -194,6 +175,19 @@ def test_filter_values() -> None:
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data", None)))  # 128 bytes
     assert leaf_mask(x, min_bytes(128)) == [True] and leaf_mask(x, min_bytes(129)) == [False]
+
+
+def test_specs_built_from_the_tree_and_pattern_fragments() -> None:
+    """Specs built with `jax.tree.map` or `eqx.tree_at`; a path's fragment selects none, warned."""
+    state = _chain_state()
+    assert _on_host(state, jax.tree.map(lambda x: x.ndim >= 1, state)) == _on_host(
+        state, min_ndim(1))
+    model = TREES["model"]()
+    spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
+    assert _on_host(model, spec) == {"head/weight"}
+    for fragment in ("mu", "mu/layers/0/weight"):
+        with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
+            assert _on_host(state, pattern(fragment)) == set()
 
 
 @pytest.mark.parametrize("where, path", [
@@ -216,48 +210,36 @@ def test_not_a_filter(where: Any, path: str) -> None:
             eqx_offload.to_host({"a": jnp.ones(3)}, where=where)
 
 
-MISMATCHES = [
-    ("errors", {"b": True}, "<root>",
-     "dict with keys ['b'] where the tree has dict with keys ['a', 'b']"),
-    ("errors", {"a": True, "b": [True]}, "b",
-     "list with 1 children where the tree has list with 2"),
-    ("errors", {"a": True, "b": (True, True)}, "b",
-     "tuple with 2 children where the tree has list"),
-    ("errors", {"a": True, "b": [True, {"x": True}]}, "b/1",
-     "dict with keys ['x'] where the tree has array float32[]"),
-    ("errors", {"a": None, "b": True}, "a", "None where the tree has array float32[3]"),
-    ("errors", [True, True], "<root>", "list with 2 children where the tree has dict"),
+MISMATCHES = [  # the tree, `where`, the path, what `where` has there, what the tree has
+    ("errors", {"b": True}, "<root>", "dict with keys ['b']", "dict with keys ['a', 'b']"),
+    ("errors", {"a": True, "b": [True]}, "b", "list with 1 children", "list with 2"),
+    ("errors", {"a": True, "b": (True, True)}, "b", "tuple with 2 children", "list"),
+    ("errors", {"a": True, "b": [True, {"x": True}]}, "b/1", "dict with keys ['x']",
+     "array float32[]"),
+    ("errors", {"a": None, "b": True}, "a", "None", "array float32[3]"),
+    ("errors", [True, True], "<root>", "list with 2 children", "dict"),
     # a plain tuple where an optax state has a ScaleByAdamState; the params dict in mu
-    ("chain", (True, ((False, True, True), True)), "1/0",
-     "tuple with 3 children where the tree has ScaleByAdamState"),
+    ("chain", (True, ((False, True, True), True)), "1/0", "tuple with 3 children",
+     "ScaleByAdamState"),
     ("chain", (True, (optax.ScaleByAdamState(count=False, mu={"layers": True}, nu=True), True)),
-     "1/0/mu", "dict with keys ['layers'] where the tree has dict with keys ['layers', 'scale']"),
+     "1/0/mu", "dict with keys ['layers']", "dict with keys ['layers', 'scale']"),
     # a module's static fields count
-    ("linear", Linear(True, False), "<root>",
-     "Linear with 2 children and static fields {'name': 'linear'} where the tree has "
-     "Linear with 2 children and static fields {'name': 'enc'}"),
-    ("linear", {"weight": True, "bias": True}, "<root>",
-     "dict with keys ['bias', 'weight'] where the tree has Linear"),
+    ("linear", Linear(True, False), "<root>", "Linear with 2 children and static fields "
+     "{'name': 'linear'}", "Linear with 2 children and static fields {'name': 'enc'}"),
+    ("linear", {"weight": True, "bias": True}, "<root>", "dict with keys ['bias', 'weight']",
+     "Linear"),
 ]
 
 
-@pytest.mark.parametrize("tree, where, path, what", MISMATCHES)
-def test_prefix_mismatch_names_the_path(tree: str, where: Any, path: str, what: str) -> None:
+@pytest.mark.parametrize("tree, where, path, what, has", MISMATCHES)
+def test_prefix_mismatch_names_the_path(tree: str, where: Any, path: str, what: str,
+                                        has: str) -> None:
     """Both ways, eagerly and under jit; a `WhereError` is a `ValueError`."""
     tree = TREES[tree]()
-    expected = rf"not a prefix of the tree: at path {re.escape(path)} it has {re.escape(what)}"
+    expected = (rf"not a prefix of the tree: at path {re.escape(path)} it has {re.escape(what)}"
+                rf" where the tree has {re.escape(has)}")
     with pytest.raises(ValueError, match=expected) as info:
         eqx_offload.to_host(tree, where=where)
     assert isinstance(info.value, WhereError)
     with pytest.raises(WhereError, match=expected):
         eqx.filter_jit(lambda t: eqx_offload.to_device(t, where=where))(tree)
-
-
-def test_structure_divergence() -> None:
-    tree = {"a": [jnp.ones(1), Pair(jnp.ones(1), None)]}
-    is_true = lambda x: x is True  # noqa: E731
-    assert structure_divergence({"a": [True, Pair(True, None)]}, tree, is_true) is None
-    assert structure_divergence({"a": True}, tree, is_true) is None
-    assert structure_divergence(tree, tree) is None
-    assert structure_divergence({"a": [True, (True, None)]}, tree, is_true) == (
-        "a/1", "tuple with 2 children where the tree has Pair with 2 children")
