@@ -1,11 +1,6 @@
-"""What fits and what it costs: `gpu_plan` of abstract arguments, the loop
-counts, collectives and floors it reads from XLA's plan, and the capacity search
-(`python -m eqx_offload plan --capacity`) on a small ladder.
-
-Every number here is XLA's plan for an H100 (its buffer assignment and schedule,
-compiled on the CPU without a GPU), not a measurement. These need the GPU compiler
-(the `plan` extra), which scripts/check.sh installs in the newest environment.
-"""
+"""`gpu_plan` of abstract arguments, the loop counts, collectives and floors it reads from
+XLA's plan (for an H100, compiled on the CPU: not measurements), and the capacity search
+(`python -m eqx_offload plan --capacity`) on a small ladder. Needs the GPU compiler."""
 
 import argparse
 import json
@@ -28,10 +23,8 @@ from helpers import gpu_plan_marks
 pytestmark = gpu_plan_marks()
 
 
-MiB = 1 << 20
-
-
-def _mlp_step():
+def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
+    """Abstract arguments plan as their arrays; one without a usable sharding is an error."""
     model = eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0))
     opt = eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=1 << 18)
 
@@ -41,15 +34,8 @@ def _mlp_step():
         updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), state
 
-    return step, model, opt
-
-
-def test_abstract_arguments_plan_as_their_arrays():
-    step, model, opt = _mlp_step()
-    state = opt.init(eqx.filter(model, eqx.is_array))
-    x = jnp.ones((64, 256))
+    state, x = opt.init(eqx.filter(model, eqx.is_array)), jnp.ones((64, 256))
     concrete = eqx_offload.gpu_plan(step, model, state, x, target="h100")
-
     abstract_model = eqx_offload.filter_eval_shape(
         lambda: eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0)))
     abstract_state = eqx_offload.filter_eval_shape(
@@ -62,20 +48,13 @@ def test_abstract_arguments_plan_as_their_arrays():
                   "copies", "matmul_flops"):
         assert getattr(abstract, field) == getattr(concrete, field), field
     assert concrete.copies_to("to_device") and concrete.host_bytes > 0
-    # The floors: flops of forward and backward (3 x the forward's), at TF32; the
-    # state's bytes cross both ways.
+    # Floors: forward and backward flops (3 x the forward's) at TF32; the state crosses both ways.
     forward = 2 * 64 * (4 * 256 * 256)
     assert concrete.matmul_flops == {"tf32": pytest.approx(3 * forward - 2 * 64 * 256 * 256)}
     assert concrete.bytes_moved("to_device") == concrete.bytes_moved("to_host") > 0
-    assert concrete.transfer_floor_seconds == pytest.approx(
-        concrete.bytes_moved("to_device") / 64e9)
-    assert concrete.floor_ratio >= 1.0
+    floor = concrete.bytes_moved("to_device") / 64e9
+    assert concrete.transfer_floor_seconds == pytest.approx(floor) and concrete.floor_ratio >= 1.0
     assert "floors (lower bounds, not predictions)" in concrete.summary()
-
-
-def test_abstract_arguments_without_a_usable_sharding():
-    step, model, opt = _mlp_step()
-    state = opt.init(eqx.filter(model, eqx.is_array))
     with pytest.raises(eqx_offload.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
                                                     r"sharding.*restore_target"):
         eqx_offload.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
@@ -89,7 +68,9 @@ def test_abstract_arguments_without_a_usable_sharding():
 
 
 def test_matmul_flops_count_every_iteration():
-    w = jnp.ones((6, 32, 32))
+    from eqx_offload._flops import matmul_flops
+
+    w, x = jnp.ones((6, 32, 32)), jnp.ones((8, 32))
 
     def scanned(w, x):
         return jax.lax.scan(lambda x, w: (x @ w, None), x, w)[0]
@@ -97,34 +78,18 @@ def test_matmul_flops_count_every_iteration():
     def branch(p, x):
         return jax.lax.cond(p, lambda x: x @ x.T @ x, lambda x: x, x)
 
-    x = jnp.ones((8, 32))
-    from eqx_offload._flops import matmul_flops
-
     assert matmul_flops(jax.make_jaxpr(scanned)(w, x)) == {"tf32": 6 * 2 * 8 * 32 * 32}
     assert matmul_flops(jax.make_jaxpr(branch)(True, x)) == {
         "tf32": 2 * 8 * 32 * 8 + 2 * 8 * 8 * 32}
-    assert matmul_flops(jax.make_jaxpr(scanned)(w.astype(jnp.bfloat16),
-                                                x.astype(jnp.bfloat16))) == {
-        "bf16": 6 * 2 * 8 * 32 * 32}
+    bf16 = jax.make_jaxpr(scanned)(w.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+    assert matmul_flops(bf16) == {"bf16": 6 * 2 * 8 * 32 * 32}
 
 
-def test_largest_fitting_bisects():
-    asked = []
-
-    def fits(n):
-        asked.append(n)
-        return n <= 5
-
-    index, answers = capacity.largest_fitting(list(range(10)), fits)
-    assert index == 5 and answers[5] and not answers[6]
-    assert len(asked) <= 4  # of 10
-    assert capacity.largest_fitting([3, 4], lambda n: False)[0] is None
-
-
-@pytest.mark.parametrize("start", [0, 5, 6, 9])
-def test_largest_fitting_starts_from_a_guess(start):
-    # A guess (the answer of a mode that keeps more on the device) is asked first; right
-    # or wrong, the answer is the same.
+@pytest.mark.parametrize("start,first,never", [
+    (None, [], []), (0, [0], []), (5, [5], []), (6, [6], []), (9, [9], []),
+    ([8, 5, 2], [8, 5], [2])])
+def test_largest_fitting_bisects_from_a_guess(start, first, never):
+    """Guesses (other modes' answers) go first, largest down; right or wrong, the same answer."""
     asked = []
 
     def fits(n):
@@ -133,27 +98,17 @@ def test_largest_fitting_starts_from_a_guess(start):
 
     index, answers = capacity.largest_fitting(list(range(10)), fits, start)
     assert index == 5 and answers[5] and not answers[6]
-    assert asked[0] == start and len(asked) <= 1 + 4
-
-
-def test_largest_fitting_tries_the_guesses_from_the_largest_down():
-    asked = []
-
-    def fits(n):
-        asked.append(n)
-        return n <= 5
-
-    index, _ = capacity.largest_fitting(list(range(10)), fits, [8, 5, 2])
-    assert index == 5 and asked[:2] == [8, 5] and 2 not in asked
+    assert asked[:len(first)] == first and len(asked) <= len(first[:1]) + 4
+    assert not set(never) & set(asked)
+    assert capacity.largest_fitting([3, 4], lambda n: False, start)[0] is None
 
 
 def test_search_starts_where_a_mode_that_keeps_more_ended():
     ladder = list(llama.ladder())
-    shape = ladder[3]
-    point = capacity.CapacityPoint(shape, "state", "h100", 1, 1, 2, 0, 1, 1, True, 0, 0, {},
+    point = capacity.CapacityPoint(ladder[3], "state", "h100", 1, 1, 2, 0, 1, 1, True, 0, 0, {},
                                    0.0, 0.0, 0.0, None, 0.0)
-    done = [capacity.Capacity(capacity.MODES_BY_NAME["state"], "h100", 1, point, None, (point,))]
     modes = capacity.MODES_BY_NAME
+    done = [capacity.Capacity(modes["state"], "h100", 1, point, None, (point,))]
     assert capacity_run._start(done, modes["+master"], "h100", 1, ladder) == [3]
     assert capacity_run._start(done, modes["state"], "h200", 1, ladder) == [3]  # more memory
     assert capacity_run._start(done, modes["bf16"], "h100", 1, ladder) == []
@@ -166,10 +121,9 @@ def test_ladder_is_the_published_shapes_and_depths_between():
     assert sizes == sorted(sizes)
     published = {s.name: s.params / 1e9 for s in llama.LLAMA_SHAPES}
     # Meta's counts (billions), with untied embeddings for the Llama 3.2 pair.
-    assert published["Llama 2 7B"] == pytest.approx(6.74, abs=0.01)
-    assert published["Llama 2 13B"] == pytest.approx(13.02, abs=0.01)
-    assert published["Llama 3.1 8B"] == pytest.approx(8.03, abs=0.01)
-    assert published["Llama 3.1 70B"] == pytest.approx(70.55, abs=0.01)
+    for name, billions in [("Llama 2 7B", 6.74), ("Llama 2 13B", 13.02), ("Llama 3.1 8B", 8.03),
+                           ("Llama 3.1 70B", 70.55)]:
+        assert published[name] == pytest.approx(billions, abs=0.01), name
     assert len(shapes) == len(llama.LLAMA_SHAPES) * 3 - 2
 
 
@@ -197,17 +151,13 @@ def test_llama_model_trains():
 
 
 def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
-    # `--quick` alone: one H100 cut to 12 MiB, three modes, a ladder of three small
-    # shapes; every size and byte count printed is a real number (MiB for these).
+    """One H100 cut to 12 MiB, 3 modes, 3 small shapes; a rerun on its cache plans nothing."""
     parser = argparse.ArgumentParser()
     plan_command.add_arguments(parser)
-    out = tmp_path / "capacity.json"
-    cache = tmp_path / "points.jsonl"
+    out, cache = tmp_path / "capacity.json", tmp_path / "points.jsonl"
     argv = ["--capacity", "--quick", "--json", str(out), "--cache", str(cache)]
     assert plan_command.run(parser.parse_args(argv)) == 0
     printed = capsys.readouterr().out
-    # Run again on the same cache: every point comes from it (nothing is planned), and
-    # the table is the same.
     planned = len(cache.read_text().splitlines())
     assert planned >= 3
 
@@ -228,42 +178,32 @@ def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
     results = {r["mode"]: r for r in json.loads(out.read_text())}
     plain, everything = results["fp32"], results["+activations"]
     assert plain["largest"] is not None and everything["largest"] is not None
-    # Everything in host memory trains a deeper model in the same 12 MiB than fp32
-    # does (in the plan: fp32 9.8 MiB at 2 layers, 14.5 at 4; everything 3.3 and 3.7).
+    # Everything in host memory trains a deeper model in the same 12 MiB than fp32 does.
     assert everything["largest"]["params"] > plain["largest"]["params"]
     assert any(not p["fits"] for p in plain["planned"])
     largest = everything["largest"]
-    assert largest["host_bytes"] > 0 and largest["device_peak_bytes"] <= 12 * MiB
-    # The layers' weights come to the device once a layer in the forward pass and again
-    # in the backward pass (loop counts, not instructions): more than twice the blocks'
-    # bf16 weights cross to the device.
+    assert largest["host_bytes"] > 0 and largest["device_peak_bytes"] <= 12 << 20
+    # Each layer's weights come to the device in the forward and again in the backward
+    # pass (loop counts, not instructions): more than twice the blocks' bf16 weights.
     shape = llama.LlamaShape(**largest["shape"])
-    blocks = shape.layers * shape.block_params * 2
-    assert largest["bytes_to_device"] > 2 * blocks
+    assert largest["bytes_to_device"] > 2 * shape.layers * shape.block_params * 2
     assert largest["transfer_floor_s"] > 0 and largest["floor_ratio"] >= 1
 
 
 def test_smallest_batch_is_the_first_power_of_two_within_the_limit():
-    line = capacity_batch.line
-    assert line(2, 5.0, 4, 9.0) == capacity_batch.Line(1.0, 2.0)
-    # 1 s of compute per micro-batch of 4096 tokens, 2.4 s of copies per optimizer
-    # step: 24 micro-batches reach 10%; the first power of two above is 32 (128k).
-    compute, transfer = capacity_batch.Line(0.0, 1.0), capacity_batch.Line(2.4, 0.0)
-    assert capacity_batch.smallest_batch(4096, compute, transfer) == 32 * 4096
-    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(2.5, 0.0)) == 32 * 4096
-    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(3.3, 0.0)) == 64 * 4096
-    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(0.05, 0.0)) == 4096
-    # Copies per micro-batch of more than a tenth of its compute: never within 10%.
-    assert capacity_batch.smallest_batch(4096, compute, capacity_batch.Line(0.0, 0.11)) is None
-    # A micro-batch of 3 x 1024 tokens: a power of two that is a whole number of them.
-    assert capacity_batch.smallest_batch(3072, compute, capacity_batch.Line(0.1, 0.0)) is None
-    assert capacity_batch.smallest_batch(2048, compute, capacity_batch.Line(0.3, 0.0)) == 8192
+    """Copies within 10% of 1 s of compute a micro-batch at a power of two of tokens, or never."""
+    assert capacity_batch.line(2, 5.0, 4, 9.0) == capacity_batch.Line(1.0, 2.0)
+    compute = capacity_batch.Line(0.0, 1.0)
+    for per_micro, transfer, smallest in [
+            (4096, (2.4, 0.0), 32 * 4096), (4096, (2.5, 0.0), 32 * 4096),
+            (4096, (3.3, 0.0), 64 * 4096), (4096, (0.05, 0.0), 4096), (4096, (0.0, 0.11), None),
+            (3072, (0.1, 0.0), None), (2048, (0.3, 0.0), 8192)]:
+        got = capacity_batch.smallest_batch(per_micro, compute, capacity_batch.Line(*transfer))
+        assert got == smallest, (per_micro, transfer)
 
 
 def test_batch_step_moves_the_state_once_per_optimizer_step():
-    # The step that scans K micro-batches and updates once: with the state and master
-    # weights in host memory, the bytes each way do not grow with K, and the line
-    # through the plans at 2 and 4 micro-batches predicts the plan at 8.
+    """State and master weights cross once per K micro-batches; K = 2 and 4 predict K = 8."""
     shape = capacity_run.QUICK_LADDER[0]
     mode = capacity.MODES_BY_NAME["+master"]
     row = capacity_batch.batch_row(shape, mode, 2, "h100")
@@ -279,25 +219,20 @@ def test_batch_step_moves_the_state_once_per_optimizer_step():
     assert eight.matmul_s == pytest.approx(row.compute_s.at(8), rel=1e-9)
     assert row.compute_s.fixed == pytest.approx(0, abs=1e-3 * row.compute_s.per_micro_batch)
     assert eight.transfer_floor_s == pytest.approx(row.transfer_s.at(8), rel=0.02)
-    table = capacity_batch.batch_table([row])
-    assert "| H100 | +master | tiny 2L | 512 |" in table
+    assert "| H100 | +master | tiny 2L | 512 |" in capacity_batch.batch_table([row])
 
 
 def test_node_plan_shards_the_state_over_the_devices():
-    """An 8-GPU node (the deviceless topology of 8 H100s): FSDP weights, the state
-    offloaded shard by shard; every byte count is per device."""
+    """8 deviceless H100s: FSDP weights, the state offloaded shard by shard, bytes per device."""
     shape = llama.LlamaShape("tiny", 128, 2, 4, 2, 256, 512, seq=64)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"], mesh)
-    model, state, tokens = args
-    inner = state.inner_state.inner_state[0]
-    mu = inner.mu.blocks.mlp.up.weight
+    mu = args[1].inner_state.inner_state[0].mu.blocks.mlp.up.weight
     assert mu.sharding.memory_kind == "pinned_host"
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data", None)
     plan = eqx_offload.gpu_plan(step, *args, target="h100", host_memory=1 << 40)
     assert plan.n_devices == 8
-    # fp32 master weights and Adam's two moments, a shard per device.
-    per_device = 3 * 4 * shape.params / 8
+    per_device = 3 * 4 * shape.params / 8  # fp32 master weights and Adam's two moments
     assert per_device * 0.9 < plan.host_bytes < per_device * 1.3
     assert plan.host_total_bytes == 8 * plan.host_bytes and plan.host_fits
     kinds = {c.kind for c in plan.collectives}
@@ -306,9 +241,7 @@ def test_node_plan_shards_the_state_over_the_devices():
 
 
 def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
-    # The weights and the state outlive the step: where they alone exceed the device's
-    # or the host's memory, no plan can fit, and the point says so without compiling
-    # (the largest models' compiles take minutes).
+    """Where the weights and state alone exceed a memory, the point does not fit, uncompiled."""
     shape = capacity_run.QUICK_LADDER[0]
 
     def no_compile(*args, **kwargs):
@@ -317,8 +250,7 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
     monkeypatch.setattr(eqx_offload, "gpu_plan", no_compile)
     step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"])
     device, host = capacity.argument_bytes(args)
-    # bf16 weights on the device (and the tokens, the step counters); fp32 master
-    # weights and both AdamW moments in host memory.
+    # bf16 weights (and tokens, counters) on the device; fp32 master weights, mu, nu on the host.
     assert 2 * shape.params < device < 2 * shape.params + 1024
     assert host == 3 * 4 * shape.params
     tight_host = capacity.plan_point(shape, capacity.MODES_BY_NAME["+master"], "h100",
@@ -334,11 +266,8 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
 BATCH_JSON = pathlib.Path(__file__).parent.parent / "docs/bench/gpu/capacity_batch.json"
 
 
-@pytest.mark.once
 def test_published_batch_table_is_the_json():
-    # docs/bench/gpu/capacity_batch.json is what `plan --capacity --micro-batches`
-    # wrote (XLA's plan); docs/capacity.md's table is its table, row by row, and each
-    # smallest batch follows from the row's lines.
+    """`plan --capacity --micro-batches`'s JSON is docs/capacity.md's table; the goals hold."""
     rows = json.loads(BATCH_JSON.read_text())
     page = (BATCH_JSON.parent.parent.parent / "capacity.md").read_text()
     assert rows
@@ -357,17 +286,15 @@ def test_published_batch_table_is_the_json():
     published = json.loads((BATCH_JSON.parent / "capacity.json").read_text())
     for line in capacity_batch.formula_table(published).splitlines():
         assert line in page, line
-    # The goals' rows: 13B on one H100 and 70B on the node reach 10% at 256k tokens by
-    # the floors (the 13B step's fp32 sum does not fit the H100: the page says so).
+    # 13B on one H100 and 70B on the node reach 10% at 256k tokens by the floors.
     smallest = {(r["low"]["target"], r["low"]["n_devices"], r["low"]["mode"],
                  r["low"].get("accumulate", "float32"), r["low"].get("accumulate_in", "device"),
                  r["low"]["shape"]["batch"]): r for r in rows}
     assert len(smallest) == len(rows)
     assert smallest[("h100", 1, "+master", "float32", "device", 1)]["smallest_tokens"] <= 1 << 18
     assert smallest[("h100", 8, "+master", "float32", "device", 1)]["smallest_tokens"] <= 1 << 20
-    # With the gradients in host memory the 13B step fits the H100, and its copies never
-    # reach 10% with one sequence per micro-batch; with 16 they would at 512k tokens, but
-    # that micro-batch does not fit.
+    # Gradients in host memory: 13B fits the H100 and never reaches 10% at one sequence a
+    # micro-batch; 16 would at 512k tokens, but that micro-batch does not fit.
     for where in ("host", "host-stack"):
         row = smallest[("h100", 1, "+master", "float32", where, 1)]
         assert row["high"]["fits"] and row["smallest_tokens"] is None
@@ -375,11 +302,8 @@ def test_published_batch_table_is_the_json():
     assert not wide["high"]["fits"] and wide["smallest_tokens"] == 1 << 19
 
 
-@pytest.mark.once
 def test_published_capacity_table_is_the_json_and_meets_the_goals():
-    # docs/bench/gpu/capacity.json is what `plan --capacity` wrote (XLA's plan); the
-    # README's and the GPU plan page's tables are read from it, cell by cell, and the
-    # goals they state hold in it.
+    """`plan --capacity`'s JSON is the README's and the GPU plan page's tables; the goals hold."""
     root = pathlib.Path(__file__).parent.parent
     results = json.loads((root / "docs/bench/gpu/capacity.json").read_text())
     best = {(r["target"], r["n_devices"], r["mode"]): r["largest"] for r in results}
@@ -388,13 +312,11 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
         assert largest is not None and largest["fits"]
         assert largest["device_peak_bytes"] <= largest["device_memory_bytes"]
         assert largest["host_bytes"] <= largest["host_memory_bytes"]
-    # 13B on one H100 within 256 GB of host memory; 70B on an 8 x H100 node with the
-    # state (and the master weights) in host memory.
+    # 13B on one H100 within 256 GB of host memory; 70B on an 8 x H100 node.
     assert best[("h100", 1, "+master")]["params"] >= 13e9
     assert best[("h100", 8, "+master")]["params"] >= 70e9
     assert best[("h100", 1, "+activations")]["host_memory_bytes"] == 256 * 10**9
-    # With 2 TB of host memory (capacity_large_host.json) one H100 plans 10 x its
-    # plain fp32 model, and 70B.
+    # With 2 TB of host memory one H100 plans 10 x its plain fp32 model, and 70B.
     large = json.loads((root / "docs/bench/gpu/capacity_large_host.json").read_text())
     assert all(p["fits"] and p["target"] == "h100" and p["n_devices"] == 1 for p in large)
     assert max(p["params"] for p in large) >= 70e9
@@ -405,21 +327,15 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
         return (f"{p['params'] / 1e9:.1f}B ({p['device_peak_bytes'] / 2**30:.0f} / "
                 f"{p['host_bytes'] / 2**30:.0f})")
 
-    def plain(text):  # the tables' cells without bold and units
-        return text.replace("**", "").replace(" GiB)", ")")
-
-    # The whole table (docs/bench/gpu/capacity.md, in the GPU plan page) is the JSON's,
-    # with the settings each row's run needs.
+    # The whole table (docs/bench/gpu/capacity.md) is the JSON's, with each row's settings.
     whole = capacity_run.capacity_table(capacity_run.capacity_from_records(results))
     assert whole + "\n" == (root / "docs/bench/gpu/capacity.md").read_text()
     assert "`XLA_CLIENT_MEM_FRACTION=0.90 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=146`" in whole
-    page = plain((root / "docs/gpu-plan.md").read_text())
+    page = (root / "docs/gpu-plan.md").read_text().replace("**", "").replace(" GiB)", ")")
     for gpu, n in (("h100", 1), ("h200", 1), ("h100", 8)):
         for mode in ("fp32", "state", "+master", "+activations"):
             assert cell((gpu, n, mode)) in page, (gpu, n, mode, cell((gpu, n, mode)))
-    # The README's GPU table and the docs' front page give the largest model for one
-    # H100 and for the node, without offload and with the state and master weights in
-    # host memory: the same numbers, on the row that names the GPU.
+    # The README's and the docs' front page's GPU rows: the largest model, fp32 and +master.
     for front in ("README.md", "docs/index.md"):
         rows = (root / front).read_text().splitlines()
         for label, n in (("one H100 80 GB", 1), ("8 × H100 node", 8)):
@@ -429,24 +345,17 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
                 assert params in row, (front, label, mode, params)
 
 
-def _tiny_master_steps(accumulate_in):
+def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
+    """3 micro-batches summed in host memory (each, or kept and summed once) train bitwise."""
     shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
     mw = eqx_offload.master_weights(optax.adamw(1e-2))
-    model, state = mw.init(llama.Llama(shape, jax.random.key(0)))
     update = capacity._master_update(mw)  # update(model, state, grads), as the table's
-    step = capacity_batch.accumulating_step(update, jnp.float32, accumulate_in)
     tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
-    return step, model, state, tokens
-
-
-def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
-    # The step that scans 3 micro-batches and updates once: its sum in host memory
-    # (added by the host's CPU each micro-batch, or each micro-batch's gradients kept
-    # there and summed once) gives the model and state of the sum on the device, bit
-    # for bit (on the CPU, where the host is the device's processor).
-    results = {where: jax.tree.leaves(step(model, state, tokens)) for where in (
-        "device", "host", "host-stack") for step, model, state, tokens in [
-            _tiny_master_steps(where)]}
+    results = {}
+    for where in ("device", "host", "host-stack"):  # a fresh model and state: the step donates
+        model, state = mw.init(llama.Llama(shape, jax.random.key(0)))
+        step = capacity_batch.accumulating_step(update, jnp.float32, where)
+        results[where] = jax.tree.leaves(step(model, state, tokens))
     for where in ("host", "host-stack"):
         for a, b in zip(results[where], results["device"], strict=True):
             assert a.sharding.memory_kind == b.sharding.memory_kind
@@ -454,11 +363,8 @@ def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
 
 
 def test_a_host_gradient_sum_crosses_as_xla_plans_it():
-    # XLA's plan (H100), per micro-batch: with its gradients kept in host memory
-    # ("host-stack") exactly their bf16 bytes cross to the host, nothing to the device;
-    # the state crosses once each way. With the sum as the carry, added by the host
-    # ("host"), XLA's host computation writes the fp32 sum to device memory and copies it
-    # back: 2 + 4 bytes a parameter to the host per micro-batch.
+    """Per micro-batch: kept gradients ("host-stack") cross as their bf16 bytes, nothing to the
+    device; the host's fp32 sum ("host") is written to the device and back: 2 + 4 B a param."""
     shape, state = capacity_run.QUICK_LADDER[0], 3 * 4 * capacity_run.QUICK_LADDER[0].params
     for where, grads in {"host-stack": 2 * shape.params, "host": 6 * shape.params}.items():
         low, high = (capacity_batch.plan_batch_point(
@@ -472,8 +378,7 @@ def test_a_host_gradient_sum_crosses_as_xla_plans_it():
 
 
 def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
-    # A run that allocates 0.001% of the GPU and has no pinned pool: the plan's summary
-    # says what to set ("run with:"), and the capacity table's row says the same.
+    """0.001% of the GPU, no pinned pool: the row and its record print the summary's settings."""
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.00001")
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
     plans, real = [], eqx_offload.gpu_plan
@@ -493,6 +398,5 @@ def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
     assert point.fits and not plan.fits  # fits once run with those settings
     row = capacity.Capacity(mode, "h100", 1, point, None, (point,))
     assert f"| `{settings}` |" in capacity_run.capacity_table([row])
-    # Read back from its JSON record (as `--cache` and `--models-from` do): the same.
-    record = json.loads(json.dumps(capacity.point_record(point)))
+    record = json.loads(json.dumps(capacity.point_record(point)))  # as `--cache` reads it
     assert capacity.point_from_record(record) == point

@@ -1,15 +1,6 @@
-"""Every Python code block of the docs and of the public docstrings runs, and every
-documented command line of the package parses.
+"""The `python` fences of each docs page and public docstring run in order in one namespace
+(`py` fences are shown only); the package's commands in shell fences parse."""
 
-A page's (or a docstring's) `python` fences run in order in one namespace; `py` fences
-are shown only (e.g. the pattern that aborts the process), shell fences are not run, but
-their `python -m eqx_offload ...`, `eqx-offload ...` and `bench/gpu_run.sh ...` commands
-are parsed by the command line's own parser. (pytest-markdown-docs, pytest-codeblocks
-and mktestdocs, checked December 2026, either re-run earlier fences per fence, run shell
-fences, or skip docstrings.) The README's example: `tests/test_readme.py`.
-"""
-
-import argparse
 import contextlib
 import inspect
 import io
@@ -31,8 +22,7 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^
 
 
 def code_blocks(text: str) -> list[tuple[int, str, str]]:
-    """`(line number, language, code)` of each fenced block, dedented (blocks may be
-    indented inside admonitions and lists)."""
+    """`(line number, language, code)` of each fenced block, dedented (as in admonitions)."""
     blocks = []
     lines = text.splitlines()
     i = 0
@@ -42,9 +32,8 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
             i += 1
             continue
         indent, fence = m["indent"], m["fence"]
-        language = m["info"].strip().split(" ")[0].lstrip("{.").rstrip("}") if m["info"].strip() else ""
-        start = i + 1
-        j = start
+        language = m["info"].strip().split(" ")[0].lstrip("{.").rstrip("}")
+        start = j = i + 1
         while j < len(lines) and not (
             lines[j].strip().startswith(fence[0] * len(fence))
             and lines[j].strip().strip(fence[0]) == ""
@@ -72,9 +61,8 @@ _PAGES_WITH_CODE = [p for p in _PAGES if python_blocks(p.read_text())]
 
 def _run_blocks(blocks: list[tuple[int, str]], where: str) -> None:
     namespace: dict[str, Any] = {"__name__": "__docs__"}
-    for line, code in blocks:
-        compiled = compile(code, f"{where}:{line}", "exec")
-        exec(compiled, namespace)  # noqa: S102 - running the documentation is the point
+    for line, code in blocks:  # running the documentation is the point
+        exec(compile(code, f"{where}:{line}", "exec"), namespace)  # noqa: S102
 
 
 @pytest.mark.parametrize("page", _PAGES_WITH_CODE, ids=_page_id)
@@ -84,18 +72,13 @@ def test_page_code_blocks_run(page):
 
 def _public_docstrings() -> dict[str, str]:
     docs = {}
-    for name in sorted(dir(eqx_offload)):
-        if name.startswith("_"):
-            continue
+    for name in (n for n in sorted(dir(eqx_offload)) if not n.startswith("_")):
         obj = getattr(eqx_offload, name)
-        doc = getattr(obj, "__doc__", None) if callable(obj) or inspect.isclass(obj) else None
-        if doc:
-            docs[name] = inspect.cleandoc(doc)
-        if inspect.isclass(obj):
-            for attr, member in vars(obj).items():
-                member_doc = getattr(member, "__doc__", None)
-                if not attr.startswith("_") and member_doc and callable(member):
-                    docs[f"{name}.{attr}"] = inspect.cleandoc(member_doc)
+        if callable(obj) and obj.__doc__:  # a class is callable
+            docs[name] = inspect.cleandoc(obj.__doc__)
+        for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+            if not attr.startswith("_") and callable(member) and member.__doc__:
+                docs[f"{name}.{attr}"] = inspect.cleandoc(member.__doc__)
     return docs
 
 
@@ -108,31 +91,7 @@ def test_docstring_examples_run(name):
     _run_blocks(_DOCSTRINGS[name], f"eqx_offload.{name}.__doc__")
 
 
-def test_extractor_is_not_blind_and_a_failing_block_fails():
-    text = (
-        "intro\n```python\nx = 1\n```\n\n"
-        "!!! Example\n\n    ```python\n    y = x + 1\n    ```\n\n"
-        "```bash\nexit 1\n```\n"
-        "```py\nraise SystemExit\n```\n"
-    )
-    found = code_blocks(text)
-    assert [(lang, code) for _, lang, code in found] == [
-        ("python", "x = 1"), ("python", "y = x + 1"), ("bash", "exit 1"),
-        ("py", "raise SystemExit"),
-    ]
-    pages = {_page_id(p) for p in _PAGES_WITH_CODE}
-    for page in ("docs/index.md", "docs/getting-started.md", "docs/concepts.md",
-                 "docs/how-to/training-loop.md", "docs/how-to/select.md",
-                 "docs/how-to/gradient-accumulation.md"):
-        assert page in pages, page
-    for name in ("to_host", "offloaded", "filter_jit", "memory_report", "pattern"):
-        assert name in _DOCSTRINGS_WITH_CODE, name
-    with pytest.raises(AssertionError):
-        _run_blocks([(1, "assert 1 + 1 == 3")], "inline")
-
-
 # ------------------------------------------------------------ the documented commands
-
 _SHELL_LANGUAGES = {"bash", "sh", "shell", "console", "zsh"}
 # `[path/]python3 -m eqx_offload ARGS`, `eqx-offload ARGS`, `bench/gpu_run.sh ARGS` (to
 # `bench`); ARGS end at a shell operator, `)` or a backtick.
@@ -142,8 +101,7 @@ _COMMAND = re.compile(
 
 
 def shell_commands(text: str) -> list[tuple[int, list[str]]]:
-    """`(line number, argv)` of each command of the package in the shell blocks of a
-    Markdown text: continuation lines joined, comments and `$ ` prompts dropped."""
+    """`(line, argv)` of each package command in shell blocks: lines joined, `$ `, `#` dropped."""
     found = []
     for line, language, code in code_blocks(text):
         if language not in _SHELL_LANGUAGES:
@@ -157,28 +115,14 @@ def shell_commands(text: str) -> list[tuple[int, list[str]]]:
     return found
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(action.choices)
-
-
 def parse_command(argv: list[str]) -> str:
-    """Parses `argv` as `python -m eqx_offload` would, without running it: "" if it
-    parses, else argparse's message."""
+    """`argv` parsed as `python -m eqx_offload` would, not run: "" or argparse's message."""
     from eqx_offload.cli import _parser
 
-    parser, _ = _parser()
-    if argv[:1] == ["typings"] and "typings" not in _subcommands(parser):
-        # `typings` lives in eqx_offload.__main__ and only prints a folder: run it.
-        from eqx_offload.__main__ import main
-
-        parse = lambda: main(argv)  # noqa: E731 - one call, named for the try below
-    else:
-        parse = lambda: parser.parse_args(argv)  # noqa: E731
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            parse()
+            _parser()[0].parse_args(argv)
     except SystemExit as exit_:
         if exit_.code not in (0, None):  # `--help` exits 0
             # argparse's last line is the error; the usage above it is long
@@ -198,27 +142,34 @@ def test_documented_commands_parse(document):
     assert not errors, "\n".join(errors)
 
 
-def test_command_finder_is_not_blind_and_a_stale_command_fails():
-    text = (
-        "```bash\n"
-        "python -m eqx_offload bench --out x \\\n    --modes baseline  # a comment\n"
-        ".venv/bin/python3 -m eqx_offload demo && eqx-offload plan --capacity\n"
-        "MYPYPATH=$(python -m eqx_offload typings --mypy) mypy train.py\n"
-        "OUT=/tmp/x bash bench/gpu_run.sh --platform cpu\n"
-        "python -m eqx_offload_other demo\n"
-        "```\n"
-        "```python\nprint('python -m eqx_offload demo')\n```\n"
-    )
+def test_extractors_are_not_blind_and_a_failing_block_or_stale_command_fails():
+    text = ("```bash\npython -m eqx_offload bench --out x \\\n    --modes baseline  # a comment\n"
+            ".venv/bin/python3 -m eqx_offload demo && eqx-offload plan --capacity\n"
+            "MYPYPATH=$(python -m eqx_offload typings --mypy) mypy train.py\n"
+            "OUT=/tmp/x bash bench/gpu_run.sh --platform cpu\npython -m eqx_offload_other demo\n"
+            "```\n```python\nprint('python -m eqx_offload demo')\n```\n")
     assert [argv for _, argv in shell_commands(text)] == [
         ["bench", "--out", "x", "--modes", "baseline"], ["demo"], ["plan", "--capacity"],
-        ["typings", "--mypy"], ["bench", "--platform", "cpu"],
-    ]
+        ["typings", "--mypy"], ["bench", "--platform", "cpu"]]
     ids = {_page_id(p) for p in _DOCUMENTS_WITH_COMMANDS}
     for document in ("README.md", "docs/getting-started.md", "docs/benchmark.md",
                      "docs/gpu-plan.md", "docs/typing.md"):
         assert document in ids, document
-    assert parse_command(["demo", "--steps", "3"]) == ""
-    assert parse_command(["bench", "--help"]) == ""
+    assert parse_command(["demo", "--steps", "3"]) == parse_command(["bench", "--help"]) == ""
     assert "invalid choice" in parse_command(["bench", "--modes", "no_such_mode"])
     assert "unrecognized arguments" in parse_command(["plan", "--no-such-option"])
     assert parse_command(["no_such_command"]) != ""
+    text = ("intro\n```python\nx = 1\n```\n\n!!! Example\n\n    ```python\n    y = x + 1\n"
+            "    ```\n\n```bash\nexit 1\n```\n```py\nraise SystemExit\n```\n")
+    assert [(lang, code) for _, lang, code in code_blocks(text)] == [
+        ("python", "x = 1"), ("python", "y = x + 1"), ("bash", "exit 1"),
+        ("py", "raise SystemExit")]
+    pages = {_page_id(p) for p in _PAGES_WITH_CODE}
+    for page in ("docs/index.md", "docs/getting-started.md", "docs/concepts.md",
+                 "docs/how-to/training-loop.md", "docs/how-to/select.md",
+                 "docs/how-to/gradient-accumulation.md"):
+        assert page in pages, page
+    for name in ("to_host", "offloaded", "filter_jit", "memory_report", "pattern"):
+        assert name in _DOCSTRINGS_WITH_CODE, name
+    with pytest.raises(AssertionError):
+        _run_blocks([(1, "assert 1 + 1 == 3")], "inline")

@@ -1,7 +1,5 @@
-"""The README: its "Training step" example is the recommended pattern, is
-`docs/examples/training_step.py` and runs (in a fresh process: it donates host-resident
-state); it keeps a front page's shape (short, code early, the CI command, GPU rows that
-say measured or plan)."""
+"""The README: its "Training step" example is the recommended pattern, is the example file
+and runs; it keeps a front page's shape (short, code early, the CI command, GPU rows)."""
 
 import os
 import pathlib
@@ -31,63 +29,40 @@ def training_step_blocks() -> list[str]:
                       flags=re.MULTILINE | re.DOTALL)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-W", "error", *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-
-def test_readme_has_the_training_step():
-    blocks = training_step_blocks()
-    assert len(blocks) == 1
-    code = blocks[0]
+def test_readme_has_the_training_step_of_the_example_file():
+    [code] = training_step_blocks()
     assert "eqx_offload.offloaded(optax.adamw(" in code
     assert '@eqx_offload.filter_jit(donate="all")' in code
     assert 'sharding.memory_kind == "pinned_host"' in code
-
-
-def test_readme_training_step_is_the_example_file():
-    assert training_step_blocks()[0] == EXAMPLE.read_text()
-
-
-@pytest.mark.slow
-def test_readme_training_step_runs():
-    process = _run("-c", "\n".join(training_step_blocks()))
-    assert process.returncode == 0, process.stderr[-6000:]
-    assert "pinned_host" in process.stdout  # the memory report it prints
+    assert code == EXAMPLE.read_text()
 
 
 @pytest.mark.slow
 def test_example_file_runs():
-    process = _run(str(EXAMPLE))
+    """In a fresh process (it donates host-resident state); the README's block is this file."""
+    process = subprocess.run([sys.executable, "-W", "error", str(EXAMPLE)], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert process.returncode == 0, process.stderr[-6000:]
-    assert "pinned_host" in process.stdout
+    assert "pinned_host" in process.stdout  # the memory report it prints
 
 
 def test_readme_is_a_front_page():
+    """Short, code early, the demo and CI commands, GPU rows that say measured or plan."""
     text = (ROOT / "README.md").read_text()
     assert len(text.split()) <= 1000
     assert len(text[:text.index("```")].split()) <= 300  # code within the first 300 words
     for name in ("master_weights", "host_weights", "scan_layers", "CHANGELOG.md"):
         assert name in text, name
     assert (ROOT / "CHANGELOG.md").is_file()
-
-
-def test_readme_quickstart_has_the_two_commands():
     section = _section("Quickstart")
     # the demo from a fresh clone, and the command CI runs (.ci/run execs it)
     assert ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[cli]" && '
             ".venv/bin/python -m eqx_offload demo") in section
-    assert "\nbash scripts/check.sh\n" in section
+    assert "\nbash scripts/check.sh\n" in section and "bash scripts/check.sh fast" in section
     assert "exec bash scripts/check.sh\n" in (ROOT / ".ci" / "run").read_text()
-    assert "bash scripts/check.sh fast" in section
-
-
-def test_readme_gpu_numbers_say_measured_or_plan():
-    rows = [line for line in _section("On a GPU").splitlines()
-            if line.startswith("|") and not line.startswith("| ---")]
-    header, *body = rows
-    assert header.rstrip(" |").endswith("kind")
-    assert len(body) >= 3
+    header, *body = [line for line in _section("On a GPU").splitlines()
+                     if line.startswith("|") and not line.startswith("| ---")]
+    assert header.rstrip(" |").endswith("kind") and len(body) >= 3
     for row in body:
         assert row.rstrip(" |").rsplit("|", 1)[-1].strip() in ("measured", "plan"), row

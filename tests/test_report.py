@@ -15,31 +15,23 @@ from eqx_offload import LeafMemory, memory_report, MemoryReport, pattern
 from eqx_offload._report import format_bytes
 
 
-def _tree() -> dict[str, Any]:
-    return {
-        "mu": {"w": jnp.ones((64, 32)), "b": jnp.ones(32, jnp.bfloat16)},  # 8192 + 64 bytes
-        "count": jnp.zeros((), jnp.int32),  # 4 bytes
-        "np": np.ones(3, np.float32),  # 12 bytes
-        "name": "adam", "none": None, "lr": 1e-3,
-        "unpinned": eqx_offload.to_host(jnp.ones(5, jnp.complex64), memory_kind="unpinned_host"),
-    }
-
-
 def test_by_kind_totals_and_leaves() -> None:
     """Bytes per kind (NumPy in neither total) and one row per array leaf."""
-    report = memory_report(eqx_offload.to_host(_tree(), where=pattern("mu/w")))
+    tree = {"mu": {"w": jnp.ones((64, 32)), "b": jnp.ones(32, jnp.bfloat16)},  # 8192 + 64 B
+            "count": jnp.zeros((), jnp.int32), "np": np.ones(3, np.float32),  # 4 B, 12 B
+            "name": "adam", "none": None, "lr": 1e-3,
+            "unpinned": eqx_offload.to_host(jnp.ones(5, jnp.complex64),
+                                            memory_kind="unpinned_host")}
+    report = memory_report(eqx_offload.to_host(tree, where=pattern("mu/w")))
     assert isinstance(report, MemoryReport)
-    assert report.by_kind == {"pinned_host": 8192, "device": 64 + 4, "numpy": 12,
-                              "unpinned_host": 40}
-    assert (report.device_bytes, report.host_bytes) == (68, 8192 + 40)
-    assert report.total_bytes == 8192 + 64 + 4 + 12 + 40
+    assert report.by_kind == {"pinned_host": 8192, "device": 68, "numpy": 12, "unpinned_host": 40}
+    assert (report.device_bytes, report.host_bytes, report.total_bytes) == (68, 8192 + 40, 8312)
     assert report.leaves == (
         LeafMemory("count", "device", 4, (), "int32"),
         LeafMemory("mu/b", "device", 64, (32,), "bfloat16"),
         LeafMemory("mu/w", "pinned_host", 8192, (64, 32), "float32"),
         LeafMemory("np", "numpy", 12, (3,), "float32"),
-        LeafMemory("unpinned", "unpinned_host", 40, (5,), "complex64"),
-    )
+        LeafMemory("unpinned", "unpinned_host", 40, (5,), "complex64"))
 
 
 def test_optax_state_paths() -> None:
@@ -58,9 +50,8 @@ def test_bare_array_empty_tree_and_sharded() -> None:
     assert report.leaves == (LeafMemory("", "device", 16, (4,), "float32"),)
     assert "<root>" in str(report)
     empty = memory_report({"a": None, "b": "x"})
-    assert empty.by_kind == {} and empty.leaves == ()
+    assert empty.by_kind == {} and empty.leaves == () and "0 B" in str(empty)
     assert empty.device_bytes == empty.host_bytes == empty.total_bytes == 0
-    assert "0 B" in str(empty)
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data", None)))
     report = memory_report({"w": eqx_offload.to_host(x)})
@@ -69,12 +60,11 @@ def test_bare_array_empty_tree_and_sharded() -> None:
 
 def test_abstract_leaves_count_where_their_sharding_says() -> None:
     """Abstract leaves count under their sharding's kind, or as unplaced."""
-    device = jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    host = device.with_memory_kind("pinned_host")
     tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2),
             "host": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=host),
-            "on_device": jax.ShapeDtypeStruct((2,), jnp.int32,
-                                              sharding=jax.sharding.SingleDeviceSharding(device)),
+            "on_device": jax.ShapeDtypeStruct((2,), jnp.int32, sharding=device),
             "text": "not an array"}
     report = memory_report(tree)
     assert [leaf.path for leaf in report.leaves] == ["abstract", "host", "on_device", "x"]
