@@ -1,16 +1,8 @@
-"""The test suite's one vocabulary, imported by every test module that needs it:
-
-- bitwise comparison: `assert_tree_equal`, `tree_difference`, `tree_bits`, `hex_bits`
-  (for results a subprocess sends back as JSON);
-- parameters and gradients: `committed`, `make_params`, `make_grads`;
-- where leaves live: `assert_placed` (the expected placement of a state), `memory_kinds`
-  (what is), `kind_list`, `unwrap`;
-- calling past the runtime type checks: `unchecked`;
-- counting compilations: `count_compiles`;
-- walking programs: `walk_eqns`;
-- a model of layers stacked with `eqx.filter_vmap` and scanned: `Stacked`;
-- the marks of a module that needs the GPU compiler: `gpu_plan_marks`.
-"""
+"""The test suite's one vocabulary: bitwise comparison (`assert_tree_equal`, `tree_bits`,
+`hex_bits` for JSON out of a subprocess), parameters and gradients (`committed`,
+`make_params`, `make_grads`), where leaves live (`assert_placed`, `memory_kinds`,
+`kind_list`, `unwrap`), `unchecked`, `count_compiles`, `walk_eqns`, a scanned `Stacked`
+model, `gpu_plan_marks`, MultiSteps' updates and a donated training step."""
 
 import contextlib
 from collections.abc import Callable, Iterator
@@ -26,6 +18,7 @@ import pytest
 import eqx_offload
 from eqx_offload import _deviceless, OffloadedState
 from eqx_offload._leaves import path_to_str
+from jax.extend.core import jaxprs_in_params
 
 
 def _is_array(x: Any) -> bool:
@@ -33,40 +26,30 @@ def _is_array(x: Any) -> bool:
 
 
 def _bits(x: Any) -> bytes:
-    """The raw bytes of an array (read on the host: no arithmetic on host-resident
-    arrays); typed PRNG keys by their key data."""
+    """The raw bytes of an array (read on the host); typed PRNG keys by their key data."""
     if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.ascontiguousarray(np.asarray(x)).tobytes()
 
 
 def tree_bits(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
-    """Path, dtype, shape and raw bytes of every array leaf: compare two of these with
-    `==` for bitwise equality (NaN payloads and -0.0 count)."""
-    return [
-        (jtu.keystr(p), str(x.dtype), tuple(x.shape), _bits(x))
-        for p, x in jtu.tree_flatten_with_path(tree)[0]
-        if _is_array(x)
-    ]
+    """Path, dtype, shape and raw bytes of every array leaf: `==` of two is bitwise equality."""
+    return [(jtu.keystr(p), str(x.dtype), tuple(x.shape), _bits(x))
+            for p, x in jtu.tree_flatten_with_path(tree)[0] if _is_array(x)]
 
 
 def hex_bits(tree: Any) -> list[str]:
-    """The raw bytes of every array leaf (as `tree_bits`), in hex: what JSON can carry
-    out of a subprocess; equal lists mean bitwise equal leaves."""
+    """`tree_bits`' raw bytes in hex: what JSON carries out of a subprocess."""
     return [raw.hex() for *_, raw in tree_bits(tree)]
 
 
 def unchecked(f: Callable[..., Any]) -> Callable[..., Any]:
-    """`f` without the jaxtyping/beartype wrapper that the pytest hook adds, to reach the
-    library's own checks with values the type hints forbid (as a user without the hook
-    would)."""
+    """`f` without the pytest hook's jaxtyping/beartype wrapper (as a user calls it)."""
     return getattr(f, "__wrapped__", f)
 
 
 def walk_eqns(jaxpr: Any) -> Iterator[Any]:
     """Every equation of a jaxpr (a `Jaxpr` or `ClosedJaxpr`), at any depth."""
-    from jax.extend.core import jaxprs_in_params
-
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         yield eqn
         for sub in jaxprs_in_params(eqn.params):
@@ -74,12 +57,9 @@ def walk_eqns(jaxpr: Any) -> Iterator[Any]:
 
 
 def tree_difference(a: Any, b: Any) -> Optional[str]:
-    """`None` if `a` and `b` are equal pytrees, else a description of the first difference.
-
-    Equal means: the same tree structure (including NamedTuple / `eqx.Module` types and
-    static fields); at every array leaf (JAX or NumPy, the two are interchangeable) the
-    same dtype, shape and bytes (so NaN payloads and -0.0 count); at every other leaf
-    the same type and `==`."""
+    """`None` if `a` and `b` are equal pytrees, else the first difference: the same structure
+    (node types, static fields), array leaves (JAX or NumPy) of the same dtype, shape and
+    bytes (NaN payloads and -0.0 count), other leaves of the same type and `==`."""
     leaves_a, def_a = jtu.tree_flatten_with_path(a)
     leaves_b, def_b = jtu.tree_flatten_with_path(b)
     if def_a != def_b:
@@ -110,13 +90,9 @@ def assert_tree_equal(a: Any, b: Any) -> None:
 
 
 def memory_kinds(tree: Any) -> dict[str, str]:
-    """`{path: memory kind}` for every `jax.Array` leaf of `tree` (paths as
-    `eqx_offload` writes them, `"<root>"` for a bare array)."""
-    return {
-        path_to_str(path) or "<root>": leaf.sharding.memory_kind
-        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
-        if isinstance(leaf, jax.Array)
-    }
+    """`{path: memory kind}` of every `jax.Array` leaf (`"<root>"` for a bare array)."""
+    return {path_to_str(path) or "<root>": leaf.sharding.memory_kind
+            for path, leaf in jtu.tree_flatten_with_path(tree)[0] if isinstance(leaf, jax.Array)}
 
 
 def kind_list(tree: Any) -> list[str]:
@@ -125,8 +101,7 @@ def kind_list(tree: Any) -> list[str]:
 
 
 def committed(x: Any, dtype: Any = np.float32) -> jax.Array:
-    """`x` on the default device, committed: a jitted update then compiles once (an
-    uncommitted first argument compiles twice)."""
+    """`x` committed to the default device (an uncommitted first argument compiles twice)."""
     return jax.device_put(np.asarray(x, dtype), jax.devices()[0])
 
 
@@ -163,8 +138,7 @@ def make_grads(params: Any, step: int, nonfinite: bool = False) -> Any:
 
 
 def _path(path: Any) -> str:
-    """A key path as the docs say a `Filter` sees it (dict keys, sequence indices and
-    attribute names joined by `/`), written here independently of the package."""
+    """A key path as the docs say a `Filter` sees it, independently of the package."""
     return "/".join(str(next(getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)))
                     for k in path)
 
@@ -180,10 +154,8 @@ def _selects(where: Any, leaf: Any, path: str) -> bool:
 
 
 def assert_placed(tree: Any, where: Any = None, kind: str = "pinned_host") -> None:
-    """Each array leaf inside an `OffloadedState` that `where` selects (default
-    `min_ndim(1)`; a bool, a callable, or a `Filter` given the path inside the state) is
-    in `kind`, every other array leaf of `tree` in device memory. Never selected:
-    `offloaded(MultiSteps)`'s accumulator `acc_grads` and a line search's `grad`."""
+    """Each array leaf inside an `OffloadedState` that `where` (default `min_ndim(1)`) selects
+    is in `kind`, every other one on the device; never selected: `acc_grads` and `grad`."""
     def visit(tree: Any, inside: bool) -> None:
         is_state = lambda x: isinstance(x, OffloadedState)  # noqa: E731
         for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
@@ -205,19 +177,16 @@ def unwrap(tree: Any) -> Any:
                         tree, is_leaf=lambda x: isinstance(x, OffloadedState))
 
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
 @contextlib.contextmanager
 def count_compiles(fun_name: Optional[str] = None) -> Iterator[list[str]]:
-    """The names of the XLA compilations inside the block, from JAX's public monitoring
-    events (`jax.monitoring`); with `fun_name`, only those of functions of that name
-    (`eqx_offload.filter_jit` names its executables after the function it wraps)."""
+    """The names of the XLA compilations inside the block (from `jax.monitoring`); with
+    `fun_name`, only those of functions of that name."""
     names: list[str] = []
 
     def listener(event: str, duration: float, **kwargs: Any) -> None:
         name = str(kwargs.get("fun_name"))  # JAX (0.10) says "jit(f)" for a function f
-        if event == BACKEND_COMPILE_EVENT and fun_name in (None, name, name[4:-1]):
+        compiled = event == "/jax/core/compile/backend_compile_duration"
+        if compiled and fun_name in (None, name, name[4:-1]):
             names.append(name)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -228,8 +197,7 @@ def count_compiles(fun_name: Optional[str] = None) -> Iterator[list[str]]:
 
 
 class Stacked(eqx.Module):
-    """`depth` layers stacked with `eqx.filter_vmap` (one `(depth, width, width)` weight
-    leaf and one `(depth, width)` bias leaf for all of them), run with `lax.scan`."""
+    """`depth` layers stacked with `eqx.filter_vmap` (one weight, one bias leaf), scanned."""
 
     layers: eqx.nn.Linear
 
@@ -247,12 +215,8 @@ class Stacked(eqx.Module):
 
 
 def gpu_plan_marks() -> list[Any]:
-    """`pytestmark` of a module of GPU-plan tests: `once` (the plan does not depend on
-    the JAX version under test, and the plugin is installed in the newest environment
-    only, scripts/check.sh) and, where the GPU compiler is missing, a skip with its
-    install command. A mark, not a module-level `pytest.skip`: it is evaluated for the
-    selected tests only, so a run that deselects `once` (the oldest environment's)
-    collects none of the module's tests and reports no skip."""
+    """The marks of a GPU-plan test: `once` (the plugin is in the newest environment only)
+    and, without the GPU compiler, a skip naming its install command."""
     try:
         _deviceless.check_available()
     except eqx_offload.PlanError as error:
@@ -260,13 +224,12 @@ def gpu_plan_marks() -> list[Any]:
     return [pytest.mark.once]
 
 
-def assert_multi_steps_updates(expected: Any, got: Any) -> None:
-    """`offloaded(optax.MultiSteps(...))`'s updates against plain `MultiSteps`': bit for
-    bit on a mini-step that applies the inner update, else `+0.0` everywhere where
-    `MultiSteps` gives `0 * u` for the update `u` it computes and discards (`-0.0` or
-    `+0.0`, NaN where `u` is not finite; docs/how-to/gradient-accumulation.md)."""
-    if tree_difference(expected, got) is None:
-        return
+def assert_multi_steps_updates(expected: Any, got: Any, applied: Optional[bool] = None) -> None:
+    """`offloaded(MultiSteps)`'s updates against `MultiSteps`': bitwise on a mini-step that
+    applies (`applied=None`: either), else `+0.0` where `MultiSteps` gives `0 * u` for the
+    update `u` it discards (`±0.0`, NaN where `u` is not finite)."""
+    if applied or (applied is None and tree_equal(expected, got)):
+        return assert_tree_equal(expected, got)
     assert jtu.tree_structure(expected) == jtu.tree_structure(got)
     for a, b in zip(jtu.tree_leaves(expected), jtu.tree_leaves(got), strict=True):
         a, b = np.asarray(a), np.asarray(b)

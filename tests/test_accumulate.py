@@ -12,10 +12,8 @@ import optax
 import pytest
 
 import eqx_offload
-from helpers import assert_tree_equal, donated_step, gpu_plan_marks, walk_eqns
-
-
-K = 3
+from helpers import (assert_multi_steps_updates, assert_tree_equal, donated_step, gpu_plan_marks,
+                     walk_eqns)
 
 
 def _params() -> dict[str, jax.Array]:
@@ -31,28 +29,9 @@ def _grads(params: Any, i: int) -> Any:
 
 
 def _multi(schedule: str, skip: bool) -> optax.MultiSteps:
-    every_k = K if schedule == "int" else (lambda step: jnp.where(step < 1, 2, K))
+    every_k = 3 if schedule == "int" else (lambda step: jnp.where(step < 1, 2, 3))
     return optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=every_k,
                             should_skip_update_fn=optax.skip_not_finite if skip else None)
-
-
-def _offloaded(multi: optax.MultiSteps, accumulator: str) -> Any:
-    return eqx_offload.offloaded(multi, accumulator=accumulator)
-
-
-def _assert_updates(plain: Any, got: Any, applied: bool) -> None:
-    """Bit for bit on a mini-step that applies the inner update. On any other, `+0.0`
-    everywhere, where MultiSteps gives `0 * u` for the inner update `u` it computes and
-    discards: `±0.0`, or NaN where `u` is not finite (`test_nan_mini_step_without_skip`)."""
-    if applied:
-        assert_tree_equal(plain, got)
-        return
-    assert jax.tree.structure(plain) == jax.tree.structure(got)
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(got)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert np.all(b == 0) and not np.signbit(b).any(), b  # +0.0 everywhere
-        assert np.all((a == 0) | np.isnan(a)), a
 
 
 def _assert_placement(state: Any, accumulator: str) -> None:
@@ -77,7 +56,7 @@ def _assert_placement(state: Any, accumulator: str) -> None:
 ])
 def test_bitwise_multi_steps(accumulator, mode, schedule, skip):
     plain, multi = _multi(schedule, skip), _multi(schedule, skip)
-    opt = _offloaded(multi, accumulator)
+    opt = eqx_offload.offloaded(multi, accumulator=accumulator)
     plain_update, update = plain.update, opt.update
     if mode == "jit":
         plain_update, update = jax.jit(plain_update), eqx_offload.filter_jit(update)
@@ -91,13 +70,12 @@ def test_bitwise_multi_steps(accumulator, mode, schedule, skip):
         plain_updates, plain_state = plain_update(grads, plain_state, plain_params)
         updates, state = update(grads, state, params)
         # The whole state, leaf for leaf, and its fields as users read them.
-        assert_tree_equal(plain_state, state.inner_state)
-        assert_tree_equal(plain_state.mini_step, state.mini_step)
-        assert_tree_equal(plain_state.gradient_step, state.gradient_step)
-        assert_tree_equal(plain_state.acc_grads, state.acc_grads)
+        assert_tree_equal(
+            (plain_state, plain_state.mini_step, plain_state.gradient_step, plain_state.acc_grads),
+            (state.inner_state, state.mini_step, state.gradient_step, state.acc_grads))
         _assert_placement(state, accumulator)
         applied.append(int(plain_state.gradient_step) > gradient_step)
-        _assert_updates(plain_updates, updates, applied[-1])
+        assert_multi_steps_updates(plain_updates, updates, applied[-1])
         if not applied[-1]:
             negative_zeros += sum(int(np.signbit(u).sum()) for u in jax.tree.leaves(plain_updates))
         assert bool(plain.has_updated(state)) == bool(plain.has_updated(plain_state))
@@ -105,14 +83,12 @@ def test_bitwise_multi_steps(accumulator, mode, schedule, skip):
         params = optax.apply_updates(params, updates)
         assert_tree_equal(plain_params, params)  # (no parameter is -0.0)
     assert sum(applied) >= 2  # the test applies the inner update more than once
-    assert negative_zeros  # MultiSteps' -0.0, which `_assert_updates` tells from +0.0
+    assert negative_zeros  # MultiSteps' -0.0, told from +0.0 by `assert_multi_steps_updates`
 
 
 def test_nan_mini_step_without_skip():
-    # Without `should_skip_update_fn`, a NaN gradient makes MultiSteps' discarded inner
-    # update NaN, so its updates (and the parameters they are applied to) are NaN from
-    # that mini-step on; `offloaded(MultiSteps)` gives +0.0 until the applying mini-step,
-    # which is NaN in both. The state is the same throughout, bit for bit.
+    """Without `should_skip_update_fn` a NaN gradient makes MultiSteps' updates NaN; the
+    offloaded ones are +0.0 until the applying mini-step, NaN in both; states bitwise."""
     plain, opt = _multi("int", False), eqx_offload.offloaded(_multi("int", False))
     params = _params()
     plain_state, state = plain.init(params), opt.init(params)
@@ -123,32 +99,30 @@ def test_nan_mini_step_without_skip():
         assert_tree_equal(plain_state, state.inner_state)
         if i == 4:
             assert np.isnan(plain_updates["b"]).any()
-            _assert_updates(plain_updates, updates, applied=False)
+            assert_multi_steps_updates(plain_updates, updates, applied=False)
     assert int(state.gradient_step) == 1 and np.isnan(updates["b"]).any()
     assert_tree_equal(plain_updates, updates)
 
 
 def test_gradient_transformation_form_and_extra_args():
-    # `MultiSteps(...).gradient_transformation()` is recognised too; extra arguments
-    # reach the inner optimizer (`optax.contrib.reduce_on_plateau` reads `value`).
+    """`MultiSteps(...).gradient_transformation()` is recognised; extra arguments reach the
+    inner optimizer (`reduce_on_plateau` reads `value`)."""
     inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1))
     plain = optax.MultiSteps(inner, every_k_schedule=2)
     opt = eqx_offload.offloaded(optax.MultiSteps(inner, 2).gradient_transformation())
     params = _params()
     plain_state, state = plain.init(params), opt.init(params)
     assert type(state.inner_state).__name__ == "MultiStepsState"
+    value = jnp.asarray(1.0)
     for i in range(4):
         grads = _grads(params, i)
-        plain_updates, plain_state = jax.jit(plain.update)(grads, plain_state, params,
-                                                           value=jnp.asarray(1.0))
-        updates, state = eqx_offload.filter_jit(opt.update)(grads, state, params,
-                                                            value=jnp.asarray(1.0))
+        _, plain_state = jax.jit(plain.update)(grads, plain_state, params, value=value)
+        _, state = eqx_offload.filter_jit(opt.update)(grads, state, params, value=value)
         assert_tree_equal(plain_state, state.inner_state)
 
 
 def test_state_crosses_only_in_the_applying_branch():
-    # In the traced update every copy of the inner state (and every computation on it)
-    # is inside a `cond` branch: outside, host values are only passed along.
+    """Every copy of the inner state (and computation on it) is inside a `cond` branch."""
     opt = eqx_offload.offloaded(_multi("int", True))
     params = _params()
     jaxpr = jax.make_jaxpr(opt.update)(_grads(params, 0), opt.init(params), params).jaxpr
@@ -196,8 +170,7 @@ def test_host_dtype_narrows_the_inner_state():
 
 
 def test_other_modes_keep_the_whole_wrapper_offloaded():
-    # `compute="host"` and streaming (`group_bytes=N`) wrap the whole `MultiSteps` as
-    # any transformation: its accumulator is offloaded too.
+    """`compute="host"` and `group_bytes=N` offload the whole `MultiSteps`, accumulator too."""
     for options in ({"compute": "host"}, {"group_bytes": 1 << 20}):
         opt = eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2), **options)
         state = opt.init(_params())
@@ -219,34 +192,30 @@ def test_accumulator_option_errors(inner, options):
 # ------------------------------------------------------------------------------ GPU plan
 
 
-def _mlp_step(optimizer: Any, k: int, scan: bool) -> tuple[Any, tuple[Any, ...], Any]:
-    """A donated step of a small MLP: one mini-step of `optimizer`, or (`scan`) `k`
-    micro-batches scanned and one update; its arguments; its optimizer state."""
+def _plan(optimizer: Any, k: int = 4, scan: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    """The GPU plan of a donated step of a small MLP (one mini-step of `optimizer`, or with
+    `scan` `k` micro-batches scanned and one update), and the step's arguments."""
     model = eqx.nn.MLP(256, 256, 256, 2, key=jax.random.key(0))
-    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step, args = donated_step(optimizer, model, jnp.ones((32, 256)))
+    if scan:
+        def grads_of(model: Any, x: Any) -> Any:
+            return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
 
-    def grads_of(model: Any, x: Any) -> Any:
-        return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-
-    @eqx_offload.filter_jit(donate="all")
-    def step(model, state, x):
-        if scan:
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
             zero = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_array))
             grads, _ = jax.lax.scan(
                 lambda acc, xi: (jax.tree.map(jnp.add, acc, grads_of(model, xi)), None), zero, x)
             grads = jax.tree.map(lambda g: g / k, grads)
-        else:
-            grads = grads_of(model, x)
-        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state
+            updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
 
-    x = jnp.ones((k, 32, 256) if scan else (32, 256))
-    return step, (model, state, x), state
+        args = (model, args[1], jnp.ones((k, 32, 256)))
+    return eqx_offload.gpu_plan(step, *args, target="h100"), args
 
 
 def _host_bytes(state: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(state)
-               if x.sharding.memory_kind == "pinned_host")
+    return sum(x.nbytes for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host")
 
 
 def _plan_marks(test: Any) -> Any:
@@ -255,19 +224,19 @@ def _plan_marks(test: Any) -> Any:
     return test
 
 
+def _multi_steps(**options: Any) -> Any:
+    return eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4), **options)
+
+
 @pytest.mark.parametrize("idiom", ["multi_steps", "scan"])
 @_plan_marks
 def test_plan_state_crosses_once_per_optimizer_step(idiom):
-    k = 4
-    if idiom == "multi_steps":
-        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=k))
-    else:
-        opt = eqx_offload.offloaded(optax.adamw(1e-3))
-    step, args, state = _mlp_step(opt, k, idiom == "scan")
-    plan = eqx_offload.gpu_plan(step, *args, target="h100")
-    state_bytes = _host_bytes(state)
+    scan = idiom == "scan"
+    plan, args = _plan(eqx_offload.offloaded(optax.adamw(1e-3)) if scan else _multi_steps(),
+                       scan=scan)
+    state_bytes = _host_bytes(args[1])
     assert plan.copies
-    runs = 1 if idiom == "scan" else k  # steps of the program per optimizer step
+    runs = 1 if scan else 4  # steps of the program per optimizer step
     for direction in ("to_device", "to_host"):
         copies = plan.copies_to(direction)
         if idiom == "multi_steps":  # every copy in the applying branch: once per k
@@ -279,15 +248,10 @@ def test_plan_state_crosses_once_per_optimizer_step(idiom):
 
 @_plan_marks
 def test_plan_host_accumulator_sends_gradients_once():
-    # `accumulator="host"`: every mini-step sends its gradients to host once (and the
-    # two scalars the host's addition reads: the mini-step counter and whether it
-    # applies); nothing comes back. The applying branch brings the inner state and the
-    # sum to the device and the inner state back.
-    opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4),
-                                accumulator="host")
-    step, args, state = _mlp_step(opt, 4, False)
-    plan = eqx_offload.gpu_plan(step, *args, target="h100")
-    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
+    """`accumulator="host"`: each mini-step sends its gradients (and two scalars) to host,
+    nothing back; the applying branch brings the inner state and the sum in, the state out."""
+    plan, (model, state, _) = _plan(_multi_steps(accumulator="host"))
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     inner_bytes = _host_bytes(state.inner_state.inner_opt_state)
     acc_bytes = _host_bytes(state.inner_state.acc_grads)
     assert acc_bytes == grad_bytes
@@ -304,15 +268,9 @@ def test_plan_host_accumulator_sends_gradients_once():
 
 @_plan_marks
 def test_plan_applying_branch_is_streamed():
-    # Compiled for a GPU, the applying branch streams the inner state in groups, as the
-    # default `offloaded` update does: a lower device peak than the whole state at once
-    # (`group_bytes=None`), for the same bytes each way.
-    plans = {}
-    for group_bytes in ("auto", None):
-        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=4),
-                                    group_bytes=group_bytes)
-        step, args, _ = _mlp_step(opt, 4, False)
-        plans[group_bytes] = eqx_offload.gpu_plan(step, *args, target="h100")
+    """For a GPU the applying branch streams the inner state: a lower device peak than the
+    whole state at once (`group_bytes=None`), the same bytes each way."""
+    plans = {g: _plan(_multi_steps(group_bytes=g))[0] for g in ("auto", None)}
     assert plans["auto"].device_peak_bytes < plans[None].device_peak_bytes
     for direction in ("to_device", "to_host"):
         assert plans["auto"].bytes_moved(direction) == plans[None].bytes_moved(direction)

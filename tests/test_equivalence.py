@@ -29,9 +29,8 @@ import eqx_offload
 LR = 0.1
 STEPS = 3
 
+
 # ------------------------------------------------------------------------ the optimizers
-
-
 def _loss(params: Any) -> jax.Array:
     return sum(jnp.sum(jnp.abs(x) ** 2) for x in jtu.tree_leaves(params))
 
@@ -58,59 +57,32 @@ def _multi_steps(inner: Any) -> optax.GradientTransformation:
     return optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
 
 
-def _no_extra(params: Any) -> dict[str, Any]:
-    return {}
-
-
-Make = Callable[[Callable[[Any], Any]], optax.GradientTransformation]
-# name -> (the optimizer with `wrap` where `offloaded` goes, extra `update` arguments,
-# whether it takes complex params). `wrap=identity` is the unwrapped optimizer.
-OPTIMIZERS: dict[str, tuple[Make, Callable[[Any], dict[str, Any]], bool]] = {}
-
-
-def _add(name: str, make: Make, extra: Callable[[Any], dict[str, Any]] = _no_extra,
-         complex_ok: bool = True) -> None:
-    OPTIMIZERS[name] = (make, extra, complex_ok)
-
-
-for _name, _factory in {
-    "adabelief": lambda: optax.adabelief(LR), "adadelta": lambda: optax.adadelta(LR),
-    "adafactor": lambda: optax.adafactor(LR), "adagrad": lambda: optax.adagrad(LR),
-    "adam": lambda: optax.adam(LR), "adamax": lambda: optax.adamax(LR),
-    "adamaxw": lambda: optax.adamaxw(LR), "adamw": lambda: optax.adamw(LR),
-    "adan": lambda: optax.adan(LR), "amsgrad": lambda: optax.amsgrad(LR),
-    "fromage": lambda: optax.fromage(LR), "lamb": lambda: optax.lamb(LR),
-    "lars": lambda: optax.lars(LR), "lion": lambda: optax.lion(LR),
-    "nadam": lambda: optax.nadam(LR), "nadamw": lambda: optax.nadamw(LR),
+# The optax aliases, with the learning rate `LR` (test_every_optax_alias_is_covered).
+ALIASES: dict[str, Callable[[], optax.GradientTransformation]] = {
+    **{name: functools.partial(getattr(optax, name), LR) for name in [
+        "adabelief", "adadelta", "adafactor", "adagrad", "adam", "adamax", "adamaxw", "adamw",
+        "adan", "amsgrad", "fromage", "lamb", "lars", "lion", "nadam", "nadamw", "novograd",
+        "optimistic_adam_v2", "optimistic_gradient_descent", "radam", "sign_sgd", "signum",
+        "yogi", "rprop", "sm3", "lbfgs"]},
+    **{f"contrib.{name}": functools.partial(getattr(optax.contrib, name), LR) for name in [
+        "muon", "ademamix", "schedule_free_adamw", "adopt", "prodigy"]},
     "noisy_sgd": lambda: optax.noisy_sgd(LR, key=jax.random.key(0)),
-    "novograd": lambda: optax.novograd(LR), "optimistic_adam": _optimistic_adam,
-    "optimistic_adam_v2": lambda: optax.optimistic_adam_v2(LR),
-    "optimistic_gradient_descent": lambda: optax.optimistic_gradient_descent(LR),
-    "radam": lambda: optax.radam(LR), "rmsprop": lambda: optax.rmsprop(LR, momentum=0.9),
-    "sgd": lambda: optax.sgd(LR, momentum=0.9), "sign_sgd": lambda: optax.sign_sgd(LR),
-    "signum": lambda: optax.signum(LR), "yogi": lambda: optax.yogi(LR),
-    "contrib.muon": lambda: optax.contrib.muon(LR),
-    "contrib.ademamix": lambda: optax.contrib.ademamix(LR),
-    "contrib.schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(LR),
+    "optimistic_adam": _optimistic_adam, "polyak_sgd": lambda: optax.polyak_sgd(),
+    "rmsprop": lambda: optax.rmsprop(LR, momentum=0.9), "sgd": lambda: optax.sgd(LR, momentum=0.9),
+}
+VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd_nesterov": lambda: optax.sgd(LR, momentum=0.9, nesterov=True),
     "schedule_adam": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10)),
     "clip_then_adamw_masked": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(
         LR, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: jnp.ndim(x) > 1, p))),
     "inject_hyperparams(adam)": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=LR),
     "chain(adam, clip)": lambda: optax.chain(optax.adam(LR), optax.clip_by_global_norm(1.0)),
-}.items():
-    _add(_name, lambda w, f=_factory: w(f()))
-# Clipping ones and sm3 reject complex params (prodigy casts them to real, with a JAX
-# DeprecationWarning: not supported); sm3 rejects 0-d ones.
-for _name, _factory in {"rprop": lambda: optax.rprop(LR), "sm3": lambda: optax.sm3(LR),
-                        "contrib.adopt": lambda: optax.contrib.adopt(LR),
-                        "contrib.prodigy": lambda: optax.contrib.prodigy(LR)}.items():
-    _add(_name, lambda w, f=_factory: w(f()), complex_ok=False)
-_add("lbfgs", lambda w: w(optax.lbfgs(LR)), _lbfgs_extra)
-_add("polyak_sgd", lambda w: w(optax.polyak_sgd()), lambda p: {"value": _loss(p)})
-_add("extra_arg", lambda w: w(optax.chain(optax.adam(LR), _scale_by_arg())),
-     lambda p: {"factor": jnp.float32(3.0)})
-
+    "extra_arg": lambda: optax.chain(optax.adam(LR), _scale_by_arg()),
+}
+EXTRA: dict[str, Callable[[Any], dict[str, Any]]] = {  # extra `update` arguments
+    "lbfgs": _lbfgs_extra, "polyak_sgd": lambda p: {"value": _loss(p)},
+    "extra_arg": lambda p: {"factor": jnp.float32(3.0)}}
+Make = Callable[[Callable[[Any], Any]], optax.GradientTransformation]
 LABELS = {"embed": "a", "layer": {"w": "a", "b": "b"}, "scale": "b"}
 MASK = {"embed": True, "layer": {"w": False, "b": True}, "scale": True}
 COMPOSITIONS: dict[str, Make] = {
@@ -143,8 +115,18 @@ COMPOSITIONS: dict[str, Make] = {
     # has `filter_jit` reject it
     "MultiSteps(offloaded(adamw))": lambda w: _multi_steps(w(optax.adamw(LR))),
 }
-for _name, _make in COMPOSITIONS.items():
-    _add(_name, _make, complex_ok=False)  # (the masks and labels name no complex leaf)
+# Clipping ones and sm3 reject complex params (prodigy casts them to real, with a JAX
+# DeprecationWarning: not supported); sm3 rejects 0-d ones; the masks and labels of the
+# compositions name no complex leaf.
+REAL_ONLY = {"rprop", "sm3", "contrib.adopt", "contrib.prodigy", *COMPOSITIONS}
+
+
+def _make(name: str, wrap: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """Optimizer `name` with `wrap` where `offloaded` goes (the identity: unwrapped)."""
+    if name in COMPOSITIONS:
+        return COMPOSITIONS[name](wrap)
+    return wrap({**ALIASES, **VARIANTS}[name]())
+
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "auto": {}, "whole": {"group_bytes": None},
@@ -156,8 +138,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "host_dtype": {"host_dtype": jnp.bfloat16},
     "host_dtype_streamed": {"host_dtype": jnp.bfloat16, "group_bytes": 0},
 }
-# The per-leaf optimizers (and global statistics of the gradients, which need no state):
-# all stream and run on host.
+# The per-leaf optimizers (and global statistics of the gradients): stream and run on host.
 STREAMABLE = ["adam", "adamw", "lion", "sgd", "sgd_nesterov", "rmsprop", "adagrad", "nadam",
               "amsgrad", "adafactor", "lamb", "clip_then_adamw_masked", "schedule_adam",
               "inject_hyperparams(adam)", "extra_arg"]
@@ -174,9 +155,6 @@ def _case(name: str, strategy: str, mode: str, layout: str = "one") -> Any:
                         id=f"{name}-{strategy}-{mode}-{layout}")
 
 
-ALIASES = [n for n in OPTIMIZERS if n not in COMPOSITIONS and n not in (
-    "sgd_nesterov", "schedule_adam", "clip_then_adamw_masked", "inject_hyperparams(adam)",
-    "extra_arg", "chain(adam, clip)")]
 CASES = [
     *[_case(n, "auto", m) for n in sorted(ALIASES) for m in ("eager", "jax.jit")],
     *[_case(n, s, "jax.jit") for n in STREAMABLE for s in ("streamed", "streamed_4KiB", "host")],
@@ -198,11 +176,8 @@ CASES = [
 
 
 # ------------------------------------------------------------------------ the harness
-
-
 def _narrowed(state: Any, dtype: Any) -> Any:
-    """What `host_dtype` keeps of a state: floating leaves of >= 1 dimension (the
-    default `where`) wider than `dtype`, in `dtype`."""
+    """What `host_dtype` keeps of a state: floating leaves of >= 1 dimension, in `dtype`."""
     def cut(x: Any) -> Any:
         wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > jnp.dtype(dtype).itemsize
         return x.astype(dtype) if isinstance(x, jax.Array) and x.ndim and wider else x
@@ -214,9 +189,8 @@ def _widened(state: Any, like: Any) -> Any:
 
 
 def _emulation(inner: optax.GradientTransformation, params: Any, dtype: Any) -> Any:
-    """`inner.update` on a state kept in `dtype`: widened to `inner.init`'s dtypes,
-    updated, narrowed (one program under `jit`, as in `offloaded`: XLA contracts
-    multiply-adds by program, so a rounding outside the program could differ in bits)."""
+    """`inner.update` on a state kept in `dtype`: widened, updated, narrowed (one program
+    under `jit`, as in `offloaded`: XLA contracts multiply-adds by program)."""
     like = inner.init(params)
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
@@ -234,21 +208,14 @@ def _sharded_params(layout: str) -> dict[str, jax.Array]:
 
 
 def _assert_shards(ref: Any, tree: Any, params: dict[str, jax.Array]) -> None:
-    """Every shard of every leaf holds the reference's values (replicas included), and
-    the state leaves keep their parameter's sharding."""
+    """Every shard (replicas included) holds the reference's values; each state leaf has its
+    parameter's sharding."""
     specs = {p.shape: p.sharding.spec for p in params.values()}
     for r, x in zip(jtu.tree_leaves(ref), jtu.tree_leaves(tree), strict=True):
         if x.ndim:
             assert x.sharding.spec == specs[x.shape], (x.sharding, specs)
             for shard in x.addressable_shards:
                 assert np.array_equal(np.asarray(shard.data), np.asarray(r)[shard.index])
-
-
-def _assert_updates_equal(name: str, expected: Any, got: Any) -> None:
-    """Bitwise; for `offloaded(MultiSteps(...))`, +0.0 where MultiSteps discards `0 * u`."""
-    if name.startswith("offloaded(MultiSteps"):
-        return assert_multi_steps_updates(expected, got)
-    return assert_tree_equal(expected, got)
 
 
 JITS: dict[str, Callable[[Callable[..., Any]], Any]] = {
@@ -263,15 +230,17 @@ def test_equal_to_unwrapped(name: str, strategy: str, mode: str, layout: str) ->
     """`STEPS` steps: updates, states and parameters bitwise the unwrapped optimizer's,
     every state leaf where `assert_placed` says, the updates on the device; compiled once
     by `filter_jit`, and by `jax.jit` when streamed or computed on host."""
-    make, extra, complex_ok = OPTIMIZERS[name]
-    options = STRATEGIES[strategy]
-    plain = optax.with_extra_args_support(make(lambda x: x))
-    wrapped = optax.with_extra_args_support(make(functools.partial(eqx_offload.offloaded, **options)))
+    options, extra = STRATEGIES[strategy], EXTRA.get(name, lambda p: {})
+    multi = name.startswith("offloaded(MultiSteps")  # +0.0 where MultiSteps discards `0 * u`
+    assert_updates = assert_multi_steps_updates if multi else assert_tree_equal
+    plain = optax.with_extra_args_support(_make(name, lambda x: x))
+    wrapped = optax.with_extra_args_support(
+        _make(name, functools.partial(eqx_offload.offloaded, **options)))
     if layout != "one":
         params = _sharded_params(layout)
     else:
-        whole = strategy in ("auto", "whole")
-        params = make_params(*["complex"] * (complex_ok and whole), *["half"] * ("host_dtype" in options),
+        complex_ok = name not in REAL_ONLY and strategy in ("auto", "whole")
+        params = make_params(*["complex"] * complex_ok, *["half"] * ("host_dtype" in options),
                              *["no_scalar"] * (name == "sm3"))
     ref_update, ref_state = plain.update, plain.init(params)
     if "host_dtype" in options:
@@ -293,7 +262,7 @@ def test_equal_to_unwrapped(name: str, strategy: str, mode: str, layout: str) ->
         with count_compiles() as compiled:
             updates, state = update(grads, state, params, **extra(params))
         compiles += compiled
-        _assert_updates_equal(name, ref_updates, updates)
+        assert_updates(ref_updates, updates)
         assert_tree_equal(ref_state, unwrap(state))
         assert_placed(state, where, kind)
         assert {u.sharding.memory_kind for u in jtu.tree_leaves(updates)} == {"device"}
@@ -319,16 +288,15 @@ def test_every_optax_alias_is_covered() -> None:
 @pytest.mark.parametrize("name", ["rprop", "sm3", "contrib.adopt"])
 def test_complex_rejected_like_the_unwrapped_optimizer(name: str) -> None:
     """Where an optimizer rejects complex params, the offloaded one raises its error."""
-    make, extra, _ = OPTIMIZERS[name]
     params = make_params("complex", "no_scalar")
 
     def first_step(opt: optax.GradientTransformation) -> None:
-        opt.update(make_grads(params, 0), opt.init(params), params, **extra(params))
+        opt.update(make_grads(params, 0), opt.init(params), params)
 
     with pytest.raises((ValueError, TypeError)) as plain_error:
-        first_step(make(lambda x: x))
+        first_step(_make(name, lambda x: x))
     with pytest.raises(type(plain_error.value)) as wrapped_error:
-        first_step(make(eqx_offload.offloaded))
+        first_step(_make(name, eqx_offload.offloaded))
     assert str(wrapped_error.value) == str(plain_error.value)
 
 
@@ -355,8 +323,6 @@ def test_the_checks_can_fail() -> None:
 
 
 # ------------------------------------------------------------------------ training steps
-
-
 class _Net(eqx.Module):
     linear: eqx.nn.Linear
     dropout: eqx.nn.Dropout  # a Python float and a bool among the leaves
@@ -430,21 +396,17 @@ def test_training_step_donated(strategy: str) -> None:
 
 
 # ------------------------------------------------------------------------ the long tail
-# Random pytrees, random optimizer chains and random `where` specs. Few examples by
-# default (profile `ci`); `HYPOTHESIS_PROFILE=long pytest tests/test_equivalence.py -k
-# random` runs 400 each (about 8 minutes on 2 cores).
-
+# Random pytrees, optimizer chains and `where`s. Profile `ci`: few examples (each compiles
+# steps), the same on every run, no shrinking (a failure prints its draws as they are);
+# `HYPOTHESIS_PROFILE=long pytest tests/test_equivalence.py -k random`: 400 each.
 settings.register_profile(
-    # Each example compiles training steps: few, the same on every run, no shrinking
-    # (a failure prints the drawn optimizer and `where` as they are).
     "ci", max_examples=12, deadline=None, derandomize=True,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("long", max_examples=400, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-# Random patterns (among them "nothing") select no leaf on purpose (the warning a user
-# gets for that is test_errors.py's).
+# Random patterns (among them "nothing") may select no leaf (that warning: test_errors.py).
 NOTHING_SELECTED = "ignore:(?s).*selects no array leaf:eqx_offload.OffloadWarning"
 
 
@@ -537,9 +499,8 @@ def build_where(spec: tuple[Any, ...]) -> Any:
 @settings(PROFILE)
 @given(data=st.data())
 def test_random_equal_to_unwrapped(data: st.DataObject) -> None:
-    """Random params, optimizer and `where`, donated `filter_jit` steps: bitwise the
-    unwrapped optimizer's, placed as `where` says, the parameters consumed, one
-    compilation per distinct argument shapes and dtypes."""
+    """Random params, optimizer and `where`, donated `filter_jit` steps: bitwise the unwrapped
+    optimizer's, placed as `where` says, parameters consumed, one compile per signature."""
     tree = data.draw(trees(), label="params")
     tree = tree if isinstance(tree, (dict, list, tuple)) else {"only": tree}
     params = jax.tree.map(jnp.asarray, tree)
@@ -572,11 +533,10 @@ def test_random_equal_to_unwrapped(data: st.DataObject) -> None:
             assert tree_equal((updates, state.inner_state, p), (ref_updates, ref_state, ref_p)), (
                 description, k)
             assert_placed(state, where)
-            # XLA may decline a donation per buffer (adafactor's constant `v_row`), but
-            # the parameters are always consumed.
+            # (XLA may decline a state buffer's donation: adafactor's constant `v_row`.)
             assert all(x.is_deleted() for x in jtu.tree_leaves(old)), description
-    # `inject_hyperparams` promotes bfloat16 moments of mixed params: a new signature.
-    # The uncommitted first params compile once more (upstream: first and second call).
+    # `inject_hyperparams` promotes bfloat16 moments of mixed params: a new signature; the
+    # uncommitted first params compile once more.
     assert len(compiles) <= len(signatures) + 1, description
 
 

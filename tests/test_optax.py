@@ -10,10 +10,11 @@ import jax.tree_util as jtu
 import optax
 import optax.contrib
 import pytest
-from helpers import assert_placed, assert_tree_equal, make_grads, make_params
-from jax.extend.core import jaxprs_in_params, Literal
+from helpers import (assert_multi_steps_updates, assert_placed, assert_tree_equal, make_grads,
+                     make_params, walk_eqns)
+from jax.extend.core import Literal
 from jaxtyping import TypeCheckError
-from test_equivalence import _assert_updates_equal, COMPOSITIONS
+from test_equivalence import _scale_by_arg, COMPOSITIONS
 
 import eqx_offload
 from eqx_offload import OffloadedState
@@ -24,31 +25,25 @@ def _compose(name: str) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(COMPOSITIONS[name](eqx_offload.offloaded))
 
 
-def _host_operand_eqns(jaxpr: Any, allowed: frozenset[str]) -> list[str]:
+def _host_operand_eqns(jaxpr: Any, allowed: set[str]) -> list[str]:
     """The primitives, at any depth and not in `allowed`, with a host-memory operand."""
-    found = []
-    for eqn in jaxpr.eqns:
-        spaces = [getattr(v.aval, "memory_space", None) for v in (*eqn.invars, *eqn.outvars)
-                  if not isinstance(v, Literal)]
-        if jax.memory.Space.Host in spaces and eqn.primitive.name not in allowed:
-            found.append(eqn.primitive.name)
-        for sub in jaxprs_in_params(eqn.params):
-            found.extend(_host_operand_eqns(sub, allowed))
-    return found
+    def on_host(eqn: Any) -> bool:
+        return any(getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+                   for v in (*eqn.invars, *eqn.outvars) if not isinstance(v, Literal))
+
+    return [e.primitive.name for e in walk_eqns(jaxpr)
+            if on_host(e) and e.primitive.name not in allowed]
 
 
-# Transfers, the call wrappers that hand values through to a sub-jaxpr unchanged, and the
-# barriers that order the streamed update's transfers (they pass values unchanged).
-TRANSFERS_AND_CALLS = frozenset({"device_put", "jit", "pjit", "closed_call",
-                                 "optimization_barrier"})
+# Transfers, call wrappers and the streamed update's barriers: they pass values unchanged.
+TRANSFERS_AND_CALLS = {"device_put", "jit", "pjit", "closed_call", "optimization_barrier"}
 NO_HOST_TOUCH = sorted(n for n in COMPOSITIONS if not n.startswith(("apply_if_finite(", "MultiSteps(")))
 
 
 @pytest.mark.parametrize("name", NO_HOST_TOUCH)
 def test_recommended_order_no_compute_on_host(name: str) -> None:
-    """In the jitted update host values flow only into transfers and calls, and into
-    `cond`s that hand them through: the default update's choice of platform
-    (`platform_dependent`) and `offloaded(MultiSteps)`'s applying branch."""
+    """In the jitted update host values flow only into transfers, calls and `cond`s (the
+    default's choice of platform, `offloaded(MultiSteps)`'s applying branch)."""
     opt, params = _compose(name), make_params()
     jaxpr = jax.make_jaxpr(jax.jit(opt.update))(make_grads(params, 0), opt.init(params), params)
     assert jax.memory.Space.Host in [getattr(v.aval, "memory_space", None) for v in jaxpr.jaxpr.invars]
@@ -72,14 +67,6 @@ def test_inner_order_rejected_by_filter_jit() -> None:
         step(make_grads(params, 0), opt.init(params), params)
 
 
-def test_multi_steps_object_accepted() -> None:
-    """`optax.MultiSteps` (no GradientTransformation) is taken through its
-    `.gradient_transformation()`."""
-    state = eqx_offload.offloaded(optax.MultiSteps(optax.adam(0.1), every_k_schedule=2)).init(make_params())
-    assert type(state.inner_state).__name__ == "MultiStepsState"
-    assert_placed(state)
-
-
 def test_prng_key_no_false_warning_under_jit() -> None:
     """A host-resident typed key reads as device memory inside `jit`: no warning."""
     plain = optax.noisy_sgd(0.1, key=jax.random.key(0))
@@ -93,33 +80,23 @@ def test_prng_key_no_false_warning_under_jit() -> None:
         assert_placed(state, True)
 
 
-def _scaled_by_extra_arg() -> optax.GradientTransformationExtraArgs:
-    def update_fn(updates: Any, state: Any, params: Any = None, *, scale: float = 1.0,
-                  **extra: Any) -> Any:
-        return jtu.tree_map(lambda u: u * scale, updates), state
-
-    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
-
-
 @pytest.mark.parametrize("every_k", [1, 2])
 def test_multi_steps_passes_extra_args(every_k: int) -> None:
     """`offloaded(MultiSteps(x))` hands keyword arguments to `x` (a plain
     `with_extra_args_support` around `.gradient_transformation()` drops them)."""
     params = {"w": jnp.arange(3.0)}
-    inner = optax.MultiSteps(_scaled_by_extra_arg(), every_k)
-    opt = eqx_offload.offloaded(optax.MultiSteps(_scaled_by_extra_arg(), every_k))
+    inner = optax.MultiSteps(_scale_by_arg(), every_k)
+    opt = eqx_offload.offloaded(optax.MultiSteps(_scale_by_arg(), every_k))
     state, ref_state = opt.init(params), inner.init(params)
     for _ in range(3):
-        updates, state = opt.update(params, state, params, scale=5.0)
-        ref_updates, ref_state = inner.update(params, ref_state, params, scale=5.0)
-        _assert_updates_equal("offloaded(MultiSteps", ref_updates, updates)
+        updates, state = opt.update(params, state, params, factor=5.0)
+        ref_updates, ref_state = inner.update(params, ref_state, params, factor=5.0)
+        assert_multi_steps_updates(ref_updates, updates)
     assert_tree_equal(state.inner_state, ref_state)
     assert state.inner_state.acc_grads["w"].sharding.memory_kind == "device"  # by design
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
+@pytest.mark.parametrize("kwargs, match", [
         ({"compute": "gpu"}, "compute must be 'device' \\(default\\) or 'host'"),
         ({"group_bytes": -1}, ">= 0"),
         ({"group_bytes": 1.5}, "must be an int"),
@@ -130,8 +107,7 @@ def test_multi_steps_passes_extra_args(every_k: int) -> None:
         ({"host_dtype": "int8"}, "host_dtype must be a floating dtype"),
         ({"host_dtype": "not a dtype"}, "host_dtype must be a floating dtype"),
         ({"host_dtype": "bfloat16", "compute": "host"}, "nothing to narrow"),
-    ],
-)
+])
 def test_bad_options(kwargs: dict[str, Any], match: str) -> None:
     """Each bad option is an `OptionError` (a ValueError or TypeError) naming it."""
     options = {"where": True, "memory_kind": "pinned_host", "group_bytes": None,
@@ -178,13 +154,16 @@ def test_reading_brings_leaves_to_the_device_and_keeps_the_host_copy() -> None:
     assert not hasattr(state, "__jax_array__")
 
 
-@pytest.mark.parametrize("every_k", [1, 3])
+@pytest.mark.parametrize("every_k", [1, 2, 3])
 def test_multi_steps_has_updated(every_k: int) -> None:
-    """`MultiSteps.has_updated` reads an offloaded state, eagerly and under `filter_jit`."""
+    """`optax.MultiSteps` (no GradientTransformation) is taken through its
+    `.gradient_transformation()`; `has_updated` reads the state, eagerly and under `filter_jit`."""
     params = make_params()
     inner = optax.MultiSteps(optax.adam(0.1), every_k)
     opt = eqx_offload.offloaded(inner)
     state, ref_state = opt.init(params), inner.init(params)
+    assert type(state.inner_state).__name__ == "MultiStepsState"
+    assert_placed(state)
     for i in range(4):
         _, state = opt.update(make_grads(params, i), state, params)
         _, ref_state = inner.update(make_grads(params, i), ref_state, params)

@@ -38,10 +38,8 @@ def test_streaming_rejects_side_effects() -> None:
         jax.debug.print("{}", jax.tree.leaves(updates)[0].sum())
         return updates, state
 
-    opt = eqx_offload.offloaded(
-        optax.chain(optax.adam(1e-2), optax.GradientTransformation(lambda p: optax.EmptyState(), print_update)),
-        group_bytes=0,
-    )
+    printing = optax.GradientTransformation(lambda p: optax.EmptyState(), print_update)
+    opt = eqx_offload.offloaded(optax.chain(optax.adam(1e-2), printing), group_bytes=0)
     params = make_params()
     with pytest.raises(eqx_offload.CompositionError, match="side effects"):
         jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
@@ -53,9 +51,8 @@ def test_stream_plan_groups() -> None:
     inner_state = opt.init(params).inner_state
 
     def plan(group_bytes: int) -> eqx_offload.StreamPlan:
-        return eqx_offload.stream_plan(
-            optax.adam(1e-3), params, inner_state, params, group_bytes=group_bytes
-        )
+        return eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params,
+                                       group_bytes=group_bytes)
 
     finest = plan(0)
     # In reverse leaf order: the order the backward pass produces the gradients.
@@ -64,10 +61,8 @@ def test_stream_plan_groups() -> None:
     assert finest.max_group_nbytes == 2048 and finest.total_nbytes == 8192
     assert finest.prologue == () and finest.resident == ("0/count",)
     pairs = plan(4096)
-    assert pairs.groups == (
-        ("0/mu/p2", "0/mu/p3", "0/nu/p2", "0/nu/p3"),
-        ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"),
-    )
+    assert pairs.groups == (("0/mu/p2", "0/mu/p3", "0/nu/p2", "0/nu/p3"),
+                            ("0/mu/p0", "0/mu/p1", "0/nu/p0", "0/nu/p1"))
     assert plan(4095).group_nbytes == (2048,) * 4
     assert plan(1 << 30).group_nbytes == (8192,)
     # "auto" (offloaded's default): about 1/16 of the streamed state, so here one

@@ -1,7 +1,6 @@
-"""The streamed update's runner (`_stream.py`) and the host-compute update: the
-program they lower to (groups in, barriers, groups out; lowered for a GPU without one),
-the default's choice of streaming, stacked leaves streamed by rows, and state copies to
-the device that wait for nothing (they read a step argument directly)."""
+"""The streamed update (`_stream.py`) and the host-compute update: the programs they lower
+to (for a GPU, without one), the default's choice of streaming, stacked leaves streamed by
+rows, and state copies to the device that wait for nothing."""
 
 import re
 from collections.abc import Callable
@@ -19,36 +18,16 @@ from test_schedule import REJECTED_STREAMING
 import eqx_offload
 
 
-def _two_steps_equal(step: Any, model: Any, state: Any, ref_step: Any, ref_model: Any,
-                     ref_state: Any) -> None:
-    """Two donated steps against the unwrapped optimizer's: bitwise equal model and
-    state, donated inputs deleted, the state offloaded, one compile."""
-    compiled: list[str] = []
-    for _ in range(2):
-        donated = jax.tree.leaves(state)
-        with count_compiles("step") as compiles:
-            model, state = step(model, state)
-        compiled += compiles
-        assert all(leaf.is_deleted() for leaf in donated)
-        ref_model, ref_state = ref_step(ref_model, ref_state)
-        assert_tree_equal(eqx.filter(model, eqx.is_array), eqx.filter(ref_model, eqx.is_array))
-        assert_tree_equal(state.inner_state, ref_state)
-        assert_placed(state)
-    assert len(compiled) == 1
-
-
 @pytest.mark.parametrize("name", ["apply_if_finite", "multi_steps"])
 def test_host_compute_rejects_control_flow_on_state(name: str) -> None:
     params = make_params()
     opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), compute="host")
-    state = opt.init(params)
     with pytest.raises(eqx_offload.CompositionError, match="`cond` at"):
-        jax.jit(opt.update)(make_grads(params, 0), state, params)
+        jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
 
 
 def _events(text: str) -> list[tuple[str, str, list[str]]]:
-    """The transfers and barriers of the `main` function of a StableHLO module, in
-    program order: (kind, result, operands)."""
+    """`(kind, result, operands)` of each transfer and barrier of a StableHLO `main`."""
     main = text[text.index("func.func public @main"):]
     main = main[: main.index("\n  }")]
     events = []
@@ -57,32 +36,27 @@ def _events(text: str) -> list[tuple[str, str, list[str]]]:
         if barrier:
             events.append(("barrier", barrier.group(1), barrier.group(2).split(", ")))
             continue
-        move = re.match(
-            r"\s*(%[\w]+) = stablehlo\.custom_call @annotate_device_placement\(([^)]*)\).*"
-            r'_xla_buffer_placement = "(\w+)"',
-            line,
-        )
+        move = re.match(r"\s*(%[\w]+) = stablehlo\.custom_call @annotate_device_placement"
+                        r'\(([^)]*)\).*_xla_buffer_placement = "(\w+)"', line)
         if move:
             kind = "to_device" if move.group(3) == "device" else "to_host"
             events.append((kind, move.group(1), [move.group(2)]))
     return events
 
 
-def _lower_for_gpu(opt: Any, params: Any) -> str:
-    """The update's StableHLO as it is lowered for a CUDA GPU (no GPU needed): on the CPU
-    backend `device_put` between memories lowers to nothing, on GPU and TPU to the
-    `annotate_device_placement` custom calls that XLA turns into transfers."""
-    state = opt.init(params)
-    grads = make_grads(params, 0)
-    traced = jax.jit(opt.update).trace(grads, state, params)
-    return traced.lower(lowering_platforms=("cuda",)).as_text()
+def _lowered(n: int, platforms: Any = ("cuda",), **options: Any) -> str:
+    """The StableHLO of `offloaded(adam, **options).update` of `n` (32, 32) parameters, for a
+    CUDA GPU by default (no GPU needed): there, unlike on the CPU, `device_put` between
+    memories lowers to `annotate_device_placement` calls that XLA turns into transfers."""
+    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(n)}
+    opt = eqx_offload.offloaded(optax.adam(1e-3), **options)
+    traced = jax.jit(opt.update).trace(make_grads(params, 0), opt.init(params), params)
+    return traced.lower(lowering_platforms=platforms).as_text()
 
 
-def _group_kinds(n_groups: int, per_group: int, lookahead: int) -> list[str]:
-    """The transfers and barriers a streamed update of `n_groups` groups of
-    `per_group` leaves lowers to: the first group waits for nothing; every later one
-    waits in one barrier for the update before it (and, after the first
-    `lookahead + 1`, for an earlier group's state on host)."""
+def _group_kinds(n_groups: int, per_group: int) -> list[str]:
+    """The transfers and barriers of a streamed update of `n_groups` groups: every group but
+    the first waits in one barrier."""
     kinds = []
     for g in range(n_groups):
         kinds += ["barrier"] * (g > 0) + ["to_device"] * per_group + ["to_host"] * per_group
@@ -99,38 +73,23 @@ def _arguments(text: str, memory_kind: str = "") -> list[str]:
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_streamed_program_structure(lookahead: int) -> None:
-    """Group g comes in after group g - 1's update has run and group g - 1 - lookahead
-    is back on host, and after nothing else: with lookahead=1 (double buffering) no
-    transfer of group k + 1 to the device waits for group k's copy back, so the copies
-    in and out overlap the updates; no gradient is fenced (XLA sees their data flow as
-    in the unwrapped update)."""
-    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(5)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0, lookahead=lookahead)
-    text = _lower_for_gpu(opt, params)
+    """Group g comes in after group g - 1's update has run and group g - 1 - lookahead is
+    back on host, and after nothing else: with lookahead=1 no copy of group k + 1 to the
+    device waits for group k's copy back, so copies overlap updates; no gradient is fenced."""
+    text = _lowered(5, group_bytes=0, lookahead=lookahead)
     gradients = set(_arguments(text)[:5])  # `update(grads, state, params)`: grads first
     host = set(_arguments(text, "pinned_host"))
     assert len(host) == 10 and not host & gradients
     events = _events(text)
-    assert [kind for kind, _, _ in events] == _group_kinds(5, 2, lookahead)
-    # Each group's two moves in, in order, the values its two moves out send (its new
-    # state on the device) and their results (on host).
-    groups_in, groups_new, groups_out = [], [], []
-    for i, (kind, result, (operand, *_)) in enumerate(events):
-        if kind == "to_device" and (not groups_in or len(groups_in[-1]) == 2):
-            groups_in.append([])
-        if kind == "to_device":
-            groups_in[-1].append((operand, i))
-        if kind == "to_host" and (not groups_out or len(groups_out[-1]) == 2):
-            groups_out.append([])
-            groups_new.append([])
-        if kind == "to_host":
-            groups_out[-1].append(result)
-            groups_new[-1].append(operand)
+    assert [kind for kind, _, _ in events] == _group_kinds(5, 2)
+    moves = [(result, operands[0]) for kind, result, operands in events if kind != "barrier"]
+    groups = [moves[i:i + 4] for i in range(0, len(moves), 4)]  # two moves in, two out
+    new = [{operand for _, operand in group[2:]} for group in groups]  # sent out (device)
+    out = [{result for result, _ in group[2:]} for group in groups]  # sent out (on host)
     barriers = {result: operands for kind, result, operands in events if kind == "barrier"}
-    for g, moves in enumerate(groups_in):
-        sources = {operand.split("#")[0] for operand, _ in moves}
-        if g == 0:
-            # straight from the arguments (host): free to start at the top of the step
+    for g, group in enumerate(groups):
+        sources = {operand.split("#")[0] for _, operand in group[:2]}
+        if g == 0:  # straight from the arguments (host): free to start at the top of the step
             assert sources <= host, sources
             continue
         (barrier,) = sources  # what comes in passed through one barrier ...
@@ -138,28 +97,25 @@ def test_streamed_program_structure(lookahead: int) -> None:
         # ... with the group's own state, straight from the arguments ...
         assert len(host & set(operands)) == 2, operands
         # ... after the new state of the group before it, as computed on the device ...
-        assert set(groups_new[g - 1]) <= set(operands), (g, operands)
+        assert new[g - 1] <= set(operands), (g, operands)
         assert not gradients & set(operands), (g, operands)
         if g <= lookahead:
             assert len(operands) == 4, (g, operands)
             continue
         # ... and the state of group g - 1 - lookahead, already sent to host ...
-        assert set(groups_out[g - 1 - lookahead]) <= set(operands), (g, operands)
+        assert out[g - 1 - lookahead] <= set(operands), (g, operands)
         # ... and nothing else: not the groups in between on host (they overlap this
         # copy), and no other device value (the updates are left to XLA, to fuse).
         assert len(operands) == 6, operands
-        for between in groups_out[g - lookahead: g]:
-            assert not set(between) & set(operands), (g, operands)
+        for between in out[g - lookahead: g]:
+            assert not between & set(operands), (g, operands)
 
 
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
     """On the CPU backend the moves between memories lower to nothing (one RAM), but the
     barriers that order the groups are there, each taking its group's host arguments."""
-    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0, lookahead=lookahead)
-    state = opt.init(params)
-    text = jax.jit(opt.update).lower(params, state, params).as_text()
+    text = _lowered(4, platforms=None, group_bytes=0, lookahead=lookahead)
     events = _events(text)
     assert [kind for kind, _, _ in events] == ["barrier"] * 3
     host_args = set(re.findall(r"(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", text))
@@ -168,26 +124,17 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
         assert len(host_args & set(operands)) == 2
 
 
-def test_default_program_moves_the_whole_state_at_once() -> None:
-    """The contrast: with `group_bytes=None` every state leaf comes in before any goes out."""
-    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(4)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=None)
-    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(opt, params))]
-    assert kinds == ["to_device"] * 8 + ["to_host"] * 8
-
-
-@pytest.mark.parametrize("lookahead", [0, 1])
-def test_grouping_follows_group_bytes_in_the_program(lookahead: int) -> None:
-    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(6)}  # 8 KiB of state each
-    opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=16 * 1024, lookahead=lookahead)
-    kinds = [kind for kind, _, _ in _events(_lower_for_gpu(opt, params))]
-    assert kinds == _group_kinds(3, 4, lookahead)
+@pytest.mark.parametrize("n,options,kinds", [
+    (4, {"group_bytes": None}, ["to_device"] * 8 + ["to_host"] * 8),  # the whole state at once
+    *[(6, {"group_bytes": 16 * 1024, "lookahead": k}, _group_kinds(3, 4)) for k in (0, 1)],
+], ids=["whole", "16KiB-lookahead0", "16KiB-lookahead1"])
+def test_grouping_follows_group_bytes_in_the_program(n: int, options: Any, kinds: Any) -> None:
+    """Groups of 16 KiB of state (8 KiB a parameter); `None`: all in before any goes out."""
+    assert [kind for kind, _, _ in _events(_lowered(n, **options))] == kinds
 
 
 def test_host_compute_program_keeps_the_state_on_host() -> None:
-    params = {f"p{i}": committed(np.full((32, 32), i)) for i in range(2)}
-    opt = eqx_offload.offloaded(optax.adam(1e-3), compute="host")
-    text = _lower_for_gpu(opt, params)
+    text = _lowered(2, compute="host")
     assert '_xla_compute_type = "host"' in text
     events = _events(text)
     call = re.search(r"(%\w+):\d+ = call @\w+\(.*_xla_compute_type = \"host\"", text)
@@ -206,11 +153,9 @@ def test_host_compute_program_keeps_the_state_on_host() -> None:
 
 @pytest.mark.parametrize("name", ["adamw", "clip_then_adamw", "apply_if_finite"])
 def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
-    """`group_bytes="auto"` (the default) streams under `jit` for an accelerator, and
-    brings the whole state at once for the CPU backend (one RAM: nothing to free) and
-    for updates that cannot stream (`apply_if_finite`): one trace holds both, and the
-    platform it is lowered for picks (`gpu_plan` lowers for `cuda` on a CPU machine).
-    On the CPU it runs bitwise as the unwrapped optimizer."""
+    """The default `group_bytes="auto"` streams for an accelerator, brings the whole state for
+    the CPU (one RAM) and for updates that cannot stream: one trace, the platform it is
+    lowered for picks. On the CPU it runs bitwise as the unwrapped optimizer."""
     make = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
             "clip_then_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
             **REJECTED_STREAMING}[name]
@@ -219,7 +164,6 @@ def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
     grads = make_grads(params, 0)
     update = jax.jit(lambda g, s, p: opt.update(g, s, p))
     traced = update.trace(grads, opt.init(params), params)
-
     assert traced.lower(lowering_platforms=("cpu",)).as_text().count("optimization_barrier") == 0
     streamed = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert (streamed.count("optimization_barrier") > 0) == (name != "apply_if_finite")
@@ -255,10 +199,9 @@ STACKED: dict[str, tuple[Callable[[], Any], bool]] = {
 
 @pytest.mark.parametrize("name", list(STACKED))
 def test_stacked_leaves_stream_by_layer(name: str) -> None:
-    """A training step on a scanned stack of layers: the stacked weight's state streams
-    layer by layer (`group_bytes` of one layer's moments), bitwise equal to the
-    unwrapped optimizer, state donated and back in host memory, one compilation; an
-    update that reduces across the rows of a leaf brings it whole, still bitwise."""
+    """A step on a scanned stack of layers: the stacked weight's state streams layer by layer
+    (an update that reduces across a leaf's rows brings it whole), bitwise the unwrapped
+    optimizer's, the state donated and back in host memory, one compilation."""
     make, split = STACKED[name]
     model = Stacked(WIDTH, DEPTH, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8, WIDTH))
@@ -290,14 +233,24 @@ def test_stacked_leaves_stream_by_layer(name: str) -> None:
     ref_state = ref_opt.init(eqx.filter(ref_model, eqx.is_array))
     ref_step = eqx.filter_jit(make_step(ref_opt))
     step = eqx_offload.filter_jit(make_step(opt), donate="all")
-    _two_steps_equal(step, model, state, ref_step, ref_model, ref_state)
+    compiled: list[str] = []
+    for _ in range(2):
+        donated = jax.tree.leaves(state)
+        with count_compiles("step") as compiles:
+            model, state = step(model, state)
+        compiled += compiles
+        assert all(leaf.is_deleted() for leaf in donated)
+        ref_model, ref_state = ref_step(ref_model, ref_state)
+        assert_tree_equal((eqx.filter(model, eqx.is_array), state.inner_state),
+                          (eqx.filter(ref_model, eqx.is_array), ref_state))
+        assert_placed(state)
+    assert len(compiled) == 1
 
 
 def test_stacked_rows_read_ahead_of_writes() -> None:
-    """With two groups ahead (the rows of the next two pieces are read from the host
-    buffer before earlier pieces are written into it, in place), `jax.jit(update)`
-    equals the unwrapped update, bitwise, and every state leaf stays in host memory;
-    `host_dtype` narrows the rows as it narrows whole leaves."""
+    """Two groups ahead (rows read from the host buffer before earlier pieces are written into
+    it, in place): bitwise the unwrapped update, the state in host memory; `host_dtype`
+    narrows the rows as it narrows whole leaves."""
     rng = np.random.default_rng(4)
     params = {"w": committed(rng.standard_normal((6, 16, 16))), "v": committed(rng.standard_normal((16, 4)))}
     grads = [make_grads(params, step) for step in range(2)]
@@ -323,11 +276,9 @@ def test_stacked_rows_read_ahead_of_writes() -> None:
 
 @pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
 def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
-    """A stacked leaf sharded across devices keeps its sharding and stays bitwise: split
-    by rows when its columns are sharded; brought whole when its rows are (JAX cannot
-    cut a few rows out of a leaf sharded along them), or when it is the only parameter
-    (its pieces would make Adam's bias corrections read by several operations, which XLA
-    rewrites differently from one; see `_keep_scalar_uses`)."""
+    """A sharded stacked leaf keeps its sharding and stays bitwise: split by rows when its
+    columns are sharded; whole when its rows are (JAX cannot cut rows out of it), or when it
+    is the only parameter (Adam's bias corrections read once: `_keep_scalar_uses`)."""
     mesh = jax.make_mesh((4,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     w = jnp.arange(8 * 16 * 16, dtype=jnp.float32).reshape(8, 16, 16) / 1000
