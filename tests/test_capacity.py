@@ -364,17 +364,19 @@ def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
 
 def test_a_host_gradient_sum_crosses_as_xla_plans_it():
     """Per micro-batch: kept gradients ("host-stack") cross as their bf16 bytes, nothing to the
-    device; the host's fp32 sum ("host") is written to the device and back: 2 + 4 B a param."""
+    device (the host writes their bf16 mean there once); the host's fp32 sum ("host") is
+    written to the device and back: 2 + 4 B a parameter to the host, 4 B to the device."""
     shape, state = capacity_run.QUICK_LADDER[0], 3 * 4 * capacity_run.QUICK_LADDER[0].params
-    for where, grads in {"host-stack": 2 * shape.params, "host": 6 * shape.params}.items():
+    for where, down, up in (("host-stack", 0, 2), ("host", 4, 6)):
         low, high = (capacity_batch.plan_batch_point(
             shape, capacity.MODES_BY_NAME["+master"], k, "h100", accumulate_in=where)
             for k in (2, 4))
         assert low.error is None and low.fits and high.fits
-        assert high.bytes_to_device == low.bytes_to_device == state, where
-        assert (high.bytes_to_host - low.bytes_to_host) / 2 == grads, where
+        assert (high.bytes_to_device - low.bytes_to_device) / 2 == down * shape.params, where
+        assert (high.bytes_to_host - low.bytes_to_host) / 2 == up * shape.params, where
         if where == "host-stack":
-            assert low.bytes_to_host == state + 2 * grads
+            assert low.bytes_to_device == high.bytes_to_device == state + 2 * shape.params
+            assert low.bytes_to_host == state + 4 * shape.params
 
 
 def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
