@@ -210,7 +210,7 @@ def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None
             generator, discriminator, generator_optimizer, generator_opt_state,
             discriminator_state, generator_state, key)
         return (generator, discriminator, generator_opt_state, discriminator_opt_state,
-                generator_state, discriminator_state, key, discriminator_loss + generator_loss)
+                generator_state, discriminator_state, key, discriminator_loss, generator_loss)
 
     if one_step:
         iteration = jit(iteration, donate=donate)
@@ -221,10 +221,12 @@ def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None
                                   discriminator_state, key))
         with recorder.step():
             (generator, discriminator, generator_opt_state, discriminator_opt_state,
-             generator_state, discriminator_state, key, loss) = iteration(
+             generator_state, discriminator_state, key, discriminator_loss,
+             generator_loss) = iteration(
                 generator, discriminator, generator_opt_state, discriminator_opt_state,
                 generator_state, discriminator_state, batch, key)
-        recorder.record(loss, (generator_opt_state, discriminator_opt_state))
+        recorder.record(discriminator_loss + generator_loss,
+                        (generator_opt_state, discriminator_opt_state))
         if deleted is not None:
             deleted.append(all(x.is_deleted() for x in before if isinstance(x, jax.Array)))
     return recorder.run((generator, discriminator),
