@@ -1,12 +1,6 @@
-"""Programs ported with the README's three-line change, and the optax idioms they use.
-
-Each program of `tests/ports/` runs as written and ported (`import eqx_offload`,
-`offloaded(...)` around the optimizer, `eqx_offload.filter_jit` around the step):
-losses, model and inner state bitwise equal, every offloaded leaf in `pinned_host` after
-every step, no compilation after the first. Then: reading and writing a state the optax
-way, states holding Python scalars or changing structure, every optax transformation
-that takes extra `update` arguments in every composition and mode.
-"""
+"""Programs ported with the README's three-line change (tests/ports/), bitwise equal to
+the programs as written, and the optax idioms they use: reading and writing a state,
+states holding Python scalars or changing structure, extra `update` arguments."""
 
 import contextlib
 import functools
@@ -24,10 +18,10 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from helpers import assert_tree_equal, count_compiles
+from helpers import assert_tree_equal, count_compiles, unwrap
 from isolated import call_isolated
 from ports import batchnorm, data_parallel, frozen, linen_trainstate, nonarray, rnn
-from ports.common import expected_placement, placement, Recorder, Run, unwrap
+from ports.common import expected_placement, placement, Recorder, Run
 
 import eqx_offload
 
@@ -42,9 +36,17 @@ def _assert_same_run(plain: Run, ported: Run) -> None:
     expected = expected_placement(ported.opt_state)
     assert "pinned_host" in expected.values()
     assert not plain.placements and ported.placements == [expected] * len(ported.losses)
-    # (Not for the plain run: `eqx.filter_jit` compiles twice when optax's `init` returns
-    # uncommitted arrays and the step commits them, upstream behaviour.)
+    # (The plain run may compile twice: its `init` returns uncommitted arrays, upstream.)
     assert ported.compiles[1:] == [0] * (len(ported.compiles) - 1), ported.compiles
+
+
+def _difference(plain: Run, ported: Run) -> Optional[str]:
+    """`_assert_same_run`'s error (its start), or None."""
+    try:
+        _assert_same_run(plain, ported)
+    except AssertionError as error:
+        return str(error)[:2000]
+    return None
 
 
 def test_compilations_are_counted() -> None:
@@ -109,14 +111,8 @@ def test_port_filter_pmap() -> None:
 
 def donated_child() -> dict[str, Any]:
     """Per program, plain and ported with `donate="all"`: the first difference or None."""
-    out = {}
-    for name, program in sorted(PROGRAMS.items()):
-        try:
-            _assert_same_run(program(False, donate="all"), program(True, donate="all"))
-            out[name] = None
-        except AssertionError as error:
-            out[name] = str(error)[:2000]
-    return out
+    return {name: _difference(program(False, donate="all"), program(True, donate="all"))
+            for name, program in sorted(PROGRAMS.items())}
 
 
 @pytest.mark.slow
@@ -129,13 +125,8 @@ def linen_child() -> dict[str, Any]:
     """Flax linen `TrainState`, plain (`jax.jit(donate_argnums=0)`) and ported
     (`eqx_offload.jit`): first difference, compilations, final `step`, deleted leaves."""
     plain, ported = linen_trainstate.train(False), linen_trainstate.train(True)
-    try:
-        _assert_same_run(plain, ported)
-        difference = None
-    except AssertionError as error:
-        difference = str(error)[:2000]
     return {
-        "difference": difference,
+        "difference": _difference(plain, ported),
         "compiles": [plain.compiles, ported.compiles],
         "step": [[type(r.extra[0]).__name__, str(getattr(r.extra[0], "dtype", None)),
                   int(r.extra[0])] for r in (plain, ported)],
@@ -256,19 +247,22 @@ def _read_lr(s: Any, m: Any) -> Any:
     return s.hyperparams["learning_rate"]
 
 
-# idiom -> (optimizer, read, write)
-READING_IDIOMS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], Any]] = {
-    "hyperparams_read": (_inject_adamw, _read_lr, None),
-    "hyperparams_write_in_place": (_inject_adamw, _read_lr, _set_lr_in_place),
+# idiom -> (optimizer, read, write, `offloaded`'s `where`)
+READING_IDIOMS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], Any, Any]] = {
+    "hyperparams_read": (_inject_adamw, _read_lr, None, None),
+    "hyperparams_write_in_place": (_inject_adamw, _read_lr, _set_lr_in_place, None),
     "tree_get": (_inject_adamw, lambda s, m: (optax.tree.get(s, "learning_rate"),
                                               optax.tree_utils.tree_get(s, "weight_decay")),
-                 None),
+                 None, None),
     "tree_set": (_inject_adamw, lambda s, m: optax.tree.get(s, "learning_rate"),
-                 _set_lr_tree_set),
+                 _set_lr_tree_set, None),
     "schedule_free_eval_params": (
         lambda: optax.contrib.schedule_free_adamw(0.05, warmup_steps=2),
         lambda s, m: optax.contrib.schedule_free_eval_params(s, eqx.filter(m, eqx.is_array)),
-        None),
+        None, None),
+    # where=True: the assignment into `hyperparams` (a device copy) reaches the host state.
+    "host_resident_write_array": (_inject_adamw, _read_lr, _set_lr_in_place, True),
+    "host_resident_write_python_float": (_inject_adamw, _read_lr, _set_lr_python_float, True),
 }
 
 
@@ -276,29 +270,21 @@ READING_IDIOMS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], An
 def test_reading_a_state(idiom: str) -> None:
     """What the plain program reads and writes in its state, the ported one reads and
     writes the same way: same values, bitwise equal training, state in host memory."""
-    make, read, write = READING_IDIOMS[idiom]
+    make, read, write, where = READING_IDIOMS[idiom]
     plain = _reading_loop(False, make(), read, write)
-    ported = _reading_loop(True, make(), read, write)
+    ported = _reading_loop(True, make(), read, write, where=where)
+    if where is not None:  # (the plain state may hold the Python float written)
+        plain["reads"] = jtu.tree_map(jnp.asarray, plain["reads"])
     for key in ("reads", "losses", "model", "state"):
         assert_tree_equal(plain[key], ported[key])
     assert "pinned_host" in ported["kinds"].values()
-    if write is not None:  # the writes changed the training (so they were not lost)
+    if where is not None:
+        expected = [float(np.float32(0.05 / (i + 1))) for i in range(4)]
+        assert [float(x) for x in ported["reads"]] == expected
+        assert set(ported["placed"].values()) == {"pinned_host"}, ported["placed"]
+    elif write is not None:  # the writes changed the training (so they were not lost)
         unchanged = _reading_loop(False, make(), read, None)
         assert not all(np.array_equal(a, b) for a, b in zip(unchanged["losses"], plain["losses"]))
-
-
-@pytest.mark.parametrize("write", [_set_lr_in_place, _set_lr_python_float],
-                         ids=["array", "python_float"])
-def test_writing_a_hyperparameter_of_a_host_resident_state(write: Any) -> None:
-    """With where=True, an assignment into `hyperparams` (a device copy) changes the
-    host-resident state as it does the unwrapped one; every leaf stays in host memory."""
-    plain = _reading_loop(False, _inject_adamw(), _read_lr, write)
-    ported = _reading_loop(True, _inject_adamw(), _read_lr, write, where=True)
-    assert [float(x) for x in ported["reads"]] == [float(np.float32(0.05 / (i + 1))) for i in range(4)]
-    assert_tree_equal(jtu.tree_map(jnp.asarray, plain["reads"]), ported["reads"])
-    for key in ("losses", "model", "state"):
-        assert_tree_equal(plain[key], ported[key])
-    assert set(ported["placed"].values()) == {"pinned_host"}, ported["placed"]
 
 
 def test_multi_steps_has_updated() -> None:
@@ -310,9 +296,8 @@ def test_multi_steps_has_updated() -> None:
     plain, ported = run(False), run(True)
     assert [bool(x) for x in plain["reads"]] == [False, False, True, False, False, True, False]
     assert_tree_equal(plain["reads"], ported["reads"])
-    # XLA fuses the plain MultiSteps' inner update with the parameter update in a whole
-    # jitted step; `offloaded(MultiSteps)` runs it in a branch of its own, so the last
-    # bit may differ (its `update` alone is bitwise: tests/test_accumulate.py).
+    # XLA fuses the plain inner update with the parameter update, the port runs it in a
+    # branch of its own: the last bit may differ (its `update` is bitwise: test_accumulate).
     for a, b in zip(jax.tree.leaves(eqx.filter((plain["model"], plain["state"]), eqx.is_array)),
                     jax.tree.leaves(eqx.filter((ported["model"], ported["state"]), eqx.is_array))):
         assert np.allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -361,8 +346,7 @@ def test_python_scalars_in_state(name: Optional[str], mode: str) -> None:
     state, plain_state = opt.init(params), plain.init(params)
     for step in range(3):
         grads = jtu.tree_map(lambda p: p * (step + 1), params)
-        # Under filter_jit the changing Python int `count` compiles every step: it says
-        # so once (at the third step; at the second the bool `warm` changed too).
+        # The changing int `count` recompiles each step under filter_jit: one warning.
         warns = mode == "filter_jit" and step == 2
         with (pytest.warns(eqx_offload.OffloadWarning, match=r"`state`, leaf .*count")
               if warns else contextlib.nullcontext()):
@@ -418,10 +402,9 @@ def test_state_made_by_this_optimizer_accepted(name: str, mode: str) -> None:
 
 # ------------------------------------ extra `update` arguments reach every transformation
 
-# Values for the required arguments of optax's factories, by name.
 _FACTORY_ARGS: dict[str, Any] = {
     "learning_rate": 0.05, "max_backtracking_steps": 6, "max_linesearch_steps": 6}
-# The extra `update` arguments optax's transformations ask for, given (params, grads, loss).
+# The extra `update` arguments, given (params, grads, loss).
 _EXTRA_VALUES: dict[str, Callable[[Any, Any, Callable[[Any], Any]], Any]] = {
     "value": lambda params, grads, loss: loss(params),
     "grad": lambda params, grads, loss: grads,
@@ -459,7 +442,8 @@ def _asked_for(error: Exception) -> list[str]:
 
 
 @functools.cache
-def extra_args_transformations() -> dict[str, tuple[Callable[..., Any], dict[str, Any], tuple[str, ...]]]:
+def extra_args_transformations() -> dict[str, tuple[Callable[..., Any], dict[str, Any],
+                                                   tuple[str, ...]]]:
     """Every public factory of `optax` and `optax.contrib` whose `update` fails without
     extra arguments: name -> (factory, its arguments, the extra argument names)."""
     params = _extra_params()
@@ -504,7 +488,7 @@ def test_extra_args_discovery() -> None:
     assert asked <= set(_EXTRA_VALUES), asked - set(_EXTRA_VALUES)
 
 
-# composition -> how to build it around the transformation (factory, kwargs)
+# composition -> how to build it around (factory, kwargs)
 COMPOSE_EXTRA: dict[str, Callable[[Callable[..., Any], dict[str, Any]], Any]] = {
     "bare": lambda f, kw: f(**kw),
     "MultiSteps": lambda f, kw: optax.MultiSteps(f(**kw), every_k_schedule=2),
@@ -515,15 +499,14 @@ COMPOSE_EXTRA: dict[str, Callable[[Callable[..., Any], dict[str, Any]], Any]] = 
         {"inner": f(**kw), "sgd": optax.sgd(0.1, momentum=0.5)}, {"w": "inner", "b": "sgd"}),
     "apply_if_finite": lambda f, kw: optax.apply_if_finite(f(**kw), 3),
 }
-# The modes: `offloaded`'s options, and the compositions they run.
+# mode -> (`offloaded`'s options, the compositions it runs)
 MODES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "default": ({}, tuple(COMPOSE_EXTRA)),
     "streamed": ({"group_bytes": 0}, ("bare", "chain")),
     "host": ({"compute": "host"}, ("bare", "chain")),
 }
-# What each non-default mode runs (the rest it refuses with a CompositionError:
-# `while`/`scan`/`cond` for host compute, coupled state for streaming); a refusal of
-# one of these is a failure.
+# What each non-default mode runs; it refuses the rest (host compute: `while`/`scan`/`cond`;
+# streaming: coupled state) with a CompositionError.
 MODE_RUNS: dict[str, set[str]] = {
     "streamed": {"optax.polyak_sgd", "optax.scale_by_polyak", "optax.contrib.reduce_on_plateau",
                  "optax.scale_by_backtracking_linesearch", "optax.scale_by_zoom_linesearch"},
@@ -531,10 +514,8 @@ MODE_RUNS: dict[str, set[str]] = {
              "optax.contrib.momo", "optax.contrib.momo_adam",
              "optax.contrib.hutchinson_estimator_diag_hessian"},
 }
-# The wrapper's part in a composition is passing the extra arguments and handling the
-# inner state; how each combinator hands them on is optax's. So every transformation
-# runs bare and chained in every mode, and the other compositions run one transformation
-# per set of extra arguments, plus reduce_on_plateau (inject_hyperparams refuses it).
+# Every transformation runs bare and chained in every mode; the other compositions run one
+# per set of extra arguments, and reduce_on_plateau (inject_hyperparams refuses it).
 EVERY_COMPOSITION = {
     "optax.polyak_sgd", "optax.contrib.sophia", "optax.scale_by_backtracking_linesearch",
     "optax.contrib.reduce_on_plateau",
@@ -604,8 +585,7 @@ def test_extra_args_reach_the_inner_transformation(name: str, composition: str, 
     expected_steps, expected_params = expected
     for (plain_updates, plain_state), (updates, state) in zip(expected_steps, steps):
         if composition == "MultiSteps":
-            # On a mini-step that does not apply, MultiSteps returns `0 * u` (-0.0 where
-            # `u < 0`); `offloaded(MultiSteps)` returns +0.0: equal as numbers.
+            # A mini-step that does not apply: `0 * u` (-0.0 where `u < 0`) against +0.0.
             assert all(np.array_equal(a, b) for a, b in zip(
                 jax.tree.leaves(plain_updates), jax.tree.leaves(updates)))
         else:

@@ -1,6 +1,5 @@
 """A stateful model: `eqx.nn.BatchNorm` with `eqx.nn.State`, built with
-`eqx.nn.make_with_state` (Equinox's stateful-layers style), then evaluated in
-inference mode."""
+`eqx.nn.make_with_state` (Equinox's stateful-layers style), evaluated in inference mode."""
 
 import equinox as eqx
 import jax
@@ -10,8 +9,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-
-from .common import params, Recorder, Run
+from .common import batches, params, Recorder, Run
 
 
 STEPS = 5
@@ -42,14 +40,6 @@ def compute_loss(model, state, x, y):
     return jnp.mean((pred - y) ** 2), state
 
 
-def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        x = 3.0 * jr.normal(k, (BATCH, IN)) + 1.0
-        out.append((x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)))
-    return out
-
-
 def train(port: bool, donate: str = "none") -> Run:
     model, state = eqx.nn.make_with_state(Model)(jr.key(0))
     optim = optax.adamw(1e-2, weight_decay=1e-3)
@@ -67,14 +57,14 @@ def train(port: bool, donate: str = "none") -> Run:
         return model, state, opt_state, loss
 
     recorder = Recorder(port)
-    batches = data(jr.key(1))
-    for x, y in batches:
+    data = batches(jr.key(1), STEPS, (BATCH, IN), transform=lambda x: 3.0 * x + 1.0)
+    for x, y in data:
         with recorder.step():
             model, state, opt_state, loss = make_step(model, state, opt_state, x, y)
         recorder.record(loss, opt_state)
 
     # Evaluation: running statistics, no state update.
     inference_model = eqx.nn.inference_mode(model)
-    x, y = batches[0]
+    x, y = data[0]
     eval_loss, _ = jit(compute_loss)(inference_model, state, x, y)
     return recorder.run(model, opt_state, extra=(state, eval_loss))

@@ -1,10 +1,5 @@
-"""What every ported program returns and records.
-
-Each program here is a training script written the way users write them, with one switch,
-`port`: `False` runs it as written, `True` with the README's three-line change (`import
-eqx_offload`, `offloaded(...)` around the optimizer, `eqx_offload.filter_jit` around the
-step). Nothing else differs between the two runs.
-"""
+"""What every ported program returns and records. Each program runs as written
+(`port=False`) or with the README's three-line change (`port=True`), nothing else."""
 
 import contextlib
 import re
@@ -14,6 +9,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
@@ -23,8 +19,8 @@ from helpers import count_compiles
 
 
 class Run(NamedTuple):
-    """One training run: per-step losses, final model and state, per-step `{path: memory
-    kind}` (ported runs only), per-step compilations, and anything else to compare."""
+    """Per-step losses, final model and state, per-step `{path: memory kind}` (ported
+    runs only) and compilations, and anything else to compare."""
 
     losses: list[Any]
     model: Any
@@ -35,8 +31,7 @@ class Run(NamedTuple):
 
 
 class Recorder:
-    """What every program records per step: the loss, the compilations the step caused,
-    and (ported) where each state leaf lives after it."""
+    """Records per step the loss, the compilations and (ported) the state's placement."""
 
     def __init__(self, port: bool) -> None:
         self.port = port
@@ -63,12 +58,10 @@ def _array_leaves(opt_state: Any) -> Iterator[tuple[str, jax.Array, bool]]:
     """`(path, leaf, inside an OffloadedState?)` for every `jax.Array` leaf of `opt_state`."""
 
     def visit(tree: Any, prefix: str, inside: bool) -> Iterator[tuple[str, jax.Array, bool]]:
-        leaves = jtu.tree_flatten_with_path(
-            tree, is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState)
-        )[0]
-        for path, leaf in leaves:
+        is_state = lambda x: isinstance(x, eqx_offload.OffloadedState)  # noqa: E731
+        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
             name = prefix + jtu.keystr(path)
-            if isinstance(leaf, eqx_offload.OffloadedState):
+            if is_state(leaf):
                 yield from visit(leaf.inner_state, name + ".inner_state", True)
             elif isinstance(leaf, jax.Array):
                 yield name, leaf, inside
@@ -84,7 +77,7 @@ def placement(opt_state: Any) -> dict[str, str]:
 def expected_placement(opt_state: Any) -> dict[str, str]:
     """`placement` under `offloaded`'s default `where`: leaves with a dimension in
     `pinned_host`; on the device 0-d leaves, a line search's `grad`, `MultiSteps`'
-    `acc_grads` (by design) and leaves outside any `OffloadedState`."""
+    `acc_grads` and leaves outside any `OffloadedState`."""
     return {
         name: "pinned_host" if inside and np.ndim(leaf) >= 1 and "acc_grads" not in name
         and not re.search(r"\.grad(\[|$)", name) else "device"
@@ -92,21 +85,24 @@ def expected_placement(opt_state: Any) -> dict[str, str]:
     }
 
 
-def unwrap(tree: Any) -> Any:
-    """`tree` with every `OffloadedState(x)` replaced by `x`."""
-    return jtu.tree_map(
-        lambda x: unwrap(x.inner_state) if isinstance(x, eqx_offload.OffloadedState) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, eqx_offload.OffloadedState),
-    )
-
-
 def params(model: Any) -> Any:
     """The arrays of a model (what the optimizer sees)."""
     return eqx.filter(model, eqx.is_array)
 
 
+def sin_product(x: jax.Array) -> jax.Array:
+    return jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)
+
+
+def batches(key: jax.Array, steps: int, shape: tuple[int, ...], target: Any = sin_product,
+            transform: Any = None) -> list[tuple[jax.Array, jax.Array]]:
+    """`steps` batches `(x, target(x))`, `x` standard normal of `shape` (through `transform`)."""
+    xs = [jr.normal(k, shape) for k in jr.split(key, steps)]
+    xs = xs if transform is None else [transform(x) for x in xs]
+    return [(x, target(x)) for x in xs]
+
+
 def fresh_copy(tree: Any) -> Any:
-    """`tree` with fresh buffers but the same `StateIndex` markers (models built per run
-    would never have equal tree structures: each `StateIndex` has its own marker)."""
+    """`tree` with fresh buffers but the same `StateIndex` markers (so that two runs'
+    trees have equal structures)."""
     return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)

@@ -1,13 +1,7 @@
 """Data parallelism on 4 CPU devices in the style of Equinox's parallelism example: the
-batch is split over a `"batch"` mesh axis, the model and optimizer state are
-replicated with `eqx.filter_shard`, eagerly after `init` and again inside the step.
-
-The port has a fourth changed line when the program shards eagerly: outside `jit` it
-calls `eqx_offload.filter_shard` (see the "Multi-device" docs page for why).
-
-`idioms` chooses which of the two `filter_shard` calls the program makes (`"eager"`,
-`"in_step"`, both, or neither: then the model is replicated with `jax.device_put` and
-the state follows it through `init`)."""
+batch split over a `"batch"` mesh axis, model and optimizer state replicated with
+`eqx.filter_shard` (`idioms`: `"eager"` after `init`, `"in_step"`, both, or neither: then
+`jax.device_put` replicates the model and the state follows it through `init`)."""
 
 from collections.abc import Sequence
 
@@ -21,7 +15,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_offload  # (1) the import
 
-
 from .common import params, Recorder, Run
 
 
@@ -32,9 +25,8 @@ CHANNELS, HIDDEN = 4, 32
 
 
 def mesh() -> jax.sharding.Mesh:
-    return jax.make_mesh(
-        (DEVICES,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:DEVICES]
-    )
+    return jax.make_mesh((DEVICES,), ("batch",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:DEVICES])
 
 
 def dataloader(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -49,9 +41,7 @@ def compute_loss(model, x, y):
     return jnp.mean((y - pred_y) ** 2)
 
 
-def train(
-    port: bool, idioms: Sequence[str] = ("eager", "in_step"), donate: str = "none"
-) -> Run:
+def train(port: bool, idioms: Sequence[str] = ("eager", "in_step"), donate: str = "none") -> Run:
     the_mesh = mesh()
     data_sharding = NamedSharding(the_mesh, P("batch"))
     replicated = NamedSharding(the_mesh, P())
@@ -65,9 +55,7 @@ def train(
     jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
     if "eager" in idioms:
-        # (4) outside `jit`, `eqx_offload.filter_shard`: JAX commits every host array to
-        # its device, and `eqx.filter_shard` outside `jit` can neither move a committed
-        # array to other devices nor keep its memory kind (documented; checked below).
+        # (4) outside `jit`, `eqx_offload.filter_shard` (the "Multi-device" docs page)
         shard = eqx_offload.filter_shard if port else eqx.filter_shard
         model, opt_state = shard((model, opt_state), replicated)
 
@@ -77,9 +65,7 @@ def train(
             model, opt_state = eqx.filter_shard((model, opt_state), replicated)
             x, y = eqx.filter_shard((x, y), data_sharding)
         loss, grads = eqx.filter_value_and_grad(compute_loss)(model, x, y)
-        updates, opt_state = optim.update(
-            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
-        )
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         model = eqx.apply_updates(model, updates)
         if "in_step" in idioms:
             model, opt_state = eqx.filter_shard((model, opt_state), replicated)
@@ -95,9 +81,8 @@ def train(
 
 
 def train_pmap(port: bool, donate: str = "none") -> Run:
-    """The same model trained with `eqx.filter_pmap` (one replica per device, gradients
-    averaged with `pmean`), the pre-sharding style many programs still use; the
-    optimizer state is made per replica under `filter_pmap` too."""
+    """The same model under `eqx.filter_pmap` (a replica per device, gradients averaged
+    with `pmean`, the state made per replica), the pre-sharding style."""
     model = eqx.nn.MLP(CHANNELS, CHANNELS, HIDDEN, 1, key=jr.key(6789))
     devices = jax.devices()[:DEVICES]
     optim = optax.adamw(3e-3)
@@ -107,16 +92,13 @@ def train_pmap(port: bool, donate: str = "none") -> Run:
     replicas = jax.tree.map(lambda x: jnp.stack([x] * DEVICES), dynamic)
     models = eqx.combine(replicas, static)
     opt_states = eqx.filter_pmap(optim.init, devices=devices)(
-        eqx.filter(models, eqx.is_inexact_array)
-    )
+        eqx.filter(models, eqx.is_inexact_array))
 
     @eqx.filter_pmap(axis_name="devices", devices=devices, donate=donate)
     def train_step(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(compute_loss)(model, x, y)
         grads = jax.lax.pmean(grads, "devices")
-        updates, opt_state = optim.update(
-            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
-        )
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         return eqx.apply_updates(model, updates), opt_state, jax.lax.pmean(loss, "devices")
 
     recorder = Recorder(port)

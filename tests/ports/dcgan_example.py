@@ -1,16 +1,9 @@
-"""Equinox's DCGAN example as it is written (docs/examples/deep_convolutional_gan.ipynb),
-in small: convolutional generator and discriminator with `eqx.nn.BatchNorm` and
-`eqx.nn.PReLU`, each with its `eqx.nn.State(model)`, two adam optimizers passed to the
-steps as arguments, and two jitted steps per iteration (`step_discriminator` takes the
-generator and its state and returns the state but not the generator; `step_generator`
-the same the other way round), a PRNG key carried through both, numpy images in.
-
-`tests/ports/dcgan.py` is the same model folded into one step; this one keeps the
-example's shape, which is what a user ports. The sizes are small (4 features instead of
-64, a batch of 4), the layers and their order are the example's. `mode="ema"` is
-`eqx.nn.BatchNorm`'s default, which the example leaves unspecified; written out here
-because this Equinox warns where it is not.
-"""
+"""Equinox's DCGAN example as written (docs/examples/deep_convolutional_gan.ipynb), in
+small: convolutional generator and discriminator with `eqx.nn.BatchNorm` (its default
+`mode="ema"` written out) and `eqx.nn.PReLU`, each with its `eqx.nn.State(model)`, two adam
+optimizers passed as arguments to two jitted steps per iteration (each returns the other
+model's state but not the other model), a PRNG key carried through both, numpy images in.
+`one_step=True` (`dcgan.py`) folds the two steps into one jitted step."""
 
 import functools
 from collections.abc import Callable
@@ -31,10 +24,8 @@ from .common import fresh_copy, Recorder, Run
 STEPS = 4
 BATCH, LATENT, FEATURES = 4, 8, 4
 IMAGE = (64, 64, 1)
-# The example's `eqx.nn.PReLU(0.2)` makes weakly typed slopes, which the first update
-# returns strongly typed: each step then compiles again at the second and third
-# iteration (plain as ported: upstream behaviour, measured). A float32 slope is the
-# same number and compiles each step once.
+# The example's `eqx.nn.PReLU(0.2)` makes weakly typed slopes that the first update
+# returns strongly typed (a recompilation, plain as ported); float32 compiles once.
 SLOPE = jnp.float32(0.2)
 
 
@@ -171,17 +162,16 @@ def models() -> tuple[jax.Array, Generator, Discriminator]:
 
 
 def images(key: jax.Array) -> list[np.ndarray]:
-    """The data loader's batches, as numpy arrays (the example passes `images.numpy()`),
-    channels first."""
+    """The data loader's batches as numpy arrays (the example's `images.numpy()`)."""
     return [np.asarray(jnp.tanh(jr.normal(k, (BATCH, IMAGE[2], IMAGE[0], IMAGE[1]))))
             for k in jr.split(key, STEPS)]
 
 
-def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None) -> Run:
-    """`donate`: `"none"` or `"all"` (as `eqx.filter_jit`), or `"returned"` (ported
-    only): each step donates the arguments it returns, by parameter name, and not the
-    other model it only reads. `deleted`, if given, receives per iteration whether
-    every array passed to the two steps was consumed by one of them."""
+def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None,
+          one_step: bool = False) -> Run:
+    """`donate`: as `eqx.filter_jit`'s, or `"returned"` (ported only): each step donates by
+    name what it returns. `deleted`, if given, receives per iteration whether every array
+    passed to the steps was consumed."""
     key, generator, discriminator = models()
     generator_state = eqx.nn.State(generator)
     discriminator_state = eqx.nn.State(discriminator)
@@ -191,7 +181,9 @@ def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None
         generator_optimizer = eqx_offload.offloaded(generator_optimizer)  # (2)
         discriminator_optimizer = eqx_offload.offloaded(discriminator_optimizer)
     jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
-    if donate == "returned":  # (eqx_offload.filter_jit only: by parameter name)
+    if one_step:
+        step_discriminator, step_generator = _step_discriminator, _step_generator
+    elif donate == "returned":  # (eqx_offload.filter_jit only)
         step_discriminator = jit(_step_discriminator, donate=(
             "discriminator", "discriminator_opt_state", "generator_state",
             "discriminator_state", "key"))
@@ -201,27 +193,38 @@ def train(port: bool, donate: str = "none", deleted: Optional[list[bool]] = None
     else:
         step_discriminator = jit(_step_discriminator, donate=donate)
         step_generator = jit(_step_generator, donate=donate)
-    # (The example filters with `eqx.is_array`; with this Equinox, `BatchNorm` holds a
-    # bool array that gets no gradient, and plain optax fails on that as the ported run
-    # does: `eqx.is_inexact_array` is what both need.)
+    # (The example filters with `eqx.is_array`; this Equinox's `BatchNorm` holds a bool
+    # array that gets no gradient, which plain optax fails on as the port does.)
     generator_opt_state = generator_optimizer.init(eqx.filter(generator, eqx.is_inexact_array))
     discriminator_opt_state = discriminator_optimizer.init(
         eqx.filter(discriminator, eqx.is_inexact_array))
 
+    def iteration(generator, discriminator, generator_opt_state, discriminator_opt_state,
+                  generator_state, discriminator_state, batch, key):
+        (discriminator_loss, discriminator, discriminator_opt_state, generator_state,
+         discriminator_state, key) = step_discriminator(
+            discriminator, generator, batch, discriminator_optimizer,
+            discriminator_opt_state, generator_state, discriminator_state, key)
+        (generator_loss, generator, generator_opt_state, discriminator_state,
+         generator_state, key) = step_generator(
+            generator, discriminator, generator_optimizer, generator_opt_state,
+            discriminator_state, generator_state, key)
+        return (generator, discriminator, generator_opt_state, discriminator_opt_state,
+                generator_state, discriminator_state, key, discriminator_loss, generator_loss)
+
+    if one_step:
+        iteration = jit(iteration, donate=donate)
     recorder = Recorder(port)
     for batch in images(jr.key(7)):
         before = jax.tree.leaves((generator, discriminator, generator_opt_state,
                                   discriminator_opt_state, generator_state,
                                   discriminator_state, key))
         with recorder.step():
-            (discriminator_loss, discriminator, discriminator_opt_state, generator_state,
-             discriminator_state, key) = step_discriminator(
-                discriminator, generator, batch, discriminator_optimizer,
-                discriminator_opt_state, generator_state, discriminator_state, key)
-            (generator_loss, generator, generator_opt_state, discriminator_state,
-             generator_state, key) = step_generator(
-                generator, discriminator, generator_optimizer, generator_opt_state,
-                discriminator_state, generator_state, key)
+            (generator, discriminator, generator_opt_state, discriminator_opt_state,
+             generator_state, discriminator_state, key, discriminator_loss,
+             generator_loss) = iteration(
+                generator, discriminator, generator_opt_state, discriminator_opt_state,
+                generator_state, discriminator_state, batch, key)
         recorder.record(discriminator_loss + generator_loss,
                         (generator_opt_state, discriminator_opt_state))
         if deleted is not None:

@@ -1,11 +1,8 @@
-"""Fine-tuning with frozen layers, two ways users write it:
+"""Fine-tuning with frozen layers, two ways: `partition` (Equinox's frozen-layer example:
+a filter spec, `eqx.partition` inside the loss, the optimizer sees the trainable part) and
+`multi_transform` (the whole model, `optax.set_to_zero()` for the frozen label)."""
 
-- `partition`: a filter spec marks the trainable leaves; `eqx.partition` splits the
-    model inside the loss and the optimizer only sees the trainable part (Equinox's
-    frozen-layer example style);
-- `multi_transform`: the whole model goes to `optax.multi_transform` with
-    `optax.set_to_zero()` for the frozen label.
-"""
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -16,8 +13,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-
-from .common import Recorder, Run
+from .common import batches, Recorder, Run
 
 
 STEPS = 5
@@ -31,17 +27,19 @@ def make_model() -> eqx.nn.MLP:
 def trainable(model: eqx.nn.MLP) -> eqx.nn.MLP:
     """True for the last layer's weight and bias, False elsewhere."""
     spec = jtu.tree_map(lambda _: False, model)
-    return eqx.tree_at(
-        lambda m: (m.layers[-1].weight, m.layers[-1].bias), spec, replace=(True, True)
-    )
+    return eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), spec,
+                       replace=(True, True))
 
 
-def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        x = jr.normal(k, (BATCH, 3))
-        out.append((x, jnp.stack([x[:, 0] * x[:, 1], jnp.cos(x[:, 2])], axis=1)))
-    return out
+def fit(port: bool, make_step: Any, model: eqx.nn.MLP, opt_state: Any) -> Run:
+    """The training loop of both programs."""
+    recorder = Recorder(port)
+    for x, y in batches(jr.key(1), STEPS, (BATCH, 3),
+                        lambda x: jnp.stack([x[:, 0] * x[:, 1], jnp.cos(x[:, 2])], axis=1)):
+        with recorder.step():
+            loss, model, opt_state = make_step(model, x, y, opt_state)
+        recorder.record(loss, opt_state)
+    return recorder.run(model, opt_state)
 
 
 def _loss(model, x, y):
@@ -69,12 +67,7 @@ def train_partition(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return loss, model, opt_state
 
-    recorder = Recorder(port)
-    for x, y in data(jr.key(1)):
-        with recorder.step():
-            loss, model, opt_state = make_step(model, x, y, opt_state)
-        recorder.record(loss, opt_state)
-    return recorder.run(model, opt_state)
+    return fit(port, make_step, model, opt_state)
 
 
 def train_multi_transform(port: bool, donate: str = "none") -> Run:
@@ -83,12 +76,10 @@ def train_multi_transform(port: bool, donate: str = "none") -> Run:
     # "train"/"freeze" for each array, None where `params` has None.
     labels = jtu.tree_map(
         lambda leaf, spec: ("train" if spec else "freeze") if eqx.is_array(leaf) else None,
-        model, trainable(model),
-    )
+        model, trainable(model))
     # A model is callable, so its labels go in a function (optax would call them).
-    optim = optax.multi_transform(
-        {"train": optax.adam(1e-2), "freeze": optax.set_to_zero()}, lambda _: labels
-    )
+    optim = optax.multi_transform({"train": optax.adam(1e-2), "freeze": optax.set_to_zero()},
+                                  lambda _: labels)
     if port:
         optim = eqx_offload.offloaded(optim)  # (2)
     jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
@@ -101,9 +92,4 @@ def train_multi_transform(port: bool, donate: str = "none") -> Run:
         model = eqx.apply_updates(model, updates)
         return loss, model, opt_state
 
-    recorder = Recorder(port)
-    for x, y in data(jr.key(1)):
-        with recorder.step():
-            loss, model, opt_state = make_step(model, x, y, opt_state)
-        recorder.record(loss, opt_state)
-    return recorder.run(model, opt_state)
+    return fit(port, make_step, model, opt_state)

@@ -1,14 +1,8 @@
-"""Flax linen: a `TrainState` (`flax.training.train_state`) made with
-`TrainState.create(apply_fn=..., params=..., tx=optax.adamw(...))` and a step under
-`jax.jit(donate_argnums=0)` that calls `state.apply_gradients`, as Flax's examples
-write it. Ported with three lines: the import, `offloaded(...)` around `tx`, and
-`eqx_offload.jit` for `jax.jit` (same arguments). `TrainState.create` sets `step=0`, a
-Python int: `jax.jit` and `eqx_offload.jit` trace it as a weakly typed int32, so the
-step compiles once and returns `step` as an int32 array.
-
-`style="filter_jit"` runs the ported program under `eqx_offload.filter_jit` (without
-donation) instead, where a Python scalar leaf is static: it compiles again at every
-step, as `step` changes (tests/test_jit.py checks the warning that says so)."""
+"""Flax linen, as Flax's examples write it: `TrainState.create(apply_fn=..., params=...,
+tx=optax.adamw(...))` and a step under `jax.jit(donate_argnums=0)` calling
+`state.apply_gradients`. Ported: `offloaded(...)` around `tx`, `eqx_offload.jit` for
+`jax.jit`. `style="filter_jit"`: under `eqx_offload.filter_jit`, undonated, where the
+Python int `step` is static and recompiles every step (test_jit.py checks the warning)."""
 
 import flax.linen as nn
 import jax
@@ -20,7 +14,7 @@ from flax.training import train_state
 
 import eqx_offload  # (1) the import
 
-from .common import Recorder, Run
+from .common import batches, Recorder, Run
 
 
 STEPS = 5
@@ -35,17 +29,8 @@ class MLP(nn.Module):
         return nn.Dense(OUT)(x)
 
 
-def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        x = jr.normal(k, (BATCH, IN))
-        out.append((x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)))
-    return out
-
-
 def train(port: bool, style: str = "jit") -> Run:
-    """Returns the run; its `extra` is the final `step` and, per step, which array
-    leaves of the state passed in were deleted (donated) by the call."""
+    """`extra`: the final `step`, and per step which leaves passed in were deleted."""
     model = MLP()
     params = model.init(jr.key(0), jnp.ones((1, IN)))["params"]
     tx = optax.adamw(3e-3, weight_decay=1e-3)
@@ -67,7 +52,7 @@ def train(port: bool, style: str = "jit") -> Run:
 
     recorder = Recorder(port)
     deleted = []
-    for x, y in data(jr.key(1)):
+    for x, y in batches(jr.key(1), STEPS, (BATCH, IN)):
         old = state
         with recorder.step():
             state, loss = train_step(state, x, y)

@@ -1,8 +1,6 @@
-"""Equinox's MNIST (CNN) example, in small: a convolutional classifier trained with
-`optax.adamw`, a `make_step` under `eqx.filter_jit`, and the example's own jitted
-evaluation functions (`compute_accuracy`, `loss`), called before training and after
-every step. Ported, the evaluation functions stay under `eqx.filter_jit`: they are
-the user's other functions."""
+"""Equinox's MNIST (CNN) example, in small: `optax.adamw`, a `make_step` under
+`eqx.filter_jit`, and the example's jitted evaluations (`compute_accuracy`, `loss`) before
+training and after every step, which stay under `eqx.filter_jit` when ported."""
 
 import equinox as eqx
 import jax
@@ -62,9 +60,8 @@ def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
 
 
 def train(port: bool, donate: str = "none", commit: bool = True) -> Run:
-    """`commit`: the one-line remedy of the docs (the "Equinox training loop" page) for
-    the user's other jitted functions: commit the model to its device before the first
-    call, so that they see the same kind of argument before and after a step."""
+    """`commit`: the docs' one-line remedy ("Equinox training loop") for the user's other
+    jitted functions: the model committed before the first call, as after a step."""
     model = CNN(jr.key(0))
     if port and commit:
         model = eqx_offload.filter_shard(model, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
@@ -73,8 +70,7 @@ def train(port: bool, donate: str = "none", commit: bool = True) -> Run:
         optim = eqx_offload.offloaded(optim)  # (2)
     jit = eqx_offload.filter_jit if port else eqx.filter_jit  # (3)
     opt_state = optim.init(params(model))
-    # The example's `@eqx.filter_jit` evaluation functions (fresh ones per run, so each
-    # run counts its own compilations).
+    # The example's `@eqx.filter_jit` evaluations (fresh per run: each counts its own).
     eval_loss = eqx.filter_jit(lambda model, x, y: loss(model, x, y))
     accuracy = eqx.filter_jit(lambda model, x, y: compute_accuracy(model, x, y))
 

@@ -1,16 +1,11 @@
-"""Flax NNX: an `nnx.Module` trained with `nnx.Optimizer(model, tx, wrt=nnx.Param)`,
-in the two styles NNX documents:
+"""Flax NNX: `nnx.Optimizer(model, tx, wrt=nnx.Param)` in NNX's two documented styles:
 
-- `"nnx_jit"`: a `train_step(model, optimizer, x, y)` under `nnx.jit` that updates
-    both in place, without donation. Ported: the import, `offloaded(...)` around `tx`,
-    and one line that commits the model and optimizer to their device before the
-    first step (without it `nnx.jit` compiles the step twice: the model and the
-    optimizer's step counter start uncommitted, the offloaded state is committed).
-- `"functional"`: `nnx.split` once, a pure step on the state under `eqx.filter_jit`
-    with `donate="all"`, `nnx.merge` inside it (NNX's "functional API" for speed).
-    Ported: the import, `offloaded(...)`, `eqx_offload.filter_jit`. This is the way to
-    donate an offloaded state (see docs/nnx.md: `nnx.jit(..., donate_argnums=...)`
-    lets JAX pair a host input with a device output, which aborts the process).
+- `"nnx_jit"`: `train_step(model, optimizer, x, y)` under `nnx.jit`, undonated. Ported: the
+    import, `offloaded(...)`, and a line committing model and optimizer first (else
+    `nnx.jit` compiles twice: they start uncommitted, the offloaded state is committed).
+- `"functional"`: `nnx.split` once, a pure step under `eqx.filter_jit(donate="all")` with
+    `nnx.merge` inside (NNX's "functional API"). Ported: the usual three lines; the way to
+    donate an offloaded state (docs/nnx.md).
 """
 
 import equinox as eqx
@@ -22,7 +17,7 @@ from flax import nnx
 
 import eqx_offload  # (1) the import
 
-from .common import Recorder, Run
+from .common import batches, Recorder, Run
 
 
 STEPS = 5
@@ -43,29 +38,22 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((model(x) - y) ** 2)
 
 
-def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        x = jr.normal(k, (BATCH, IN))
-        out.append((x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] * x[:, 2]], axis=1)))
-    return out
-
-
 def commit(*nodes: object) -> None:
-    """The one line of the port under `nnx.jit`: every array of `nodes` committed to
-    the default device (host-resident leaves stay in host memory)."""
+    """Every array of `nodes` committed to the default device (host leaves stay in host)."""
     nnx.update(nodes, eqx_offload.filter_shard(
         nnx.state(nodes), jax.sharding.SingleDeviceSharding(jax.devices()[0])))
 
 
-def train(port: bool, style: str = "nnx_jit", donate: str = "all", commit_first: bool = True) -> Run:
+def train(port: bool, style: str = "nnx_jit", donate: str = "all",
+          commit_first: bool = True) -> Run:
     model = MLP(nnx.Rngs(0))
     tx = optax.adamw(1e-2, weight_decay=1e-3)
     if port:
         tx = eqx_offload.offloaded(tx)  # (2)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     recorder = Recorder(port)
-    batches = data(jr.key(1))
+    data = batches(jr.key(1), STEPS, (BATCH, IN))
+    deleted = []  # (functional: per step, whether every array passed in was consumed)
     if style == "nnx_jit":
         if port and commit_first:
             commit(model, optimizer)  # (3)
@@ -76,7 +64,7 @@ def train(port: bool, style: str = "nnx_jit", donate: str = "all", commit_first:
             optimizer.update(model, grads)
             return loss
 
-        for x, y in batches:
+        for x, y in data:
             with recorder.step():
                 loss = train_step(model, optimizer, x, y)
             recorder.record(loss, optimizer.opt_state)
@@ -91,10 +79,12 @@ def train(port: bool, style: str = "nnx_jit", donate: str = "all", commit_first:
             optimizer.update(model, grads)
             return nnx.state((model, optimizer)), loss
 
-        for x, y in batches:
+        for x, y in data:
+            old = jax.tree.leaves(state)
             with recorder.step():
                 state, loss = train_step(state, x, y)
+            deleted.append(all(a.is_deleted() for a in old))
             nnx.update((model, optimizer), state)
             recorder.record(loss, optimizer.opt_state)
     return recorder.run(nnx.state(model), optimizer.opt_state,
-                        extra=jax.tree.leaves(optimizer.step))  # the step counter
+                        extra=(jax.tree.leaves(optimizer.step), deleted))

@@ -13,8 +13,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-
-from .common import Recorder, Run
+from .common import batches, Recorder, Run
 
 
 STEPS = 5
@@ -47,10 +46,8 @@ class Net(eqx.Module):
             Block(eqx.nn.Linear(8, 8, key=keys[1]), jnp.tanh, 2.0, "second",
                   eqx.nn.Dropout(0.1)),
         ]
-        self.head = eqx.nn.Sequential([
-            eqx.nn.Lambda(jax.nn.silu),
-            eqx.nn.Linear(8, 1, key=keys[2]),
-        ])
+        self.head = eqx.nn.Sequential([eqx.nn.Lambda(jax.nn.silu),
+                                       eqx.nn.Linear(8, 1, key=keys[2])])
         self.depth = len(self.blocks)
         self.mask = jnp.array([1, 0, 1, 1, 0, 1, 1, 1], dtype=jnp.int32)
         self.key = keys[3]
@@ -59,14 +56,6 @@ class Net(eqx.Module):
         for block, k in zip(self.blocks, jr.split(key, self.depth)):
             x = block(x, k)
         return self.head(x * self.mask)
-
-
-def data(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        x = jr.normal(k, (BATCH, 4))
-        out.append((x, jnp.sum(x**2, axis=1, keepdims=True)))
-    return out
 
 
 def train(port: bool, donate: str = "none") -> Run:
@@ -86,15 +75,14 @@ def train(port: bool, donate: str = "none") -> Run:
     def make_step(model, opt_state, x, y):
         key, new_key = jr.split(model.key)
         loss, grads = compute_loss(model, x, y, key)
-        updates, opt_state = optim.update(
-            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
-        )
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         model = eqx.apply_updates(model, updates)
         model = eqx.tree_at(lambda m: m.key, model, new_key)
         return model, opt_state, loss
 
     recorder = Recorder(port)
-    for x, y in data(jr.key(1)):
+    data = batches(jr.key(1), STEPS, (BATCH, 4), lambda x: jnp.sum(x**2, axis=1, keepdims=True))
+    for x, y in data:
         with recorder.step():
             model, opt_state, loss = make_step(model, opt_state, x, y)
         recorder.record(loss, opt_state)

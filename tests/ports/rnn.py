@@ -9,8 +9,7 @@ import optax
 
 import eqx_offload  # (1) the import
 
-
-from .common import params, Recorder, Run
+from .common import batches, params, Recorder, Run
 
 
 STEPS = 5
@@ -39,13 +38,8 @@ class RNN(eqx.Module):
         return jax.nn.sigmoid(self.linear(out) + self.bias)
 
 
-def batches(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    out = []
-    for k in jr.split(key, STEPS):
-        xs = jr.normal(k, (BATCH, SEQ_LEN, FEATURES))
-        ys = (jnp.sum(xs[:, :, 0], axis=1) > 0).astype(jnp.float32)[:, None]
-        out.append((xs, ys))
-    return out
+def label(xs: jax.Array) -> jax.Array:
+    return (jnp.sum(xs[:, :, 0], axis=1) > 0).astype(jnp.float32)[:, None]
 
 
 def train(port: bool, donate: str = "none") -> Run:
@@ -59,7 +53,6 @@ def train(port: bool, donate: str = "none") -> Run:
     @eqx.filter_value_and_grad
     def compute_loss(model, x, y):
         pred = jax.vmap(model)(x)
-        # Binary cross-entropy
         return -jnp.mean(y * jnp.log(pred) + (1 - y) * jnp.log(1 - pred))
 
     @jit(donate=donate)
@@ -70,7 +63,7 @@ def train(port: bool, donate: str = "none") -> Run:
         return loss, model, opt_state
 
     recorder = Recorder(port)
-    for x, y in batches(jr.key(1)):
+    for x, y in batches(jr.key(1), STEPS, (BATCH, SEQ_LEN, FEATURES), label):
         with recorder.step():
             loss, model, opt_state = make_step(model, x, y, opt_state)
         recorder.record(loss, opt_state)

@@ -1,9 +1,6 @@
-"""optimistix: `optx.minimise` with `optx.OptaxMinimiser(optax.adam(...))`, the way
-optimistix documents using an optax optimizer as a minimiser.
-Ported: `offloaded(...)` around the optax optimizer. `optx.minimise` jits itself, so
-the third line (`eqx_offload.filter_jit`) goes around the user's own function that
-calls it. Inside the solve the state goes to host and back at every iteration (see
-docs/solvers.md for when that pays)."""
+"""optimistix: `optx.minimise` with `optx.OptaxMinimiser(optax.adam(...))`, as optimistix
+documents it. `optx.minimise` jits itself: `eqx_offload.filter_jit` goes around the user's
+function that calls it (docs/solvers.md)."""
 
 import equinox as eqx
 import jax
@@ -23,8 +20,8 @@ MAX_STEPS = 30
 
 def rosenbrock(y: dict[str, jax.Array], args: jax.Array) -> jax.Array:
     x = y["x"]
-    return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2) + jnp.sum(
-        (y["w"] @ args) ** 2)
+    rosen = jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
+    return rosen + jnp.sum((y["w"] @ args) ** 2)
 
 
 def train(port: bool, donate: str = "none") -> Run:
@@ -37,8 +34,7 @@ def train(port: bool, donate: str = "none") -> Run:
 
     @jit
     def solve(y0, args):
-        solution = optx.minimise(rosenbrock, solver, y0, args, max_steps=MAX_STEPS,
-                                 throw=False)
+        solution = optx.minimise(rosenbrock, solver, y0, args, max_steps=MAX_STEPS, throw=False)
         return solution.value, solution.state.opt_state, solution.stats["num_steps"]
 
     recorder = Recorder(port)

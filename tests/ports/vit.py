@@ -1,7 +1,6 @@
-"""Equinox's vision-transformer example, in small: patches, attention blocks with
-`eqx.nn.Dropout` (a Python float and a bool among the model's leaves), `optax.adamw`
-with a schedule, and the example's own call `optimizer.update(grads, opt_state, model)`
-with the whole model as `params`."""
+"""Equinox's vision-transformer example, in small: attention blocks with `eqx.nn.Dropout`
+(a float and a bool among the leaves), `optax.adamw` with a schedule, and the example's
+`optimizer.update(grads, opt_state, model)` with the whole model as `params`."""
 
 import equinox as eqx
 import jax
@@ -104,7 +103,6 @@ def train(port: bool, donate: str = "none") -> Run:
     @jit(donate=donate)
     def step_fn(model, images, labels, optimizer_state, key):
         loss, grads = eqx.filter_value_and_grad(compute_grads)(model, images, labels, key)
-        # The example's own call: the whole model (ints, floats, bools among its leaves).
         updates, new_state = optimizer.update(grads, optimizer_state, model)
         model = eqx.apply_updates(model, updates)
         return model, new_state, loss
