@@ -83,9 +83,9 @@ def scan_layers(
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
         `eqx_offload.LAYER_INPUT` and the policy offloads that name.
-    - `unroll`: as `jax.lax.scan`. (With weights in host memory, XLA's GPU compiler
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not
         compile for XLA's GPU target: see `docs/models.md`).
+    - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
         computes (default `True`; used when some leaf is in host memory and `policy`
         is `None`). `False`: fetch each layer in its own iteration.
 
