@@ -85,6 +85,7 @@ SUBSETS: dict[str, Optional[str]] = {
     "_src/linesearch_test.py::ZoomLinesearchTest::test_failure_*": None,
 }
 
+
 def glob(pattern: str, key: str) -> bool:
     """`fnmatch` with only `*` as a wildcard (keys contain `[` and `]`)."""
     return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), key, re.S) is not None

@@ -57,9 +57,9 @@ def _compiles_per_call(opt: optax.GradientTransformation, params_committed: bool
 
 
 @pytest.mark.parametrize("offload,params_committed,state_on_device,expected", [
-    (True, False, False, [1, 1, 0, 0, 0]),  # the double compile
-    (True, True, False, [1, 0, 0, 0, 0]),  # the documented workaround: commit the params
-    (False, False, True, [1, 1, 0, 0, 0]),  # not offload-specific: a device-committed state
+    pytest.param(True, False, False, [1, 1, 0, 0, 0], id="twice_with_uncommitted_params"),
+    pytest.param(True, True, False, [1, 0, 0, 0, 0], id="once_with_committed_params"),  # the fix
+    pytest.param(False, False, True, [1, 1, 0, 0, 0], id="double_compile_not_offload_specific"),
 ])
 def test_jax_jit_compiles_per_call(offload, params_committed, state_on_device, expected):
     assert jax.device_put(jnp.ones(2), jax.memory.Space.Host).committed  # always committed
@@ -94,8 +94,7 @@ def test_both_compute_on_forms_trace_to_one_primitive():
 
 def _double_under_context_manager(x: jax.Array) -> jax.Array:
     with compute_on_module.compute_on("device_host"):
-        y = x * 2
-    return y
+        return x * 2
 
 
 def test_compute_on_context_manager_form():
