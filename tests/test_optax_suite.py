@@ -1,9 +1,6 @@
-"""Optax's own test files, with every optimizer they build wrapped in `offloaded`.
-
-The groups of `optax_suite/selection.py` run in one child pytest over the installed
-optax's test files with `optax_suite/plugin.py` (no patch leaks here); each group is
-checked on its own. Every test passes except the adapted and expected failures of
-`optax_suite/adaptations.py` (and `docs/optax-tests.md`)."""
+"""Optax's own test files, with every optimizer they build wrapped in `offloaded`, in a
+child pytest with `optax_suite/plugin.py`: every test passes but the expected failures of
+`optax_suite/adaptations.py` (`docs/optax-tests.md`)."""
 
 import json
 import os
@@ -27,17 +24,15 @@ sys.path.remove(SUITE)
 
 
 def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, dict[str, Any]]:
-    """Runs the plugin over `paths` (relative to `rootdir`) in a fresh pytest; returns
-    its exit code, output and report."""
+    """The exit code, output and report of the plugin over `paths` in a fresh pytest."""
     report = tmp_path / "report.json"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
         "EQX_OFFLOAD_SUITE_REPORT": str(report),
         "JAX_PLATFORMS": "cpu",
-        # This process's compilation cache: optax's eager `lax.cond`s compile the same
-        # program every step; a hit is still logged as a compilation, so optax's
-        # no-recompile checks see every compile they saw before.
+        # This process's compilation cache (optax's eager `lax.cond`s compile one program
+        # each step); a hit is still logged as a compilation, as optax's checks expect.
         "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir
         or str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -55,17 +50,12 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
     return process.returncode, process.stdout + process.stderr, data
 
 
-def _failures(report: dict[str, Any]) -> dict[str, str]:
-    return {k: v for k, v in report.get("outcomes", {}).items() if v.startswith("failed")}
-
-
 @pytest.mark.slow
 def test_optax_suite(tmp_path: Any) -> None:
-    """Every group in one child (imports and shared compilations once), each group
-    checked on its own from the report's per-test counts."""
+    """Every group in one child, each group checked on its own from the report's counts."""
     paths = [path for group in sorted(GROUPS) for path in GROUPS[group]]
     rc, output, report = run_child(tmp_path, OPTAX, paths)
-    failures = _failures(report)
+    failures = {k: v for k, v in report.get("outcomes", {}).items() if v.startswith("failed")}
     assert rc == 0 and not failures, (
         f"optax's tests with offloaded optimizers failed (exit {rc}):\n"
         + "\n".join(f"{k}\n    {v}" for k, v in failures.items())
@@ -78,11 +68,9 @@ def test_optax_suite(tmp_path: Any) -> None:
 
 def _check_group(group: str, report: dict[str, Any]) -> None:
     """What must hold of the tests of `group`'s files in the child's report."""
-    def ours(key: str) -> bool:
-        return any(key.startswith(path + "::") for path in GROUPS[group])
-
-    outcomes = {k: v for k, v in report["outcomes"].items() if ours(k)}
-    counts = {k: c for k, c in report["counts"].items() if ours(k)}
+    ours = tuple(path + "::" for path in GROUPS[group])
+    outcomes = {k: v for k, v in report["outcomes"].items() if k.startswith(ours)}
+    counts = {k: c for k, c in report["counts"].items() if k.startswith(ours)}
     assert len(counts) >= 40, f"{group}: only {len(counts)} tests ran"
     # Most tests built an (offloaded) optimizer; eager calls checked the placement.
     built = [k for k, c in counts.items() if c["wrapped"]]
@@ -90,10 +78,9 @@ def _check_group(group: str, report: dict[str, Any]) -> None:
     assert sum(c["checked"] for c in counts.values()) >= 50, group
     # Every adaptation and expected failure of this group names a test that ran.
     ran = set(outcomes) | set(counts)
-    for table in (ADAPT, XFAIL):
-        for pattern in table:
-            if any(pattern.startswith(path) for path in GROUPS[group]):
-                assert any(glob(pattern, key) for key in ran), f"{group}: stale entry: {pattern}"
+    for pattern in (*ADAPT, *XFAIL):
+        if any(pattern.startswith(path) for path in GROUPS[group]):
+            assert any(glob(pattern, key) for key in ran), f"{group}: stale entry: {pattern}"
     xfailed = [k for k, v in outcomes.items() if v == "xfailed"]
     print(f"{group}: {len(counts)} tests, {len(xfailed)} expected failures")
 

@@ -1,25 +1,19 @@
 """Which of Optax's tests are adapted, or expected to fail, with offloaded optimizers,
-and why. `docs/optax-tests.md` presents these tables.
-
-Keys are patterns (`*` is the only wildcard) over a test's key (see `selection.py`):
-its node id, its absl parameters, and for a unittest subtest ` [message]`.
-"""
+and why (`docs/optax-tests.md` presents these tables). Keys are patterns (`*` the only
+wildcard) over a test's key (`selection.py`), and ` [message]` for a unittest subtest."""
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from selection import glob
 
 
-# Adaptations, for tests that inspect the state's structure or build a state by hand.
-# "unwrap": the test gets the inner state (leaves still in host memory) instead of the
-#     `OffloadedState`, and `update` takes it back (a hand-built one too).
-# "handmade": a hand-built state (`None`, `{}`) becomes the one `init` would make.
+# For tests that inspect the state's structure or build a state by hand. "unwrap": the test
+# gets the inner state (leaves still in host memory) and `update` takes it back (a
+# hand-built one too); "handmade": a hand-built state becomes the one `init` would make.
 
-_SHADOWED = (
-    "reads the optax combinator's own `inner_state` field, which the `inner_state` "
-    "field of the OffloadedState around it shadows"
-)
+_SHADOWED = ("reads the optax combinator's own `inner_state` field, which the `inner_state` "
+             "field of the OffloadedState around it shadows")
 _TREE = "compares the whole state (its tree structure or key paths) with a plain one"
 
 ADAPT: dict[str, tuple[str, str]] = {
@@ -57,25 +51,21 @@ ADAPT: dict[str, tuple[str, str]] = {
 
 
 # Expected failures: (reason, regex of the failure message); a pass or another failure
-# is a failure (strict). ` [message]` names a unittest subtest (whose test still passes).
+# is a failure (strict). A subtest's test still passes.
 
-_RECOMPILE = (
-    "the state from offloaded(...).init is committed (host memory) and the params are "
-    "not, so plain jax.jit compiles the step twice (docs/concepts.md)"
-)
+_RECOMPILE = ("the state from offloaded(...).init is committed (host memory) and the params "
+              "are not, so plain jax.jit compiles the step twice (docs/concepts.md)")
 _BASELINE = "fails without eqx_offload too (optax 0.2.8 with jax 0.10.2)"
-_DONATION = (
-    "donates the offloaded state through plain jax.jit(donate_argnums=...), where JAX may "
-    "pair a host-memory input with a device output and XLA abort the process: offloaded "
-    "refuses it with a CompositionError while tracing (eqx_offload.filter_jit donates "
-    "safely; docs/concepts.md, the donation trap)"
-)
+_DONATION = ("donates the offloaded state through plain jax.jit(donate_argnums=...), where "
+             "JAX may pair a host-memory input with a device output and XLA abort the "
+             "process: offloaded refuses it with a CompositionError while tracing "
+             "(eqx_offload.filter_jit donates safely; docs/concepts.md, the donation trap)")
 
 XFAIL: dict[str, tuple[str, str]] = {
     # compiles twice under plain jax.jit (not polyak_sgd: nothing of its state offloaded)
     **{
-        f"_src/alias_test.py::AliasTest::test_optimization* (opt_name='{name}'* [Test that optimization works]":
-            (_RECOMPILE, r"Optimizer recompiles on second call")
+        f"_src/alias_test.py::AliasTest::test_optimization* (opt_name='{name}'*"
+        " [Test that optimization works]": (_RECOMPILE, r"Optimizer recompiles on second call")
         for name in ("adam", "sgd", "adafactor")
     },
     # donates the offloaded state through plain `jax.jit(donate_argnums=(0, 1))`
@@ -93,19 +83,10 @@ XFAIL: dict[str, tuple[str, str]] = {
 }
 
 
-def _lookup(table: dict[str, Any], key: str) -> Any:
-    for pattern, value in table.items():
-        if glob(pattern, key):
-            return value
-    return None
-
-
 def expected_failure(key: str, subtest: bool) -> Optional[tuple[str, str]]:
     """(reason, message regex) if this test or subtest (` [message]`) is expected to fail."""
-    for pattern, value in XFAIL.items():
-        if (" [" in pattern) == subtest and glob(pattern, key):
-            return value
-    return None
+    matches = (v for p, v in XFAIL.items() if (" [" in p) == subtest and glob(p, key))
+    return next(matches, None)
 
 
 def adaptation_for(key: str) -> str:
@@ -114,5 +95,4 @@ def adaptation_for(key: str) -> str:
     forced = os.environ.get("EQX_OFFLOAD_SUITE_ADAPT_ALL")
     if forced:
         return "" if forced == "none" else forced
-    entry = _lookup(ADAPT, key)
-    return entry[0] if entry else ""
+    return next((kind for pattern, (kind, _) in ADAPT.items() if glob(pattern, key)), "")

@@ -1,7 +1,6 @@
-"""The plugin's own check, run by `tests/test_optax_suite.py` through the plugin like an
-optax test file: optimizers built in test code come back offloaded, exactly once and
-outermost; their state lives in host memory; the expected-failure machinery turns a
-listed failure into an xfail and a listed pass into a failure."""
+"""The plugin's own check, run through it like an optax test file: optimizers come back
+offloaded once, outermost, state in host memory; a listed failure is an xfail, a listed
+pass a failure."""
 
 import functools
 
@@ -9,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import optax.contrib
 
 import eqx_offload
 
@@ -29,8 +27,7 @@ def _nested_offloads(state):
 def test_alias_is_offloaded():
     state = optax.adam(0.1).init(PARAMS)
     assert isinstance(state, eqx_offload.OffloadedState)
-    mu = state.inner_state[0].mu
-    assert mu["w"].sharding.memory_kind == "pinned_host"
+    assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
     assert state.inner_state[0].count.sharding.memory_kind == "device"
 
 
@@ -63,8 +60,7 @@ def test_multi_steps_offloaded_once():
 
 
 def test_numbers_match_unwrapped():
-    # A numeric check through the plugin: offloaded adam's first update is adam's
-    # (-lr * g / (|g| + eps), bias-corrected).
+    # Through the plugin, adam's first update: -lr * g / (|g| + eps), bias-corrected.
     opt = optax.adam(0.1, eps=1e-3)
     state = opt.init(PARAMS)
     updates, state = opt.update(PARAMS, state, PARAMS)

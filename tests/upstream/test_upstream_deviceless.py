@@ -1,21 +1,15 @@
-"""Canary (upstream behaviour, not the library's): the private JAX and XLA calls that
-`eqx_offload.gpu_plan` makes (all in `eqx_offload/_deviceless.py`) and the facts its
-reading of the plan relies on, on a step small enough to say exactly what must happen.
-
-- A compile-only CUDA topology comes from `jax.experimental.topologies.get_topology_desc`
-  with a `GpuTargetConfigProto` text, without a GPU; its devices have no memories.
-- Lowered for `cuda` with CPU shardings, a `device_put` to `pinned_host` inside `jit`
-  survives into the GPU program as a `copy-start`/`copy-done` pair whose destination
-  layout carries `S(5)` (host memory), and `get_compiled_memory_stats()` counts host
-  arguments apart from device ones.
-
-If a JAX upgrade breaks one of these, fix `_deviceless.py` / `_hlo.py` and this file.
-"""
+"""Canary: the private JAX and XLA calls `gpu_plan` makes (`_deviceless.py`) and the
+facts its reading of the plan relies on: a compile-only CUDA topology without a GPU, whose
+devices have no memories; lowered for `cuda`, a `device_put` to `pinned_host` inside `jit`
+survives as a `copy-start`/`copy-done` pair (`S(5)`), and the memory stats count host
+arguments apart. If an upgrade breaks one, fix `_deviceless.py` / `_hlo.py`."""
 
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import eqx_offload
@@ -27,8 +21,7 @@ pytestmark = gpu_plan_marks()
 
 
 def _gpu():
-    target = eqx_offload.GPU_TARGETS["h100"]
-    return _deviceless.topology(target.config_text(), 1).devices[0]
+    return _deviceless.topology(eqx_offload.GPU_TARGETS["h100"].config_text(), 1).devices[0]
 
 
 def test_compile_only_devices_have_no_memories():
@@ -39,17 +32,21 @@ def test_compile_only_devices_have_no_memories():
         device.memory("pinned_host")
 
 
-def test_copies_survive_lowering_for_cuda_with_cpu_shardings():
-    cpu = jax.devices("cpu")[0]
-    on_device = jax.sharding.SingleDeviceSharding(cpu)
-    on_host = on_device.with_memory_kind("pinned_host")
-    x = jax.device_put(jnp.ones((256, 256)), on_host)
+def _round_trip(n: int):
+    """A jitted host -> device (x2) -> host step, and an (n, n) array in host memory."""
+    on_host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]).with_memory_kind(
+        "pinned_host")
 
     def f(x):
         y = jax.device_put(x, jax.memory.Space.Device) * 2
         return jax.device_put(y, jax.memory.Space.Host)
 
     jitted = jax.jit(f, in_shardings=on_host, out_shardings=on_host)
+    return jitted, jax.device_put(jnp.ones((n, n)), on_host)
+
+
+def test_copies_survive_lowering_for_cuda_with_cpu_shardings():
+    jitted, x = _round_trip(256)
     lowered = jitted.trace(x).lower(lowering_platforms=("cuda",))
     executable = _deviceless.compile_for(lowered, [_gpu()], {})
     stats = executable.get_compiled_memory_stats()
@@ -64,15 +61,9 @@ def test_copies_survive_lowering_for_cuda_with_cpu_shardings():
 
 
 def test_lowering_for_the_cpu_loses_the_copies():
-    """Why the plan lowers for `cuda`: lowered for the CPU, a `device_put` to the device
-    inside `jit` lowers to nothing (the CPU has one memory), so the module compiled for
-    the GPU would compute on host memory."""
-    cpu = jax.devices("cpu")[0]
-    on_host = jax.sharding.SingleDeviceSharding(cpu).with_memory_kind("pinned_host")
-    x = jax.device_put(jnp.ones((64, 64)), on_host)
-    jitted = jax.jit(lambda x: jax.device_put(jax.device_put(x, jax.memory.Space.Device) * 2,
-                                              jax.memory.Space.Host),
-                     in_shardings=on_host, out_shardings=on_host)
+    """Why the plan lowers for `cuda`: for the CPU (one memory), a `device_put` to the
+    device inside `jit` lowers to nothing, so the GPU would compute on host memory."""
+    jitted, x = _round_trip(64)
     placements = re.compile(r'_xla_buffer_placement = "(\w+)"')
     assert placements.findall(jitted.trace(x).lower().as_text()) == ["pinned_host"]
     assert placements.findall(jitted.trace(x).lower(lowering_platforms=("cuda",)).as_text()) == [
@@ -81,9 +72,8 @@ def test_lowering_for_the_cpu_loses_the_copies():
 
 def _program(executable) -> str:
     """The optimized HLO without what no plan reads: source locations, the fingerprint
-    of the module before scheduling, and the autotuner's note on a fusion that keeps
-    its default emitter (written at autotune levels above 0 only). Any other
-    configuration the autotuner chose stays in the text."""
+    before scheduling, and the autotuner's note on a fusion that keeps its default emitter
+    (written at levels above 0 only). Any configuration the autotuner chose stays."""
     text = "\n".join(m.to_string() for m in executable.hlo_modules())
     text = re.sub(r"metadata=\{[^}]*\}", "", text)
     text = re.sub(r'fingerprint_before_lhs="[0-9a-f]*"', "", text)
@@ -95,15 +85,9 @@ def _program(executable) -> str:
 
 
 def test_autotune_level_0_compiles_the_program_of_the_default_level():
-    """Why `_deviceless.deviceless_options` compiles at `xla_gpu_autotune_level=0`:
-    without a GPU, XLA's autotuner takes every default configuration at any level, so
-    the program (fusions, kernels' configurations, schedule, buffers) is the one of
-    XLA's default level 4, compiled without the candidate kernels it cannot time. A
-    training step with matrix products, loop fusions and host copies: if this fails
-    after a JAX upgrade, drop the level from `deviceless_options`."""
-    import equinox as eqx
-    import optax
-
+    """Why `deviceless_options` compiles at `xla_gpu_autotune_level=0`: without a GPU the
+    autotuner takes every default at any level, so a training step's program is that of
+    the default level 4. If this fails after an upgrade, drop the level there."""
     model = eqx.nn.MLP(64, 64, 128, 2, key=jax.random.key(0))
     tx = eqx_offload.offloaded(optax.adamw(1e-3))
     state = tx.init(eqx.filter(model, eqx.is_array))

@@ -1,12 +1,7 @@
-"""Canary: JAX still keeps an enclosing jit's donation flags where
-`eqx_offload._compat.enclosing_donating_jit` reads them (the local `donated_invars` of
-`pjit._trace_for_jit`'s frame, JAX 0.10 to 0.12).
-
-`offloaded` refuses to run inside a jit that donates (`eqx.filter_jit(donate="all")`,
-`nnx.jit`): such a jit pairs a donated host-resident state with a device output and XLA
-aborts. If JAX renames the frame or the local, the check answers `None` everywhere and
-the refusal silently stops: this fails first.
-"""
+"""Canary: JAX keeps an enclosing jit's donation flags where
+`_compat.enclosing_donating_jit` reads them (the local `donated_invars` of
+`pjit._trace_for_jit`'s frame). `offloaded` refuses to run inside a donating jit (XLA
+would abort); if JAX renames the frame or the local, that refusal silently stops."""
 
 from typing import Any, Optional
 

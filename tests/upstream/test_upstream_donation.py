@@ -1,14 +1,7 @@
-"""Canary (upstream behaviour, not the library's): the donation trap of plain JAX and
-Equinox is still real.
-
-Donating a host-resident optimizer state to plain `jax.jit(donate_argnums=...)` or
-`eqx.filter_jit(donate=...)` aborts the process when JAX pairs a donated `pinned_host`
-input with a device output of the same shape and dtype (or the other way round). This is
-why `eqx_offload.filter_jit` exists (`tests/test_trap.py` runs it in the same harness and
-it passes). If this canary fails after a JAX or Equinox upgrade, upstream has changed the
-pairing: update the donation-trap section of `docs/concepts.md` and the README, and this
-file. Each configuration is a fresh process.
-"""
+"""Canary: donating a host-resident state to plain `jax.jit` or `eqx.filter_jit` still
+aborts the process (a donated `pinned_host` input paired with a device output), the trap
+`eqx_offload.filter_jit` avoids (`tests/test_trap.py`, same harness). If this fails after
+an upgrade, update the docs' donation-trap section. Each configuration is a fresh process."""
 
 import pytest
 from donation_harness import harness
@@ -17,10 +10,8 @@ from isolated import run_isolated
 
 ABORT = "memory kind does not match sharding's memory kind"
 
-# The configurations where plain JAX/Equinox pairs a donated input with an output in
-# the other memory (measured on JAX 0.10.2 and 0.12.0.1): with `(model, state)` outputs
-# the donated host moments meet the device params first; with `(state, model)` the
-# donated device params meet the host moments first.
+# Where a donated input meets an output in the other memory: with `(model, state)` outputs
+# the host moments meet the device params first; with `(state, model)` the other way.
 TRAPS = [
     ("jax", "state", "model_state"),
     ("jax", "all-except-first", "model_state"),

@@ -1,14 +1,6 @@
-"""Canary (upstream behaviour, not the library's): XLA:CPU computes the same bits with
-LLVM at -O1 as at its default -O3.
-
-The suite compiles at -O1 (`tests/conftest.py`: a fifth less CPU for its compiles), so
-every bitwise claim of the suite is checked at -O1. This pins that a training step's
-numbers do not depend on the level, in each JAX version the suite runs: 20 steps of an
-MLP with attention and `offloaded(chain(clip, adamw))` give the same parameters and
-losses here as in a fresh process at -O3. If it fails after a JAX upgrade, the suite's
-bitwise tests no longer speak for the default level: drop the flag from conftest.py.
-(At -O0 the numbers do differ, measured with JAX 0.10.2 and 0.12: not used.)
-"""
+"""Canary: XLA:CPU computes the same bits with LLVM at -O1 (what `tests/conftest.py`
+sets for the suite) as at its default -O3, so the suite's bitwise claims speak for the
+default level. If this fails after an upgrade, drop the flag from conftest.py."""
 
 import os
 
@@ -26,8 +18,7 @@ STEPS = 20
 
 
 def train_bits() -> list[str]:
-    """The bits of the parameters and losses after STEPS offloaded AdamW steps
-    (`helpers.hex_bits`)."""
+    """The bits of the parameters and losses after STEPS offloaded AdamW steps."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     params = (eqx.nn.MLP(32, 8, 64, 3, activation=jax.nn.gelu, key=k1),
               eqx.nn.MultiheadAttention(4, 32, key=k2))
@@ -55,7 +46,5 @@ def train_bits() -> list[str]:
 
 def test_o1_computes_the_bits_of_the_default_level():
     assert "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]  # conftest.py
-    at_default = call_isolated(
-        train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"}
-    )
+    at_default = call_isolated(train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"})
     assert train_bits() == at_default

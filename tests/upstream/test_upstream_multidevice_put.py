@@ -1,14 +1,7 @@
-"""Canary (upstream behaviour): `jax.device_put` of a multi-device array to other
-devices or another memory kind keeps the data of every shard.
-
-jax-ml/jax#36308: in a recent JAX, `device_put` of a sharded array to new devices or
-memory kinds lost the data on every device but the first (fixed by jax-ml/jax#36524).
-`to_host`, `to_device`, `filter_shard`, `offloaded` and the restores all move state
-with `jax.device_put`, so this is the operation they rely on. If this canary fails
-after a JAX upgrade, that JAX is one to exclude (`.ci/constraints-*`, the supported
-range in the README) until upstream fixes it again. Checksums per shard, on a 4-device
-mesh (tests/conftest.py gives 8 CPU devices), non-replicated shardings.
-"""
+"""Canary: `jax.device_put` of a multi-device array to other devices or another memory
+kind keeps every shard's data, which every move of the package relies on.
+jax-ml/jax#36308 lost all but the first device's (fixed by jax-ml/jax#36524); if this
+fails, exclude that JAX (`.ci/constraints-*`, the README's range)."""
 
 import jax
 import numpy as np
@@ -49,5 +42,4 @@ def test_device_put_keeps_every_shard(name: str, ndim_mesh: int, spec: P, move: 
     moved = jax.device_put(x, target)
     assert moved.sharding.memory_kind == target.memory_kind
     _check(moved, expected)
-    back = jax.device_put(moved, NamedSharding(source_mesh, spec))
-    _check(back, expected)
+    _check(jax.device_put(moved, NamedSharding(source_mesh, spec)), expected)  # and back

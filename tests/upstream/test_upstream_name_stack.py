@@ -1,12 +1,6 @@
 """Canary: JAX keeps a `jax.named_scope` in each traced equation's
-`source_info.name_stack`, transforms wrapping it, at any depth of the program.
-
-`eqx_offload.filter_jit` reads from the traced program whether the step streams an
-offloaded state, prefetches host weights, or fetches a whole state
-(`eqx_offload._compat.scopes`), and picks its GPU compiler options by that. If JAX
-drops or renames the attribute, or changes the text of a name stack, those options are
-silently lost: this fails first.
-"""
+`source_info.name_stack`, through transforms and nested jits. `filter_jit` picks its GPU
+compiler options from these scopes (`_compat.scopes`); without them, silently none."""
 
 import jax
 import jax.numpy as jnp

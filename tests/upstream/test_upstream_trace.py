@@ -1,10 +1,6 @@
-"""Canary: JAX's tracers keep their trace in the private `_trace` attribute.
-
-`eqx_offload._compat.same_trace` pairs a host weight with its gradient by it (the
-barrier `with_host_params` puts on each weight while `filter_jit` traces a step, see
-`eqx_offload/_params.py`). If JAX renames it, `same_trace` answers `False` everywhere
-and that barrier silently stops being made: this fails first, by name.
-"""
+"""Canary: JAX's tracers keep their trace in the private `_trace` attribute, by which
+`_compat.same_trace` pairs a host weight with its gradient (`_params.py`'s barrier). If
+JAX renames it, `same_trace` answers `False` everywhere and the barrier silently goes."""
 
 import jax
 import jax.numpy as jnp
