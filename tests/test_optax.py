@@ -60,7 +60,7 @@ def test_apply_if_finite_around_offloaded_only_routes_state() -> None:
 
 def test_inner_order_rejected_by_filter_jit() -> None:
     """`MultiSteps(offloaded(x))` computes on the host state (pinned by the canary
-    tests/upstream/test_upstream_optax.py): `filter_jit` names the order that works."""
+    tests/upstream/test_upstream_multisteps.py): `filter_jit` names the order that works."""
     opt, params = _compose("MultiSteps(offloaded(adamw))"), make_params()
     step = eqx_offload.filter_jit(lambda g, s, p: opt.update(g, s, p))
     with pytest.raises(eqx_offload.CompositionError, match=r"offloaded\(optax.MultiSteps"):
