@@ -46,6 +46,7 @@ def scan_layers(
     offload_input: bool = False,
     unroll: int = 1,
     prefetch: bool = True,
+    accumulate: Optional[Any] = None,
 ) -> _C:
     """Runs stacked layers one after the other, each with its weights brought to the
     device only while it computes.
@@ -88,6 +89,16 @@ def scan_layers(
     - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
         computes (default `True`; used when some leaf is in host memory and `policy`
         is `None`). `False`: fetch each layer in its own iteration.
+    - `accumulate`: a running gradient sum of the layers (the structure of
+        `eqx.filter(layers, eqx.is_array)`, each leaf of its layer leaf's shape and
+        dtype, on the device), or `None`. Given, the gradient that differentiating
+        this call returns for `layers` is `accumulate` plus this call's gradient,
+        added layer by layer in the backward scan (in place where `accumulate` is
+        donated or a loop's carry): gradient accumulation without a second
+        whole-model gradient buffer; each addition is `sum + gradient` in the sum's
+        dtype (rounded once, not twice, where XLA folds it into the product that makes
+        the gradient: `docs/models.md`). Every leaf of `layers` must be an inexact
+        array on the device, and `policy` `None`; `accumulate` is not differentiated.
 
     **Returns:**
 
@@ -117,6 +128,10 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    if accumulate is not None:
+        acc = _check_accumulate(dynamic, accumulate, policy)
+        fused: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
+        return fused
     if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
         with marked("prefetched"):  # filter_jit's GPU default: the copy limit
             prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
@@ -138,6 +153,26 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -> list[Any]:
+    """`accumulate`'s leaves, checked against the layers' (`dynamic`)."""
+    fix = "scan_layers(accumulate=...): "
+    if policy is not None:
+        raise OptionError(fix + "pass policy=None (the sum is made in scan_layers' own "
+                          "backward scan, which recomputes each layer).")
+    leaves, acc = jtu.tree_leaves(dynamic), eqx.filter(accumulate, eqx.is_array)
+    structure: Any = jtu.tree_structure(acc)  # (`PyTreeDef` is untyped for mypy)
+    if structure != jtu.tree_structure(dynamic) or any(
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(leaves, jtu.tree_leaves(acc), strict=True)):
+        raise OptionError(fix + "pass a sum of the structure of eqx.filter(layers, "
+                          "eqx.is_array), each leaf of its layer leaf's shape and dtype.")
+    if any(not eqx.is_inexact_array(a) or is_host(a) for a in leaves + jtu.tree_leaves(acc)):
+        raise OptionError(fix + "every leaf of `layers` and of the sum must be an inexact "
+                          "array on the device (a sum of host weights' gradients: "
+                          "add them yourself).")
+    return jtu.tree_leaves(acc)
 
 
 # ----------------------------------------------------------------------------------------
@@ -276,17 +311,20 @@ class _LayerScan:
         # backward pass starts with it, rather than fetching it outside its loop.
         return (out, (inputs, last)) if save else out
 
-    def backward(self, leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any) -> Any:
+    def backward(self, leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any,
+                 acc: Optional[list[Any]] = None) -> Any:
         """The backward scan, from the last layer down: layer `i`'s VJP computes with the
         weights the iteration before fetched while it fetches layer `i - 1`'s; the
-        gradients of host leaves go to host. Returns the cotangents of `(leaves, x,
-        consts)` (`None` for consts that are not inexact arrays)."""
+        gradients of host leaves go to host. With `acc` (every leaf on the device), each
+        layer's gradient is added into its slice of `acc`, carried: the leaves'
+        cotangents are then `acc` plus the gradient. Returns the cotangents of `(leaves,
+        x, consts)` (`None` for consts that are not inexact arrays)."""
         host_leaves, device_leaves = self.split(leaves)
         inputs, last = residuals
         diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
 
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
-            g, current, g_consts = carry
+            g, current, g_consts, acc = carry
             i, device_slices, h = xs
             preceding = _fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
             if self.offload_input:
@@ -299,13 +337,23 @@ class _LayerScan:
             g_layer, g_h, g_c = vjp(g)
             g_host, g_device = self.split(g_layer)
             g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=_is_none)
-            return (g_h, preceding, g_consts), (to_host(g_host), g_device)
+            if acc is not None:  # every leaf on the device: the sum, no stacked output
+                acc = [_add_at(a, i, d) for a, d in zip(acc, g_device, strict=True)]
+                g_device = list[Any]()
+            return (g_h, preceding, g_consts, acc), (to_host(g_host), g_device)
 
         zeros = _zeros_like_inexact(diff)
-        (g_x, _, g_consts), (g_host, g_device) = jax.lax.scan(
-            body, (g, last, zeros), (jnp.arange(self.length), device_leaves, inputs),
+        (g_x, _, g_consts, acc), (g_host, g_device) = jax.lax.scan(
+            body, (g, last, zeros, acc), (jnp.arange(self.length), device_leaves, inputs),
             reverse=True, unroll=self.unroll)
-        return _merge(g_host, g_device, self.on_host), g_x, g_consts
+        return (_merge(g_host, g_device, self.on_host) if acc is None else acc), g_x, g_consts
+
+
+def _add_at(acc: jax.Array, i: Any, grad: jax.Array) -> jax.Array:
+    """`acc` with `grad` added into its slice `i` (in place, for XLA)."""
+    total = jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) + grad
+    added: jax.Array = jax.lax.dynamic_update_index_in_dim(acc, total, i, 0)
+    return added
 
 
 # Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be batched
@@ -339,11 +387,13 @@ def _forward_pass(scan: _LayerScan, save: bool) -> Any:
 
 
 def _backward_pass(scan: _LayerScan) -> Any:
-    """The backward pass as a `custom_vmap` function of `(leaves, consts, residuals,
-    g)`: the cotangents of `(leaves, x, consts)`; under `vmap`, the batch axis inside
-    (the weight gradients unbatched, summed over it)."""
+    """The backward pass as a `custom_vmap` function of `(leaves, consts, residuals, g,
+    acc)`: the cotangents of `(leaves, x, consts)` (of the leaves, `acc` plus the
+    gradient, unless `acc` is `None`); under `vmap`, the batch axis inside (the weight
+    gradients unbatched, summed over it)."""
     @jax.custom_batching.custom_vmap
-    def backward_batched(leaves: list[Any], consts: Any, residuals: Any, g: Any) -> Any:
+    def backward_batched(leaves: list[Any], consts: Any, residuals: Any, g: Any,
+                         acc: Optional[list[Any]]) -> Any:
         if any(i.ndim == c.ndim + 2
                for i, c in zip(jtu.tree_leaves(residuals[0]), jtu.tree_leaves(g))):
             # The layer inputs of the batched forward rule (`[L, batch, ...]`, marked
@@ -351,19 +401,20 @@ def _backward_pass(scan: _LayerScan) -> Any:
             # batched too and only its rule below computes; `custom_vmap` still traces
             # this function once for one example's types, which are these.
             return _zeros_like_inexact((leaves, g, consts))
-        return scan.backward(leaves, consts, residuals, g, None)
+        return scan.backward(leaves, consts, residuals, g, None, acc)
 
     @backward_batched.def_vmap
     def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, residuals: Any,
-          g: Any) -> Any:
-        batched_leaves, batched_consts, batched_residuals, batched_g = in_batched
-        _check_unbatched(batched_leaves)
+          g: Any, acc: Optional[list[Any]]) -> Any:
+        batched_leaves, batched_consts, batched_residuals, batched_g, batched_acc = in_batched
+        _check_unbatched(batched_leaves + (batched_acc or []))
         if any(jtu.tree_leaves(batched_residuals)):  # vmapped twice: a second batch axis
             raise CompositionError(
                 "scan_layers(prefetch=True): the backward pass is batched over two axes "
                 "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
         g_leaves, g_x, g_consts = scan.backward(leaves, consts, residuals,
-                                                _broadcast(g, batched_g, size), batched_consts)
+                                                _broadcast(g, batched_g, size), batched_consts,
+                                                acc)
         flags = (_all(g_leaves, False), _all(g_x, True),
                  jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
         return (g_leaves, g_x, g_consts), flags
@@ -372,9 +423,10 @@ def _backward_pass(scan: _LayerScan) -> Any:
 
 
 def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
-                     offload_input: bool, unroll: int) -> Any:
+                     offload_input: bool, unroll: int, acc: Optional[list[Any]] = None) -> Any:
     """`scan_layers` with the next layer's host leaves prefetched in both passes: the
-    passes of a `_LayerScan`, tied together by a custom VJP."""
+    passes of a `_LayerScan`, tied together by a custom VJP (with `acc`, the leaves'
+    cotangent is `acc` plus the gradient; `acc` is not differentiated)."""
     leaves, treedef = jtu.tree_flatten(dynamic)
 
     def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
@@ -391,23 +443,24 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
     backward_batched = _backward_pass(layer_scan)
 
     @eqx.filter_custom_vjp
-    def scan(vjp_arg: Any) -> Any:
+    def scan(vjp_arg: Any, acc: Optional[list[Any]]) -> Any:
         return forward_only(*vjp_arg)
 
-    def scan_fwd(perturbed: Any, vjp_arg: Any) -> Any:
-        del perturbed
+    def scan_fwd(perturbed: Any, vjp_arg: Any, acc: Optional[list[Any]]) -> Any:
+        del perturbed, acc
         return forward_saving(*vjp_arg)
 
-    def scan_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any) -> Any:
+    def scan_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any,
+                 acc: Optional[list[Any]]) -> Any:
         del perturbed
         leaves, x, consts = vjp_arg
         g = jtu.tree_map(_cotangent, g, x, is_leaf=_is_none)
-        g_leaves, g_x, g_consts = backward_batched(leaves, consts, residuals, g)
+        g_leaves, g_x, g_consts = backward_batched(leaves, consts, residuals, g, acc)
         return g_leaves, g_x, g_consts
 
     rules: Any = scan  # (Equinox's `def_fwd`/`def_bwd` are untyped)
     rules.def_fwd(scan_fwd)
     rules.def_bwd(scan_bwd)
 
-    out: Any = scan((leaves, x, consts))
+    out: Any = scan((leaves, x, consts), acc)
     return out

@@ -362,6 +362,27 @@ def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_gradient_sum_made_in_the_backward_scan_trains_as_the_bf16_sum():
+    """3 micro-batches, the blocks' bf16 gradients added inside `scan_layers`' backward scan
+    ("device-fused"): bitwise the bf16 sum of whole gradients ("device"); refused (named,
+    not compiled) where the blocks' weights wait in host memory."""
+    shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
+    mw = eqx_offload.master_weights(optax.adamw(1e-2))
+    update = capacity._master_update(mw)
+    tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
+    results = {}
+    for where in ("device", "device-fused"):  # a fresh model and state: the step donates
+        model, state = mw.init(llama.Llama(shape, jax.random.key(0)))
+        step = capacity_batch.accumulating_step(update, jnp.bfloat16, where)
+        results[where] = jax.tree.leaves(step(model, state, tokens))
+    for a, b in zip(results["device-fused"], results["device"], strict=True):
+        assert a.sharding.memory_kind == b.sharding.memory_kind
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    refused = capacity_batch.plan_batch_point(shape, capacity.MODES_BY_NAME["+params"], 2,
+                                              accumulate_in="device-fused")
+    assert not refused.fits and "blocks' weights on the device" in refused.error
+
+
 def test_a_host_gradient_sum_crosses_as_xla_plans_it():
     """Per micro-batch: kept gradients ("host-stack") cross as their bf16 bytes, nothing to the
     device (the host writes their bf16 mean there once); the host's fp32 sum ("host") is

@@ -224,3 +224,35 @@ def test_good_usage_plans_from_shapes() -> None:
     spec.loader.exec_module(module)
     model = module.Model(jax.random.key(0))
     assert module.plan_the_step(model, jnp.ones((8, 4)), jnp.ones((8, 2)))
+
+
+def test_a_gradient_sum_made_in_the_backward_scan_plans_lower() -> None:
+    """Four micro-batches' gradients of 8 stacked layers (8 MiB in fp32) summed in a donated
+    carry: with `scan_layers(accumulate=...)` no second gradient buffer of the layers
+    (the plan's peak at least 3/4 of their size lower), the same bytes moved (none)."""
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(512, 512, key=k))(
+        jax.random.split(jax.random.key(0), 8))
+    size = sum(a.nbytes for a in jax.tree.leaves(layers))
+
+    def loss(layers, x, acc):
+        def one(h):
+            return eqx_offload.scan_layers(layers, h, lambda lay, h: jnp.tanh(lay(h)),
+                                           accumulate=acc)
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    def plan_of(fused):
+        @eqx_offload.filter_jit(donate="all-except-first")
+        def step(layers, acc, xs):
+            def micro(acc, x):
+                if fused:
+                    return jax.grad(loss)(layers, x, acc), None
+                return jax.tree.map(jnp.add, acc, jax.grad(loss)(layers, x, None)), None
+            return jax.lax.scan(micro, acc, xs)[0]
+        return eqx_offload.gpu_plan(step, layers, eqx.filter(layers, eqx.is_array),
+                                    jnp.ones((4, 2, 512)), target="h100")
+
+    unfused, fused = plan_of(False), plan_of(True)
+    assert fused.device_peak_bytes <= unfused.device_peak_bytes - 3 * size // 4, (
+        fused.summary(), unfused.summary())
+    for direction in ("to_device", "to_host"):
+        assert fused.bytes_moved(direction) == unfused.bytes_moved(direction)

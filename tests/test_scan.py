@@ -187,3 +187,66 @@ def test_scan_layers_sharded_layers_keep_their_sharding_in_host_memory() -> None
     assert memory_kinds(grads) == {"weight": "pinned_host", "bias": "pinned_host"}
     assert grads.weight.sharding.mesh == mesh
     assert grads.weight.sharding.is_equivalent_to(on_host.weight.sharding, 3)
+
+
+def _sum_of(layers: Any, seed: int = 3) -> Any:
+    """A running gradient sum of `layers`: random, of each array leaf's shape and dtype."""
+    arrays = eqx.filter(layers, eqx.is_array)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(arrays))))
+    return jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape, a.dtype), arrays)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scan_layers_accumulate_is_bitwise_the_sum_plus_the_gradient(dtype: Any,
+                                                                     jit: bool) -> None:
+    """Per-example `vmap`, as a model's loss: the gradient returned for the layers is
+    bitwise `accumulate + grad`, the sum made in the backward scan, no stacked gradient."""
+    layers = jax.tree.map(lambda a: a.astype(dtype), make_layers())
+    acc, xs = _sum_of(layers), jax.random.normal(jax.random.key(1), (3, D), dtype)
+
+    def loss(layers: Any, acc: Any, accumulate: bool) -> jax.Array:
+        def one(x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(layers, x, tanh_layer,
+                                           accumulate=acc if accumulate else None)
+        return jnp.sum(jax.vmap(one)(xs).astype(jnp.float32) ** 2)
+
+    def fused(layers: Any, acc: Any) -> Any:
+        return jax.grad(loss)(layers, acc, True)
+
+    def unfused(layers: Any, acc: Any) -> Any:
+        return jax.tree.map(jnp.add, acc, jax.grad(loss)(layers, acc, False))
+
+    wrap = jax.jit if jit else (lambda f: f)
+    got, want = wrap(fused)(layers, acc), wrap(unfused)(layers, acc)
+    assert bits(got) == bits(want) and bits(got) != bits(acc)
+    backward = _scans(jax.make_jaxpr(fused)(layers, acc))[-1]
+    assert backward.params["reverse"]
+    # In: the weights and the sum (carried); out: the sum alone, no stacked gradient.
+    assert [v.aval.shape for v in backward.invars].count((L, D, D)) == 2
+    assert [v.aval.shape for v in backward.outvars].count((L, D, D)) == 1
+
+
+def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
+    """A policy, weights in host memory, a sum of another structure or dtype: named."""
+    layers, x = make_layers(), jnp.ones(D)
+    acc = _sum_of(layers)
+    cases = [
+        ({"policy": eqx_offload.offload_names("x")}, layers, acc, "policy=None"),
+        ({}, eqx_offload.to_host(layers), acc, "on the device"),
+        ({}, layers, eqx_offload.to_host(acc), "on the device"),
+        ({}, layers, acc.weight, "structure"),
+        ({}, layers, jax.tree.map(lambda a: a.astype(jnp.bfloat16), acc), "dtype"),
+    ]
+    for options, stack, total, match in cases:
+        with pytest.raises(eqx_offload.OptionError, match=match):
+            eqx_offload.scan_layers(stack, x, tanh_layer, accumulate=total, **options)
+    ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
+
+    def loss(layers: Any) -> jax.Array:
+        def one(stack: Any, x: jax.Array) -> jax.Array:
+            return eqx_offload.scan_layers(stack, x, tanh_layer, accumulate=acc)
+        return jnp.sum(jax.vmap(one)(layers, jnp.ones((2, D))) ** 2)
+
+    with pytest.raises(eqx_offload.CompositionError, match="ensemble"):
+        jax.grad(loss)(ensemble)

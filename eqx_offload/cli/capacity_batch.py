@@ -96,25 +96,44 @@ def accumulating_step(update: Callable[..., Any], accumulate: Any = jnp.float32,
     seq + 1)`), sums their gradients in a carry of dtype `accumulate`, and applies
     `update(model, state, mean_grads)` once: the idiom whose optimizer state crosses
     once per optimizer step. `accumulate_in="device"`: the sum is on the device (no
-    traffic); `"host"`: in host memory, each micro-batch's gradients cross to the host
-    once and the host's CPU adds them there (nothing comes back per micro-batch); the
-    mean comes to the device once, in the weights' dtype, for the update."""
+    traffic); `"device-fused"`: on the device, the blocks' part in their weights'
+    dtype and added layer by layer in the backward scan (`scan_layers(...,
+    accumulate=...)`: no second gradient buffer of the blocks); `"host"`: in host
+    memory, each micro-batch's gradients cross to the host once and the host's CPU adds
+    them there (nothing comes back per micro-batch); the mean comes to the device once,
+    in the weights' dtype, for the update."""
     if accumulate_in == "host":
         return _host_accumulating_step(update, accumulate)
     if accumulate_in == "host-stack":
         return _stacking_step(update, accumulate)
+    fused = accumulate_in == "device-fused"
 
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
         def micro(acc: Any, batch: jax.Array) -> tuple[Any, None]:
+            if fused:  # the blocks' gradient comes as acc.blocks + theirs
+                grads = eqx.filter_grad(llama_loss)(model, batch, acc.blocks)
+                rest = jax.tree.map(_add, eqx.tree_at(_blocks, acc, None),
+                                    eqx.tree_at(_blocks, grads, None))
+                return eqx.tree_at(_blocks, rest, grads.blocks, is_leaf=_is_none), None
             return jax.tree.map(_add, acc, eqx.filter_grad(llama_loss)(model, batch)), None
 
         params = eqx.filter(model, eqx.is_inexact_array)
         zeros = jax.tree.map(functools.partial(_zeros, accumulate), params)
+        if fused:  # the blocks' sum in their weights' dtype, as scan_layers adds it
+            zeros = eqx.tree_at(_blocks, zeros, jax.tree.map(jnp.zeros_like, params.blocks))
         total, _ = jax.lax.scan(micro, zeros, tokens)
         grads = jax.tree.map(functools.partial(_mean, tokens.shape[0]), total, params)
         return update(model, state, grads)
     return step
+
+
+def _blocks(tree: Any) -> Any:
+    return tree.blocks
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _host_accumulating_step(update: Callable[..., Any], accumulate: Any) -> Callable[..., Any]:
@@ -192,8 +211,8 @@ class BatchPoint:
     flops alone at the GPU's peak rates: the part of the compute floor that grows with
     the micro-batches, exactly, as the flops are counted per scan iteration); `error`
     (XLA's, where it could not compile, or why it was not compiled); `plan_s`;
-    `accumulate` (the dtype of the gradient sum), `accumulate_in` (`"device"` or
-    `"host"`: where the sum is); `run_settings` (what a run of the step needs beyond
+    `accumulate` (the dtype of the gradient sum), `accumulate_in` (where the sum is,
+    and how: `accumulating_step`); `run_settings` (what a run of the step needs beyond
     JAX's defaults: `GpuPlan.run_settings()`).
     """
 
@@ -247,6 +266,9 @@ def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
     if device_args > memory or host_args > host_memory:
         return point(device_args, host_args, False, (0, 0), (0.0, 0.0, 0.0),
                      "its weights and state alone do not fit (not compiled)")
+    if accumulate_in == "device-fused" and mode.params_on_host:
+        return point(device_args, host_args, False, (0, 0), (0.0, 0.0, 0.0),
+                     "device-fused needs the blocks' weights on the device (not compiled)")
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
@@ -348,6 +370,9 @@ def _sum_label(p: BatchPoint) -> str:
         return f", {p.accumulate} sum in host memory"
     if p.accumulate_in == "host-stack":
         return ", gradients kept in host memory"
+    if p.accumulate_in == "device-fused":
+        return (f", {p.accumulate} sum (the blocks' in their weights' dtype, made in the "
+                "backward scan)")
     return "" if p.accumulate == "float32" else f", {p.accumulate} sum"
 
 

@@ -191,6 +191,8 @@ class Llama(eqx.Module):
     (`eqx_offload.scan_layers(..., offload_input=True)`). The blocks' weights are
     brought from host memory inside the scan wherever they live there
     (`eqx.tree_at(lambda m: m.blocks, model, replace_fn=eqx_offload.to_host)`).
+    `model(tokens, accumulate)` passes a gradient sum of the blocks to `scan_layers`
+    (its `accumulate`: the blocks' gradient is then that sum plus their own).
     """
 
     embed: eqx.nn.Embedding
@@ -216,17 +218,20 @@ class Llama(eqx.Module):
             self.embed, self.blocks, self.norm, self.unembed = (
                 cast.embed, cast.blocks, cast.norm, cast.unembed)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, accumulate: Optional[Any] = None) -> jax.Array:
         x = jax.vmap(self.embed)(tokens)
 
         def call(block: DecoderBlock, x: jax.Array) -> jax.Array:
             return block(x, self.rope)
 
-        x = eqx_offload.scan_layers(self.blocks, x, call, offload_input=self.offload_input)
+        x = eqx_offload.scan_layers(self.blocks, x, call, offload_input=self.offload_input,
+                                    accumulate=accumulate)
         return jax.vmap(self.unembed)(self.norm(x))
 
 
-def llama_loss(model: Llama, tokens: jax.Array) -> jax.Array:
-    """Next-token cross-entropy (fp32) of `model` on a batch of sequences `(batch, seq)`."""
-    logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
+def llama_loss(model: Llama, tokens: jax.Array, accumulate: Optional[Any] = None) -> jax.Array:
+    """Next-token cross-entropy (fp32) of `model` on a batch of sequences `(batch, seq)`
+    (`accumulate`: a gradient sum of the blocks, as `scan_layers` takes it)."""
+    call = model if accumulate is None else functools.partial(model, accumulate=accumulate)
+    logits = jax.vmap(call)(tokens[:, :-1]).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))

@@ -90,11 +90,15 @@ def _add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
                           help="the dtype of the batch table's gradient sum, a carry on the "
                                "device (default float32)")
-    capacity.add_argument("--accumulate-in", choices=("device", "host", "host-stack"),
+    capacity.add_argument("--accumulate-in",
+                          choices=("device", "device-fused", "host", "host-stack"),
                           default="device",
                           help="where the batch table's gradient sum is: a carry on the "
-                               "device (default); in host memory, each micro-batch's "
-                               "gradients sent there and added by the host's CPU (host); "
+                               "device (default); on the device, the blocks' gradients "
+                               "added in their weights' dtype inside the backward scan "
+                               "(device-fused, blocks on the device only); in host memory, "
+                               "each micro-batch's gradients sent there and added by the "
+                               "host's CPU (host); "
                                "each micro-batch's gradients kept in host memory and summed "
                                "there once (host-stack)")
     capacity.add_argument("--seq-len", type=int, default=None, metavar="S",

@@ -229,6 +229,8 @@ def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
     blocks = eqx.filter_vmap(Block)(keys)
     policy: eqx_offload.Policy = eqx_offload.offload_names(eqx_offload.LAYER_INPUT)
     out = eqx_offload.scan_layers(blocks, x, call_block, policy=policy, offload_input=True)
+    total = eqx.filter(blocks, eqx.is_array)  # a running gradient sum of the blocks
+    out = out + eqx_offload.scan_layers(blocks, x, call_block, accumulate=total)
     head: eqx_offload.HostWeights[eqx.nn.Linear] = eqx_offload.host_weights(
         eqx.nn.Linear(4, 4, key=key), policy=eqx_offload.offload_regex(".*"))
     rematted = eqx_offload.filter_remat(call_block, eqx_offload.offload_dots())

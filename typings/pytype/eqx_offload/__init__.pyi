@@ -426,6 +426,7 @@ def scan_layers(
     offload_input: bool = False,
     unroll: int = 1,
     prefetch: bool = True,
+    accumulate: Optional[Any] = None,
 ) -> _C: ...
 
 class HostWeights(eqx.Module, Generic[_M]):
