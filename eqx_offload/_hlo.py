@@ -74,6 +74,16 @@ def _array_bytes(match: "re.Match[str]") -> int:
     return n * bits // 8
 
 
+def _on_host(match: "re.Match[str]") -> bool:
+    """Whether an array's layout puts it in host memory (XLA's memory space 5)."""
+    return "S(5)" in (match.group("layout") or "")
+
+
+def _device_bytes(shapes: str) -> int:
+    """The bytes of the arrays in a shape's text that are in device memory."""
+    return sum(_array_bytes(m) for m in _ARRAY.finditer(shapes) if not _on_host(m))
+
+
 def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
     """A `fusion-start` that copies rows between host and device memory (XLA's
     asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
@@ -85,14 +95,10 @@ def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int
     if len(arrays) <= n_operands:
         return None
     destination, operands = arrays[n_operands], arrays[:n_operands]
-
-    def on_host(m: "re.Match[str]") -> bool:
-        return "S(5)" in (m.group("layout") or "")
-
-    if on_host(destination):
-        moved = [m for m in operands if not on_host(m) and m.group("dims")]
+    if _on_host(destination):
+        moved = [m for m in operands if not _on_host(m) and m.group("dims")]
         return ("to_host", sum(map(_array_bytes, moved))) if moved else None
-    if any(on_host(m) for m in operands):
+    if any(_on_host(m) for m in operands):
         return "to_device", _array_bytes(destination)
     return None
 
@@ -112,8 +118,7 @@ def _device_operand_bytes(rest: str) -> int:
         if depth == 1 and char == ")":
             end = i
             break
-    operands = _ARRAY.finditer(rest[1: end + 1])
-    return sum(_array_bytes(m) for m in operands if "S(5)" not in (m.group("layout") or ""))
+    return _device_bytes(rest[1: end + 1])
 
 
 def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, int, int],
@@ -122,8 +127,7 @@ def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, 
     device-memory results (the `custom-call-done`'s shape) to the device."""
     _, to_host, before = started
     name = _OPERAND.findall(rest[op.end():])[0]
-    results = _ARRAY.finditer(rest[: op.start()])
-    to_device = sum(_array_bytes(m) for m in results if "S(5)" not in (m.group("layout") or ""))
+    to_device = _device_bytes(rest[: op.start()])
     between = kernels - before
     moved: tuple[tuple[Direction, int], ...] = (("to_host", to_host), ("to_device", to_device))
     return [PlannedCopy(direction, nbytes, between > 0, between, name, runs, in_branch)
@@ -273,8 +277,7 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             destination = _ARRAY.search(rest[: op.start()])
             if destination is None:
                 continue
-            layout = destination.group("layout") or ""
-            direction: Direction = "to_host" if "S(5)" in layout else "to_device"
+            direction: Direction = "to_host" if _on_host(destination) else "to_device"
             open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
         elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
