@@ -83,7 +83,10 @@ from ._where import (
 )
 
 
-__version__ = importlib.metadata.version("eqx_offload")
+try:
+    __version__ = importlib.metadata.version("eqx_offload")
+except importlib.metadata.PackageNotFoundError:  # a source tree on `PYTHONPATH`, not installed
+    __version__ = "0+unknown"
 
 # The public names (what `mypy.stubtest` holds the shipped stub to, see scripts/gates.sh).
 __all__ = [
