@@ -52,11 +52,30 @@ def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
     gradient reduction, and with it the last bits of the result."""
     if traced and any(is_host(x) for x in leaves):
         with marked("whole"):  # (read by `filter_jit`: `_compat.scopes`)
+            leaves = _after_gradients(leaves, updates)
             fetched = layout.fetch(leaves)
     else:
         fetched = layout.fetch(leaves)
     state = layout.unflatten(fetched)
     result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
+    return result
+
+
+def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
+    """On an accelerator, `leaves` (still on host) wait for every gradient: the state
+    comes to the device once the backward pass is done. Unordered, XLA:TPU (JAX 0.10.2)
+    started the copies during the forward pass and, with the device memory short, the
+    step's losses went wrong (docs: "Modes"). On the CPU (one RAM) nothing waits: a
+    fence there would change how XLA fuses the gradients, and the last bits. The
+    gradients themselves are not fenced: `inner.update` reads them as they are."""
+    def fenced(leaves: list[Any], updates: Any) -> list[Any]:
+        return list(jax.lax.optimization_barrier((leaves, updates))[0])
+
+    def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
+        return leaves
+
+    result: list[Any] = jax.lax.platform_dependent(leaves, updates, cpu=unfenced,
+                                                   default=fenced)
     return result
 
 

@@ -5,6 +5,7 @@
 #   bash scripts/check.sh           # both environments (what .ci/run runs)
 #   bash scripts/check.sh oldest    # one of them (or: newest)
 #   bash scripts/check.sh fast      # the library's quick tests, oldest environment only
+#   bash scripts/check.sh accelerator  # tests/accelerator, on a machine with a TPU or GPU
 #
 #   oldest  .venv      Python 3.11, jax == jaxlib == 0.10.2 (.ci/constraints-oldest.txt)
 #   newest  .venv-new  Python 3.12, the newest jax and jaxlib, and the GPU compiler (plan)
@@ -24,12 +25,16 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
+if [ "${1:-}" = accelerator ]; then  # the Python and packages already there, JAX's backend
+  exec "${PYTHON:-python3}" -m pytest --confcutdir=tests/accelerator -p no:xdist -q \
+    -W "ignore:Transparent hugepages" tests/accelerator "${@:2}"
+fi
 export JAX_PLATFORMS=cpu  # also where the GPU compiler (gpu_plan) is installed
 # Each module's bytecode is written by the first process that imports it, read by the
 # rest (the install ends with one import of what most test processes load).
 unset PYTHONDONTWRITEBYTECODE
 MODE=${1:-both}
-case $MODE in both | oldest | newest | fast) ;; *) echo "usage: $0 [oldest|newest|fast]" >&2; exit 2 ;; esac
+case $MODE in both | oldest | newest | fast) ;; *) echo "usage: $0 [oldest|newest|fast|accelerator]" >&2; exit 2 ;; esac
 
 find_python() {  # VERSION [PATH]: the first candidate that really is Python VERSION
   local p

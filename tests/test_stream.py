@@ -125,12 +125,30 @@ def test_cpu_program_has_the_same_barrier_chain(lookahead: int) -> None:
 
 
 @pytest.mark.parametrize("n,options,kinds", [
-    (4, {"group_bytes": None}, ["to_device"] * 8 + ["to_host"] * 8),  # the whole state at once
+    # the whole state at once, once the gradients are made (one barrier)
+    (4, {"group_bytes": None}, ["barrier"] + ["to_device"] * 8 + ["to_host"] * 8),
     *[(6, {"group_bytes": 16 * 1024, "lookahead": k}, _group_kinds(3, 4)) for k in (0, 1)],
 ], ids=["whole", "16KiB-lookahead0", "16KiB-lookahead1"])
 def test_grouping_follows_group_bytes_in_the_program(n: int, options: Any, kinds: Any) -> None:
-    """Groups of 16 KiB of state (8 KiB a parameter); `None`: all in before any goes out."""
+    """Groups of 16 KiB of state (8 KiB a parameter); `None`: all in, after the gradients,
+    before any goes out."""
     assert [kind for kind, _, _ in _events(_lowered(n, **options))] == kinds
+
+
+def test_whole_state_comes_after_every_gradient() -> None:
+    """`group_bytes=None` for an accelerator: one barrier takes the whole state, still
+    on host, and every gradient; every transfer to the device reads what it passed. On
+    the CPU there is no barrier (the one RAM: nothing to order)."""
+    text = _lowered(4, group_bytes=None)
+    (kind, _, operands), *moves = _events(text)
+    assert kind == "barrier"
+    host_args = set(re.findall(r"(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = \"pinned_host\"", text))
+    assert len(host_args) == 8 and host_args <= set(operands)
+    assert len(operands) == 9 + 4, operands  # the state (the count too), four gradients
+    # (the barrier sits in the branch `platform_dependent` lowers for the GPU; the moves
+    # read that branch's results, one value)
+    assert len({m[2][0].split("#")[0] for m in moves if m[0] == "to_device"}) == 1
+    assert _events(_lowered(4, platforms=None, group_bytes=None)) == []
 
 
 def test_host_compute_program_keeps_the_state_on_host() -> None:
@@ -166,7 +184,9 @@ def test_default_streams_when_compiled_for_an_accelerator(name: str) -> None:
     traced = update.trace(grads, opt.init(params), params)
     assert traced.lower(lowering_platforms=("cpu",)).as_text().count("optimization_barrier") == 0
     streamed = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert (streamed.count("optimization_barrier") > 0) == (name != "apply_if_finite")
+    # streamed: a barrier per group; the whole state: one, after the gradients
+    barriers = streamed.count("optimization_barrier")
+    assert barriers > 1 if name != "apply_if_finite" else barriers == 1
     updates, state = update(grads, opt.init(params), params)
     ref_updates, ref_state = jax.jit(ref.update)(grads, ref.init(params), params)
     assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
@@ -306,8 +326,9 @@ def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
 
 
 @pytest.mark.parametrize("group_bytes", [None, 0])
-def test_state_copies_to_the_device_wait_for_nothing(group_bytes: Any) -> None:
-    """For a GPU, each state copy to the device reads a step argument directly."""
+def test_state_copies_to_the_device_wait_for_what_they_must(group_bytes: Any) -> None:
+    """For a GPU, the first streamed group's state copies read step arguments directly
+    (the rest wait for the group before); the whole state's wait for the gradients."""
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     params = jax.device_put(eqx.filter(model, eqx.is_array), jax.devices()[0])
     opt = eqx_offload.offloaded(optax.adam(0.1), group_bytes=group_bytes, lookahead=1)
@@ -326,4 +347,4 @@ def test_state_copies_to_the_device_wait_for_nothing(group_bytes: Any) -> None:
     n_state = sum(x.ndim > 0 for x in jax.tree.leaves(state))
     assert len(operands) == n_state
     free = [op for op in operands if op.startswith("%arg")]
-    assert len(free) == (n_state if group_bytes is None else 2)  # mu, nu of the first group
+    assert len(free) == (0 if group_bytes is None else 2)  # mu, nu of the first group
