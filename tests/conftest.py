@@ -18,6 +18,11 @@ import jax
 import pytest
 
 
+# The accelerator tier runs on an accelerator only, by its own command
+# (`bash scripts/check.sh accelerator`).
+collect_ignore = ["accelerator"]
+
+
 # 8 CPU devices for the multi-device tests (before any backend starts); the default is CPU 0.
 jax.config.update("jax_num_cpu_devices", 8)
 
