@@ -255,7 +255,8 @@ def determinism(width, depth):
     jax.clear_caches()
     again = params_np(eqx.filter_jit(fn)(model, state, batch)[0])
     emit(exp="determinism", case="recompiled", ulp=ulp_diff(again, runs[0]))
-    copy = lambda t: jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, t)
+    def copy(t):
+        return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, t)
     donated = params_np(eqx.filter_jit(fn, donate="all")(copy(model), copy(state), batch)[0])
     emit(exp="determinism", case="donated", ulp=ulp_diff(donated, runs[0]))
     grads = eqx.filter_jit(eqx.filter_grad(loss_fn))(model, batch)

@@ -177,6 +177,8 @@ def _measures(runner: Runner, baseline: Runner, manual: Optional[Runner],
         "opt_state_by_kind": state_report.by_kind,
         "memory_analysis": memory_analysis_dict(compiled),
         "losses_bitwise_equal_to_baseline": bitwise_equal(losses, base_losses),
+        "losses_max_rel_diff": float(np.max(np.abs(losses - base_losses)
+                                            / np.maximum(np.abs(base_losses), 1e-30))),
         "final_loss": float(losses[-1]),
     }
 

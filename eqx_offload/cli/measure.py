@@ -16,6 +16,12 @@ import jax
 import numpy as np
 
 
+ACCELERATOR_RTOL = 1e-4
+"""How closely an offloaded run's losses follow plain's on an accelerator, where XLA
+compiles the forward and backward passes of two programs differently (on the CPU:
+bitwise)."""
+
+
 # --------------------------------------------------------------------------- compilations
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
