@@ -1,5 +1,5 @@
 """The README: its "Training step" example is the recommended pattern, is the example file
-and runs; it keeps a front page's shape (short, code early, the CI command, GPU rows)."""
+and runs; it keeps a front page's shape (short, code early, the CI command, accelerator rows)."""
 
 import os
 import pathlib
@@ -48,7 +48,7 @@ def test_example_file_runs():
 
 
 def test_readme_is_a_front_page():
-    """Short, code early, the demo and CI commands, GPU rows that say measured or plan."""
+    """Short, code early, the demo and CI commands, accelerator rows that say measured or plan."""
     text = (ROOT / "README.md").read_text()
     assert len(text.split()) <= 1000
     assert len(text[:text.index("```")].split()) <= 300  # code within the first 300 words
@@ -61,7 +61,7 @@ def test_readme_is_a_front_page():
             ".venv/bin/python -m eqx_offload demo") in section
     assert "\nbash scripts/check.sh\n" in section and "bash scripts/check.sh fast" in section
     assert "exec bash scripts/check.sh\n" in (ROOT / ".ci" / "run").read_text()
-    header, *body = [line for line in _section("On a GPU").splitlines()
+    header, *body = [line for line in _section("On an accelerator").splitlines()
                      if line.startswith("|") and not line.startswith("| ---")]
     assert header.rstrip(" |").endswith("kind") and len(body) >= 3
     for row in body:
