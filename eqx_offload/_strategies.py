@@ -74,8 +74,12 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
     def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
-    result: list[Any] = jax.lax.platform_dependent(leaves, updates, cpu=unfenced,
-                                                   default=fenced)
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
+    chosen: list[Any] = jax.lax.platform_dependent([leaves[i] for i in arrays], updates,
+                                                   cpu=unfenced, default=fenced)
+    result = list(leaves)
+    for i, x in zip(arrays, chosen):
+        result[i] = x
     return result
 
 
