@@ -7,15 +7,15 @@ Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 
 import importlib.metadata
 
-from ._budget import prefetch_options as prefetch_options, within_budget as within_budget
-from ._checkpoint import (
+from ._optim.budget import prefetch_options as prefetch_options, within_budget as within_budget
+from ._core.checkpoint import (
     abstract_init as abstract_init,
     deserialise_filter_spec as deserialise_filter_spec,
     filter_eval_shape as filter_eval_shape,
     host_shardings as host_shardings,
     restore_target as restore_target,
 )
-from ._errors import (
+from ._core.errors import (
     CheckpointError as CheckpointError,
     CompositionError as CompositionError,
     DonationError as DonationError,
@@ -30,27 +30,27 @@ from ._errors import (
     TreeError as TreeError,
     WhereError as WhereError,
 )
-from ._jax_jit import jit as jit
-from ._jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
-from ._master import (
+from ._jit.jax_jit import jit as jit
+from ._jit.jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._models.master import (
     master_weights as master_weights,
     MasterState as MasterState,
     MasterWeights as MasterWeights,
 )
-from ._memory import supported_memory_kinds as supported_memory_kinds
-from ._move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
-from ._optax import offloaded as offloaded
-from ._options import Compute as Compute
-from ._params import (
+from ._core.memory import supported_memory_kinds as supported_memory_kinds
+from ._core.move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
+from ._optim.offloaded import offloaded as offloaded
+from ._optim.options import Compute as Compute
+from ._models.params import (
     apply_updates as apply_updates,
     host_weights as host_weights,
     HostWeights as HostWeights,
     with_host_params as with_host_params,
 )
-from ._hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
-from ._plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan
-from ._targets import GPU_TARGETS as GPU_TARGETS, GpuTarget as GpuTarget
-from ._remat import (
+from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
+from ._plan.plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan
+from ._plan.targets import GPU_TARGETS as GPU_TARGETS, GpuTarget as GpuTarget
+from ._models.remat import (
     filter_remat as filter_remat,
     LAYER_INPUT as LAYER_INPUT,
     offload_dots as offload_dots,
@@ -58,24 +58,24 @@ from ._remat import (
     offload_regex as offload_regex,
     Policy as Policy,
 )
-from ._report import (
+from ._core.report import (
     LeafMemory as LeafMemory,
     memory_report as memory_report,
     MemoryReport as MemoryReport,
 )
+from ._models.scan import scan_layers as scan_layers
+from ._optim.schedule import StreamPlan as StreamPlan
+from ._optim.state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
+from ._optim.stream import stream_plan as stream_plan
 from ._runtime import install_runtime_checks as install_runtime_checks
-from ._scan import scan_layers as scan_layers
-from ._schedule import StreamPlan as StreamPlan
-from ._state import OffloadedState as OffloadedState, OffloadWarning as OffloadWarning
-from ._stream import stream_plan as stream_plan
-from ._types import (
+from ._core.types import (
     Donate as Donate,
     HostMemoryKind as HostMemoryKind,
     MemoryKind as MemoryKind,
     Nested as Nested,
     Where as Where,
 )
-from ._where import (
+from ._core.where import (
     Filter as Filter,
     min_bytes as min_bytes,
     min_ndim as min_ndim,

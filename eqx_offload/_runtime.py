@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import jaxtyping
 
-from ._errors import OptionError
+from ._core.errors import OptionError
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

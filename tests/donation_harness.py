@@ -54,7 +54,7 @@ def harness(jit: str, donate: str, order: str, guarded: bool = False) -> dict[st
     """`STEPS` steps of `mlp_step` (plain adamw for `jit="reference"`), jitted by `jit`,
     donating per `donate`. Without `guarded`, `offloaded`'s check for a donating plain
     `jax.jit` / `eqx.filter_jit` is off: what plain JAX does (the upstream canary)."""
-    from eqx_offload import _lint
+    from eqx_offload._jit import lint as _lint
 
     _lint.CHECK_FOREIGN_DONATION = guarded
     model, opt, state, x = mlp_setup(offload=jit != "reference")

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless, OffloadedState
-from eqx_offload._leaves import path_to_str
+from eqx_offload._plan import deviceless as _deviceless
+from eqx_offload import OffloadedState
+from eqx_offload._core.leaves import path_to_str
 from jax.extend.core import jaxprs_in_params
 
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from eqx_offload.cli import capacity, capacity_batch, capacity_run, llama
 from eqx_offload.cli import plan as plan_command
 from helpers import gpu_plan_marks
@@ -68,7 +68,7 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
 
 
 def test_matmul_flops_count_every_iteration():
-    from eqx_offload._flops import matmul_flops
+    from eqx_offload._plan.flops import matmul_flops
 
     w, x = jnp.ones((6, 32, 32)), jnp.ones((8, 32))
 

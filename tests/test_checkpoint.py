@@ -136,7 +136,7 @@ def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> N
         unchecked(eqx_offload.host_shardings)({"w": jnp.ones(3)}, memory_kind="device")
     with pytest.raises(eqx_offload.MemoryKindError, match="memory_kind='hbm'"):
         unchecked(eqx_offload.restore_target)({"w": jnp.ones(3)}, memory_kind="hbm")
-    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds",
+    monkeypatch.setattr("eqx_offload._core.memory.device_memory_kinds",
                         lambda d: ("device", "pinned_host"))
     with pytest.raises(eqx_offload.MemoryKindError, match=r"memory_kind='unpinned_host'.*leaf "
                        r"0/count does not offer.*'device', 'pinned_host'"):

@@ -75,7 +75,7 @@ RAISES: dict[str, tuple[Callable[[], Any], type, list[str]]] = {
         lambda: eqx_offload.to_host(params(), where={"w": "yes", "b": True}),  # type: ignore[dict-item]  # the mistake under test
         TypeError, []),
     "where leaf not a filter": (
-        lambda: eqx_offload._where.leaf_mask(params(), {"w": "yes", "b": True}), WhereError,
+        lambda: eqx_offload._core.where.leaf_mask(params(), {"w": "yes", "b": True}), WhereError,
         ["where has 'yes' at path w, which is not a filter"]),
     "bad pattern": (lambda: eqx_offload.pattern("(mu"), WhereError,
                     [r"pattern\(regex='\(mu'\) is not a valid regular expression"]),
@@ -120,7 +120,7 @@ def test_mistake_raises_naming_argument_and_fix(mistake: str) -> None:
 
 def test_kind_the_backend_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a backend without `unpinned_host` (some GPUs, TPUs) the error names what it offers."""
-    monkeypatch.setattr("eqx_offload._memory.device_memory_kinds",
+    monkeypatch.setattr("eqx_offload._core.memory.device_memory_kinds",
                         lambda device: ("device", "pinned_host"))
     with pytest.raises(MemoryKindError) as info:
         eqx_offload.to_host(params(), memory_kind="unpinned_host")
@@ -196,9 +196,9 @@ def _check_message(text: str, fix: str) -> None:
     lines = text.strip().splitlines()
     assert len(lines) <= 4 and len(text.split()) <= 80, text
     assert fix in lines[0], text
-    anchor = lines[-1].removeprefix(f"See {eqx_offload._errors.DOCS}#").removesuffix(".")
+    anchor = lines[-1].removeprefix(f"See {eqx_offload._core.errors.DOCS}#").removesuffix(".")
     assert anchor != lines[-1], text
-    page = (pathlib.Path(__file__).parents[1] / eqx_offload._errors.DOCS).read_text()
+    page = (pathlib.Path(__file__).parents[1] / eqx_offload._core.errors.DOCS).read_text()
     assert "{#" + anchor + "}" in page, anchor
 
 
@@ -221,7 +221,7 @@ def test_newcomer_mistakes(mistake: str) -> None:
 
 def test_pmap_message() -> None:
     """(Raised under `pmap`, which the multi-device tests run; its shape here.)"""
-    from eqx_offload._errors import device_state_error
+    from eqx_offload._core.errors import device_state_error
 
     _check_message(str(device_state_error("0/mu/w")), "eqx_offload.filter_jit")
 

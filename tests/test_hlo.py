@@ -1,6 +1,6 @@
-"""Reading XLA's scheduled HLO text (`_hlo`): pure parsing, nothing compiled."""
+"""Reading XLA's scheduled HLO text (`hlo`): pure parsing, nothing compiled."""
 
-from eqx_offload._hlo import scheduled_copies
+from eqx_offload._plan.hlo import scheduled_copies
 
 
 # A host computation in a loop body of 4 trips, as XLA's GPU plan writes one for

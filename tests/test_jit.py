@@ -20,7 +20,7 @@ from test_checkpoint import host_typed, make_opt, make_params, make_step, offloa
 from test_scan import D, make_layers, scan_loss
 
 import eqx_offload
-from eqx_offload._compat import host_compute
+from eqx_offload._core.compat import host_compute
 
 
 # Compile counts
@@ -224,7 +224,7 @@ def _adam_setup(**options: Any) -> tuple[Any, Any, Any]:
 def test_default_compiler_options_only_for_a_gpu_step_that_streams():
     """GPU scheduler options for a streamed update, others for a whole host state in one
     update (streamed wins); none on the CPU, whose program is unchanged."""
-    from eqx_offload._compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
+    from eqx_offload._jit.compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
                                                GPU_WHOLE_STATE_OPTIONS)
 
     assert default_compiler_options("cpu", True) == {}
@@ -256,7 +256,7 @@ def test_default_compiler_options_only_for_a_gpu_step_that_streams():
 
 def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
     """Only a prefetching host-weight GPU step raises the async copy limit."""
-    from eqx_offload._compiler_options import GPU_PREFETCHED_OPTIONS
+    from eqx_offload._jit.compiler_options import GPU_PREFETCHED_OPTIONS
 
     def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
         step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))

@@ -1,4 +1,4 @@
-"""Where `offloaded` stores a state (`_layout.py`): each leaf placed inside the compiled
+"""Where `offloaded` stores a state (`_optim/layout.py`): each leaf placed inside the compiled
 `init`, and `host_dtype` narrowing what crosses and rests in host memory."""
 
 import re

@@ -15,7 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 import eqx_offload
-from eqx_offload import _checkpoint, _deviceless, _memory, _report, MemoryKindError
+from eqx_offload._core import checkpoint as _checkpoint
+from eqx_offload._plan import deviceless as _deviceless
+from eqx_offload._core import memory as _memory
+from eqx_offload._core import report as _report
+from eqx_offload import MemoryKindError
 
 
 CPU_KINDS = ("device", "pinned_host", "unpinned_host")

@@ -1,4 +1,4 @@
-"""`offloaded` (`_optax.py`) and its state (`_state.py`): its options, where it composes
+"""`offloaded` (`_optim/offloaded.py`) and its state (`_optim/state.py`): its options, where it composes
 with the optax combinators without computing on host values, and reading its state the
 optax ways. (Bitwise equality with the unwrapped optimizer: test_equivalence.py.)"""
 
@@ -18,7 +18,7 @@ from test_equivalence import _scale_by_arg, COMPOSITIONS
 
 import eqx_offload
 from eqx_offload import OffloadedState
-from eqx_offload._options import normalise
+from eqx_offload._optim.options import normalise
 
 
 def _compose(name: str) -> optax.GradientTransformationExtraArgs:

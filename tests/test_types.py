@@ -139,14 +139,14 @@ def _copy_repo(tmp_path: pathlib.Path) -> pathlib.Path:
 @once
 def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
-    memory = repo / "eqx_offload" / "_memory.py"
+    memory = repo / "eqx_offload" / "_core" / "memory.py"
     source = memory.read_text()
     assert "\ndef default_device() -> Device:\n" in source
     memory.write_text(source + "\n\ndef _broken() -> str:\n    return jax.local_devices()\n")
     proc = subprocess.run([sys.executable, str(repo / "scripts" / "pytype_gate.py"), str(memory)],
                           capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "eqx_offload/_memory.py: FAILED" in proc.stdout
+    assert "eqx_offload/_core/memory.py: FAILED" in proc.stdout
     assert "[bad-return-type]" in proc.stdout
 
 
@@ -179,14 +179,14 @@ def test_stub_literals_have_the_runtime_values() -> None:
 def test_stub_drift_fails_when_a_signature_changes(tmp_path: pathlib.Path) -> None:
     repo = _copy_repo(tmp_path)
     shutil.copy(ROOT / "mypy.ini", repo / "mypy.ini")
-    move = repo / "eqx_offload" / "_move.py"
+    move = repo / "eqx_offload" / "_core" / "move.py"
     source = move.read_text()
     old = "def to_device(tree: _T, where: Where = True) -> _T:"
     assert old in source
     move.write_text(source.replace(old, "def to_device(tree: _T, where: Where = True, *, "
                                         "donate: bool = False) -> _T:"))
     init = repo / "eqx_offload" / "__init__.py"
-    init.write_text(init.read_text() + "\nfrom ._move import move as move\n__all__ += ['move']\n")
+    init.write_text(init.read_text() + "\nfrom ._core.move import move as move\n__all__ += ['move']\n")
     typings = repo / "typings"  # the stub-drift gate of scripts/gates.sh
     proc = subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "eqx_offload", "--allowlist",

@@ -17,8 +17,8 @@ from jaxtyping import TypeCheckError
 
 import eqx_offload
 from eqx_offload import Filter, min_bytes, min_ndim, pattern, WhereError
-from eqx_offload._leaves import path_to_str
-from eqx_offload._where import leaf_mask, structure_divergence
+from eqx_offload._core.leaves import path_to_str
+from eqx_offload._core.where import leaf_mask, structure_divergence
 
 
 Pair = collections.namedtuple("Pair", "first second")

@@ -1,8 +1,8 @@
-"""Canary: the private JAX and XLA calls `gpu_plan` makes (`_deviceless.py`) and the
+"""Canary: the private JAX and XLA calls `gpu_plan` makes (`_plan/deviceless.py`) and the
 facts its reading of the plan relies on: a compile-only CUDA topology without a GPU, whose
 devices have no memories; lowered for `cuda`, a `device_put` to `pinned_host` inside `jit`
 survives as a `copy-start`/`copy-done` pair (`S(5)`), and the memory stats count host
-arguments apart. If an upgrade breaks one, fix `_deviceless.py` / `_hlo.py`."""
+arguments apart. If an upgrade breaks one, fix `_plan/deviceless.py` / `_plan/hlo.py`."""
 
 import re
 
@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload import _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import gpu_plan_marks
 
 
@@ -54,7 +54,7 @@ def test_copies_survive_lowering_for_cuda_with_cpu_shardings():
     assert stats.host_output_size_in_bytes == 256 * 256 * 4
     assert stats.argument_size_in_bytes == 0
     text = "\n".join(m.to_string() for m in executable.hlo_modules())
-    copies = eqx_offload._hlo.scheduled_copies(text)
+    copies = eqx_offload._plan.hlo.scheduled_copies(text)
     assert [c.direction for c in copies] == ["to_device", "to_host"]
     assert [c.nbytes for c in copies] == [256 * 256 * 4] * 2
     assert "S(5)" in text

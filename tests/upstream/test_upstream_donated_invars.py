@@ -1,5 +1,5 @@
 """Canary: JAX keeps an enclosing jit's donation flags where
-`_compat.enclosing_donating_jit` reads them (the local `donated_invars` of
+`compat.enclosing_donating_jit` reads them (the local `donated_invars` of
 `pjit._trace_for_jit`'s frame). `offloaded` refuses to run inside a donating jit (XLA
 would abort); if JAX renames the frame or the local, that refusal silently stops."""
 
@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_offload._compat import enclosing_donating_jit
+from eqx_offload._core.compat import enclosing_donating_jit
 
 
 def _seen(wrap: Any) -> Optional[str]:

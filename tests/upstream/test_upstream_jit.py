@@ -3,10 +3,10 @@
 - `jax.jit` compiles a step twice when uncommitted params meet a committed state (as a
   host-resident one always is); `docs/concepts.md` says to commit the params.
 - `jax.experimental.compute_on`: JAX 0.10 has the context manager and the function form
-  `compute_on2`; 0.11 renamed that `compute_on`. `_compat.host_compute` picks the function
+  `compute_on2`; 0.11 renamed that `compute_on`. `compat.host_compute` picks the function
   form, and `filter_jit` accepts host compute under either.
 - An array assembled from shards (as orbax restores) with a `pinned_host` sharding is typed
-  as device memory; `filter_jit` retypes such leaves (`_jit.py`'s `_mistyped_host`).
+  as device memory; `filter_jit` retypes such leaves (`_jit/jit.py`'s `_mistyped_host`).
 
 If one fails after an upgrade, update that workaround (and its docs)."""
 
@@ -23,7 +23,7 @@ from helpers import count_compiles
 from jax.experimental import compute_on as compute_on_module
 
 import eqx_offload
-from eqx_offload._compat import host_compute
+from eqx_offload._core.compat import host_compute
 
 
 CONTEXT_MANAGER_FORM = jax.__version_info__[:2] < (0, 11)

@@ -1,8 +1,8 @@
 """Canaries of `optax.MultiSteps`, after an Optax upgrade:
 
-- it keeps what it was built from in the private attributes `_compat.multi_steps_parts`
+- it keeps what it was built from in the private attributes `compat.multi_steps_parts`
   reads, with the arithmetic `offloaded(MultiSteps(...))` reproduces (if not, adapt
-  `multi_steps_parts` and `_accumulate.py`; `tests/test_accumulate.py` checks the bits);
+  `multi_steps_parts` and `_optim/accumulate.py`; `tests/test_accumulate.py` checks the bits);
 - it computes on the state of what it wraps, so `MultiSteps(offloaded(x))` computes on host
   memory (a `select_n`) and `filter_jit` refuses it (if not, the docs' advice on
   composition order, `docs/concepts.md`, may relax)."""
@@ -16,7 +16,7 @@ from helpers import walk_eqns
 from jax.extend.core import Literal
 
 import eqx_offload
-from eqx_offload._compat import multi_steps_parts
+from eqx_offload._core.compat import multi_steps_parts
 
 
 def test_multi_steps_parts():

@@ -1,11 +1,11 @@
 """Canary: JAX keeps a `jax.named_scope` in each traced equation's
 `source_info.name_stack`, through transforms and nested jits. `filter_jit` picks its GPU
-compiler options from these scopes (`_compat.scopes`); without them, silently none."""
+compiler options from these scopes (`compat.scopes`); without them, silently none."""
 
 import jax
 import jax.numpy as jnp
 
-from eqx_offload._compat import marked, scopes
+from eqx_offload._core.compat import marked, scopes
 
 
 def test_a_named_scope_shows_in_the_traced_program_through_transforms() -> None:

@@ -1,11 +1,11 @@
 """Canary: JAX's tracers keep their trace in the private `_trace` attribute, by which
-`_compat.same_trace` pairs a host weight with its gradient (`_params.py`'s barrier). If
+`compat.same_trace` pairs a host weight with its gradient (`_models/params.py`'s barrier). If
 JAX renames it, `same_trace` answers `False` everywhere and the barrier silently goes."""
 
 import jax
 import jax.numpy as jnp
 
-from eqx_offload._compat import same_trace
+from eqx_offload._core.compat import same_trace
 
 
 def test_tracers_of_one_trace_share_it_and_others_do_not():

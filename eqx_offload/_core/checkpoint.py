@@ -1,0 +1,379 @@
+"""Restoring checkpoints straight into host memory: restore targets that carry host
+shardings (for orbax) and a deserialise filter spec (for `eqx.tree_deserialise_leaves`).
+
+Neither orbax nor Equinox records memory kinds: orbax's metadata keeps the mesh and
+`PartitionSpec` but not the memory, and `eqx.default_deserialise_filter_spec` loads every
+array onto the default device. Restored naively, an offloaded state arrives whole in
+device memory. The helpers here say where each leaf goes before it is read.
+"""
+
+from collections.abc import Callable
+from typing import Any, BinaryIO, Optional, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+import optax
+
+from .errors import CheckpointError
+from .inner import as_transformation
+from .leaves import path_parts, path_to_str
+from .memory import (check_devices_offer, check_host_kind, check_tree_fits_host_pool,
+                      default_device, host_pool_limit, platform_of)
+from .placement import input_shardings, output_shardings, typed_sharding
+from .types import HostMemoryKind, Where
+from .where import leaf_mask
+
+
+_T = TypeVar("_T")
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _is_arraylike(x: Any) -> bool:
+    return eqx.is_array(x) or _is_abstract(x)
+
+
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
+    """Where a leaf is (a `jax.Array`) or is meant to be (a `jax.ShapeDtypeStruct` with a
+    sharding); the default device otherwise."""
+    if isinstance(leaf, jax.Array):
+        return leaf.sharding
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+        sharding: jax.sharding.Sharding = leaf.sharding
+        return sharding
+    return jax.sharding.SingleDeviceSharding(default_device())
+
+
+def _stand_in(leaf: Any) -> Any:
+    """An array the `where` filters can look at in place of an abstract leaf: the right
+    shape and dtype, no memory (a broadcast view of one element)."""
+    if _is_abstract(leaf):
+        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+    return leaf
+
+
+def host_shardings(
+    tree: Any, where: Where = True, *, memory_kind: HostMemoryKind = "pinned_host"
+) -> Any:
+    """The shardings to restore a pytree into, with the selected leaves in host memory.
+
+    Each array leaf (a `jax.Array`, or a `jax.ShapeDtypeStruct` with a sharding) keeps
+    its mesh and `PartitionSpec`; the leaves selected by `where` get `memory_kind`, the
+    others keep their own memory kind. A leaf without a sharding (a NumPy array, a
+    `ShapeDtypeStruct` from `jax.eval_shape`) is placed on the default device.
+
+    Pass the result where a restore API takes shardings, e.g. orbax's
+    `ocp.checkpoint_utils.construct_restore_args(target, host_shardings(target, ...))`;
+    or use `restore_target`, which builds the abstract target in one go.
+
+    **Arguments:**
+
+    - `tree`: a pytree of arrays or `jax.ShapeDtypeStruct`s (e.g. a state restored
+        without host shardings, whose leaves sit in device memory).
+    - `where`: which leaves go to host memory (see `to_host`). Default: every array.
+        For an `offloaded` state, pass the inner state and the `where` of `offloaded`
+        (default `eqx_offload.min_ndim(1)`), or use `abstract_init`.
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"`.
+
+    **Returns:**
+
+    A pytree of the same structure with a `jax.sharding.Sharding` at every array leaf
+    and `None` at every other leaf.
+
+    **Raises:**
+
+    `MemoryKindError` if a device of a selected leaf lacks `memory_kind`; `WhereError`
+    for a bad `where`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        state = optax.adam(1e-3).init({"w": jnp.ones((4, 4))})  # e.g. restored on device
+        shardings = eqx_offload.host_shardings(state, eqx_offload.min_ndim(1))
+        assert shardings[0].mu["w"].memory_kind == "pinned_host"
+        assert shardings[0].count.memory_kind == "device"
+        ```
+    """
+    leaves, treedef, shardings = _flat_host_shardings(tree, where, memory_kind)
+    return jtu.tree_unflatten(treedef, shardings)
+
+
+def _flat_host_shardings(
+    tree: Any, where: Where, memory_kind: str
+) -> tuple[list[Any], Any, list[Optional[jax.sharding.Sharding]]]:
+    check_host_kind(memory_kind, "memory_kind")
+    keyed, treedef = jtu.tree_flatten_with_path(tree, is_leaf=_is_abstract)
+    mask = leaf_mask(jtu.tree_unflatten(treedef, [_stand_in(x) for _, x in keyed]), where)
+    shardings: list[Optional[jax.sharding.Sharding]] = []
+    for (path, leaf), selected in zip(keyed, mask):
+        if not _is_arraylike(leaf):
+            shardings.append(None)
+            continue
+        sharding = _sharding_of(leaf)
+        if selected:
+            check_devices_offer(
+                sharding.addressable_devices, memory_kind, "memory_kind", path_to_str(path)
+            )
+            sharding = sharding.with_memory_kind(memory_kind)
+        shardings.append(typed_sharding(sharding))
+    return [x for _, x in keyed], treedef, shardings
+
+
+def restore_target(
+    tree: _T, where: Where = False, *, memory_kind: HostMemoryKind = "pinned_host"
+) -> _T:
+    """An abstract restore target: the pytree with a `jax.ShapeDtypeStruct` at every array
+    leaf that carries the sharding and memory kind the restored leaf must have.
+
+    Built from a concrete template (e.g. the model, or `opt.init(params)`), every leaf
+    keeps its placement; `where` additionally sends leaves to host memory. Orbax restores
+    each shard straight into that memory (no full-size device copy on the way, no memory
+    kind mismatch at the next step); `eqx.tree_deserialise_leaves` does the same with
+    `filter_spec=eqx_offload.deserialise_filter_spec`.
+
+    **Arguments:**
+
+    - `tree`: a pytree of arrays and/or `jax.ShapeDtypeStruct`s; other leaves are kept.
+    - `where`: leaves to send to host memory on top of those already there (see
+        `to_host`). Default `False`: every leaf keeps its own memory kind.
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"`.
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import orbax.checkpoint as ocp
+        import eqx_offload
+
+        params = {"w": jnp.ones((4, 4))}
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        target = eqx_offload.restore_target(opt.init(params))
+        assert target.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        # state = ocp.StandardCheckpointer().restore(path, target)
+        ```
+    """
+    leaves, treedef, shardings = _flat_host_shardings(tree, where, memory_kind)
+    target: _T = jtu.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=sharding, weak_type=getattr(leaf, "weak_type", False)
+        )
+        if sharding is not None
+        else leaf
+        for leaf, sharding in zip(leaves, shardings)
+    ])
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "restore_target(...)")
+    return target
+
+
+def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """The state `optimizer.init(params)` would return, without making it.
+
+    Every array leaf is a `jax.ShapeDtypeStruct` carrying the sharding and memory kind the
+    real `init` gives it: for `offloaded(...)`, the selected leaves in host memory with
+    the mesh and `PartitionSpec` of the parameter they mirror. This is the restore
+    target for an optimizer state: `ocp.args.StandardRestore(abstract_init(opt, params))`,
+    or `like=` for `eqx.tree_deserialise_leaves`.
+
+    **Arguments:**
+
+    - `optimizer`: an optax transformation, typically `eqx_offload.offloaded(...)` with
+        `memory_kind="pinned_host"` (the only host memory reachable while tracing).
+    - `params`: the parameters, as arrays or as `jax.ShapeDtypeStruct`s with shardings
+        (so that neither the model nor the state needs to exist before the restore).
+
+    **Returns:**
+
+    A pytree like `optimizer.init(params)`, with `jax.ShapeDtypeStruct` leaves.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = {"w": jnp.ones((4, 4))}
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        target = eqx_offload.abstract_init(opt, params)
+        assert target.inner_state[0].nu["w"].sharding.memory_kind == "pinned_host"
+        assert target.inner_state[0].count.sharding.memory_kind == "device"
+        ```
+    """
+    target = abstract_state(as_transformation(optimizer, "abstract_init(optimizer=...)"), params)
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "abstract_init(...)")
+    return target
+
+
+def check_init_fits_host_pool(init: Any, params: Any, what: str) -> None:
+    """On CUDA/ROCm, raise a `MemoryKindError` naming `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`
+    if `init(params)` would place more `pinned_host` bytes than XLA's pinned host pool
+    has left (the state is traced, not made); off those platforms nothing is done."""
+    leaves = jtu.tree_leaves(params, is_leaf=_is_abstract)
+    if host_pool_limit(platform_of(leaves)) is None:
+        return
+    target = abstract_state(_InitOnly(init), params)
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), what)
+
+
+class _InitOnly:
+    """What `abstract_state` needs of an optimizer: its `init`."""
+
+    def __init__(self, init: Any) -> None:
+        self.init = init
+
+
+def abstract_state(optimizer: Any, params: Any) -> Any:
+    """`abstract_init` without the host pool check (`offloaded(...).init` checks it
+    itself, naming itself)."""
+    return filter_eval_shape(optimizer.init, params)
+
+
+def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`eqx.filter_eval_shape` that keeps where each array would live: what
+    `fun(*args, **kwargs)` would return, with a `jax.ShapeDtypeStruct` at every array
+    leaf that carries the sharding and memory kind the real call gives it. Nothing is
+    computed or allocated, so a model or an optimizer state of any size can be
+    described on a laptop, and planned (`eqx_offload.gpu_plan` takes the result) or
+    restored into (`abstract_init` is this of `optimizer.init`).
+
+    **Arguments:**
+
+    - `fun`: any function, e.g. a model's constructor (`lambda: Model(key)`),
+        `optimizer.init`, `eqx_offload.master_weights(...).init`.
+    - `*args`, `**kwargs`: its arguments: arrays, `jax.ShapeDtypeStruct`s (with a
+        sharding, or on the default device without one) and anything else (passed as
+        is).
+
+    **Returns:**
+
+    `fun`'s result with `jax.ShapeDtypeStruct` array leaves. Their memory kinds are the
+    traced program's (`eqx_offload.to_host` inside `fun` gives `pinned_host`), their
+    layouts those of an input of the same shape (a state mirrors its parameters'
+    mesh and `PartitionSpec`), or the default device.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import optax
+        import eqx_offload
+
+        def make():
+            model = eqx.nn.MLP(8192, 8192, 8192, 4, key=jax.random.key(0))  # 336M params
+            return eqx.tree_at(lambda m: m.layers[1:], model, replace_fn=eqx_offload.to_host)
+
+        model = eqx_offload.filter_eval_shape(make)
+        assert model.layers[1].weight.sharding.memory_kind == "pinned_host"
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = eqx_offload.filter_eval_shape(lambda m: opt.init(eqx.filter(m, eqx.is_array)),
+                                              model)
+        assert state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
+        ```
+    """
+    dynamic, static = eqx.partition((args, kwargs), _is_arraylike, is_leaf=_is_abstract)
+    leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=_is_abstract)
+    in_shardings = input_shardings(leaves)
+    abstract_in = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
+        for x, s in zip(leaves, in_shardings)
+    ]
+    out_parts: list[Any] = []
+
+    def flat_fun(*flat: Any) -> list[Any]:
+        call_args, call_kwargs = eqx.combine(jtu.tree_unflatten(treedef, flat), static)
+        dynamic_out, static_out = eqx.partition(fun(*call_args, **call_kwargs), eqx.is_array)
+        keyed, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
+        out_parts[:] = [static_out, out_treedef, [path_parts(p) for p, _ in keyed]]
+        return [x for _, x in keyed]
+
+    out_avals = jax.jit(flat_fun).trace(*abstract_in).jaxpr.out_avals
+    static_out, out_treedef, out_paths = out_parts
+    # The paths as `filter_jit` sees them (`(0, ...)`: the first argument), so that the
+    # layouts chosen here are those a jitted call chooses (`offloaded`'s `init`).
+    in_paths = [path_parts(p)[1:] for p, _ in jtu.tree_flatten_with_path(
+        jtu.tree_unflatten(treedef, leaves), is_leaf=_is_abstract)[0]]
+    out_shardings = output_shardings(
+        out_avals, out_paths, [jax.typeof(x) for x in abstract_in], in_paths, in_shardings
+    )
+    abstract_out = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=typed_sharding(s), weak_type=a.weak_type)
+        for a, s in zip(out_avals, out_shardings)
+    ]
+    result: _T = eqx.combine(jtu.tree_unflatten(out_treedef, abstract_out), static_out)
+    return result
+
+
+def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:
+    """A `filter_spec` for `eqx.tree_deserialise_leaves` that restores every array where
+    the `like` leaf says: its sharding and memory kind.
+
+    `eqx.default_deserialise_filter_spec` loads each array whole onto the default device,
+    so an offloaded state comes back in device memory (and unsharded). With this filter
+    spec, an array leaf of `like` (a `jax.Array`, or a `jax.ShapeDtypeStruct` with a
+    sharding, e.g. from `abstract_init` or `restore_target`) is read into NumPy and each
+    of its shards goes straight to its device's memory of that kind. Other leaves are
+    handled by `eqx.default_deserialise_filter_spec`.
+
+    **Arguments:**
+
+    - `f`: the open file, positioned at the leaf (Equinox passes it).
+    - `x`: the leaf of `like`.
+
+    **Returns:**
+
+    The restored leaf.
+
+    **Raises:**
+
+    `CheckpointError` if the stored array's shape or dtype differs from `x`'s.
+
+    !!! Example
+
+        ```python
+        import tempfile
+        import equinox as eqx
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = {"w": jnp.ones((4, 4))}
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        path = tempfile.mkdtemp() + "/state.eqx"
+        eqx.tree_serialise_leaves(path, opt.init(params))
+        state = eqx.tree_deserialise_leaves(
+            path, eqx_offload.abstract_init(opt, params),
+            filter_spec=eqx_offload.deserialise_filter_spec,
+        )
+        assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return eqx.default_deserialise_filter_spec(f, x)
+    value = np.load(f)
+    dtype = np.dtype(x.dtype)
+    if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
+        value = value.view(dtype)  # bfloat16 and friends are saved as raw bytes
+    if value.shape != tuple(x.shape) or value.dtype != dtype:
+        raise CheckpointError(
+            f"deserialise_filter_spec: the checkpoint holds {value.dtype}{list(value.shape)} "
+            f"where `like` has {dtype}{list(x.shape)}. Build `like` for the same model and "
+            "optimizer that wrote the checkpoint (e.g. `eqx_offload.abstract_init(opt, "
+            "params)`)."
+        )
+    # One `device_put` of the NumPy value: each shard goes from it straight to its
+    # device's memory of the sharding's kind.
+    return jax.device_put(value, _sharding_of(x))

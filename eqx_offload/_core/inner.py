@@ -1,0 +1,32 @@
+"""One normalisation of an `inner` optimizer, for every function that takes one
+(`offloaded`, `within_budget`, `stream_plan`, `abstract_init`): the same clear error for
+an optimizer factory or a model, wherever it is passed."""
+
+from typing import Any
+
+import optax
+
+from .errors import NotATransformationError
+
+
+def as_transformation(inner: Any, call: str = "offloaded(inner=...)") -> optax.GradientTransformationExtraArgs:
+    """`inner` as a `GradientTransformationExtraArgs`, or a `NotATransformationError`
+    that names `call` (e.g. `"within_budget(inner=...)"`) and the fix."""
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+        return inner
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    if callable(getattr(inner, "gradient_transformation", None)):
+        # `optax.MultiSteps`, which is not itself a GradientTransformation. Its
+        # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
+        # arguments `with_extra_args_support` would drop; its `update` takes them.
+        return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+    hint = ""
+    if callable(inner):
+        hint = (" It is callable: if it is an optimizer factory such as "
+                "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
+    raise NotATransformationError(
+        f"{call} expects an optax.GradientTransformation, e.g. "
+        f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
+        + hint
+    )

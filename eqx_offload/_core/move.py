@@ -1,0 +1,196 @@
+"""`to_host`, `to_device` and `filter_shard`: one `jax.device_put` for the selected
+array leaves."""
+
+import warnings
+from collections.abc import Iterator
+from typing import Any, Optional, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
+from .leaves import is_traced, path_to_str
+from .memory import check_host_kind, default_kind
+from .placement import destination, memory_kind_of, space_of, traced_move_error
+from .types import HostMemoryKind, Where
+from .where import leaf_mask, warn_if_selects_nothing
+
+
+_T = TypeVar("_T")
+
+
+def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
+         caller: Optional[str] = None) -> _T:
+    """Move the array leaves of `tree` selected by `where` to `memory_kind` (`None`: the
+    device's default memory) with one `jax.device_put`; return everything else as is.
+    `caller`: the public function a user called (`"to_host"`), which warns where there
+    is nothing to move or `where` selects nothing."""
+    if isinstance(tree, Iterator):
+        raise TreeError(
+            f"tree=<{type(tree).__name__}>: an iterator is not a pytree; JAX "
+            "treats as one opaque leaf, so nothing in it would move. Pass a pytree "
+            "(e.g. `list(...)` or `tuple(...)` of it)."
+        )
+    keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in keyed_leaves]
+    indices: list[int] = []
+    paths: list[Any] = []
+    destinations: list[Any] = []
+    mask = leaf_mask(tree, where)
+    if caller is not None:
+        _warn_if_nothing_moves(tree, leaves, where, mask, caller)
+    for i, ((path, leaf), selected) in enumerate(zip(keyed_leaves, mask, strict=True)):
+        target = destination(leaf, memory_kind, argument, path_to_str(path)) if selected else None
+        if target is not None:
+            indices.append(i)
+            paths.append(path)
+            destinations.append(target)
+    if indices:
+        moved = jax.device_put([leaves[i] for i in indices], destinations)
+        for i, key_path, leaf in zip(indices, paths, moved, strict=True):
+            # A concrete array moved inside a trace (a constant closed over by a jitted
+            # function) comes back traced; JAX drops a memory kind it cannot express
+            # there ('unpinned_host') without a word, so check.
+            if is_traced(leaf) and jax.typeof(leaf).memory_space != space_of(memory_kind):
+                raise traced_move_error(str(memory_kind), argument, path_to_str(key_path))
+            leaves[i] = leaf
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],
+                           caller: str) -> None:
+    """`OffloadWarning`s for a call that is valid but moves nothing it was surely meant
+    to: leaves none of which is an array (`to_host([1, 2, 3])`, whose leaves JAX would
+    make arrays of), or a `where` that selects none of the arrays. Converting instead
+    would break the promise that non-array leaves come back as they are (the Python
+    floats and functions of an `eqx.Module`)."""
+    if leaves and not any(map(eqx.is_array, leaves)):
+        warnings.warn(nothing_to_move_message(caller, len(leaves)), OffloadWarning,
+                      stacklevel=4)
+        return
+    warn_if_selects_nothing(tree, where, mask, "where", stacklevel=5)
+
+
+def to_host(
+    tree: _T, where: Where = True, *, memory_kind: HostMemoryKind = "pinned_host"
+) -> _T:
+    """Moves the selected array leaves of a pytree to host memory.
+
+    Works on any pytree (dicts, lists, tuples, `NamedTuple` optimizer states,
+    `eqx.Module`s), eagerly and under `jax.jit`. Non-array leaves and unselected arrays
+    are returned as they are; a leaf already in `memory_kind` is not copied. A sharded
+    leaf keeps its mesh and `PartitionSpec`: only its memory kind changes.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `where`: which array leaves to move: a bool, a callable on a leaf (e.g.
+        `eqx_offload.pattern(".*/mu/.*")`, `eqx_offload.min_bytes(1 << 20)`), or a
+        pytree prefix of `tree` with those at its leaves. Default: every array.
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"`. Under `jax.jit`
+        only `"pinned_host"` can be reached.
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    **Raises:**
+
+    `MemoryKindError` if the device lacks `memory_kind`; `WhereError` for a bad `where`;
+    `TracedMoveError` for `"unpinned_host"` under `jit`; `TreeError` for an iterator
+    (such as a generator) in place of a pytree. An `OffloadWarning` where nothing
+    moves that surely was meant to: no leaf is an array (`to_host([1, 2, 3])`: make
+    arrays first with `jnp.asarray`), or `where` selects none of the arrays.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = {"w": jnp.ones((4, 4))}
+        state = optax.adam(1e-3).init(params)
+        state = eqx_offload.to_host(state)
+        assert state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    check_host_kind(memory_kind, "memory_kind")
+    return move(tree, where, memory_kind, "memory_kind", "to_host")
+
+
+def to_device(tree: _T, where: Where = True) -> _T:
+    """Moves the selected array leaves of a pytree to the device's default memory.
+
+    The inverse of `to_host`: `to_device(to_host(tree))` equals `tree` leaf by leaf. It
+    warns as `to_host` does where nothing moves that surely was meant to.
+
+    **Arguments:**
+
+    - `tree`: any pytree.
+    - `where`: which array leaves to move (see `to_host`). Default: every array.
+
+    **Returns:**
+
+    A pytree of the same structure.
+    """
+    return move(tree, where, None, "to_device", "to_device")
+
+
+def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:
+    """`eqx.filter_shard` that keeps every array leaf in its memory.
+
+    Each array leaf gets `sharding`'s devices and layout in the memory kind it already
+    has: an offloaded state stays in host memory, on the new devices. Eagerly this is
+    a `jax.device_put`, which (unlike `eqx.filter_shard` outside `jit`) also moves a
+    committed array to other devices; JAX commits every host array, so an offloaded
+    state made on one device is committed to it. Under `jit` it is
+    `jax.lax.with_sharding_constraint`, as `eqx.filter_shard` (which keeps memory kinds
+    there too).
+
+    **Arguments:**
+
+    - `tree`: any pytree; non-array leaves are returned as they are.
+    - `sharding`: a `jax.sharding.Sharding` (its memory kind is ignored).
+
+    **Returns:**
+
+    A pytree of the same structure.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import eqx_offload
+
+        mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        state = opt.init({"w": jnp.ones((4, 4))})  # on one device
+        state = eqx_offload.filter_shard(state, NamedSharding(mesh, P()))
+        assert state.inner_state[0].mu["w"].sharding.mesh == mesh
+        assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise OptionError(
+            f"filter_shard(sharding={sharding!r}): sharding must be a "
+            "`jax.sharding.Sharding`, e.g. `NamedSharding(mesh, PartitionSpec())`."
+        )
+    leaves, treedef = jtu.tree_flatten(tree)
+    indices = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+    targets = [sharding.with_memory_kind(memory_kind_of(leaves[i]) or default_kind(
+        next(iter(sharding.device_set)))) for i in indices]
+    arrays = [leaves[i] for i in indices]
+    if any(map(is_traced, arrays)):
+        moved = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(arrays, targets, strict=True)]
+    else:
+        moved = jax.device_put(arrays, targets)
+    for i, x in zip(indices, moved, strict=True):
+        leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out

@@ -1,0 +1,284 @@
+"""Where a leaf is, and where it goes: the one module that answers placement questions.
+
+- `memory_kind_of`: the memory kind of a leaf, concrete or traced (PRNG keys included).
+- `destination`: the sharding (eagerly) or memory space (traced) a move sends a leaf to.
+- `input_shardings` / `output_shardings`: the concrete shardings, memory kinds
+  included, that `filter_jit` compiles for and `abstract_init` restores into.
+- `retype_host` / `typed_sharding`: the one workaround for JAX typing some host arrays
+  as device memory.
+
+Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` and
+`offloaded`.
+"""
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import jax
+import numpy as np
+
+from .errors import TracedMoveError
+from .leaves import is_traced, shown
+from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
+from .types import Device
+
+
+# ----------------------------------------------------------------------------------------
+# Where a leaf is
+
+
+def _is_prng_key(leaf: Any) -> bool:
+    return bool(jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
+def memory_kind_of(leaf: Any) -> Optional[str]:
+    """The memory kind of a JAX array leaf: `"device"`, `"pinned_host"` or
+    `"unpinned_host"`; `None` for anything else (NumPy arrays and Python scalars are
+    not placed yet) and where JAX's type cannot say.
+
+    A traced leaf is in host memory if its type says so; under `jit` that is
+    `"pinned_host"`, the only host memory JAX reaches there. JAX (0.10) types a traced
+    PRNG key array as device memory wherever it is, so for those the answer is `None`.
+    """
+    if is_traced(leaf):
+        if _is_prng_key(leaf):
+            return None
+        space = jax.typeof(leaf).memory_space
+        return "pinned_host" if space == jax.memory.Space.Host else "device"
+    if isinstance(leaf, jax.Array):
+        kind = leaf.sharding.memory_kind
+        return "device" if kind is None else str(kind)
+    return None
+
+
+def is_host(leaf: Any) -> bool:
+    """Whether a leaf is a JAX array in host memory (see `memory_kind_of`)."""
+    return memory_kind_of(leaf) in HOST_MEMORY_KINDS
+
+
+# ----------------------------------------------------------------------------------------
+# Where a leaf goes
+
+# A sharding (eagerly) or a `jax.memory.Space` (traced). The latter is an attribute of
+# a `SimpleNamespace` in JAX, invisible to type checkers, hence the `Any`.
+Destination = Union[jax.sharding.Sharding, Any]
+
+
+def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
+    return TracedMoveError(
+        f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
+        f"{shown(path)} is inside a trace): JAX's traced `device_put` only targets "
+        "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
+        "memory_kind='pinned_host' under `jit`, or call this eagerly."
+    )
+
+
+def space_of(memory_kind: Optional[str]) -> Any:
+    """The `jax.memory.Space` a traced move to `memory_kind` targets (`None`: the
+    device's default memory)."""
+    return jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
+
+
+def destination(
+    leaf: Any, memory_kind: Optional[str], argument: str, path: str
+) -> Optional[Destination]:
+    """Where a move sends `leaf`, or `None` if it is there already.
+
+    `memory_kind=None` means the device's default memory (`to_device`). A concrete leaf
+    keeps its devices and layout (`sharding.with_memory_kind`); a NumPy array goes where
+    JAX would put it; a traced leaf goes to a `jax.memory.Space`."""
+    if is_traced(leaf):
+        space = jax.typeof(leaf).memory_space
+        if memory_kind is not None and memory_kind != "pinned_host":
+            raise traced_move_error(memory_kind, argument, path)
+        target = space_of(memory_kind)
+        return None if space == target else target
+    if isinstance(leaf, jax.Array):
+        sharding = leaf.sharding
+        devices = sharding.addressable_devices
+    else:  # a NumPy array: it goes where JAX would put it
+        device = default_device()
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        devices = {device}
+    target_kind = memory_kind if memory_kind is not None else default_kind(next(iter(devices)))
+    check_devices_offer(devices, target_kind, argument, path)
+    if isinstance(leaf, jax.Array) and sharding.memory_kind == target_kind:
+        return None
+    return sharding.with_memory_kind(target_kind)
+
+
+# ----------------------------------------------------------------------------------------
+# JAX's host mistyping, and its one workaround
+#
+# JAX (0.10) gives an array assembled from shards with a `SingleDeviceSharding`
+# (`jax.make_array_from_single_device_arrays`, `jax.make_array_from_callback`; orbax
+# restores that way) the type of device memory whatever the sharding's memory kind.
+# Traced as it is, a host-resident state would be computed on as if it were in device
+# memory. Two faces of one fix: a sharding that carries its memory kind into the type
+# (for restores), and a typed copy of an array that already exists (for `filter_jit`).
+
+
+def typed_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """`sharding`, or for one device in host memory the same placement as a
+    `NamedSharding` over a one-device mesh (which carries its memory kind into the
+    type of the arrays assembled with it)."""
+    if (
+        isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        and sharding.memory_kind in HOST_MEMORY_KINDS
+    ):
+        (device,) = sharding.device_set
+        mesh = jax.sharding.Mesh(
+            np.array([device]), ("device",), axis_types=(jax.sharding.AxisType.Auto,)
+        )
+        return jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind
+        )
+    return sharding
+
+
+def is_mistyped_host(leaf: Any) -> bool:
+    """A `pinned_host` array whose JAX type says device memory."""
+    return (
+        isinstance(leaf, jax.Array)
+        and not is_traced(leaf)
+        and leaf.sharding.memory_kind == "pinned_host"
+        and jax.typeof(leaf).memory_space != jax.memory.Space.Host
+    )
+
+
+def retype_host(leaf: jax.Array) -> jax.Array:
+    """A correctly typed copy (host to host, same sharding) of a mistyped host array."""
+    copy: jax.Array = jax.device_put(leaf, leaf.sharding, may_alias=False)
+    return copy
+
+
+# ----------------------------------------------------------------------------------------
+# Shardings for a compiled program
+
+
+def is_committed(x: Any) -> bool:
+    """A committed `jax.Array`, or a `jax.ShapeDtypeStruct` that carries a sharding."""
+    if isinstance(x, jax.Array):
+        return bool(x.committed)
+    return isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+
+
+def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
+    """The sharding each argument leaf is compiled for.
+
+    A committed `jax.Array` keeps its own. An uncommitted one (e.g. `jnp.ones(3)`) or a
+    NumPy array goes where `jax.jit` would put it: replicated over the mesh of the
+    committed arguments, or onto their one device, in its own memory kind (a sharded
+    model called with a fresh batch must not fail with "incompatible devices")."""
+    committed = [x.sharding for x in leaves if is_committed(x)]
+    meshes = [s.mesh for s in committed if isinstance(s, jax.sharding.NamedSharding)]
+    devices = {d for s in committed for d in s.device_set}
+    result: list[jax.sharding.Sharding] = []
+    for leaf in leaves:
+        if is_committed(leaf) or (isinstance(leaf, jax.Array) and not committed):
+            result.append(leaf.sharding)
+            continue
+        kind = leaf.sharding.memory_kind if isinstance(leaf, jax.Array) else None
+        if meshes:
+            result.append(jax.sharding.NamedSharding(
+                meshes[0], jax.sharding.PartitionSpec(), memory_kind=kind))
+        elif len(devices) == 1:
+            result.append(jax.sharding.SingleDeviceSharding(next(iter(devices)), memory_kind=kind))
+        elif isinstance(leaf, jax.Array):
+            result.append(leaf.sharding)
+        else:
+            result.append(jax.sharding.SingleDeviceSharding(default_device()))
+    return result
+
+
+def _kind_of_aval(aval: Any, device: Device) -> str:
+    if aval.memory_space == jax.memory.Space.Host:
+        return "pinned_host"
+    return default_kind(device)
+
+
+def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def output_shardings(
+    out_avals: Sequence[Any],
+    out_paths: Sequence[tuple[str, ...]],
+    in_avals: Sequence[Any],
+    in_paths: Sequence[tuple[str, ...]],
+    in_shardings: Sequence[jax.sharding.Sharding],
+    constrained: Optional[Sequence[Optional[jax.sharding.Sharding]]] = None,
+) -> list[jax.sharding.Sharding]:
+    """A concrete sharding with the right memory kind for every output.
+
+    The memory kind comes from the traced program (`aval.memory_space`). The layout, in
+    order of preference: the sharding the program constrains the output to
+    (`constrained`: `jax.lax.with_sharding_constraint`, `eqx.filter_shard`); the
+    sharding an explicit-axes mesh gives the output; the
+    sharding of an input of the same shape (a training step returns new params and
+    state shaped like the old ones) -- of several, the one whose path in the arguments
+    ends like the output's path in the result (`(model, state)` in, `(model, state)`
+    out), then one of the same dtype; replicated over the inputs' mesh; the default
+    device. Paths are `path_parts` of the argument tuple / the result.
+
+    (An `Auto`-axes mesh gives every traced value an all-`None` spec, so only an
+    explicit-axes mesh's spec is trusted: trusting the other would replicate every
+    model-parallel output.)
+    """
+    meshes = [s.mesh for s in in_shardings if isinstance(s, jax.sharding.NamedSharding)]
+    mesh = meshes[0] if meshes else None
+    if mesh is not None:
+        device = np.asarray(mesh.devices).flat[0]
+    else:
+        devices = [d for s in in_shardings for d in s.device_set]
+        device = devices[0] if devices else default_device()
+    by_shape: dict[Any, list[tuple[Any, tuple[str, ...], jax.sharding.Sharding]]] = {}
+    for aval, path, in_sharding in zip(in_avals, in_paths, in_shardings, strict=True):
+        by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
+    result = []
+    if constrained is None:
+        constrained = [None] * len(out_avals)
+    for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True):
+        kind = _kind_of_aval(aval, device)
+        abstract = getattr(aval, "sharding", None)
+        candidates = by_shape.get(aval.shape, [])
+        like_input = None
+        if candidates:
+            _, _, best = max(
+                candidates,  # of equal keys `max` keeps the first: the earliest input
+                key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
+            )
+            like_input = best.with_memory_kind(kind)
+        if isinstance(constraint, jax.sharding.NamedSharding) and isinstance(
+            constraint.mesh, jax.sharding.Mesh
+        ):
+            sharding: jax.sharding.Sharding = constraint.with_memory_kind(kind)
+            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
+                sharding = like_input
+        elif (
+            mesh is not None
+            and isinstance(abstract, jax.sharding.NamedSharding)
+            and not abstract.mesh.empty
+            and abstract.mesh.axis_names == mesh.axis_names
+            and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
+        ):
+            sharding = jax.sharding.NamedSharding(mesh, abstract.spec, memory_kind=kind)
+            # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
+            # spelling so the next call hits the cache.
+            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
+                sharding = like_input
+        elif like_input is not None:
+            sharding = like_input
+        elif mesh is not None:
+            sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+            )
+        else:
+            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+        result.append(sharding)
+    return result

@@ -1,0 +1,498 @@
+"""`filter_jit`: `eqx.filter_jit` with memory-kind-aware shardings, safe to donate
+host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
+
+One call: flatten the arguments once (`_flatten_call`: array leaves are traced,
+everything else is static), look the configuration up in the cache, run the
+executable, rebuild the output. One compilation (`_lower`): trace the function once
+with the arguments' shardings, check it computes on no host-resident array, read each
+output's memory space from the traced program, and compile a replay of that program
+with input *and* output shardings that carry memory kinds (so JAX pairs a donated input
+only with an output in the same memory). The user's function runs once per compilation.
+"""
+
+import contextvars
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.extend.core import jaxpr_as_fun
+
+from .._core.compat import scopes
+from .._core.errors import OptionError, SignatureError
+from .._core.jaxpr import is_var
+from .._core.leaves import path_parts
+from .._core.placement import input_shardings, is_mistyped_host, output_shardings, retype_host
+from .._core.types import Donate
+from .call import _Call, _Output, _warn_changed_number
+from .compiler_options import default_compiler_options
+from .donation import _check_not_deleted, _donation, _Donation, _unshare, _UNUSABLE_DONATION
+from .lint import _check_no_host_compute
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+# ----------------------------------------------------------------------------------------
+# One call's arguments
+
+
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donation,
+                  abstract: bool = False, name: str = "fun") -> _Call:
+    """The call's arguments, flattened once. With `abstract` (`gpu_plan`), a
+    `jax.ShapeDtypeStruct` leaf stands for an array too: the step is traced and
+    compiled for it, and nothing is allocated (a caller checks it has a sharding)."""
+    all_leaves, treedef = jtu.tree_flatten((args, kwargs))
+    is_array = tuple(
+        eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
+    # Which argument each leaf is of matters only where the arguments are donated
+    # differently: for a mode, the first argument's leaves (`n_first`, a part of the
+    # key); by name, every argument's (counted only then: this runs at every call).
+    n_first = 0
+    if donate.names is None:
+        if donate.first != donate.rest:
+            first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
+            n_first = first_def.num_leaves
+        flags = [donate.first if i < n_first else donate.rest for i in range(len(all_leaves))]
+    else:
+        arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
+        sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
+        flags = [d for d, n in zip(donate.per_argument(args, kwargs), sizes, strict=True)
+                 for _ in range(n)]
+    if not abstract:
+        _check_not_deleted(all_leaves, args, kwargs, donate, name)
+    leaves: list[Any] = []
+    donated: list[int] = []
+    for x, a, d in zip(all_leaves, is_array, flags, strict=True):
+        if a:
+            if d:
+                donated.append(len(leaves))
+            leaves.append(x)
+    shared = _unshare(leaves, donated) if donated else {}
+    retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
+    for i, x in retyped.items():
+        leaves[i] = retype_host(x)
+    shardings = input_shardings(leaves)
+    key = (
+        treedef,
+        is_array,
+        n_first if donate.names is None else tuple(donated),
+        # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
+        # hashable: `1` and `1.0` or `True` must not share an executable).
+        tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
+        tuple(
+            (x.shape, x.dtype, getattr(x, "weak_type", False), s)
+            for x, s in zip(leaves, shardings, strict=True)
+        ),
+    )
+    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
+                 key, shared)
+
+
+# ----------------------------------------------------------------------------------------
+# Lowering, compiling, running
+
+
+_LATE_PARAMS: "contextvars.ContextVar[Optional[dict[int, tuple[Any, Any]]]]" = (
+    contextvars.ContextVar("eqx_offload_late_params", default=None))
+
+
+def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
+    """While `filter_jit` traces a step: the table in which `with_host_params` records,
+    for each host-resident parameter it was given (by `id`, with the parameter itself),
+    that parameter made to wait for its gradient, so that `apply_updates` fetches the
+    same value (one copy to the device, after the gradient). `None` outside such a
+    trace. (The one context variable left: `optax.apply_updates`-style calls get the
+    parameters and the updates, not the value the update fetched, and two
+    `optimization_barrier`s of one weight are two copies to the device.)"""
+    return _LATE_PARAMS.get()
+
+
+def _platform_of(call: _Call) -> str:
+    """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
+    devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
+    return str(devices[0].platform) if devices else jax.default_backend()
+
+
+def _lower(fun: Callable[..., Any], name: str, call: _Call,
+           platforms: Optional[tuple[str, ...]] = None) -> tuple[Any, _Output, Any]:
+    """Trace `fun` once for `call`, check it, and lower a replay of the traced program
+    with memory-kind-aware input and output shardings (for `platforms`, default the
+    arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments). Returns the
+    lowering, how to rebuild its result, and the traced program (a closed jaxpr)."""
+    jitted, output = _jitted(fun, name, call)
+    traced = jitted.trace(*call.leaves)
+    if platforms is None:
+        return traced.lower(), output, traced.jaxpr
+    return traced.lower(lowering_platforms=platforms), output, traced.jaxpr
+
+
+def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
+    """Trace `fun` once for `call`, check it, and return a `jax.jit` of a replay of the
+    traced program with memory-kind-aware input and output shardings."""
+    array_positions = [i for i, a in enumerate(call.is_array) if a]
+    outputs: list[Any] = []
+
+    def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+        full = list(call.all_leaves)
+        for i, x in zip(array_positions, dynamic_leaves, strict=True):
+            full[i] = x
+        args, kwargs = jtu.tree_unflatten(call.treedef, full)
+        keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
+        positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
+        out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
+        outputs[:] = [_Output(out_treedef, out_leaves, positions),
+                      [path_parts(keyed_out[i][0]) for i in positions]]
+        return [keyed_out[i][1] for i in positions]
+
+    late_token = _LATE_PARAMS.set({})
+    try:
+        traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
+    finally:
+        _LATE_PARAMS.reset(late_token)
+    closed = traced.jaxpr
+    _check_no_host_compute(closed.jaxpr, name)
+    output, out_paths = outputs
+    # An argument's path without the leading args/kwargs index: `(0, ...)` is the
+    # first positional argument, as `(0, ...)` is the first element of a tuple result.
+    keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
+    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
+    constraints = {
+        eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
+    }
+    out_shardings = output_shardings(
+        closed.out_avals, out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
+        call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
+    )
+
+    as_fun = jaxpr_as_fun(closed)  # (JAX's own evaluator: `jax.core.eval_jaxpr`)
+
+    def replay(*dynamic_leaves: Any) -> list[Any]:
+        return list(as_fun(*dynamic_leaves))
+
+    # JAX names the executable (and its compile events, `jax.monitoring`) after this.
+    replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
+
+    jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
+                     donate_argnums=call.donated)
+    # What the program does that the GPU's defaults depend on, from its marked scopes.
+    kinds = scopes(closed.jaxpr)
+    output.streamed = "streamed" in kinds
+    output.prefetched = "prefetched" in kinds
+    output.whole = "whole" in kinds
+    return jitted, output
+
+
+def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+        flat_out = executable(*call.leaves)
+    for i, x in call.retyped.items():
+        if i in call.donated:  # the copy was donated: consume the original as donation would
+            x.delete()
+    for x in call.shared.values():  # a copy was donated in its place (`_unshare`)
+        if not x.is_deleted() and all(
+                x is not y for y in call.leaves):  # (kept where it was not donated)
+            x.delete()
+    return output.rebuild(flat_out)
+
+
+class Compiled:
+    """A compiled `filter_jit` function for one configuration of arguments (returned by
+    `filter_jit(f).lower(...).compile()`). Call it with arguments of the same structure,
+    static values, shapes, dtypes and shardings as those it was lowered for."""
+
+    def __init__(self, executable: Any, output: _Output, key: Any, donate: _Donation,
+                 name: str) -> None:
+        self._executable = executable
+        self._output = output
+        self._key = key
+        self._donate = donate
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = _flatten_call(args, kwargs, self._donate, name=self._name)
+        if call.key != self._key:
+            raise SignatureError(
+                f"filter_jit({self._name}).lower(...).compile(): called with arguments "
+                "that differ from those it was lowered for (tree structure, static "
+                "values, shapes, dtypes or shardings). Lower it again for these "
+                "arguments, or call the `filter_jit` function itself (it compiles once "
+                "per configuration)."
+            )
+        return _run(self._executable, self._output, call, self._donate.silence)
+
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis of the executable (`jax.stages.Compiled.memory_analysis`)."""
+        return self._executable.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        """XLA's cost analysis of the executable (`jax.stages.Compiled.cost_analysis`)."""
+        return self._executable.cost_analysis()
+
+    def as_text(self) -> Optional[str]:
+        """The compiled program as text (`jax.stages.Compiled.as_text`)."""
+        text: Optional[str] = self._executable.as_text()
+        return text
+
+
+class Lowered:
+    """A `filter_jit` function lowered for one configuration of arguments (returned by
+    `filter_jit(f).lower(...)`), as `eqx.filter_jit(f).lower(...)`.
+
+    `jaxpr` is the traced program (as `jax.stages.Traced.jaxpr`) and `compiler_options`
+    the XLA options `.compile()` uses: `filter_jit`'s defaults for this program (see the
+    "GPU plan" docs page) and the function's own `compiler_options`, which win."""
+
+    def __init__(self, lowered: Any, output: _Output, key: Any, donate: _Donation, name: str,
+                 compiler_options: dict[str, Any], jaxpr: Any) -> None:
+        self._lowered = lowered
+        self.jaxpr = jaxpr
+        self.compiler_options = compiler_options
+        self._output = output
+        self._key = key
+        self._donate = donate
+        self._name = name
+
+    def compile(self, compiler_options: Optional[dict[str, Any]] = None) -> Compiled:
+        """Compiles it, with XLA `compiler_options` for this executable alone (e.g. the
+        GPU scheduler's settings; see the "Modes" docs page), added to
+        `self.compiler_options` and winning over them."""
+        options = {**self.compiler_options, **(compiler_options or {})}
+        with warnings.catch_warnings():
+            if self._donate.silence:
+                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+            executable = self._lowered.compile(options or None)
+        return Compiled(executable, self._output, self._key, self._donate, self._name)
+
+    def as_text(self) -> str:
+        """The lowered program (StableHLO) as text."""
+        text: str = self._lowered.as_text()
+        return text
+
+    def compiler_ir(self, dialect: str = "stablehlo") -> Any:
+        """The lowered program as an MLIR module (`jax.stages.Lowered.compiler_ir`)."""
+        return self._lowered.compiler_ir(dialect)
+
+
+class _FilterJit(Generic[_P, _T]):
+    """What `filter_jit` returns: call it, or `.lower(...)` it."""
+
+    def __init__(self, fun: Callable[_P, _T], donate: _Donation,
+                 compiler_options: Optional[dict[str, Any]]) -> None:
+        self._fun = fun
+        self._donate = donate
+        self._compiler_options = compiler_options
+        self._name = getattr(fun, "__qualname__", repr(fun))
+        self._cache: dict[Any, Compiled] = {}
+        self._warned = False  # `_warn_changed_number`, once per function
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        call = _flatten_call(args, kwargs, self._donate, name=self._name)
+        compiled = self._cache.get(call.key)
+        if compiled is None:
+            if not self._warned and self._cache:
+                self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
+            compiled = self._lower_call(call).compile()
+            self._cache[call.key] = compiled
+        out: _T = _run(compiled._executable, compiled._output, call,
+                       self._donate.silence)
+        return out
+
+    def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
+        """Lowers the function for these arguments without running it (ahead-of-time
+        compilation). `.compile()` on the result gives a callable `Compiled` with
+        `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
+        cache is not touched."""
+        return self._lower_call(_flatten_call(args, kwargs, self._donate, name=self._name))
+
+    def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
+        """`jax.export.export` for this function, memory kinds kept: returns a callable
+        that takes the function's arguments and returns a `jax.export.Exported` lowered
+        for `platforms` (default: the default backend), with the input and output
+        shardings `filter_jit` compiles with. The exported program takes and returns
+        the offloaded state in host memory and contains its copies to and from the
+        device, for CUDA too. (Exporting `jax.jit(step)` with specs built from the
+        state's own shardings drops the memory kinds: its program never copies the
+        state to the device; see the "Export" docs page.)
+
+        The `Exported` takes the distinct array leaves of `(args, kwargs)`, in
+        `jax.tree.leaves` order, and returns the array leaves of the result.
+
+        !!! Example
+
+            ```python
+            import jax.numpy as jnp
+            import optax
+            import eqx_offload
+
+            params = {"w": jnp.ones((4, 4))}
+            opt = eqx_offload.offloaded(optax.adam(1e-3))
+            state = opt.init(params)
+
+            @eqx_offload.filter_jit
+            def step(params, state):
+                updates, state = opt.update(params, state, params)
+                return optax.apply_updates(params, updates), state
+
+            exported = step.export(platforms=["cuda"])(params, state)
+            assert "annotate_device_placement" in exported.mlir_module()
+            ```
+        """
+
+        def export(*args: Any, **kwargs: Any) -> Any:
+            call = _flatten_call(args, kwargs, self._donate, name=self._name)
+            with warnings.catch_warnings():
+                if self._donate.silence:
+                    warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+                jitted, _ = _jitted(self._fun, self._name, call)
+                specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                         for x, s in zip(call.leaves, call.in_shardings, strict=True)]
+                return jax.export.export(jitted, platforms=platforms)(*specs)
+
+        return export
+
+    def lower_for(self, platforms: Sequence[str], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Lowered:
+        """`lower(*args, **kwargs)` for `platforms` (`gpu_plan` lowers for `("cuda",)`
+        with arguments on this machine's CPU), where a `jax.ShapeDtypeStruct` with a
+        sharding stands for an array: nothing is allocated."""
+        call = _flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
+        return self._lower_call(call, tuple(platforms))
+
+    def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
+        with warnings.catch_warnings():
+            if self._donate.silence:
+                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
+            lowered, output, jaxpr = _lower(self._fun, self._name, call, platforms)
+        platform = platforms[0] if platforms else _platform_of(call)
+        options = {**default_compiler_options(platform, output.streamed, output.prefetched,
+                                              output.whole), **(self._compiler_options or {})}
+        return Lowered(lowered, output, call.key, self._donate, self._name, options, jaxpr)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        # As a method: bind the instance like a function would.
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+
+@overload
+def filter_jit(
+    *, donate: Union[Donate, tuple[str, ...]] = "none", compiler_options: Optional[dict[str, Any]] = None
+) -> Callable[[Callable[_P, _T]], _FilterJit[_P, _T]]: ...
+
+
+@overload
+def filter_jit(
+    fun: Callable[_P, _T], *, donate: Union[Donate, tuple[str, ...]] = "none",
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> _FilterJit[_P, _T]: ...
+
+
+def filter_jit(
+    fun: Optional[Callable[..., Any]] = None,
+    *,
+    donate: Union[Donate, tuple[str, ...]] = "none",
+    compiler_options: Optional[dict[str, Any]] = None,
+) -> Any:
+    """A drop-in for `eqx.filter_jit` that is safe to donate host-resident state to.
+
+    All JAX and NumPy arrays in the arguments are traced, everything else is static
+    (as `eqx.filter_jit`). Unlike `eqx.filter_jit`, it hands `jax.jit` input *and*
+    output shardings that carry memory kinds, so JAX pairs each donated input only with
+    an output in the same memory: a `pinned_host` optimizer state can never be aliased
+    to a device output (which aborts the process, see the docs' "donation trap").
+
+    It compiles once per configuration (tree structure, static values, shapes, dtypes,
+    shardings and memory kinds): committed and uncommitted arguments of the same
+    sharding share one executable. `f.lower(*args, **kwargs)` lowers ahead of time, as
+    `eqx.filter_jit(f).lower(...)`: `.compile()` returns a callable with
+    `memory_analysis()`. `f.export(platforms=[...])(*args)` exports it with
+    `jax.export`, memory kinds and copies kept (see the "Export" docs page).
+
+    An array that stands at several donated leaves (`eqx.nn.State(model)` shares the
+    model's arrays) is donated once: the other places get a copy for that call, so the
+    call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
+    and the executable is the same whatever is shared.
+
+    **Arguments:**
+
+    - `fun`: a pure function.
+    - `donate`: as `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
+        `"warn-except-first"` or `"none"` (default). `"all"` and
+        `"all-except-first"` silence JAX's warning about donated buffers it could not
+        reuse; the `"warn"` modes keep it. Or a tuple of parameter names (as
+        `jax.jit`'s `donate_argnames`): those arguments are donated, the others not,
+        e.g. `donate=("discriminator", "opt_state")` for a step that reads a second
+        model it does not return (Equinox's DCGAN: `donate="all"` would consume it).
+        An array that an earlier donating call consumed raises `DonationError` naming
+        its argument and leaf, where JAX says "Array has been deleted".
+    - `compiler_options`: XLA options for this function's executables alone (as
+        `jax.jit(f).lower(...).compile(compiler_options=...)`), e.g. the GPU
+        latency-hiding scheduler's (see the "Modes" docs page). Default `None`. For a
+        GPU step that streams an `offloaded` state (its default), `filter_jit` adds
+        two options of its own, which these override: XLA's scheduler's limit on
+        copies in flight (`xla_gpu_experimental_parallel_async_compute_limit=32`,
+        XLA's default 2) and `xla_gpu_dot_merger_threshold_mb=0`; for one that brings
+        such a state whole (`group_bytes=None`),
+        `xla_gpu_enable_analytical_sol_latency_estimator=False`, so its copies do not
+        all start before the forward pass (see the "GPU plan" docs page). On the CPU it adds
+        nothing.
+
+    **Returns:**
+
+    The compiled version of `fun` (with `.lower`).
+
+    **Raises:**
+
+    `OptionError` for an unknown `donate` (or a name that is not a parameter of
+    `fun`). `DonationError` for an argument that an earlier donating call deleted.
+    `CompositionError` at the first call if `fun` computes on a host-resident array
+    (anything but moving it, placing it, or passing it through a call, `cond`, `while`
+    or `scan`) outside `compute_on(..., compute_type="device_host")`: on a GPU, XLA
+    would run that on the host or refuse to compile it. The usual cause is a
+    combinator that computes on the state of what it wraps placed around `offloaded`,
+    such as `optax.MultiSteps(offloaded(...))`; the message names the operation, where
+    it is, and the fix for that kind of operation.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        model = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = opt.init(eqx.filter(model, eqx.is_array))
+
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
+            grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        compiled = step.lower(model, state, jnp.ones(4)).compile()
+        print(compiled.memory_analysis())
+        model, state = step(model, state, jnp.ones(4))
+        ```
+    """
+    donation = _donation(donate, fun)  # (checked here, also for the decorator form)
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise OptionError(
+            f"filter_jit(compiler_options={compiler_options!r}): compiler_options must be "
+            "a dict of XLA option names to values, or None."
+        )
+    if fun is None:
+        return functools.partial(filter_jit, donate=donate, compiler_options=compiler_options)
+    return _FilterJit(fun, donation, compiler_options)

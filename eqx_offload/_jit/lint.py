@@ -1,0 +1,119 @@
+"""`filter_jit`'s host-compute check (nothing in a traced step computes on a
+host-resident array), and the detection of an enclosing donating `jax.jit` (which
+`offloaded` refuses)."""
+
+import os
+from typing import Any, Optional
+
+import jax
+from jax.extend.core import jaxprs_in_params, Literal
+
+from .._core.compat import enclosing_donating_jit
+from .._core.errors import CompositionError
+
+
+# Primitives that may hold or pass along host-resident values without computing on them:
+# transfers and placements (a sharding constraint, such as `eqx.filter_shard` inside
+# the step, only says where a value lives), and the calls and control flow whose
+# sub-jaxprs are checked in turn (XLA's host offloader accepts these on host buffers).
+_PASS_THROUGH = frozenset({
+    "device_put", "copy", "copy_p", "sharding_constraint", "mesh_cast", "reshard",
+    "jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+    "custom_vjp_call", "cond", "while", "scan", "shard_map", "optimization_barrier",
+    # `jax.checkpoint` binds `remat2` (JAX 0.10 to 0.12): a rematted layer whose weights
+    # or saved residuals live in host memory (parameter and activation offload) only
+    # passes them through.
+    "remat2",
+    # `jax.custom_batching.custom_vmap` (`scan_layers`' prefetched passes): its
+    # sub-jaxpr is checked in turn.
+    "custom_vmap_call",
+    # Equinox's identities (used by its loops and by optimistix's solvers):
+    # `select_if_vmap` returns its first operand as is outside `vmap`
+    # (`equinox/internal/_loop/common.py`; under `vmap` it becomes the `select_n` this
+    # check then sees); `nontraceable`, `nondifferentiable_backward` and `nonbatchable`
+    # return their operand (`equinox/internal/_nontraceable.py`).
+    "select_if_vmap", "nontraceable", "nondifferentiable_backward", "nonbatchable",
+    # Rows read from and written into a host buffer (the streamed update's pieces of a
+    # stacked leaf): XLA's host offloader makes these asynchronous copies.
+    "slice", "dynamic_slice", "dynamic_update_slice",
+})
+# What usually puts each kind of operation on host-resident state, and the fix.
+_SELECT_HINT = (
+    "The usual cause is a combinator that chooses between the old and the new state of "
+    "what it wraps, placed around `offloaded`: write `offloaded(optax.MultiSteps(...))`, "
+    "not `optax.MultiSteps(offloaded(...))` (`offloaded` outermost is always safe)."
+)
+_GENERIC_HINT = (
+    "The usual cause is code outside `offloaded` that reads the optimizer state (a "
+    "combinator around `offloaded` that computes on its state, or reading a state leaf "
+    "in the step): put that transformation inside `offloaded(...)` (outermost is always "
+    "safe), or bring what you read to the device first with `eqx_offload.to_device(...)` "
+    "(attributes read through an `OffloadedState` come to the device by themselves)."
+)
+_HINTS = {"select_n": _SELECT_HINT, "select_and_scatter_add": _SELECT_HINT}
+_JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
+
+
+# Off only for the upstream canary (tests/upstream/test_upstream_donation.py), which
+# shows what plain JAX does without it.
+CHECK_FOREIGN_DONATION = True
+
+
+def foreign_donation() -> Optional[str]:
+    """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
+    `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
+    `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
+    has no public way to ask). `None` where none donates anything."""
+    if not CHECK_FOREIGN_DONATION or getattr(jax.config, "jax_debug_nans", False):
+        # (JAX donates nothing under debug_nans)
+        return None
+    return enclosing_donating_jit()
+
+
+def _where_in_source(eqn: Any) -> str:
+    """`" (at file:line in function)"` for the innermost frame outside JAX, or `""`."""
+    traceback = getattr(eqn.source_info, "traceback", None)
+    for frame in getattr(traceback, "frames", ()):
+        if not frame.file_name.startswith(_JAX_DIR):
+            return f" (at {frame.file_name}:{frame.line_num} in {frame.function_name})"
+    return ""
+
+
+def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
+    """The first equation, at any depth, that computes on a host-memory value outside
+    `compute_on(..., compute_type="device_host")`: its primitive's name and a
+    description; `None` if there is none. (`outer_source`: where the enclosing call is,
+    for equations of a sub-jaxpr that lack their own.)"""
+    for eqn in jaxpr.eqns:
+        source = _where_in_source(eqn) or outer_source
+        if "device_host" in (getattr(eqn.ctx, "compute_type", None),
+                             eqn.params.get("compute_type")):  # `compute_on`, `compute_on2`
+            continue
+        host = [
+            v.aval for v in (*eqn.invars, *eqn.outvars)
+            if not isinstance(v, Literal)
+            and getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+        ]
+        if host and eqn.primitive.name not in _PASS_THROUGH:
+            operands = ", ".join(dict.fromkeys(a.str_short() for a in host))
+            return eqn.primitive.name, f"`{eqn.primitive.name}` on {operands}{source}"
+        for sub in jaxprs_in_params(eqn.params):
+            found = _host_compute(sub, source)
+            if found is not None:
+                return found
+    return None
+
+
+def _check_no_host_compute(jaxpr: Any, name: str) -> None:
+    found = _host_compute(jaxpr)
+    if found is None:
+        return
+    primitive, described = found
+    raise CompositionError(
+        f"filter_jit({name}): the function computes on host-resident arrays: "
+        f"{described}. Arrays that `offloaded` keeps in host memory may only be moved, "
+        "never computed on: on a GPU, XLA runs such an operation on the host (slowly) or "
+        f"refuses to compile it. {_HINTS.get(primitive, _GENERIC_HINT)} To compute on "
+        "the host on purpose, use `jax.experimental.compute_on.compute_on` with "
+        "compute_type='device_host'."
+    )

@@ -1,0 +1,1 @@
+"""The model techniques: `scan_layers`, host parameters, `master_weights`, remat policies."""

@@ -1,0 +1,296 @@
+"""Parameters in host memory outside a layer scan, and the rest of the step.
+
+- `HostWeights` / `host_weights`: one module of an unscanned model whose weights live in
+  `pinned_host` and come to the device only while it computes (`scan_layers`, in
+  `_models/scan.py`, does the same for stacked layers).
+- `with_host_params`: an optax transformation that accepts host-resident gradients and
+  parameters (its updates are on the device).
+- `apply_updates`: `eqx.apply_updates` that keeps every leaf in the memory it lives in.
+
+The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
+transposes the `device_put` that fetched it into a `device_put` back to host.
+"""
+
+from typing import Any, Generic, Optional, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import optax
+
+from .._core.compat import same_trace
+from .._core.leaves import is_traced
+from .._core.move import move, to_host
+from .._core.placement import is_host, memory_kind_of
+from .._core.types import HostMemoryKind, Where
+from .._jit.jit import late_params
+from .remat import Policy
+
+
+_T = TypeVar("_T")
+_M = TypeVar("_M")
+
+
+def fetch(tree: _T) -> _T:
+    """Every array leaf of `tree` in the device's default memory (those there already
+    are not copied)."""
+    return move(tree, True, None, "to_device")
+
+
+class HostWeights(eqx.Module, Generic[_M]):
+    """A module whose weights in host memory come to the device when it is called.
+
+    The call brings every host-resident array leaf of `module` to the device, calls
+    `module` there, and is rematted (`jax.checkpoint`), so the backward pass fetches the
+    weights again rather than keeping the device copies alive between the two passes.
+    Gradients with respect to `module`'s host-resident leaves are in host memory
+    (`pinned_host`). Build it with `eqx_offload.host_weights`, which also moves the
+    weights; `HostWeights(module)` wraps a module as it is.
+
+    **Fields:**
+
+    - `module`: the wrapped module (any callable pytree).
+    - `policy`: the remat policy of the call (default `None`: save nothing).
+    """
+
+    module: _M
+    policy: Optional[Policy] = eqx.field(static=True, default=None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dynamic, static = eqx.partition(self.module, eqx.is_array)
+
+        def run(dynamic: Any, args: Any, kwargs: Any) -> Any:
+            module: Any = eqx.combine(fetch(dynamic), static)
+            return module(*args, **kwargs)
+
+        return eqx.filter_checkpoint(run, policy=self.policy)(dynamic, args, kwargs)
+
+
+def host_weights(
+    module: _M, where: Where = True, *, policy: Optional[Policy] = None,
+    memory_kind: HostMemoryKind = "pinned_host",
+) -> HostWeights[_M]:
+    """Moves the selected weights of `module` to host memory and wraps it in a
+    `HostWeights`, so they come to the device only while it computes.
+
+    **Arguments:**
+
+    - `module`: any callable Equinox module (a layer, a block, a whole model).
+    - `where`: which array leaves to keep in host memory (see `to_host`). Default every
+        array.
+    - `policy`: the remat policy of the call (see `HostWeights`).
+    - `memory_kind`: `"pinned_host"` (default) or `"unpinned_host"` (eager use only).
+
+    **Returns:**
+
+    A `HostWeights` around the moved module.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_offload
+
+        mlp = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
+        mlp = eqx.tree_at(lambda m: m.layers[1], mlp,
+                          replace_fn=eqx_offload.host_weights)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(
+            mlp, jnp.ones(4))
+        assert grads.layers[1].module.weight.sharding.memory_kind == "pinned_host"
+        assert grads.layers[0].weight.sharding.memory_kind == "device"
+        ```
+    """
+    return HostWeights(to_host(module, where, memory_kind=memory_kind), policy)
+
+
+# ----------------------------------------------------------------------------------------
+# The rest of the step
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def apply_updates(model: _T, updates: Any) -> _T:
+    """`eqx.apply_updates` that keeps every leaf in the memory it lives in.
+
+    A parameter in host memory is updated on the device: it and its update come to
+    the device, are added there, and the sum goes back to the parameter's memory kind.
+    Parameters on the device are updated as `eqx.apply_updates` does (an update in host
+    memory is brought to the device first). The result is bitwise that of
+    `eqx.apply_updates` on the same values; `eqx.apply_updates` itself would add host
+    arrays, which `eqx_offload.filter_jit` refuses (and XLA runs on the host).
+
+    **Arguments:**
+
+    - `model`: the model (or any pytree of parameters); non-array leaves are kept.
+    - `updates`: a pytree prefix-compatible with `model` as for `eqx.apply_updates`,
+        with `None` where nothing changes.
+
+    **Returns:**
+
+    The updated model, each array leaf in the memory kind of `model`'s leaf.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_offload
+
+        params = eqx_offload.to_host({"w": jnp.ones(3), "b": jnp.ones(3)}, where={"w": True, "b": False})
+        new = eqx_offload.apply_updates(params, {"w": jnp.ones(3), "b": jnp.ones(3)})
+        assert new["w"].sharding.memory_kind == "pinned_host"
+        assert new["b"].sharding.memory_kind == "device"
+        ```
+    """
+    pairs_def: Any = jtu.tree_structure(updates, is_leaf=_is_none)  # (PyTreeDef: untyped)
+    p_leaves = pairs_def.flatten_up_to(model)
+    u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
+    home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]
+    touched = [i for i, u in enumerate(u_leaves) if u is not None]
+    fetched_p, fetched_u = fetch(([_waited(p_leaves[i]) for i in touched],
+                                   [u_leaves[i] for i in touched]))
+    sums = [p + u for p, u in zip(fetched_p, fetched_u, strict=True)]
+    back = [i for i, j in enumerate(touched) if home[j] is not None]
+    if back:
+        kinds = {home[touched[i]] for i in back}
+        for kind in kinds:
+            chosen = [i for i in back if home[touched[i]] == kind]
+            moved = move([sums[i] for i in chosen], True, kind, "apply_updates")
+            for i, x in zip(chosen, moved, strict=True):
+                sums[i] = x
+    new_leaves = list(p_leaves)
+    for i, x in zip(touched, sums, strict=True):
+        new_leaves[i] = x
+    out: _T = pairs_def.unflatten(new_leaves)
+    return out
+
+
+def _after_gradients(params: Any, grads: Any) -> Any:
+    """`params` with each host-resident leaf made to wait for its gradient (the leaf of
+    `grads` at the same place) by a `jax.lax.optimization_barrier`, while `filter_jit`
+    traces the step (`late_params`; as it is otherwise).
+
+    Without the wait XLA's GPU scheduler may start the update's copy of a weight before
+    the forward pass and hold it on the device through both passes; with it the copy
+    comes after the backward pass made the gradient ("Why the prefetch once raised the
+    peak" in `docs/models.md`). The table lets `apply_updates` fetch the same value, so
+    XLA still copies each parameter once; the barrier passes values through unchanged."""
+    table = late_params()
+    if table is None:
+        return params
+
+    def wait(p: Any, g: Any) -> Any:
+        if (p is None or g is None or not is_host(p) or not eqx.is_array(g)
+                or not same_trace(p, g)):
+            return p
+        waited, _ = jax.lax.optimization_barrier((p, g))
+        if same_trace(waited, p):  # (not where `p` is closed over, e.g. in a `cond` branch)
+            table[id(p)] = (p, waited)
+        return waited
+
+    try:
+        return jtu.tree_map(wait, params, grads, is_leaf=_is_none)
+    except ValueError:  # not the same structure: nothing to pair
+        return params
+
+
+def _waited(p: Any) -> Any:
+    """The value `with_host_params` fetched for host parameter `p` in this trace (see
+    `_after_gradients`), or `p`."""
+    table = late_params()
+    found = None if table is None else table.get(id(p))
+    return found[1] if found is not None and found[0] is p else p
+
+
+def fetch_each(tree: _T) -> _T:
+    """`fetch`, one `device_put` per traced leaf, and unconditional: traced on
+    `ShapeDtypeStruct`s that say nothing of memory (as the streamed update traces
+    `inner.update`), the move is still in the program, and each leaf's move belongs to
+    its own parameter (so the streamed update fetches it with that parameter's group)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    traced = [i for i, x in enumerate(leaves) if is_traced(x)]
+    for i in traced:
+        leaves[i] = jax.device_put(leaves[i], jax.memory.Space.Device)
+    rest = [i for i, x in enumerate(leaves) if i not in set(traced) and eqx.is_array(x)]
+    for i, x in zip(rest, fetch([leaves[i] for i in rest]), strict=True):
+        leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def place_like(tree: _T, like: Any) -> _T:
+    """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
+    the same place, if that one is in host memory (one move per kind)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
+    for kind in {h for h in homes if h is not None}:
+        chosen = [i for i, h in enumerate(homes) if h == kind and eqx.is_array(leaves[i])]
+        moved = move([leaves[i] for i in chosen], True, kind, "memory_kind")
+        for i, x in zip(chosen, moved, strict=True):
+            leaves[i] = x
+    out: _T = jtu.tree_unflatten(treedef, leaves)
+    return out
+
+
+def with_host_params(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that it accepts parameters and gradients in
+    host memory.
+
+    `init` and `update` bring host-resident `params` and `updates` to the device (one
+    move per leaf) and run `inner` there; the updates stay on the device, where
+    `eqx_offload.apply_updates` adds them to the host-resident weights and sends the
+    sums back. Its state and updates are bitwise those of `inner`. Put it inside
+    `offloaded` to keep the optimizer state in host memory too:
+    `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
+    and weights then come to the device with their parameter's group of state.
+    Otherwise, in a step traced by `eqx_offload.filter_jit`, each host-resident
+    parameter waits for its gradient before it comes to the device (a
+    `jax.lax.optimization_barrier`, which passes values unchanged), and
+    `eqx_offload.apply_updates` fetches that same value, so XLA copies each weight to
+    the device once, after the backward pass made its gradient (why: "Why the prefetch
+    once raised the peak" in `docs/models.md`).
+
+    **Arguments:**
+
+    - `inner`: any `optax.GradientTransformation`.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` with the same state as `inner`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        params = eqx_offload.to_host({"w": jnp.ones(3)})
+        opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adam(0.1)))
+        state = opt.init(params)
+        updates, state = opt.update(params, state, params)
+        assert updates["w"].sharding.memory_kind == "device"
+        params = eqx_offload.apply_updates(params, updates)
+        assert params["w"].sharding.memory_kind == "pinned_host"
+        ```
+    """
+    transformation = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> optax.OptState:
+        return transformation.init(fetch_each(params))
+
+    def update_fn(
+        updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
+        if params is not None:
+            params = _after_gradients(params, updates)
+        return transformation.update(
+            fetch_each(updates), state, fetch_each(params), **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,1 @@
+"""`offloaded`: the optax transformation, its options, state, layout and update strategies."""

@@ -1,0 +1,229 @@
+"""The layout of `offloaded`'s state: which leaves live in host memory and the dtype
+`inner.init` gives each, computed once per (tree structure, shapes, dtypes) and used by
+both transfers (`fetch` to the device, `store` to host), on flat leaves.
+
+An update looks its layout up by the structure and shapes of its arguments; only a
+layout it has not seen is checked against what `inner.init` makes (`checks`)."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.core import Tracer
+
+from .._core.errors import OffloadError
+from .._core.placement import destination, space_of, traced_move_error
+from .._core.where import leaf_mask
+from .checks import check_new_state, leaf_path
+from .options import Options
+
+
+class Cache:
+    """What one `offloaded(...)` keeps between calls: its layouts by the arguments'
+    structure and shapes, where the arrays of each sharding go (checked once per
+    sharding), and whether it has warned. (An object, not a dict in a closure, so that
+    `eqxi.closure_to_pytree`, used by optimistix, leaves it alone.)"""
+
+    def __init__(self) -> None:
+        self.layouts: dict[Any, Layout] = {}
+        self.targets: dict[tuple[Any, Optional[str]], Any] = {}
+        self.warned = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static jit argument
+class Layout:
+    """One inner state's layout under one `offloaded(...)`'s options."""
+
+    options: Options
+    treedef: Any  # of the inner state
+    mask: tuple[bool, ...]  # per leaf: kept in host memory between steps
+    init_dtypes: tuple[Any, ...]  # per leaf: `inner.init`'s dtype (`host_dtype` only)
+    targets: dict[tuple[Any, Optional[str]], Any]  # the `Cache`'s
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def fetch(self, leaves: Sequence[Any]) -> list[Any]:
+        """Every array leaf to the device's default memory, widened back where `store`
+        narrowed it."""
+        moved = put(leaves, [True] * len(leaves), None, "to_device", self.treedef, self.targets)
+        return _widened(self.options, moved, self.init_dtypes)
+
+    def store(self, tree: Any, memory_kind: Optional[str] = None) -> Any:
+        """The new inner state with its selected leaves narrowed and sent to host
+        (`memory_kind`, default the option's)."""
+        leaves, treedef = jtu.tree_flatten(tree)
+        mask: Sequence[bool] = self.mask
+        if treedef != self.treedef:  # a state that `update` grows (optax's `monitor`)
+            mask = leaf_mask(tree, self.options.where)
+        return jtu.tree_unflatten(treedef, store_leaves(
+            self.options, leaves, mask, memory_kind or self.options.memory_kind, treedef,
+            self.targets))
+
+
+def layout_for(
+    inner: Any, options: Options, cache: Cache, state: Any, updates: Any,
+    params: Any, extra_args: dict[str, Any],
+    mask_of: Optional[Callable[[Any], Sequence[bool]]] = None,
+) -> tuple[Layout, list[Any], bool]:
+    """The layout of `state.inner_state` for these arguments (checked at its first use),
+    the inner state's leaves, and whether any argument is traced. `mask_of(inner_state)`:
+    which leaves live in host memory (default: those `options.where` selects)."""
+    leaves, treedef = jtu.tree_flatten(state.inner_state)
+    others, others_def = jtu.tree_flatten((updates, params, extra_args))
+    traced = any(isinstance(x, Tracer) for x in leaves) or any(
+        isinstance(x, Tracer) for x in others)
+    key: Any = (treedef, _shapes(leaves), others_def, _shapes(others))
+    try:
+        layout = cache.layouts.get(key)
+    except (TypeError, ValueError):  # static data that cannot be hashed or compared
+        layout, key = None, None
+    if layout is None:
+        init_dtypes = check_new_state(inner, state, updates, params, extra_args)
+        mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
+                     else mask_of(state.inner_state))
+        if options.host_dtype is None or len(init_dtypes) != len(leaves):
+            init_dtypes = [None] * len(leaves)
+        layout = Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
+        if key is not None:
+            if len(cache.layouts) >= 256:
+                cache.layouts.clear()
+            cache.layouts[key] = layout
+    return layout, leaves, traced
+
+
+def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
+    return tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
+
+
+# ----------------------------------------------------------------------------------------
+# The transfers, on flat leaves. Every update strategy (`strategies`, `stream`,
+# `host_compute`) moves state only through these, so `host_dtype` (narrow on the way to
+# host, widen on the way back) holds in every mode.
+
+
+def put(leaves: Sequence[Any], mask: Sequence[bool], memory_kind: Optional[str],
+        argument: str, treedef: Any = None, targets: Optional[dict[Any, Any]] = None,
+        ) -> list[Any]:
+    """`leaves` with the arrays `mask` selects moved to `memory_kind` (`None`: the
+    device's default memory) in one `jax.device_put`; errors name the leaf's path in
+    `treedef` (its index without one). `targets` caches where a concrete array goes per
+    (sharding, memory kind)."""
+    out = list(leaves)
+    indices: list[int] = []
+    destinations: list[Any] = []
+    for i, (x, selected) in enumerate(zip(leaves, mask, strict=True)):
+        if selected and eqx.is_array(x):
+            target = _target(x, memory_kind, argument, treedef, i, targets)
+            if target is not None:
+                indices.append(i)
+                destinations.append(target)
+    if indices:
+        moved = jax.device_put([leaves[i] for i in indices], destinations)
+        for i, leaf in zip(indices, moved, strict=True):
+            # A concrete array moved inside a trace comes back traced; JAX drops a memory
+            # kind it cannot express there ('unpinned_host') without a word, so check.
+            if isinstance(leaf, Tracer) and jax.typeof(leaf).memory_space != space_of(memory_kind):
+                raise traced_move_error(str(memory_kind), argument, leaf_path(treedef, i))
+            out[i] = leaf
+    return out
+
+
+def _target(leaf: Any, memory_kind: Optional[str], argument: str, treedef: Any, i: int,
+            targets: Optional[dict[Any, Any]]) -> Any:
+    if targets is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+        return _destination(leaf, memory_kind, argument, treedef, i)
+    key = (leaf.sharding, memory_kind)
+    if key not in targets:
+        if len(targets) >= 256:
+            targets.clear()
+        targets[key] = _destination(leaf, memory_kind, argument, treedef, i)
+    return targets[key]
+
+
+def _destination(leaf: Any, memory_kind: Optional[str], argument: str, treedef: Any,
+                 i: int) -> Any:
+    try:
+        return destination(leaf, memory_kind, argument, "")
+    except OffloadError:  # again, naming the leaf (its path costs a walk of the tree)
+        return destination(leaf, memory_kind, argument, leaf_path(treedef, i))
+
+
+def fetch_state(options: Options, leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
+    """State leaves to the device's default memory for the update, each widened back to
+    the dtype `inner.init` gives it (`init_dtypes`) if `store_state` narrowed it."""
+    return _widened(options, put(leaves, [True] * len(leaves), None, "to_device"), init_dtypes)
+
+
+def _widened(options: Options, leaves: list[Any], init_dtypes: Sequence[Any]) -> list[Any]:
+    if options.host_dtype is None:
+        return leaves
+    return [_widen(options, x, d) for x, d in zip(leaves, init_dtypes, strict=True)]
+
+
+def store_leaves(options: Options, leaves: Sequence[Any], mask: Sequence[bool],
+                 memory_kind: str, treedef: Any = None,
+                 targets: Optional[dict[Any, Any]] = None) -> list[Any]:
+    """The leaves `mask` selects narrowed to `options.host_dtype` (where that is
+    narrower) and sent to `memory_kind` (see `put`)."""
+    if options.host_dtype is not None:
+        leaves = [_narrow(options, x) if m else x for x, m in zip(leaves, mask, strict=True)]
+    return put(leaves, mask, memory_kind, "memory_kind", treedef, targets)
+
+
+def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
+    """`tree` (a whole inner state) with the leaves `options.where` selects narrowed and
+    sent to `memory_kind`."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    mask = leaf_mask(tree, options.where)
+    return jtu.tree_unflatten(treedef, store_leaves(options, leaves, mask, memory_kind, treedef))
+
+
+def store_state(options: Options, leaves: Sequence[Any], memory_kind: str) -> list[Any]:
+    """State leaves narrowed to `options.host_dtype` (where that is narrower), then sent
+    to host memory."""
+    return put(narrow_state(options, leaves), [True] * len(leaves), memory_kind, "memory_kind")
+
+
+def narrow_state(options: Options, leaves: Sequence[Any]) -> list[Any]:
+    """State leaves narrowed to `options.host_dtype` where that is narrower, on the
+    device: what `store_state` sends to host (narrowing twice changes nothing)."""
+    return [_narrow(options, x) for x in leaves]
+
+
+def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
+    """The dtype `fetch_state` gives a leaf of `dtype` whose `inner.init` dtype is
+    `init_dtype`."""
+    host_dtype = options.host_dtype
+    if (
+        host_dtype is None
+        or init_dtype is None
+        or dtype != host_dtype
+        or not jnp.issubdtype(init_dtype, jnp.floating)
+        or np.dtype(init_dtype).itemsize <= host_dtype.itemsize
+    ):
+        return dtype
+    return init_dtype
+
+
+def _widen(options: Options, leaf: Any, init_dtype: Any) -> Any:
+    dtype = widened_dtype(options, getattr(leaf, "dtype", None), init_dtype)
+    return leaf if dtype == getattr(leaf, "dtype", None) else leaf.astype(dtype)
+
+
+def _narrow(options: Options, leaf: Any) -> Any:
+    """`leaf` in `host_dtype` if it is a real floating array wider than that."""
+    host_dtype = options.host_dtype
+    if (
+        host_dtype is None
+        or not isinstance(leaf, jax.Array)
+        or not jnp.issubdtype(leaf.dtype, jnp.floating)
+        or leaf.dtype.itemsize <= host_dtype.itemsize
+    ):
+        return leaf
+    return leaf.astype(host_dtype)

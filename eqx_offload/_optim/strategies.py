@@ -1,0 +1,174 @@
+"""The update strategies of `offloaded`, behind one signature:
+
+    strategy(inner, layout, traced, updates, leaves, params, extra_args)
+        -> (updates, new_inner_state)
+
+Each brings the state it needs to the device (`Layout.fetch`, or `layout.fetch_state`
+group by group), runs `inner.update`, and returns the new inner state; `offloaded`'s
+update then stores it (`Layout.store`). `leaves` are the inner state's flat leaves;
+`traced` says whether any argument is traced.
+
+- `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
+  accelerator where the update allows it, else `update_on_device`;
+- `update_on_device` (`group_bytes=None`): the whole state at once;
+- `streamed` (`group_bytes=N`): `stream.streamed_update`;
+- `host` (`compute="host"`): `host_compute.host_update`.
+
+Called eagerly, the default and `group_bytes=None` run op by op, bitwise as
+`inner.update` called eagerly. The streamed and host-compute updates are properties of
+one compiled program, so eagerly they run compiled (through `eqx_offload.filter_jit`),
+bitwise as `jax.jit(inner.update)`.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .._core.compat import marked
+from .._core.errors import CompositionError
+from .._core.placement import is_host
+from .._core.where import leaf_mask
+from .._jit.jit import filter_jit
+from .host_compute import host_update
+from .layout import Layout, put
+from .options import Options
+from .stream import streamed_update
+
+
+Strategy = Callable[..., tuple[Any, Any]]
+
+
+def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
+                     leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """The whole state to the device, then `inner.update`, in one program with no
+    ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
+    memory makes the step compile with `compiler_options.GPU_WHOLE_STATE_OPTIONS`, so
+    that XLA's scheduler does not start every copy before the forward pass. No barrier orders the
+    copies after the gradients: one changes how XLA's CPU backend fuses a bias's
+    gradient reduction, and with it the last bits of the result."""
+    if traced and any(is_host(x) for x in leaves):
+        with marked("whole"):  # (read by `filter_jit`: `compat.scopes`)
+            leaves = _after_gradients(leaves, updates)
+            fetched = layout.fetch(leaves)
+    else:
+        fetched = layout.fetch(leaves)
+    state = layout.unflatten(fetched)
+    result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
+    return result
+
+
+def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
+    """On an accelerator, `leaves` (still on host) wait for every gradient: the state
+    comes to the device once the backward pass is done. Unordered, XLA:TPU (JAX 0.10.2)
+    started the copies during the forward pass and, with the device memory short, the
+    step's losses went wrong (docs: "Modes"). On the CPU (one RAM) nothing waits: a
+    fence there would change how XLA fuses the gradients, and the last bits. The
+    gradients themselves are not fenced: `inner.update` reads them as they are."""
+    def fenced(leaves: list[Any], updates: Any) -> list[Any]:
+        return list(jax.lax.optimization_barrier((leaves, updates))[0])
+
+    def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
+        return leaves
+
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
+    chosen: list[Any] = jax.lax.platform_dependent([leaves[i] for i in arrays], updates,
+                                                   cpu=unfenced, default=fenced)
+    result = list(leaves)
+    for i, x in zip(arrays, chosen):
+        result[i] = x
+    return result
+
+
+def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
+                leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """For an accelerator, `streamed` with an automatic group size, or the whole state
+    where the update cannot be streamed (it couples all of the state, e.g.
+    `apply_if_finite`, or has side effects). Eagerly, or for the CPU backend (one RAM:
+    streaming frees nothing and its barriers cost step time), the whole state at once.
+
+    Under `jit` the program holds both, and JAX lowers only the one for the platform it
+    lowers for (`jax.lax.platform_dependent`): a step traced on a CPU machine and
+    lowered for `cuda` (`gpu_plan`, `export`) streams. Tracing both costs trace time."""
+    arguments = (inner, layout, traced, updates, leaves, params, extra_args)
+    if not traced:
+        return update_on_device(*arguments)
+    statics: list[Any] = []  # each branch's non-array leaves (a branch returns arrays)
+
+    def branch(strategy: Strategy) -> Callable[[], Any]:
+        def run() -> Any:
+            new_updates, new_state = strategy(*arguments)
+            dynamic, static = eqx.partition((new_updates, _as_stored(layout, new_state)),
+                                            eqx.is_array)
+            statics.append(static)
+            return dynamic
+        return run
+
+    try:
+        dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
+                                             default=branch(streamed))
+    except (CompositionError, TypeError):  # an update that cannot stream, or that
+        # streamed returns other types: the whole state (an error of `inner.update`
+        # itself comes again from there)
+        return update_on_device(*arguments)
+    result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
+    return result
+
+
+def _as_stored(layout: Layout, state: Any) -> Any:
+    """`state` as both branches of `auto_update` return it (`platform_dependent` wants
+    the same types from each): the leaves `Layout.store` selects stored, every other
+    array leaf on the device (the streamed update leaves a leaf it does not update, such
+    as a step count, where it was)."""
+    leaves, treedef = jtu.tree_flatten(layout.store(state))
+    mask = layout.mask if treedef == layout.treedef else leaf_mask(
+        jtu.tree_unflatten(treedef, leaves), layout.options.where)
+    away = [not m and eqx.is_array(x) and is_host(x) for x, m in zip(leaves, mask, strict=True)]
+    return jtu.tree_unflatten(treedef, put(leaves, away, None, "to_device", treedef,
+                                           layout.targets))
+
+
+def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
+             leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """`stream.streamed_update`; the `filter_jit` being traced compiles with the
+    scheduler options that let its copies overlap compute on a GPU."""
+    with marked("streamed"):  # (read by `filter_jit`: `compat.scopes`)
+        return streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
+                               params, extra_args, layout.init_dtypes)
+
+
+def host(inner: Any, layout: Layout, traced: bool, updates: Any,
+         leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    """`host_compute.host_update`: `inner.update` on the host CPU."""
+    return host_update(inner, layout.options, updates, layout.unflatten(leaves), params,
+                       extra_args, layout.init_dtypes)
+
+
+def _compiled_when_eager(strategy: Strategy, compiled: Strategy, inner: Any,
+                         layout: Layout, traced: bool, updates: Any, leaves: list[Any],
+                         params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    if traced:
+        return strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    # The state as a tree: `filter_jit` gives each output the sharding of the input
+    # whose path ends like its own.
+    return compiled(inner, layout, updates, layout.unflatten(leaves), params, extra_args)
+
+
+def _on_tree(strategy: Strategy, inner: Any, layout: Layout, updates: Any,
+             inner_state: Any, params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    return strategy(inner, layout, True, updates, jtu.tree_leaves(inner_state), params,
+                    extra_args)
+
+
+def choose(options: Options) -> Strategy:
+    """The strategy for these options."""
+    if options.group_bytes == "auto" and options.compute == "device":
+        return auto_update
+    if options.group_bytes is None and options.compute == "device":
+        return update_on_device
+    strategy = host if options.compute == "host" else streamed
+    compiled = filter_jit(functools.partial(_on_tree, strategy))
+    return functools.partial(_compiled_when_eager, strategy, compiled)

@@ -1,0 +1,419 @@
+"""`gpu_plan`: what a step would hold in an NVIDIA GPU's memory, and whether its copies
+between host and device overlap compute, from XLA's GPU compiler run without a GPU.
+
+The numbers are XLA's *plan* for the target (its buffer assignment and its schedule),
+not a measurement: the device bytes are those XLA allocates for the executable, and a
+copy "overlaps compute" when XLA's schedule puts at least one kernel between the copy's
+start and its completion. How fast the copies actually are, and whether the runtime
+overlaps them as scheduled, only a GPU can say (`docs/gpu-plan.md`).
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Optional, Union
+
+from .._core.errors import OptionError, PlanError
+from . import deviceless as _deviceless
+from .flops import matmul_flops
+from .hlo import (
+    Direction, PlannedCollective, PlannedCopy, scheduled_collectives, scheduled_copies,
+)
+from .._core.memory import client_memory_fraction, run_settings
+from .targets import GPU_TARGETS, GpuTarget, resolve_target
+
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """XLA's plan for one step on a GPU target (see `gpu_plan`). XLA's numbers, not a
+    measurement.
+
+    **Fields:**
+
+    - `target`: the GPU's name; `device_memory_size`: the device memory XLA planned
+        within (bytes).
+    - `device_peak_bytes`: device memory the executable holds at its peak: arguments
+        + temporaries + outputs - outputs aliased to donated arguments.
+    - `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`: its parts (device).
+    - `host_bytes`: host memory of its arguments, outputs and temporaries (less
+        aliasing), for one device; `host_limit_bytes`: the pinned host pool of the
+        process (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`), which the host bytes of all
+        `n_devices` must fit in; `host_memory_bytes`: the host memory given to
+        `gpu_plan(host_memory=...)` for them, or `None`.
+    - `n_devices`: the GPUs planned (one process drives them all); every byte count
+        above is per device.
+    - `copies`: every host<->device copy, in schedule order; `collectives`: every
+        collective between devices (none on one device).
+    - `matmul_flops`: the step's matrix-product flops on one device, by the rate they
+        run at (`"bf16"`, `"tf32"`, `"fp32"`; see `GpuTarget`), counted in the traced
+        program with every loop iteration and every rematerialised recomputation (XLA's
+        own cost analysis counts a loop's body once and is not available for a
+        compile-only GPU); an even split over the devices is assumed.
+    - `hbm_bytes`: a lower bound on the device memory traffic of the step on one
+        device: its device arguments and results read or written once, and every
+        copy's bytes.
+    - `gpu`: the `GpuTarget` planned for (its rates give the floors).
+    - `compiler_options`: the XLA options the step was compiled with.
+    - `memory_fraction`: the share of `device_memory_size` a JAX process can allocate
+        (`XLA_CLIENT_MEM_FRACTION`, default 0.75, read when the plan is made; 1.0 for a
+        `device_memory` given to `gpu_plan`, which is taken as what the step may use);
+        `memory_fraction_source`: what set it.
+    """
+
+    target: str
+    device_memory_size: int
+    device_peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    host_bytes: int
+    host_limit_bytes: int
+    copies: tuple[PlannedCopy, ...]
+    compiler_options: Mapping[str, Any]
+    n_devices: int = 1
+    host_memory_bytes: Optional[int] = None
+    collectives: tuple[PlannedCollective, ...] = ()
+    matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    hbm_bytes: int = 0
+    gpu: Optional[GpuTarget] = None
+    memory_fraction: float = 1.0
+    memory_fraction_source: str = "the given device_memory"
+
+    @property
+    def usable_device_bytes(self) -> int:
+        """The device memory a JAX process can allocate: `memory_fraction` of
+        `device_memory_size`."""
+        return int(self.device_memory_size * self.memory_fraction)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the device peak fits in the memory JAX allocates
+        (`usable_device_bytes`), as the run is set up now."""
+        return self.device_peak_bytes <= self.usable_device_bytes
+
+    def run_settings(self) -> list[str]:
+        """The environment variables (`NAME=value`) a run of this step needs beyond the
+        current ones: a memory fraction where the peak is above the share JAX allocates
+        but within the device, a pinned host pool where the host bytes exceed it."""
+        return run_settings(self.device_peak_bytes, self.device_memory_size,
+                            self.memory_fraction, self.host_total_bytes, self.host_limit_bytes)
+
+    @property
+    def host_total_bytes(self) -> int:
+        """The host bytes of every planned device together (one process)."""
+        return self.host_bytes * self.n_devices
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether the host bytes of all devices fit in the pinned host pool, and in
+        `host_memory_bytes` where one was given."""
+        fits_pool = self.host_total_bytes <= self.host_limit_bytes
+        return fits_pool and (self.host_memory_bytes is None
+                              or self.host_total_bytes <= self.host_memory_bytes)
+
+    def copies_to(self, direction: Direction) -> tuple[PlannedCopy, ...]:
+        """The copies in one direction."""
+        return tuple(c for c in self.copies if c.direction == direction)
+
+    def bytes_moved(self, direction: Direction) -> int:
+        """Bytes the step moves in one direction on one device (every execution of
+        every copy)."""
+        return sum(c.nbytes * c.count for c in self.copies_to(direction))
+
+    @property
+    def compute_floor_seconds(self) -> float:
+        """The step's compute floor on one device: its matrix-product flops at the
+        GPU's peak rates, or its `hbm_bytes` at the memory bandwidth, whichever is
+        longer. A lower bound, not a prediction: no kernel reaches the peak."""
+        rates = self._rates()
+        flops = sum(n / rates[kind] for kind, n in self.matmul_flops.items())
+        return max(flops, self.hbm_bytes / rates["hbm"])
+
+    @property
+    def transfer_floor_seconds(self) -> float:
+        """The time the host<->device link needs for the step's copies at
+        `GpuTarget.host_link_bandwidth`, both directions at once (full duplex): the
+        larger direction. A lower bound, not a prediction."""
+        larger = max(self.bytes_moved("to_device"), self.bytes_moved("to_host"))
+        return larger / self._rates()["link"]
+
+    @property
+    def floor_ratio(self) -> float:
+        """`max(compute floor, transfer floor) / compute floor`: a lower bound on the
+        step time with offload relative to the compute floor (1.0: the copies can
+        hide under compute). What offload adds at best, not what it adds."""
+        compute = self.compute_floor_seconds
+        transfer = self.transfer_floor_seconds
+        return 1.0 if compute == 0 else max(compute, transfer) / compute
+
+    def _rates(self) -> dict[str, float]:
+        gpu = self.gpu or GPU_TARGETS["h100"]
+        return {"bf16": gpu.bf16_flops, "tf32": gpu.tf32_flops, "fp32": gpu.fp32_flops,
+                "hbm": float(gpu.memory_bandwidth), "link": gpu.host_link_bandwidth}
+
+    def overlapped_fraction(self, direction: Optional[Direction] = None, *,
+                            by: Literal["count", "bytes"] = "count") -> float:
+        """The share of copies (of `direction`, default both) that overlap compute, by
+        count or by bytes; 1.0 if there are none."""
+        copies = self.copies if direction is None else self.copies_to(direction)
+        weight: Callable[[PlannedCopy], int] = (lambda c: 1) if by == "count" else (lambda c: c.nbytes)
+        total = sum(weight(c) for c in copies)
+        return 1.0 if total == 0 else sum(weight(c) for c in copies if c.overlapped) / total
+
+    def summary(self) -> str:
+        """A few lines for a person: peak, host bytes, copies, overlap."""
+        def count(direction: Direction) -> str:
+            copies = self.copies_to(direction)
+            over = sum(c.overlapped for c in copies)
+            runs = sum(c.count for c in copies)
+            looped = "" if runs == len(copies) else f", {runs} runs with the loops'"
+            return (f"{len(copies)} copies {direction.replace('_', ' ')}{looped} "
+                    f"({self.bytes_moved(direction) / MiB:.1f} MiB moved), "
+                    f"{over} overlap compute")
+        verdict = "fits" if self.fits else "does NOT fit"
+        devices = "" if self.n_devices == 1 else f" x {self.n_devices} devices (per device)"
+        host_of = f"the pinned pool's {self.host_limit_bytes / MiB:.0f} MiB"
+        if self.host_memory_bytes is not None:
+            host_of += f" and the given {self.host_memory_bytes / MiB:.0f} MiB"
+        lines = [
+            f"XLA's plan for {self.target}{devices} (compiled without a GPU; a plan, "
+            "not a measurement)",
+            f"  device peak  {self.device_peak_bytes / MiB:10.1f} MiB of "
+            f"{self.usable_device_bytes / MiB:.1f} MiB JAX allocates "
+            f"({self.memory_fraction:.0%} of {self.device_memory_size / MiB:.1f} MiB: "
+            f"{self.memory_fraction_source}): {verdict}",
+            f"    arguments {self.argument_bytes / MiB:.1f} + temporaries "
+            f"{self.temp_bytes / MiB:.1f} + outputs {self.output_bytes / MiB:.1f} "
+            f"- aliased {self.alias_bytes / MiB:.1f} MiB",
+            f"  host         {self.host_total_bytes / MiB:10.1f} MiB of {host_of}"
+            + ("" if self.host_fits else ": does NOT fit"),
+            f"  {count('to_device')}",
+            f"  {count('to_host')}",
+        ]
+        if self.collectives:
+            kinds: dict[str, list[int]] = {}
+            for c in self.collectives:
+                n, b = kinds.setdefault(c.kind, [0, 0])
+                kinds[c.kind] = [n + c.count, b + c.nbytes * c.count]
+            lines.append("  collectives: " + ", ".join(
+                f"{n} {kind} ({b / MiB:.1f} MiB)" for kind, (n, b) in kinds.items()))
+        if self.matmul_flops:
+            lines.append(
+                f"  floors (lower bounds, not predictions): compute "
+                f"{self.compute_floor_seconds * 1e3:.2f} ms, transfer "
+                f"{self.transfer_floor_seconds * 1e3:.2f} ms, ratio {self.floor_ratio:.2f}")
+        lines.append(f"  compiler options: {dict(self.compiler_options) or 'XLA defaults'}")
+        settings = self.run_settings()
+        if settings:
+            lines.append("  run with: " + " ".join(settings))
+        return "\n".join(lines)
+
+
+
+def gpu_plan(
+    fun: Callable[..., Any],
+    *args: Any,
+    target: Union[str, GpuTarget] = "h200",
+    device_memory: Optional[int] = None,
+    compiler_options: Optional[dict[str, Any]] = None,
+    host_memory: Optional[int] = None,
+    **kwargs: Any,
+) -> GpuPlan:
+    """XLA's plan for `fun(*args, **kwargs)` on an NVIDIA GPU, compiled on this machine
+    without a GPU: the device memory the step holds at its peak, the host memory it
+    uses, and which of its host<->device copies XLA schedules under compute.
+
+    Ask "does my step fit on an H100 with offload, and are the copies hidden?" from a
+    laptop. **A plan, not a measurement**: the bytes are XLA's buffer assignment for
+    that GPU and the overlap is XLA's schedule; a copy's real duration (PCIe) and the
+    step time need the GPU itself. What the plans show, and how they compare with a
+    measured step: `docs/gpu-plan.md`.
+
+    **Arguments:**
+
+    - `fun`: an `eqx_offload.filter_jit` function (its `donate` and `compiler_options`
+        are used), or any function (compiled as `eqx_offload.filter_jit(fun)`).
+    - `*args`, `**kwargs`: its arguments, as for a call: arrays on this machine's
+        devices (e.g. the CPU; their memory kinds are what is planned), or
+        `jax.ShapeDtypeStruct`s with shardings on those devices that carry the
+        memory kinds (`eqx_offload.filter_eval_shape` of the model and of
+        `optimizer.init`, or `eqx_offload.abstract_init`): a step of any size plans
+        without allocating one of its arrays. Nothing runs. With a sharding over
+        several devices (a `NamedSharding` of a `jax.make_mesh`), the plan is for as
+        many GPUs.
+    - `target`: `"h200"` (default), `"h100"` (80 GB) or an `eqx_offload.GpuTarget`.
+    - `device_memory`: plan within this many bytes of device memory instead of the
+        target's (XLA's scheduler keeps within it where it can); `GpuPlan.fits` says
+        whether the step does.
+    - `compiler_options`: XLA options, added to `fun`'s own and to the defaults
+        `filter_jit` compiles a GPU step with (`GpuPlan.compiler_options` lists them
+        all).
+    - `host_memory`: the host memory (bytes) the process driving the planned GPUs has
+        (e.g. 2 TB for an 8-GPU node); `GpuPlan.host_fits` then checks it as well as
+        the pinned host pool.
+
+    **Returns:**
+
+    A `GpuPlan`; `print(plan.summary())` for a person.
+
+    **Raises:**
+
+    `PlanError` if the GPU compiler is not installed (the `plan` extra:
+    `jax-cuda12-plugin` at the installed JAX version and `nvidia-cuda-nvcc-cu12`), an
+    abstract argument has no sharding the plan can use, or XLA cannot compile the step
+    for the GPU; `OptionError` for a bad `target`, `device_memory` or `host_memory`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        model = eqx.nn.MLP(256, 256, 256, 2, key=jax.random.key(0))
+        opt = eqx_offload.offloaded(optax.adamw(1e-3))
+        state = opt.init(eqx.filter(model, eqx.is_array))
+
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
+            grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state
+
+        plan = eqx_offload.gpu_plan(step, model, state, jnp.ones((64, 256)), target="h100")
+        print(plan.summary())
+        assert plan.copies_to("to_device") and plan.copies_to("to_host")
+        ```
+    """
+    import jax
+    import jax.tree_util as jtu
+
+    from .._jit.jit import _FilterJit, filter_jit
+
+    resolved = resolve_target(target, device_memory)
+    fraction, source = (1.0, "the given device_memory") if device_memory is not None else (
+        client_memory_fraction())
+    _check_options(compiler_options, host_memory)
+    jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
+    _deviceless.check_available()
+    check_abstract_arguments(args, kwargs)
+    shardings = [x.sharding for x in jtu.tree_leaves((args, kwargs))
+                 if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))]
+    n_devices = max(1, len({d for s in shardings for d in s.device_set}))
+    lowered, options, executable = _compile(jitted, args, kwargs, resolved, n_devices,
+                                            compiler_options)
+    return _read_plan(executable, lowered.jaxpr, resolved, options, n_devices,
+                      host_memory=host_memory, fraction=fraction, source=source)
+
+
+def _check_options(compiler_options: Any, host_memory: Any) -> None:
+    """Raise an `OptionError` for a `compiler_options` or `host_memory` of `gpu_plan`
+    that is not of its kind (`target` and `device_memory`: `resolve_target`)."""
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise OptionError(
+            f"gpu_plan(compiler_options={compiler_options!r}): compiler_options must be a "
+            "dict of XLA option names to values, or None."
+        )
+    if host_memory is not None and (isinstance(host_memory, bool) or not isinstance(
+            host_memory, int) or host_memory <= 0):
+        raise OptionError(
+            f"gpu_plan(host_memory={host_memory!r}): host_memory must be an int > 0 (bytes "
+            "of host memory for the planned GPUs together), or None."
+        )
+
+
+def _compile(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], resolved: GpuTarget,
+             n_devices: int, compiler_options: Optional[dict[str, Any]],
+             ) -> tuple[Any, dict[str, Any], Any]:
+    """Lower the `filter_jit` call for `cuda` and compile it for `n_devices` of the
+    target's compile-only topology: the lowering, the XLA options, the executable."""
+    topology = _deviceless.topology(resolved.config_text(), n_devices)
+    lowered = jitted.lower_for(("cuda",), args, kwargs)
+    # What `filter_jit` compiles with on a GPU: its defaults, its own options, these.
+    options = {**lowered.compiler_options, **(compiler_options or {})}
+    try:
+        executable = _deviceless.compile_for(lowered, list(topology.devices[:n_devices]),
+                                             options)
+    except Exception as error:
+        raise PlanError(f"gpu_plan: XLA could not compile the step for {resolved.name}: "
+                        f"{error}") from error
+    return lowered, options, executable
+
+
+def _read_plan(executable: Any, jaxpr: Any, resolved: GpuTarget, options: dict[str, Any],
+               n_devices: int, *, host_memory: Optional[int], fraction: float,
+               source: str) -> GpuPlan:
+    """The `GpuPlan` of a compiled executable: XLA's memory statistics, the copies and
+    collectives of its scheduled HLO, and the flops of the traced program (`jaxpr`)."""
+    stats = executable.get_compiled_memory_stats()
+    device_peak = (stats.argument_size_in_bytes + stats.temp_size_in_bytes
+                   + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+    host = (stats.host_argument_size_in_bytes + stats.host_temp_size_in_bytes
+            + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes)
+    text = "\n".join(m.to_string() for m in executable.hlo_modules())
+    copies = scheduled_copies(text)
+    hbm = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+           + sum(c.nbytes * c.count for c in copies))
+    return GpuPlan(
+        target=resolved.name,
+        device_memory_size=resolved.device_memory_size,
+        device_peak_bytes=int(device_peak),
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        host_bytes=int(host),
+        host_limit_bytes=_deviceless.host_pool_limit_bytes(),
+        copies=copies,
+        compiler_options=options,
+        n_devices=n_devices,
+        host_memory_bytes=host_memory,
+        collectives=scheduled_collectives(text),
+        matmul_flops={kind: n / n_devices for kind, n in matmul_flops(jaxpr).items()},
+        hbm_bytes=int(hbm),
+        gpu=resolved,
+        memory_fraction=fraction,
+        memory_fraction_source=source,
+    )
+
+
+def check_abstract_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise a `PlanError` naming the argument's path for a `jax.ShapeDtypeStruct`
+    without a sharding, or with one on devices that are not this process's (e.g. a
+    compile-only GPU topology's, whose devices have no host memory)."""
+    import jax
+    import jax.tree_util as jtu
+
+    local = set(jax.devices())
+    keyed = jtu.tree_flatten_with_path((args, kwargs))[0]
+    for path, leaf in keyed:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            continue
+        where = ("args" if path[0] == jtu.SequenceKey(0) else "kwargs") + jtu.keystr(path[1:])
+        shape = f"{leaf.dtype}{list(leaf.shape)}"
+        if leaf.sharding is None:
+            raise PlanError(
+                f"gpu_plan: the abstract argument {where} ({shape}) has no sharding, so the "
+                "plan cannot tell which device or memory it is in. Give it one, e.g. "
+                "`eqx_offload.restore_target(tree)` (every leaf on the default device, "
+                "`where=` to host memory) or `jax.ShapeDtypeStruct(shape, dtype, sharding="
+                "jax.sharding.NamedSharding(mesh, spec, memory_kind=...))`; "
+                "`eqx_offload.filter_eval_shape` keeps the shardings a function gives."
+            )
+        if not isinstance(leaf.sharding, jax.sharding.Sharding) or not set(
+                leaf.sharding.device_set) <= local:
+            raise PlanError(
+                f"gpu_plan: the abstract argument {where} ({shape}) has the sharding "
+                f"{leaf.sharding!r}, whose devices are not this process's "
+                f"({jax.devices()[0].platform} devices). The plan lowers with shardings on "
+                "this machine's devices (they carry memory kinds; the GPU is described "
+                "by `target=`): build the sharding over `jax.devices()`, e.g. "
+                "`jax.make_mesh(...)` (for several GPUs on a CPU machine, set "
+                "`jax_num_cpu_devices` before JAX starts)."
+            )
+
