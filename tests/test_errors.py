@@ -182,6 +182,26 @@ _MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
     "where returns an array": (
         lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(
             p, where=lambda x: x > 0))(params()), eqx_offload.WhereError, "Python bool"),
+    # A callable of no argument: what a `where` callable takes, not "more than one".
+    "where=lambda: True": (
+        _init_with(lambda: True), eqx_offload.WhereError, "a callable of one argument, the leaf"),
+    # Arithmetic on a host-resident leaf in the step: alone (the host-compute check), with
+    # a device array (JAX's "memory_space of all inputs ... must be the same").
+    "host leaf * 2 in a step": (
+        lambda: eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(_adam().init(params())),
+        eqx_offload.CompositionError, "eqx_offload.to_device("),
+    "host leaf + device array in a step": (
+        lambda: eqx_offload.filter_jit(lambda s, p: s.inner_state[0].mu["w"] + p["w"])(
+            _adam().init(params()), params()),
+        eqx_offload.CompositionError, "eqx_offload.to_device("),
+    # An array a donating call consumed, passed again, and to `init`.
+    "a donated array passed again": (
+        lambda: _twice(lambda f, p: f(p)), eqx_offload.DonationError, "Pass the value the donating call returned"),
+    "offloaded(...).init on donated params": (
+        lambda: _twice(lambda f, p: _adam().init(p)), eqx_offload.DonationError,
+        "Pass the value the donating call returned"),
+    "offloaded(optax.adamw)": (
+        lambda: unchecked(eqx_offload.offloaded)(optax.adamw), NotATransformationError, "call it first"),
     # Nothing to move.
     "to_host([1, 2, 3])": (
         lambda: eqx_offload.to_host([1, 2, 3]), eqx_offload.OffloadWarning, "jnp.asarray"),
@@ -191,12 +211,22 @@ _MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
 }
 
 
+def _twice(second: Callable[[Any, Any], Any]) -> Any:
+    """`second(f, p)` after `f = filter_jit(..., donate="all")` consumed `p`."""
+    f = eqx_offload.filter_jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate="all")
+    p = params()
+    f(p)
+    return second(f, p)
+
+
 def _check_message(text: str, fix: str) -> None:
     """At most 4 lines and 80 words; the fix first; a link to a docs section that exists last."""
     lines = text.strip().splitlines()
     assert len(lines) <= 4 and len(text.split()) <= 80, text
     assert fix in lines[0], text
-    anchor = lines[-1].removeprefix(f"See {eqx_offload._core.errors.DOCS}#").removesuffix(".")
+    page_url = eqx_offload._core.errors.docs_link("errors.md")
+    assert page_url == "https://eqx-offload.readthedocs.io/en/latest/errors/"
+    anchor = lines[-1].removeprefix(f"See {page_url}#").removesuffix(".")
     assert anchor != lines[-1], text
     page = (pathlib.Path(__file__).parents[1] / eqx_offload._core.errors.DOCS).read_text()
     assert "{#" + anchor + "}" in page, anchor
@@ -235,3 +265,43 @@ def test_defaults_that_select_nothing_do_not_warn() -> None:
         eqx_offload.to_host(params(), where=eqx_offload.min_bytes(1 << 20))
         eqx_offload.to_host({}, where=eqx_offload.pattern("mu"))
         eqx_offload.to_host(None)
+
+
+def test_messages_name_the_argument_and_leaf() -> None:
+    """The second line says where: the function, the argument, the leaf path or source line."""
+    messages = {}
+    for mistake in ("where=lambda: True", "host leaf * 2 in a step",
+                    "host leaf + device array in a step", "offloaded(...).init on donated params"):
+        call, kind, _ = _MISTAKES[mistake]
+        with pytest.raises(kind) as info:
+            call()
+        messages[mistake] = str(info.value).splitlines()[1]
+    assert messages["where=lambda: True"].endswith("takes no argument.")
+    assert "more than one" not in messages["where=lambda: True"]
+    assert re.match(r"filter_jit\(<lambda>.*\): `mul` on float32<host>\[2,3\] \(at .*test_errors\.py:\d+ ",
+                    messages["host leaf * 2 in a step"])
+    assert re.match(r"filter_jit\(<lambda>.*\): `add` on float32<host>\[2,3\] with float32\[2,3\] "
+                    r"\(at .*test_errors\.py:\d+ ", messages["host leaf + device array in a step"])
+    init = messages["offloaded(...).init on donated params"]
+    assert init.startswith("offloaded(...).init: params, leaf ['b'] (float32[3])"), init
+    assert "functools.partial" not in init
+
+
+def test_memory_space_error_keeps_jax_error_as_its_cause() -> None:
+    call, _, _ = _MISTAKES["host leaf + device array in a step"]
+    with pytest.raises(CompositionError) as info:
+        call()
+    assert type(info.value.__cause__) is ValueError
+    assert "memory_space of all inputs" in str(info.value.__cause__)
+
+
+def test_errors_page_lists_every_exported_exception_with_its_bases() -> None:
+    """docs/errors.md's table: one row per exception `eqx_offload` exports, its real bases."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, flags=re.M))
+    exported = {name: getattr(eqx_offload, name) for name in eqx_offload.__all__}
+    errors = {name: cls for name, cls in exported.items()
+              if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, Warning)}
+    assert len(errors) >= 13 and set(rows) == set(errors), set(rows) ^ set(errors)
+    for name, cls in errors.items():
+        assert rows[name].strip() == ", ".join(f"`{b.__name__}`" for b in cls.__bases__), name

@@ -263,6 +263,17 @@ READING_IDIOMS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], An
     # where=True: the assignment into `hyperparams` (a device copy) reaches the host state.
     "host_resident_write_array": (_inject_adamw, _read_lr, _set_lr_in_place, True),
     "host_resident_write_python_float": (_inject_adamw, _read_lr, _set_lr_python_float, True),
+    # Indexing and the attributes of tuples (`count`, `index`) read the inner state.
+    "index_count": (lambda: optax.adam(0.05), lambda s, m: s[0].count, None, None),
+    "index_moments": (lambda: optax.adam(0.05), lambda s, m: (s[0].mu, s[-2].nu), None, None),
+    "index_chain": (lambda: optax.chain(optax.clip(1.0), optax.adamw(0.05)),
+                    lambda s, m: (s[1][0].count, s[1][0].mu, s[1][1:]), None, None),
+    "index_inject": (_inject_adamw, lambda s, m: (s.count, s[0], s[1]["learning_rate"], s[-1][0].mu),
+                     None, None),
+    "tree_get_count": (lambda: optax.adam(0.05),
+                       lambda s, m: (optax.tree_utils.tree_get(s, "count"), optax.tree.get(s, "count")),
+                       None, None),
+    "logged_count": (lambda: optax.adam(0.05), lambda s, m: f"step {int(s[0].count)}", None, None),
 }
 
 
@@ -285,6 +296,48 @@ def test_reading_a_state(idiom: str) -> None:
     elif write is not None:  # the writes changed the training (so they were not lost)
         unchanged = _reading_loop(False, make(), read, None)
         assert not all(np.array_equal(a, b) for a, b in zip(unchanged["losses"], plain["losses"]))
+
+
+@pytest.mark.parametrize("where", [None, True])
+def test_indexing_a_state_reads_the_inner_state(where: Any) -> None:
+    """`opt_state[0].count` is Adam's step counter on the device, as with plain optax
+    (not `tuple.count`); the pytree stays a one-field NamedTuple in host memory."""
+    params = {"w": jnp.ones((3, 3))}
+    plain = optax.adam(1e-3).init(params)
+    state = eqx_offload.offloaded(optax.adam(1e-3), **({} if where is None else {"where": where})
+                                  ).init(params)
+    for read in (lambda s: s[0].count, lambda s: s[0].mu["w"], lambda s: s[-1]):
+        value, expected = read(state), read(plain)
+        assert_tree_equal(value, expected)
+        assert {x.sharding.memory_kind for x in jtu.tree_leaves(value)} <= {"device"}
+    assert not callable(state[0].count)
+    assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
+    if where is True:
+        assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
+    assert len(state) == 1 and tuple(state) == (state.inner_state,)
+    assert jtu.tree_structure(state).num_leaves == 3
+    with pytest.raises(AttributeError, match="nor has its inner_state"):
+        _ = eqx_offload.offloaded(optax.sgd(0.1)).init(params).count_  # a typo
+    with pytest.raises(IndexError):  # as `optax.adam(1e-3).init(params)[2]`
+        _ = state[2]
+    counter = optax.GradientTransformation(lambda p: jnp.zeros((), jnp.int32),
+                                           lambda u, s, p=None: (u, s + 1))
+    with pytest.raises(TypeError, match=r"inner_state\['a'\].*\(ArrayImpl\) cannot be"):
+        _ = eqx_offload.offloaded(counter).init(params)["a"]
+
+
+def test_indexing_a_state_inside_the_step() -> None:
+    """Read by index inside a jitted step, the host-resident leaves come to the device
+    and can be computed on: the same values as plain optax's."""
+    params = {"w": jnp.arange(9.0).reshape(3, 3)}
+
+    def step(opt: Any, filter_jit: Any) -> Any:
+        state = opt.init(params)
+        _, state = jax.jit(opt.update)(params, state, params)
+        return filter_jit(lambda s: (s[0].count + 1, s[0].mu["w"] * 2, s[0].nu["w"].sum()))(state)
+
+    assert_tree_equal(step(eqx_offload.offloaded(optax.adam(1e-3)), eqx_offload.filter_jit),
+                      step(optax.adam(1e-3), eqx.filter_jit))
 
 
 def test_multi_steps_has_updated() -> None:

@@ -117,3 +117,19 @@ def multi_steps_parts(multi: Any) -> MultiStepsParts:
         should_skip_update_fn=multi._should_skip_update_fn,
         accumulator_dtype=multi._accumulator_dtype,
     )
+
+
+_MEMORY_SPACE_MISMATCH = "memory_space of all inputs passed to `"
+
+
+def memory_space_mismatch(error: BaseException) -> Optional[str]:
+    """The primitive's name if `error` is JAX's refusal to trace an operation on operands
+    in different memory spaces (a host-resident array with a device one: `ValueError:
+    memory_space of all inputs passed to `add` must be the same`, raised while tracing
+    by `jax/_src/lax/utils.py`'s `_default_memory_space_rule`, JAX 0.10 on); else `None`.
+    JAX has no type for it, so it is known by its message
+    (`tests/upstream/test_upstream_memory_space.py` pins it)."""
+    message = str(error)
+    if type(error) is not ValueError or not message.startswith(_MEMORY_SPACE_MISMATCH):
+        return None
+    return message[len(_MEMORY_SPACE_MISMATCH):].split("`", 1)[0]

@@ -79,14 +79,27 @@ class PlanError(OffloadError, RuntimeError):
 # The messages of the mistakes a newcomer makes: the fix first, then where (argument,
 # leaf path), then the docs section that explains it, in at most 4 lines and 80 words.
 
+DOCS_URL = "https://eqx-offload.readthedocs.io/en/latest/"
+"""The hosted docs (`[project.urls] Documentation` in pyproject.toml, `site_url` in
+mkdocs.yml): every link in a message starts here."""
+
 DOCS = "docs/errors.md"
-"""The page the messages below link to (a path in the repository, as the docs site is
-built from it); each mistake has a section with a fixed anchor there."""
+"""The page the messages below link to, as a path in the repository (the docs site is
+built from `docs/`); each mistake has a section with a fixed anchor there."""
+
+
+def docs_link(page: str, anchor: str = "") -> str:
+    """The hosted URL of a docs page (`"errors.md"`, a path under `docs/`) and section:
+    `docs_link("errors.md", "pmap")` is `DOCS_URL + "errors/#pmap"` (MkDocs serves
+    `a/b.md` at `a/b/`, `index.md` at the directory)."""
+    path = page.removesuffix(".md")
+    path = "" if path == "index" else path.removesuffix("/index") + "/"
+    return DOCS_URL + path + (f"#{anchor}" if anchor else "")
 
 
 def see(anchor: str) -> str:
-    """The docs link that ends a message: `"See docs/errors.md#<anchor>."`."""
-    return f"See {DOCS}#{anchor}."
+    """The docs link that ends a message: `"See <DOCS_URL>errors/#<anchor>."`."""
+    return f"See {docs_link(DOCS.removeprefix('docs/'), anchor)}."
 
 
 def foreign_donation_error(name: str) -> CompositionError:
@@ -114,12 +127,13 @@ def device_state_error(path: str) -> CompositionError:
     )
 
 
-def where_signature_error(argument: str, fn: object, at: str) -> WhereError:
-    """A `where` callable that takes more than one argument (e.g. `(path, leaf)`)."""
+def where_signature_error(argument: str, fn: object, at: str, takes: str) -> WhereError:
+    """A `where` callable that cannot be called with one leaf: it `takes` no argument
+    (`lambda: True`), more than one (`(path, leaf)`) or a keyword-only one."""
     return WhereError(
-        "Give `where` a callable of one leaf that returns a bool, e.g. `lambda x: x.ndim "
-        "> 1`; select by path with `eqx_offload.pattern(regex)`.\n"
-        f"{argument}: {_name(fn)} at path {at} takes more than one argument.\n"
+        "Give `where` a callable of one argument, the leaf, that returns a bool, e.g. "
+        "`lambda x: x.ndim > 1`, or a bool; select by path with `eqx_offload.pattern(regex)`.\n"
+        f"{argument}: {_name(fn)} at path {at} takes {takes}.\n"
         + see("where-callables")
     )
 
@@ -166,6 +180,42 @@ def nothing_to_move_message(function: str, count: int) -> str:
         f"Make arrays first, e.g. `{function}(jnp.asarray(x))` or `jax.device_put(x)`.\n"
         f"{function}: none of the tree's {count} leaves is an array, so nothing moved "
         "(non-array leaves are returned as they are).\n" + see("nothing-to-move")
+    )
+
+
+def deleted_array_error(function: str, argument: str, leaf: str, array: str) -> DonationError:
+    """An array passed to `function` (`"filter_jit(step)"`, `"offloaded(...).init"`) that an
+    earlier donating call consumed: JAX would only say "Array has been deleted"."""
+    return DonationError(
+        "Pass the value the donating call returned in its place (a donating call consumes "
+        "every array passed to it); to keep one it only reads, donate only what it returns, "
+        'by name: `filter_jit(step, donate=("model", "opt_state"))`.\n'
+        f"{function}: {argument}, leaf {leaf} ({array}) has been deleted by an earlier "
+        "call that donated it.\n" + see("a-donated-array")
+    )
+
+
+def not_a_transformation_error(call: str, inner: object) -> NotATransformationError:
+    """Something that is not an optax transformation given as `inner` (most often the
+    factory `optax.adamw` itself, not called)."""
+    kind = f"{type(inner).__module__}.{type(inner).__qualname__}"
+    fix = ("If it is an optimizer factory such as `optax.adamw`, call it first "
+           "(`optax.adamw(1e-3)`)" if callable(inner)
+           else "Pass an optax.GradientTransformation, e.g. `optax.adamw(1e-3)`")
+    return NotATransformationError(
+        f"{fix}.\n{call}: got {kind}, which is not an optax.GradientTransformation.\n"
+        + see("not-a-transformation")
+    )
+
+
+def host_compute_error(function: str, described: str, fix: str) -> CompositionError:
+    """A step that computes on a host-resident array (`described`: the operation, its
+    operands and where in the source), which XLA runs on the host or refuses."""
+    return CompositionError(
+        f"{fix}\n{function}: {described} computes on host-resident arrays; state that "
+        "`offloaded` keeps in host memory may only be moved (to compute on the host on "
+        "purpose: `jax.experimental.compute_on.compute_on(compute_type='device_host')`).\n"
+        + see("host-resident-arrays")
     )
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from .errors import NotATransformationError
+from .errors import not_a_transformation_error
 
 
 def as_transformation(inner: Any, call: str = "offloaded(inner=...)") -> optax.GradientTransformationExtraArgs:
@@ -21,12 +21,4 @@ def as_transformation(inner: Any, call: str = "offloaded(inner=...)") -> optax.G
         # `gradient_transformation()` is a plain `GradientTransformation`, whose extra
         # arguments `with_extra_args_support` would drop; its `update` takes them.
         return optax.GradientTransformationExtraArgs(inner.init, inner.update)
-    hint = ""
-    if callable(inner):
-        hint = (" It is callable: if it is an optimizer factory such as "
-                "`optax.adamw`, call it first (`optax.adamw(1e-3)`).")
-    raise NotATransformationError(
-        f"{call} expects an optax.GradientTransformation, e.g. "
-        f"`optax.adamw(1e-3)`; got {type(inner).__module__}.{type(inner).__qualname__}."
-        + hint
-    )
+    raise not_a_transformation_error(call, inner)

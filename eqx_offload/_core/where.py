@@ -150,7 +150,19 @@ def _check_leaf_callable(argument: str, fn: Callable[..., Any], at: str) -> None
     try:
         signature.bind(None)
     except TypeError:
-        raise where_signature_error(argument, fn, at) from None
+        raise where_signature_error(argument, fn, at, _takes(signature)) from None
+
+
+def _takes(signature: inspect.Signature) -> str:
+    """What a callable that cannot be called with one argument takes, in words."""
+    params = list(signature.parameters.values())
+    required = [p for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.kind is p.KEYWORD_ONLY for p in required):
+        return "a required keyword-only argument"
+    if len(required) > 1:
+        return f"{len(required)} arguments"
+    return "no positional argument" if params else "no argument"
 
 
 def _flag(fn: Callable[..., Any], result: Any, argument: str, path: str) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import jax
 import jax.tree_util as jtu
 
-from .._core.errors import DonationError, OptionError
+from .._core.errors import deleted_array_error, OptionError
 
 
 _DONATE_MODES: dict[str, tuple[bool, bool, bool]] = {
@@ -121,15 +121,7 @@ def _check_not_deleted(all_leaves: list[Any], args: tuple[Any, ...], kwargs: dic
         else:
             where = f"`{getattr(key, 'key', key)}`"
         leaf = jtu.keystr(tuple(rest)) or "(the argument itself)"
-        raise DonationError(
-            f"filter_jit({name}): {where}, leaf {leaf} ({x.dtype}{list(x.shape)}) has been "
-            "deleted: an earlier call that donated it consumed it (with donate=\"all\" a "
-            "function consumes every array passed to it, also those it does not return). "
-            "Pass the value that call returned in its place; or, for an argument the "
-            "donating function only reads (a model passed to the other model's step), "
-            "donate only what it returns, by parameter name: "
-            "`filter_jit(step, donate=(\"model\", \"opt_state\"))`."
-        )
+        raise deleted_array_error(f"filter_jit({name})", where, leaf, f"{x.dtype}{list(x.shape)}")
 
 
 def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:

@@ -30,7 +30,7 @@ from .._core.types import Donate
 from .call import _Call, _Output, _warn_changed_number
 from .compiler_options import default_compiler_options
 from .donation import _check_not_deleted, _donation, _Donation, _unshare, _UNUSABLE_DONATION
-from .lint import _check_no_host_compute
+from .lint import _check_no_host_compute, memory_space_error
 
 
 _P = ParamSpec("_P")
@@ -152,6 +152,11 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
     late_token = _LATE_PARAMS.set({})
     try:
         traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
+    except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
+        explained = memory_space_error(name, error)
+        if explained is None:
+            raise
+        raise explained from error
     finally:
         _LATE_PARAMS.reset(late_token)
     closed = traced.jaxpr

@@ -3,13 +3,14 @@ host-resident array), and the detection of an enclosing donating `jax.jit` (whic
 `offloaded` refuses)."""
 
 import os
+import traceback
 from typing import Any, Optional
 
 import jax
 from jax.extend.core import jaxprs_in_params, Literal
 
-from .._core.compat import enclosing_donating_jit
-from .._core.errors import CompositionError
+from .._core.compat import enclosing_donating_jit, memory_space_mismatch
+from .._core.errors import CompositionError, host_compute_error
 
 
 # Primitives that may hold or pass along host-resident values without computing on them:
@@ -39,19 +40,17 @@ _PASS_THROUGH = frozenset({
 })
 # What usually puts each kind of operation on host-resident state, and the fix.
 _SELECT_HINT = (
-    "The usual cause is a combinator that chooses between the old and the new state of "
-    "what it wraps, placed around `offloaded`: write `offloaded(optax.MultiSteps(...))`, "
-    "not `optax.MultiSteps(offloaded(...))` (`offloaded` outermost is always safe)."
+    "Put the combinator that chooses between the old and the new state inside "
+    "`offloaded`: `offloaded(optax.MultiSteps(...))`, not `optax.MultiSteps(offloaded(...))`."
 )
 _GENERIC_HINT = (
-    "The usual cause is code outside `offloaded` that reads the optimizer state (a "
-    "combinator around `offloaded` that computes on its state, or reading a state leaf "
-    "in the step): put that transformation inside `offloaded(...)` (outermost is always "
-    "safe), or bring what you read to the device first with `eqx_offload.to_device(...)` "
-    "(attributes read through an `OffloadedState` come to the device by themselves)."
+    "Bring what the step reads from the optimizer state to the device first: "
+    "`eqx_offload.to_device(x)`, or read it through the `OffloadedState` (`opt_state[0].mu`), "
+    "which does; or put the transformation that computes on it inside `offloaded(...)`."
 )
 _HINTS = {"select_n": _SELECT_HINT, "select_and_scatter_add": _SELECT_HINT}
 _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 # Off only for the upstream canary (tests/upstream/test_upstream_donation.py), which
@@ -109,11 +108,22 @@ def _check_no_host_compute(jaxpr: Any, name: str) -> None:
     if found is None:
         return
     primitive, described = found
-    raise CompositionError(
-        f"filter_jit({name}): the function computes on host-resident arrays: "
-        f"{described}. Arrays that `offloaded` keeps in host memory may only be moved, "
-        "never computed on: on a GPU, XLA runs such an operation on the host (slowly) or "
-        f"refuses to compile it. {_HINTS.get(primitive, _GENERIC_HINT)} To compute on "
-        "the host on purpose, use `jax.experimental.compute_on.compute_on` with "
-        "compute_type='device_host'."
-    )
+    raise host_compute_error(f"filter_jit({name})", described, _HINTS.get(primitive, _GENERIC_HINT))
+
+
+def memory_space_error(name: str, error: BaseException) -> Optional[CompositionError]:
+    """The `CompositionError` for JAX's refusal to trace an operation on a host-resident
+    and a device array (`compat.memory_space_mismatch`), naming where in the source it
+    is; `None` for any other error, which the caller lets through."""
+    primitive = memory_space_mismatch(error)
+    if primitive is None:
+        return None
+    source = ""
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        path = frame.f_code.co_filename
+        if not path.startswith((_JAX_DIR, _PACKAGE_DIR)):
+            source = f" (at {path}:{line} in {frame.f_code.co_name})"  # the innermost
+    operands = str(error).split("Got one operand with type: ", 1)[-1].replace(
+        " and another operand with type: ", " with ")
+    return host_compute_error(f"filter_jit({name})", f"`{primitive}` on {operands}{source}",
+                              _GENERIC_HINT)

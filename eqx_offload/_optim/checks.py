@@ -1,6 +1,7 @@
 """The checks of `offloaded(...).update`, run only where something may be wrong: a state
 layout not seen before (`check_new_state`), a trace (`check_trace`, once per trace), and
-a selected leaf found in device memory (`warn_on_device`)."""
+a selected leaf found in device memory (`warn_on_device`); and `init`'s check of its
+parameters (`check_not_deleted`)."""
 
 import functools
 import warnings
@@ -14,12 +15,23 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
-from .._core.errors import device_state_error, foreign_donation_error, StateError
+from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
+                            StateError)
 from .._core.leaves import path_to_str
 from .._core.placement import is_host, memory_kind_of
 from .._core.where import structure_divergence
 from .._jit.lint import foreign_donation
 from .state import OffloadedState, OffloadWarning
+
+
+def check_not_deleted(params: Any, function: str) -> None:
+    """A `DonationError` naming `params`' first deleted array (one an earlier donating call
+    consumed), its path and the fix, before `function` (`"offloaded(...).init"`) would
+    hand it to JAX, whose error would name only its own internals."""
+    for path, x in jtu.tree_flatten_with_path(params)[0]:
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
+            leaf = jtu.keystr(path) or "(the argument itself)"
+            raise deleted_array_error(function, "params", leaf, f"{x.dtype}{list(x.shape)}")
 
 
 def check_new_state(inner: Any, state: Any, updates: Any, params: Any,

@@ -21,7 +21,9 @@ from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 from .._jit.jit import filter_jit
-from .checks import check_is_offloaded, check_trace, first_on_device, warn_on_device
+from .checks import (
+    check_is_offloaded, check_not_deleted, check_trace, first_on_device, warn_on_device,
+)
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
 from .state import OffloadedState
@@ -136,6 +138,7 @@ def _init(inner: optax.GradientTransformationExtraArgs, options: Options, jitted
     if any(isinstance(x, Tracer) for x in jtu.tree_leaves(params)):
         state = _init_to_host(inner, options, params)
     else:
+        check_not_deleted(params, "offloaded(...).init")
         # On CUDA/ROCm: fail clearly before placing more than XLA's pinned host pool
         # allows (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`).
         check_init_fits_host_pool(functools.partial(_init_to_host, inner, options), params,

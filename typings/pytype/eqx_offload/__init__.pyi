@@ -154,8 +154,11 @@ def supported_memory_kinds(device: Optional[jax.Device] = None) -> tuple[str, ..
 # Optax.
 class OffloadedState(NamedTuple):
     inner_state: Any
-    # Reads of the inner state's attributes (`state.hyperparams`, `.count`, ...).
+    # Reads of the inner state's attributes (`state.hyperparams`, `.count`, ...) and items
+    # (`state[0]` is `inner_state[0]`). (`count` and `index`, the inner state's too at
+    # run time, are not declared: pytype reads them as fields; see the allowlist.)
     def __getattr__(self, name: str) -> Any: ...
+    def __getitem__(self, index: Any) -> Any: ...  # the inner state's items
 
 class OffloadWarning(UserWarning): ...
 
