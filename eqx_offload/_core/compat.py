@@ -84,16 +84,6 @@ def enclosing_donating_jit() -> Optional[str]:
     return None
 
 
-def same_trace(a: Any, b: Any) -> bool:
-    """Whether two tracers belong to the same trace (a value made from both can be used
-    wherever either can). JAX has no public way to ask; its tracers (0.10 to 0.12) keep
-    their trace in the private `_trace` attribute (`tests/upstream/test_upstream_trace.py`
-    is the canary). Without it this answers `False`: callers then leave the values as
-    they are."""
-    trace = getattr(a, "_trace", None)
-    return trace is not None and trace is getattr(b, "_trace", None)
-
-
 class MultiStepsParts(NamedTuple):
     """What `optax.MultiSteps(...)` was built from, as its `update` uses it."""
 

@@ -10,7 +10,6 @@ with input *and* output shardings that carry memory kinds (so JAX pairs a donate
 only with an output in the same memory). The user's function runs once per compilation.
 """
 
-import contextvars
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -97,21 +96,6 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donati
 # Lowering, compiling, running
 
 
-_LATE_PARAMS: "contextvars.ContextVar[Optional[dict[int, tuple[Any, Any]]]]" = (
-    contextvars.ContextVar("eqx_offload_late_params", default=None))
-
-
-def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
-    """While `filter_jit` traces a step: the table in which `with_host_params` records,
-    for each host-resident parameter it was given (by `id`, with the parameter itself),
-    that parameter made to wait for its gradient, so that `apply_updates` fetches the
-    same value (one copy to the device, after the gradient). `None` outside such a
-    trace. (The one context variable left: `optax.apply_updates`-style calls get the
-    parameters and the updates, not the value the update fetched, and two
-    `optimization_barrier`s of one weight are two copies to the device.)"""
-    return _LATE_PARAMS.get()
-
-
 def _platform_of(call: _Call) -> str:
     """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
     devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
@@ -149,11 +133,7 @@ def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Outp
                       [path_parts(keyed_out[i][0]) for i in positions]]
         return [keyed_out[i][1] for i in positions]
 
-    late_token = _LATE_PARAMS.set({})
-    try:
-        traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
-    finally:
-        _LATE_PARAMS.reset(late_token)
+    traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
     closed = traced.jaxpr
     _check_no_host_compute(closed.jaxpr, name)
     output, out_paths = outputs

@@ -49,9 +49,11 @@ __all__ = [
     "GPU_TARGETS",
     "GpuPlan",
     "GpuTarget",
+    "host_params",
     "host_shardings",
     "host_weights",
     "HostMemoryKind",
+    "HostParams",
     "HostWeights",
     "install_runtime_checks",
     "jit",
@@ -449,6 +451,19 @@ def apply_updates(model: _T, updates: Any) -> _T: ...
 def with_host_params(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs: ...
+@dataclasses.dataclass(frozen=True)
+class HostParams(Generic[_M]):
+    transformation: optax.GradientTransformationExtraArgs
+    def init(self, model: Any) -> Any: ...
+    def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]: ...
+
+def host_params(
+    inner: optax.GradientTransformation,
+    *,
+    offload: Optional[
+        Callable[[optax.GradientTransformation], optax.GradientTransformation]
+    ] = ...,
+) -> HostParams[Any]: ...
 
 # Activations in host memory.
 Policy = Callable[..., Any]
