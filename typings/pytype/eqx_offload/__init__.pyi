@@ -338,6 +338,9 @@ class _FilterJit(Generic[_F]):
     __call__: _F
     def lower(self, *args: Any, **kwargs: Any) -> Lowered: ...
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]: ...
+    def lower_for(
+        self, platforms: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Lowered: ...
 
 @overload
 def filter_jit(
