@@ -45,6 +45,8 @@ from ._models.params import (
     apply_updates as apply_updates,
     host_weights as host_weights,
     HostWeights as HostWeights,
+    host_params as host_params,
+    HostParams as HostParams,
     with_host_params as with_host_params,
 )
 from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
@@ -108,9 +110,11 @@ __all__ = [
     "GPU_TARGETS",
     "GpuPlan",
     "GpuTarget",
+    "host_params",
     "host_shardings",
     "host_weights",
     "HostMemoryKind",
+    "HostParams",
     "HostWeights",
     "install_runtime_checks",
     "jit",

@@ -95,23 +95,21 @@ def mlp_blocks(n: int, d: int) -> Any:
 
 
 def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
-    """An AdamW step of host blocks (`with_host_params`) against the same on the device: 80%
+    """An AdamW step of host blocks (`host_params`) against the same on the device: 80%
     of the host bytes leave the peak, 90% of fetches overlap, one update fetch per leaf."""
     n, d, b = 8, 256, 4096
-    opt = eqx_offload.with_host_params(optax.adamw(1e-3))
+    hp = eqx_offload.host_params(optax.adamw(1e-3), offload=None)
 
     @eqx_offload.filter_jit(donate="all")
     def step(layers: Any, state: Any, x: jax.Array) -> Any:
         def loss(layers: Any) -> jax.Array:
             return jnp.sum(jax.vmap(lambda x: eqx_offload.scan_layers(layers, x))(x) ** 2)
-        grads = jax.grad(loss)(layers)
-        updates, state = opt.update(grads, state, layers)
-        return eqx_offload.apply_updates(layers, updates), state
+        return hp.update(jax.grad(loss)(layers), state, layers)
 
     x = jnp.ones((b, d))
     on_device, on_host = mlp_blocks(n, d), eqx_offload.to_host(mlp_blocks(n, d))
-    remat = eqx_offload.gpu_plan(step, on_device, opt.init(on_device), x)
-    host = eqx_offload.gpu_plan(step, on_host, opt.init(on_host), x)
+    remat = eqx_offload.gpu_plan(step, on_device, hp.init(on_device), x)
+    host = eqx_offload.gpu_plan(step, on_host, hp.init(on_host), x)
     freed = remat.device_peak_bytes - host.device_peak_bytes
     assert freed >= 0.8 * host.host_bytes, (freed, remat.summary(), host.summary())
     fetches = [c for c in host.copies_to("to_device") if c.name.startswith("dynamic-slice-start")]
@@ -153,8 +151,7 @@ def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None
 def test_master_weights_of_host_layers_stream_a_layer_at_a_time() -> None:
     """Host blocks, master weights and AdamW state, streamed: no whole stacked leaf on device."""
     n, d, b = 16, 512, 64
-    mw = eqx_offload.master_weights(eqx_offload.with_host_params(optax.adamw(1e-3)),
-                                    offload=STREAMED)
+    mw = eqx_offload.master_weights(optax.adamw(1e-3), offload=STREAMED)
     model, state = mw.init(eqx_offload.to_host(mlp_blocks(n, d)))
     assert model.up.weight.dtype == jnp.bfloat16
     assert model.up.weight.sharding.memory_kind == "pinned_host"

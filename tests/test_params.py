@@ -1,6 +1,7 @@
-"""`host_weights`, `with_host_params`, `apply_updates`: bitwise the program without moves
+"""`host_weights`, `host_params`, `apply_updates`: bitwise the program without moves
 (a no-op on CPU); what is fetched where is read from the jaxpr."""
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -87,35 +88,50 @@ def _step(opt: Any, apply: Any, loss: Any = None) -> Any:
     return step
 
 
+def _host_step(hp: Any, loss: Any = None) -> Any:
+    """A `host_params` step from gradients (`loss=None`) or from a batch."""
+    if loss is None:
+        def update(params: Any, grads: Any, state: Any) -> Any:
+            return hp.update(grads, state, params)
+        return update
+
+    def step(params: Any, state: Any, x: jax.Array) -> Any:
+        return hp.update(eqx.filter_grad(loss)(params, x), state, params)
+    return step
+
+
 @pytest.mark.parametrize("group_bytes", [None, 0])
-def test_with_host_params_inside_offloaded_is_bitwise(group_bytes: Any) -> None:
-    """Host params and gradients, whole or streamed: bitwise, kinds kept."""
+def test_host_params_offloaded_is_bitwise(group_bytes: Any) -> None:
+    """Host params and gradients, state whole or streamed: bitwise, kinds kept."""
     params = {"w": jax.random.normal(jax.random.key(6), (8, 8)), "b": jnp.ones(8)}
     grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
     where = {"w": True, "b": False}
     placed, placed_grads = (eqx_offload.to_host(t, where=where) for t in (params, grads))
-    opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adamw(1e-2)),
-                                group_bytes=group_bytes)
+    hp = eqx_offload.host_params(optax.adamw(1e-2), offload=functools.partial(
+        eqx_offload.offloaded, group_bytes=group_bytes))
     plain = optax.adamw(1e-2)
-    state, want_state = opt.init(placed), plain.init(params)
-    step = jax.jit(_step(opt, eqx_offload.apply_updates))
+    state, want_state = hp.init(placed), plain.init(params)
+    step = jax.jit(_host_step(hp))
     want_step = jax.jit(_step(plain, eqx.apply_updates))
     for _ in range(2):
-        placed, updates, state = step(placed, placed_grads, state)
-        params, want_updates, want_state = want_step(params, grads, want_state)
-        assert memory_kinds(updates) == {"b": "device", "w": "device"}
+        placed, state = step(placed, placed_grads, state)
+        params, _, want_state = want_step(params, grads, want_state)
         assert memory_kinds(placed) == {"b": "device", "w": "pinned_host"}
-        assert bits((updates, placed, state.inner_state)) == bits(
-            (want_updates, params, want_state))
+        assert bits((placed, state.inner_state)) == bits((params, want_state))
+
+
+def _barriers(step: Any, *args: Any) -> int:
+    return str(step.lower(*args).as_text()).count("stablehlo.optimization_barrier")
 
 
 @pytest.mark.parametrize("stack, offload", [(False, True), (True, False), (True, True)],
                          ids=["mlp-offloaded", "stack", "stack-offloaded"])
 def test_host_params_donated_steps(stack: bool, offload: bool) -> None:
-    """Donated steps of a host model, one compile, bitwise; each host weight of a stack waits
-    for its gradient (a barrier `jax.jit` leaves out) so a GPU fetches it once, for the update."""
-    opt = eqx_offload.with_host_params(optax.adamw(1e-2))
-    opt, plain = eqx_offload.offloaded(opt) if offload else opt, optax.adamw(1e-2)
+    """Donated steps of a host model, one compile, bitwise; each host weight waits for its
+    gradient, under `filter_jit` and `jax.jit` alike, so a GPU fetches it once."""
+    hp = eqx_offload.host_params(optax.adamw(1e-2),
+                                 offload=eqx_offload.offloaded if offload else None)
+    plain = optax.adamw(1e-2)
     if stack:
         model = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(
             jax.random.split(jax.random.key(0), 4))
@@ -128,17 +144,15 @@ def test_host_params_donated_steps(stack: bool, offload: bool) -> None:
         model, x = make_mlp(), jax.random.normal(jax.random.key(7), (8, D))
         loss = lambda m, x: mlp_loss(eqx_offload.to_device(m), x)  # noqa: E731
     placed = eqx_offload.to_host(model)
-    state = opt.init(eqx.filter(placed, eqx.is_array))
+    state = hp.init(placed)
     want_state = plain.init(eqx.filter(model, eqx.is_array))
-    step = eqx_offload.filter_jit(_step(opt, eqx_offload.apply_updates, loss), donate="all")
+    step = eqx_offload.filter_jit(_host_step(hp, loss), donate="all")
     jit = jax.jit if stack else eqx.filter_jit
     want_step = jit(_step(plain, eqx_offload.apply_updates, loss))
+    n_leaves = len(jax.tree.leaves(eqx.filter(placed, eqx.is_array)))
+    assert _barriers(step, placed, state, x) == n_leaves  # (stack: weight, bias)
     if stack:
-        barriers = step.lower(placed, state, x).as_text().count("stablehlo.optimization_barrier")
-        assert barriers == 2  # weight, bias
-    if stack and not offload:
-        traced = jax.jit(_step(opt, eqx_offload.apply_updates, loss)).trace(placed, state, x)
-        assert "optimization_barrier" not in traced.lower().as_text()
+        assert _barriers(jax.jit(_host_step(hp, loss)), placed, state, x) == n_leaves
     for i in range(2 if stack else 3):
         old = placed
         with count_compiles("step") as compiles:
@@ -149,3 +163,30 @@ def test_host_params_donated_steps(stack: bool, offload: bool) -> None:
     assert set(memory_kinds(placed).values()) == {"pinned_host"}
     assert_tree_equal(placed, eqx_offload.to_host(model))
     assert_tree_equal(state.inner_state if offload else state, want_state)
+
+
+def test_apply_updates_is_the_same_program_under_any_jit() -> None:
+    """`apply_updates` is pure: no wait for gradients, under `filter_jit` as under `jax.jit`."""
+    params = eqx_offload.to_host({"w": jnp.ones((4, 4))})
+    updates = {"w": jnp.full((4, 4), 0.5)}
+    ours = eqx_offload.filter_jit(eqx_offload.apply_updates)
+    theirs = jax.jit(eqx_offload.apply_updates)
+    assert _barriers(theirs, params, updates) == 0
+    assert _barriers(ours, params, updates) == 0
+    assert_tree_equal(ours(params, updates), theirs(params, updates))
+
+
+def test_with_host_params_is_deprecated_and_still_bitwise() -> None:
+    """The old transformation warns, and its state and updates are still bitwise `inner`'s."""
+    params = eqx_offload.to_host({"w": jax.random.normal(jax.random.key(6), (8, 8))})
+    grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
+    with pytest.warns(DeprecationWarning, match="host_params"):
+        opt = eqx_offload.with_host_params(optax.adamw(1e-2))
+    plain = optax.adamw(1e-2)
+    state, want_state = opt.init(params), plain.init(eqx_offload.to_device(params))
+    step = eqx_offload.filter_jit(_step(opt, eqx_offload.apply_updates))
+    new, updates, state = step(params, grads, state)
+    want = jax.jit(_step(plain, eqx.apply_updates))(
+        eqx_offload.to_device(params), eqx_offload.to_device(grads), want_state)
+    assert memory_kinds(new) == {"w": "pinned_host"}
+    assert bits((eqx_offload.to_device(new), updates, state)) == bits(want)

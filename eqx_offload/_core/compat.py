@@ -71,7 +71,10 @@ def enclosing_donating_jit() -> Optional[str]:
     While it traces, JAX (0.10 to 0.12) holds the flags, one per flattened input, in
     the local `donated_invars` of `pjit._trace_for_jit`'s frame: this walks the stack to
     it. An `eqx.filter_jit(donate="none")` passes an empty `donate_argnums`, and does
-    not count. `tests/upstream/test_upstream_donated_invars.py` is the canary."""
+    not count. `tests/upstream/test_upstream_donated_invars.py` is the canary. (The
+    trace state JAX exposes holds no donation: the current `DynamicJaxprTrace`, its
+    `JaxprStackFrame` and `DebugInfo` (function name, argument names) are all that
+    `pe.trace_to_jaxpr` is given; the jit's `PjitInfo` and the flags stay in this frame.)"""
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -82,16 +85,6 @@ def enclosing_donating_jit() -> Optional[str]:
                 return str(getattr(fun, "__qualname__", None) or type(fun).__name__)
         frame = frame.f_back
     return None
-
-
-def same_trace(a: Any, b: Any) -> bool:
-    """Whether two tracers belong to the same trace (a value made from both can be used
-    wherever either can). JAX has no public way to ask; its tracers (0.10 to 0.12) keep
-    their trace in the private `_trace` attribute (`tests/upstream/test_upstream_trace.py`
-    is the canary). Without it this answers `False`: callers then leave the values as
-    they are."""
-    trace = getattr(a, "_trace", None)
-    return trace is not None and trace is getattr(b, "_trace", None)
 
 
 class MultiStepsParts(NamedTuple):

@@ -1,115 +1,34 @@
 """`filter_jit`: `eqx.filter_jit` with memory-kind-aware shardings, safe to donate
 host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
 
-One call: flatten the arguments once (`_flatten_call`: array leaves are traced,
-everything else is static), look the configuration up in the cache, run the
-executable, rebuild the output. One compilation (`_lower`): trace the function once
-with the arguments' shardings, check it computes on no host-resident array, read each
-output's memory space from the traced program, and compile a replay of that program
+One call: flatten the arguments once (`call.flatten_call`: array leaves are traced,
+everything else is static), look its `Signature` up in the cache (kept here, above
+`jax.jit`: the donation abort needs the shardings `jax.jit` is given), run the
+executable, rebuild the output. One compilation (`stage.stage`, shared by the call,
+`lower`, `lower_for` and `export`): trace the function once with the arguments'
+shardings, analyse the program (`analysis.analyse`: no computation on a host-resident
+array, its marked scopes, its output constraints), and compile a replay of that program
 with input *and* output shardings that carry memory kinds (so JAX pairs a donated input
 only with an output in the same memory). The user's function runs once per compilation.
 """
 
-import contextvars
 import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
-import equinox as eqx
 import jax
-import jax.tree_util as jtu
-from jax.extend.core import jaxpr_as_fun
 
-from .._core.compat import scopes
 from .._core.errors import OptionError, SignatureError
-from .._core.jaxpr import is_var
-from .._core.leaves import path_parts
-from .._core.placement import input_shardings, is_mistyped_host, output_shardings, retype_host
 from .._core.types import Donate
-from .call import _Call, _Output, _warn_changed_number
+from .call import _Call, _Output, _warn_changed_number, flatten_call, Signature
 from .compiler_options import default_compiler_options
-from .donation import _check_not_deleted, _donation, _Donation, _unshare, _UNUSABLE_DONATION
-from .lint import _check_no_host_compute, memory_space_error
+from .donation import _donation, _Donation, _UNUSABLE_DONATION
+from .stage import run, stage
 
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-
-
-# ----------------------------------------------------------------------------------------
-# One call's arguments
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donation,
-                  abstract: bool = False, name: str = "fun") -> _Call:
-    """The call's arguments, flattened once. With `abstract` (`gpu_plan`), a
-    `jax.ShapeDtypeStruct` leaf stands for an array too: the step is traced and
-    compiled for it, and nothing is allocated (a caller checks it has a sharding)."""
-    all_leaves, treedef = jtu.tree_flatten((args, kwargs))
-    is_array = tuple(
-        eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
-    # Which argument each leaf is of matters only where the arguments are donated
-    # differently: for a mode, the first argument's leaves (`n_first`, a part of the
-    # key); by name, every argument's (counted only then: this runs at every call).
-    n_first = 0
-    if donate.names is None:
-        if donate.first != donate.rest:
-            first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
-            n_first = first_def.num_leaves
-        flags = [donate.first if i < n_first else donate.rest for i in range(len(all_leaves))]
-    else:
-        arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
-        sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
-        flags = [d for d, n in zip(donate.per_argument(args, kwargs), sizes, strict=True)
-                 for _ in range(n)]
-    if not abstract:
-        _check_not_deleted(all_leaves, args, kwargs, donate, name)
-    leaves: list[Any] = []
-    donated: list[int] = []
-    for x, a, d in zip(all_leaves, is_array, flags, strict=True):
-        if a:
-            if d:
-                donated.append(len(leaves))
-            leaves.append(x)
-    shared = _unshare(leaves, donated) if donated else {}
-    retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
-    for i, x in retyped.items():
-        leaves[i] = retype_host(x)
-    shardings = input_shardings(leaves)
-    key = (
-        treedef,
-        is_array,
-        n_first if donate.names is None else tuple(donated),
-        # The non-array leaves, by value and type (as `eqx.filter_jit`, they must be
-        # hashable: `1` and `1.0` or `True` must not share an executable).
-        tuple((type(x), x) for x, a in zip(all_leaves, is_array, strict=True) if not a),
-        tuple(
-            (x.shape, x.dtype, getattr(x, "weak_type", False), s)
-            for x, s in zip(leaves, shardings, strict=True)
-        ),
-    )
-    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
-                 key, shared)
-
-
-# ----------------------------------------------------------------------------------------
-# Lowering, compiling, running
-
-
-_LATE_PARAMS: "contextvars.ContextVar[Optional[dict[int, tuple[Any, Any]]]]" = (
-    contextvars.ContextVar("eqx_offload_late_params", default=None))
-
-
-def late_params() -> Optional[dict[int, tuple[Any, Any]]]:
-    """While `filter_jit` traces a step: the table in which `with_host_params` records,
-    for each host-resident parameter it was given (by `id`, with the parameter itself),
-    that parameter made to wait for its gradient, so that `apply_updates` fetches the
-    same value (one copy to the device, after the gradient). `None` outside such a
-    trace. (The one context variable left: `optax.apply_updates`-style calls get the
-    parameters and the updates, not the value the update fetched, and two
-    `optimization_barrier`s of one weight are two copies to the device.)"""
-    return _LATE_PARAMS.get()
 
 
 def _platform_of(call: _Call) -> str:
@@ -118,102 +37,12 @@ def _platform_of(call: _Call) -> str:
     return str(devices[0].platform) if devices else jax.default_backend()
 
 
-def _lower(fun: Callable[..., Any], name: str, call: _Call,
-           platforms: Optional[tuple[str, ...]] = None) -> tuple[Any, _Output, Any]:
-    """Trace `fun` once for `call`, check it, and lower a replay of the traced program
-    with memory-kind-aware input and output shardings (for `platforms`, default the
-    arguments' own: `gpu_plan` lowers for `("cuda",)` with CPU arguments). Returns the
-    lowering, how to rebuild its result, and the traced program (a closed jaxpr)."""
-    jitted, output = _jitted(fun, name, call)
-    traced = jitted.trace(*call.leaves)
-    if platforms is None:
-        return traced.lower(), output, traced.jaxpr
-    return traced.lower(lowering_platforms=platforms), output, traced.jaxpr
-
-
-def _jitted(fun: Callable[..., Any], name: str, call: _Call) -> tuple[Any, _Output]:
-    """Trace `fun` once for `call`, check it, and return a `jax.jit` of a replay of the
-    traced program with memory-kind-aware input and output shardings."""
-    array_positions = [i for i, a in enumerate(call.is_array) if a]
-    outputs: list[Any] = []
-
-    def flat_fun(*dynamic_leaves: Any) -> list[Any]:
-        full = list(call.all_leaves)
-        for i, x in zip(array_positions, dynamic_leaves, strict=True):
-            full[i] = x
-        args, kwargs = jtu.tree_unflatten(call.treedef, full)
-        keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
-        positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
-        out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
-        outputs[:] = [_Output(out_treedef, out_leaves, positions),
-                      [path_parts(keyed_out[i][0]) for i in positions]]
-        return [keyed_out[i][1] for i in positions]
-
-    late_token = _LATE_PARAMS.set({})
-    try:
-        traced = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves)
-    except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
-        explained = memory_space_error(name, error)
-        if explained is None:
-            raise
-        raise explained from error
-    finally:
-        _LATE_PARAMS.reset(late_token)
-    closed = traced.jaxpr
-    _check_no_host_compute(closed.jaxpr, name)
-    output, out_paths = outputs
-    # An argument's path without the leading args/kwargs index: `(0, ...)` is the
-    # first positional argument, as `(0, ...)` is the first element of a tuple result.
-    keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
-    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
-    constraints = {
-        eqn.outvars[0]: eqn.params["sharding"] for eqn in closed.jaxpr.eqns
-        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
-    }
-    out_shardings = output_shardings(
-        closed.out_avals, out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
-        call.in_shardings, [constraints.get(v) if is_var(v) else None for v in closed.jaxpr.outvars],
-    )
-
-    as_fun = jaxpr_as_fun(closed)  # (JAX's own evaluator: `jax.core.eval_jaxpr`)
-
-    def replay(*dynamic_leaves: Any) -> list[Any]:
-        return list(as_fun(*dynamic_leaves))
-
-    # JAX names the executable (and its compile events, `jax.monitoring`) after this.
-    replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
-
-    jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
-                     donate_argnums=call.donated)
-    # What the program does that the GPU's defaults depend on, from its marked scopes.
-    kinds = scopes(closed.jaxpr)
-    output.streamed = "streamed" in kinds
-    output.prefetched = "prefetched" in kinds
-    output.whole = "whole" in kinds
-    return jitted, output
-
-
-def _run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
-    with warnings.catch_warnings():
-        if silence:
-            warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-        flat_out = executable(*call.leaves)
-    for i, x in call.retyped.items():
-        if i in call.donated:  # the copy was donated: consume the original as donation would
-            x.delete()
-    for x in call.shared.values():  # a copy was donated in its place (`_unshare`)
-        if not x.is_deleted() and all(
-                x is not y for y in call.leaves):  # (kept where it was not donated)
-            x.delete()
-    return output.rebuild(flat_out)
-
-
 class Compiled:
     """A compiled `filter_jit` function for one configuration of arguments (returned by
     `filter_jit(f).lower(...).compile()`). Call it with arguments of the same structure,
     static values, shapes, dtypes and shardings as those it was lowered for."""
 
-    def __init__(self, executable: Any, output: _Output, key: Any, donate: _Donation,
+    def __init__(self, executable: Any, output: _Output, key: Signature, donate: _Donation,
                  name: str) -> None:
         self._executable = executable
         self._output = output
@@ -222,7 +51,7 @@ class Compiled:
         self._name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = _flatten_call(args, kwargs, self._donate, name=self._name)
+        call = flatten_call(args, kwargs, self._donate, name=self._name)
         if call.key != self._key:
             raise SignatureError(
                 f"filter_jit({self._name}).lower(...).compile(): called with arguments "
@@ -231,7 +60,7 @@ class Compiled:
                 "arguments, or call the `filter_jit` function itself (it compiles once "
                 "per configuration)."
             )
-        return _run(self._executable, self._output, call, self._donate.silence)
+        return run(self._executable, self._output, call, self._donate.silence)
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the executable (`jax.stages.Compiled.memory_analysis`)."""
@@ -255,7 +84,7 @@ class Lowered:
     the XLA options `.compile()` uses: `filter_jit`'s defaults for this program (see the
     "GPU plan" docs page) and the function's own `compiler_options`, which win."""
 
-    def __init__(self, lowered: Any, output: _Output, key: Any, donate: _Donation, name: str,
+    def __init__(self, lowered: Any, output: _Output, key: Signature, donate: _Donation, name: str,
                  compiler_options: dict[str, Any], jaxpr: Any) -> None:
         self._lowered = lowered
         self.jaxpr = jaxpr
@@ -295,20 +124,19 @@ class _FilterJit(Generic[_P, _T]):
         self._donate = donate
         self._compiler_options = compiler_options
         self._name = getattr(fun, "__qualname__", repr(fun))
-        self._cache: dict[Any, Compiled] = {}
+        self._cache: dict[Signature, Compiled] = {}
         self._warned = False  # `_warn_changed_number`, once per function
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        call = _flatten_call(args, kwargs, self._donate, name=self._name)
+        call = flatten_call(args, kwargs, self._donate, name=self._name)
         compiled = self._cache.get(call.key)
         if compiled is None:
             if not self._warned and self._cache:
                 self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
             compiled = self._lower_call(call).compile()
             self._cache[call.key] = compiled
-        out: _T = _run(compiled._executable, compiled._output, call,
-                       self._donate.silence)
+        out: _T = run(compiled._executable, compiled._output, call, self._donate.silence)
         return out
 
     def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
@@ -316,7 +144,7 @@ class _FilterJit(Generic[_P, _T]):
         compilation). `.compile()` on the result gives a callable `Compiled` with
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
         cache is not touched."""
-        return self._lower_call(_flatten_call(args, kwargs, self._donate, name=self._name))
+        return self._lower_call(flatten_call(args, kwargs, self._donate, name=self._name))
 
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
         """`jax.export.export` for this function, memory kinds kept: returns a callable
@@ -353,11 +181,11 @@ class _FilterJit(Generic[_P, _T]):
         """
 
         def export(*args: Any, **kwargs: Any) -> Any:
-            call = _flatten_call(args, kwargs, self._donate, name=self._name)
+            call = flatten_call(args, kwargs, self._donate, name=self._name)
             with warnings.catch_warnings():
                 if self._donate.silence:
                     warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-                jitted, _ = _jitted(self._fun, self._name, call)
+                jitted = stage(self._fun, self._name, call).jitted
                 specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                          for x, s in zip(call.leaves, call.in_shardings, strict=True)]
                 return jax.export.export(jitted, platforms=platforms)(*specs)
@@ -366,17 +194,32 @@ class _FilterJit(Generic[_P, _T]):
 
     def lower_for(self, platforms: Sequence[str], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Lowered:
-        """`lower(*args, **kwargs)` for `platforms` (`gpu_plan` lowers for `("cuda",)`
-        with arguments on this machine's CPU), where a `jax.ShapeDtypeStruct` with a
-        sharding stands for an array: nothing is allocated."""
-        call = _flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
+        """`lower(*args, **kwargs)` for other `platforms` than the arguments' own: the
+        public hook that `gpu_plan` lowers through (`("cuda",)` with arguments on this
+        machine's CPU). A `jax.ShapeDtypeStruct` with a sharding stands for an array:
+        nothing is allocated, and the step is traced and lowered as for arrays of that
+        shape, dtype and sharding (memory kind included). The function's call cache is
+        not touched.
+
+        **Arguments:**
+
+        - `platforms`: the platforms to lower for, e.g. `("cuda",)`.
+        - `args`, `kwargs`: the function's arguments (arrays or `jax.ShapeDtypeStruct`s).
+
+        **Returns:**
+
+        A `Lowered`; its `compiler_options` are `filter_jit`'s defaults for the first
+        platform and this program, with the function's own.
+        """
+        call = flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
         return self._lower_call(call, tuple(platforms))
 
     def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         with warnings.catch_warnings():
             if self._donate.silence:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            lowered, output, jaxpr = _lower(self._fun, self._name, call, platforms)
+            staged = stage(self._fun, self._name, call)
+            lowered, output, jaxpr = staged.lower(call, platforms), staged.output, staged.jaxpr
         platform = platforms[0] if platforms else _platform_of(call)
         options = {**default_compiler_options(platform, output.streamed, output.prefetched,
                                               output.whole), **(self._compiler_options or {})}

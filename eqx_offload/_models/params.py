@@ -3,27 +3,31 @@
 - `HostWeights` / `host_weights`: one module of an unscanned model whose weights live in
   `pinned_host` and come to the device only while it computes (`scan_layers`, in
   `_models/scan.py`, does the same for stacked layers).
-- `with_host_params`: an optax transformation that accepts host-resident gradients and
-  parameters (its updates are on the device).
+- `host_params`: `init`/`update` for a model with host-resident parameters (each waits
+  for its gradient; the update is added on the device). `with_host_params`, deprecated,
+  is its optax transformation without the wait.
 - `apply_updates`: `eqx.apply_updates` that keeps every leaf in the memory it lives in.
 
 The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
 transposes the `device_put` that fetched it into a `device_put` back to host.
 """
 
-from typing import Any, Generic, Optional, TypeVar
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, cast, Generic, Optional, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import optax
 
-from .._core.compat import same_trace
+from .._core.errors import OptionError
 from .._core.leaves import is_traced
 from .._core.move import move, to_host
 from .._core.placement import is_host, memory_kind_of
 from .._core.types import HostMemoryKind, Where
-from .._jit.jit import late_params
+from .._optim.offloaded import offloaded
 from .remat import Policy
 
 
@@ -121,7 +125,9 @@ def apply_updates(model: _T, updates: Any) -> _T:
     Parameters on the device are updated as `eqx.apply_updates` does (an update in host
     memory is brought to the device first). The result is bitwise that of
     `eqx.apply_updates` on the same values; `eqx.apply_updates` itself would add host
-    arrays, which `eqx_offload.filter_jit` refuses (and XLA runs on the host).
+    arrays, which `eqx_offload.filter_jit` refuses (and XLA runs on the host). A pure
+    function: the same program under any `jit` (`host_params` makes each host weight
+    wait for its gradient first).
 
     **Arguments:**
 
@@ -145,22 +151,28 @@ def apply_updates(model: _T, updates: Any) -> _T:
         assert new["b"].sharding.memory_kind == "device"
         ```
     """
+    return _add_updates(model, updates, model)
+
+
+def _add_updates(model: _T, updates: Any, values: Any) -> _T:
+    """`apply_updates(model, updates)`, adding to the leaves of `values` (`model` itself,
+    or its parameters after the wait for their gradients) and sending each sum to the
+    memory kind of `model`'s leaf."""
     pairs_def: Any = jtu.tree_structure(updates, is_leaf=_is_none)  # (PyTreeDef: untyped)
     p_leaves = pairs_def.flatten_up_to(model)
+    v_leaves = pairs_def.flatten_up_to(values)
     u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
     home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]
     touched = [i for i, u in enumerate(u_leaves) if u is not None]
-    fetched_p, fetched_u = fetch(([_waited(p_leaves[i]) for i in touched],
+    fetched_p, fetched_u = fetch(([v_leaves[i] for i in touched],
                                    [u_leaves[i] for i in touched]))
     sums = [p + u for p, u in zip(fetched_p, fetched_u, strict=True)]
     back = [i for i, j in enumerate(touched) if home[j] is not None]
-    if back:
-        kinds = {home[touched[i]] for i in back}
-        for kind in kinds:
-            chosen = [i for i in back if home[touched[i]] == kind]
-            moved = move([sums[i] for i in chosen], True, kind, "apply_updates")
-            for i, x in zip(chosen, moved, strict=True):
-                sums[i] = x
+    for kind in {home[touched[i]] for i in back}:
+        chosen = [i for i in back if home[touched[i]] == kind]
+        moved = move([sums[i] for i in chosen], True, kind, "apply_updates")
+        for i, x in zip(chosen, moved, strict=True):
+            sums[i] = x
     new_leaves = list(p_leaves)
     for i, x in zip(touched, sums, strict=True):
         new_leaves[i] = x
@@ -168,41 +180,28 @@ def apply_updates(model: _T, updates: Any) -> _T:
     return out
 
 
-def _after_gradients(params: Any, grads: Any) -> Any:
-    """`params` with each host-resident leaf made to wait for its gradient (the leaf of
-    `grads` at the same place) by a `jax.lax.optimization_barrier`, while `filter_jit`
-    traces the step (`late_params`; as it is otherwise).
+def _after_gradients(params: _T, grads: Any) -> _T:
+    """`params` with each traced host-resident leaf made to wait for its gradient (the
+    leaf of `grads` at the same place) by a `jax.lax.optimization_barrier`, which passes
+    values through unchanged.
 
     Without the wait XLA's GPU scheduler may start the update's copy of a weight before
     the forward pass and hold it on the device through both passes; with it the copy
     comes after the backward pass made the gradient ("Why the prefetch once raised the
-    peak" in `docs/models.md`). The table lets `apply_updates` fetch the same value, so
-    XLA still copies each parameter once; the barrier passes values through unchanged."""
-    table = late_params()
-    if table is None:
-        return params
+    peak" in `docs/models.md`). `HostParams.update` hands the waited value to both the
+    inner update and the add, so XLA copies each parameter once."""
 
     def wait(p: Any, g: Any) -> Any:
-        if (p is None or g is None or not is_host(p) or not eqx.is_array(g)
-                or not same_trace(p, g)):
+        if p is None or g is None or not is_traced(p) or not is_host(p) or not eqx.is_array(g):
             return p
         waited, _ = jax.lax.optimization_barrier((p, g))
-        if same_trace(waited, p):  # (not where `p` is closed over, e.g. in a `cond` branch)
-            table[id(p)] = (p, waited)
         return waited
 
     try:
-        return jtu.tree_map(wait, params, grads, is_leaf=_is_none)
+        out: _T = jtu.tree_map(wait, params, grads, is_leaf=_is_none)
     except ValueError:  # not the same structure: nothing to pair
         return params
-
-
-def _waited(p: Any) -> Any:
-    """The value `with_host_params` fetched for host parameter `p` in this trace (see
-    `_after_gradients`), or `p`."""
-    table = late_params()
-    found = None if table is None else table.get(id(p))
-    return found[1] if found is not None and found[0] is p else p
+    return out
 
 
 def fetch_each(tree: _T) -> _T:
@@ -235,50 +234,9 @@ def place_like(tree: _T, like: Any) -> _T:
     return out
 
 
-def with_host_params(
-    inner: optax.GradientTransformation,
-) -> optax.GradientTransformationExtraArgs:
-    """Wraps an optax transformation so that it accepts parameters and gradients in
-    host memory.
-
-    `init` and `update` bring host-resident `params` and `updates` to the device (one
-    move per leaf) and run `inner` there; the updates stay on the device, where
-    `eqx_offload.apply_updates` adds them to the host-resident weights and sends the
-    sums back. Its state and updates are bitwise those of `inner`. Put it inside
-    `offloaded` to keep the optimizer state in host memory too:
-    `offloaded(with_host_params(optax.adamw(1e-3)))`; with `group_bytes` the gradients
-    and weights then come to the device with their parameter's group of state.
-    Otherwise, in a step traced by `eqx_offload.filter_jit`, each host-resident
-    parameter waits for its gradient before it comes to the device (a
-    `jax.lax.optimization_barrier`, which passes values unchanged), and
-    `eqx_offload.apply_updates` fetches that same value, so XLA copies each weight to
-    the device once, after the backward pass made its gradient (why: "Why the prefetch
-    once raised the peak" in `docs/models.md`).
-
-    **Arguments:**
-
-    - `inner`: any `optax.GradientTransformation`.
-
-    **Returns:**
-
-    An `optax.GradientTransformationExtraArgs` with the same state as `inner`.
-
-    !!! Example
-
-        ```python
-        import jax.numpy as jnp
-        import optax
-        import eqx_offload
-
-        params = eqx_offload.to_host({"w": jnp.ones(3)})
-        opt = eqx_offload.offloaded(eqx_offload.with_host_params(optax.adam(0.1)))
-        state = opt.init(params)
-        updates, state = opt.update(params, state, params)
-        assert updates["w"].sharding.memory_kind == "device"
-        params = eqx_offload.apply_updates(params, updates)
-        assert params["w"].sharding.memory_kind == "pinned_host"
-        ```
-    """
+def _fetching(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner`, with host-resident `params` and `updates` brought to the device (one
+    move per leaf) before it runs: its state and updates are bitwise those of `inner`."""
     transformation = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> optax.OptState:
@@ -288,9 +246,144 @@ def with_host_params(
         updates: optax.Updates, state: optax.OptState, params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        if params is not None:
-            params = _after_gradients(params, updates)
         return transformation.update(
             fetch_each(updates), state, fetch_each(params), **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostParams(Generic[_M]):
+    """What `host_params` returns: `init` and `update` for a model whose parameters
+    (some or all) live in host memory. (Not an `optax.GradientTransformation`: its
+    update makes each host weight wait for its gradient and adds the update to that
+    waited value, which an optax update cannot hand to `apply_updates`.)
+
+    **Fields:**
+
+    - `transformation`: the optax transformation of the parameters (`inner`, bringing
+        host-resident parameters and gradients to the device, wrapped by `offload`).
+    """
+
+    transformation: optax.GradientTransformationExtraArgs
+
+    def init(self, model: Any) -> Any:
+        """The state for `model` (its array leaves), as `transformation.init`."""
+        return self.transformation.init(eqx.filter(model, eqx.is_array))
+
+    def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]:
+        """One optimizer step: each host-resident parameter waits for its gradient (a
+        `jax.lax.optimization_barrier`, in a traced step), the inner update runs on the
+        device with that waited value, and the update is added to it on the device;
+        each new parameter goes back to the memory kind of the old one.
+
+        **Arguments:**
+
+        - `grads`: gradients with respect to `model` (e.g.
+            `eqx.filter_grad(loss)(model, ...)`); those of host weights may be in host
+            memory.
+        - `state`: the state `init` or the previous `update` returned.
+        - `model`: the model the gradients belong to.
+        - `**extra_args`: passed to the inner transformation.
+
+        **Returns:**
+
+        `(new_model, new_state)`: bitwise `inner`'s step with `eqx.apply_updates`.
+        """
+        params, static = eqx.partition(model, eqx.is_array)
+        waited = _after_gradients(params, grads)
+        updates, state = self.transformation.update(grads, state, waited, **extra_args)
+        new_params = _add_updates(params, updates, waited)
+        return cast(_M, eqx.combine(new_params, static)), state
+
+
+def host_params(
+    inner: optax.GradientTransformation,
+    *,
+    offload: Optional[Callable[[optax.GradientTransformation],
+                               optax.GradientTransformation]] = offloaded,
+) -> HostParams[Any]:
+    """Trains a model whose parameters live in host memory (`host_weights`,
+    `scan_layers`, `to_host`), with `inner`'s state kept by `offload`.
+
+    The update brings host-resident gradients and parameters to the device (one move
+    per leaf, so a streamed `offloaded` fetches each with its parameter's group of
+    state), runs `inner` there, adds the update on the device and sends each sum back
+    to the memory its parameter lives in. In a traced step each host weight first
+    waits for its gradient (a `jax.lax.optimization_barrier`, which passes values
+    unchanged) and that one value feeds both the update and the add, so XLA copies each
+    weight to the device once, after the backward pass made its gradient (why: "Why
+    the prefetch once raised the peak" in `docs/models.md`). The new model and the
+    state are bitwise those of `inner` with `eqx.apply_updates`.
+
+    **Arguments:**
+
+    - `inner`: any `optax.GradientTransformation`, e.g. `optax.adamw(1e-3)`.
+    - `offload`: how `inner`'s state is kept: a function from a transformation to one,
+        default `eqx_offload.offloaded` (in host memory); e.g.
+        `functools.partial(eqx_offload.offloaded, group_bytes=64 << 20)` to stream the
+        update, or `None` to keep it on the device.
+
+    **Returns:**
+
+    A `HostParams` with `init(model) -> state` and
+    `update(grads, state, model) -> (new_model, new_state)`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        model = eqx_offload.to_host(eqx.nn.Linear(4, 4, key=jax.random.key(0)))
+        hp = eqx_offload.host_params(optax.adamw(1e-2))
+        state = hp.init(model)
+
+        @eqx_offload.filter_jit(donate="all")
+        def step(model, state, x):
+            loss = lambda m: jnp.sum(eqx_offload.to_device(m)(x) ** 2)
+            return hp.update(eqx.filter_grad(loss)(model), state, model)
+
+        model, state = step(model, state, jnp.ones(4))
+        assert model.weight.sharding.memory_kind == "pinned_host"
+        ```
+    """
+    if offload is not None and not callable(offload):
+        raise OptionError(f"host_params(offload={offload!r}): pass a function from a "
+                          "transformation to a transformation (e.g. eqx_offload.offloaded), "
+                          "or None.")
+    transformation = _fetching(inner)
+    if offload is not None:
+        transformation = optax.with_extra_args_support(offload(transformation))
+    return HostParams(transformation)
+
+
+def with_host_params(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Deprecated: use `host_params(inner, offload=...)`, whose `update` returns the new
+    model. (This will be removed in the next release.)
+
+    Wraps an optax transformation so that it accepts parameters and gradients in host
+    memory: `init` and `update` bring host-resident `params` and `updates` to the device
+    (one move per leaf) and run `inner` there; the updates stay on the device, where
+    `eqx_offload.apply_updates` adds them to the host-resident weights. Its state and
+    updates are bitwise those of `inner`. The weights no longer wait for their
+    gradients (`host_params` does that).
+
+    **Arguments:**
+
+    - `inner`: any `optax.GradientTransformation`.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` with the same state as `inner`.
+    """
+    warnings.warn(
+        "eqx_offload.with_host_params is deprecated: use eqx_offload.host_params(inner, "
+        "offload=...), whose update(grads, state, model) returns the new model (and makes "
+        "each host weight wait for its gradient).", DeprecationWarning, stacklevel=2)
+    return _fetching(inner)

@@ -293,13 +293,14 @@ def gpu_plan(
     import jax
     import jax.tree_util as jtu
 
-    from .._jit.jit import _FilterJit, filter_jit
+    from .._jit.jit import filter_jit
 
     resolved = resolve_target(target, device_memory)
     fraction, source = (1.0, "the given device_memory") if device_memory is not None else (
         client_memory_fraction())
     _check_options(compiler_options, host_memory)
-    jitted = fun if isinstance(fun, _FilterJit) else filter_jit(fun)
+    # A `filter_jit` function lowers through its public hook, `lower_for`.
+    jitted = fun if callable(getattr(fun, "lower_for", None)) else filter_jit(fun)
     _deviceless.check_available()
     check_abstract_arguments(args, kwargs)
     shardings = [x.sharding for x in jtu.tree_leaves((args, kwargs))

@@ -155,13 +155,16 @@ def training_update(shape: LlamaShape, mode: CapacityMode,
 
     model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
     adamw = optax.adamw(3e-4, weight_decay=0.1)
-    inner = eqx_offload.with_host_params(adamw) if mode.params_on_host else adamw
     if mode.bf16:
         mw = eqx_offload.master_weights(
-            inner, offload=eqx_offload.offloaded if mode.master_on_host else None)
+            adamw, offload=eqx_offload.offloaded if mode.master_on_host else None)
         model, state = eqx_offload.filter_eval_shape(mw.init, model)
         return _master_update(mw), model, state
-    opt = eqx_offload.offloaded(inner) if mode.state_on_host else inner
+    if mode.params_on_host:
+        hp = eqx_offload.host_params(
+            adamw, offload=eqx_offload.offloaded if mode.state_on_host else None)
+        return _master_update(hp), model, eqx_offload.filter_eval_shape(hp.init, model)
+    opt = eqx_offload.offloaded(adamw) if mode.state_on_host else adamw
     state = eqx_offload.filter_eval_shape(functools.partial(_init, opt), model)
     return _optimizer_update(opt), model, state
 

@@ -210,18 +210,17 @@ def _is_linear(x: Any) -> bool:
 def _host_weights(mode: str, optimizer: optax.GradientTransformation, model: Any,
                   loss: Loss) -> Runner:
     """Every `eqx.nn.Linear` of the model in host memory (`eqx_offload.host_weights`),
-    `offloaded(with_host_params(optimizer))`, `eqx_offload.apply_updates`."""
+    `host_params(optimizer)` (its state offloaded)."""
     linears = [x for x in jax.tree.leaves(model, is_leaf=_is_linear) if _is_linear(x)]
     model = eqx.tree_at(lambda m: [x for x in jax.tree.leaves(m, is_leaf=_is_linear)
                                    if _is_linear(x)], model,
                         [eqx_offload.host_weights(x) for x in linears])
-    wrapped = eqx_offload.offloaded(eqx_offload.with_host_params(optimizer))
-    state = wrapped.init(eqx.filter(model, eqx.is_array))
+    hp = eqx_offload.host_params(optimizer)
+    state = hp.init(model)
 
     def step(model: Any, state: Any, batch: Any) -> Any:
         value, grads = eqx.filter_value_and_grad(loss)(model, batch)
-        updates, state = wrapped.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx_offload.apply_updates(model, updates), state, value
+        return (*hp.update(grads, state, model), value)
 
     jitted: Any = eqx_offload.filter_jit(step, donate="all")
 
@@ -263,7 +262,7 @@ MODES: dict[str, Mode] = {
         "wait in host memory for the backward pass (GPU); eqx.filter_jit without donation", _activations,
         bitwise=False, default=False),
     "host_weights": Mode(
-        "every eqx.nn.Linear in host memory (host_weights), offloaded(with_host_params(...)), "
+        "every eqx.nn.Linear in host memory (host_weights), host_params(...), "
         "apply_updates; eqx.filter_jit without donation", _host_weights,
         bitwise=False, default=False),
 }

@@ -235,7 +235,11 @@ def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
         eqx.nn.Linear(4, 4, key=key), policy=eqx_offload.offload_regex(".*"))
     rematted = eqx_offload.filter_remat(call_block, eqx_offload.offload_dots())
     out = rematted(Block(key), out) + head(out)
-    inner = eqx_offload.with_host_params(optax.adam(1e-3))
+    hp: eqx_offload.HostParams[Any] = eqx_offload.host_params(optax.adam(1e-3), offload=None)
+    head, _ = hp.update(eqx.filter(head, eqx.is_array), hp.init(head), head)
+    with warnings.catch_warnings():  # deprecated, and still typed
+        warnings.simplefilter("ignore", DeprecationWarning)
+        inner = eqx_offload.with_host_params(optax.adam(1e-3))
     updates = jax.tree.map(jnp.zeros_like, eqx.filter(head, eqx.is_array))
     head = eqx_offload.apply_updates(head, updates)
     master: eqx_offload.MasterWeights[Any] = eqx_offload.master_weights(inner)

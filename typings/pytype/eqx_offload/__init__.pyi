@@ -49,9 +49,11 @@ __all__ = [
     "GPU_TARGETS",
     "GpuPlan",
     "GpuTarget",
+    "host_params",
     "host_shardings",
     "host_weights",
     "HostMemoryKind",
+    "HostParams",
     "HostWeights",
     "install_runtime_checks",
     "jit",
@@ -339,6 +341,9 @@ class _FilterJit(Generic[_F]):
     __call__: _F
     def lower(self, *args: Any, **kwargs: Any) -> Lowered: ...
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]: ...
+    def lower_for(
+        self, platforms: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Lowered: ...
 
 @overload
 def filter_jit(
@@ -452,6 +457,19 @@ def apply_updates(model: _T, updates: Any) -> _T: ...
 def with_host_params(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs: ...
+@dataclasses.dataclass(frozen=True)
+class HostParams(Generic[_M]):
+    transformation: optax.GradientTransformationExtraArgs
+    def init(self, model: Any) -> Any: ...
+    def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]: ...
+
+def host_params(
+    inner: optax.GradientTransformation,
+    *,
+    offload: Optional[
+        Callable[[optax.GradientTransformation], optax.GradientTransformation]
+    ] = ...,
+) -> HostParams[Any]: ...
 
 # Activations in host memory.
 Policy = Callable[..., Any]

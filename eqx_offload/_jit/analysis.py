@@ -1,0 +1,46 @@
+"""One pass over a step's traced program (`analyse`): what `filter_jit` must know about
+it before it compiles, read from the program itself.
+
+- the host-compute lint (`lint._check_no_host_compute`): nothing computes on a
+  host-resident array;
+- the marked scopes (`compat.scopes`): whether the program streams, prefetches or
+  fetches an `offloaded` state whole (the GPU's default options depend on it);
+- the sharding constraints on its outputs (`eqx.filter_shard` at the end of a step
+  says where an output lives).
+"""
+
+import dataclasses
+from typing import Any, Optional
+
+from .._core.compat import scopes
+from .._core.jaxpr import is_var
+from .lint import _check_no_host_compute
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What `analyse` read from a traced program."""
+
+    streamed: bool
+    prefetched: bool
+    whole: bool
+    out_constraints: tuple[Optional[Any], ...]  # per output: its sharding constraint, or None
+
+
+def analyse(closed: Any, name: str) -> Analysis:
+    """Check the traced program `closed` (a closed jaxpr) computes on no host-resident
+    array (`CompositionError` naming `name` otherwise) and read what it marks and
+    constrains."""
+    jaxpr = closed.jaxpr
+    _check_no_host_compute(jaxpr, name)
+    constraints = {
+        eqn.outvars[0]: eqn.params["sharding"] for eqn in jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
+    }
+    kinds = scopes(jaxpr)
+    return Analysis(
+        streamed="streamed" in kinds,
+        prefetched="prefetched" in kinds,
+        whole="whole" in kinds,
+        out_constraints=tuple(constraints.get(v) if is_var(v) else None for v in jaxpr.outvars),
+    )

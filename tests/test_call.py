@@ -1,0 +1,48 @@
+"""`filter_jit`'s seams: the `Signature` that keys its cache and the one analysis pass."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_offload
+from eqx_offload._core.compat import marked
+from eqx_offload._jit.analysis import analyse
+from eqx_offload._jit.call import flatten_call, Signature
+from eqx_offload._jit.donation import _donation
+
+
+def _key(*args: object) -> Signature:
+    return flatten_call(args, {}, _donation("none", None)).key
+
+
+def test_signature_is_a_frozen_hashable_key() -> None:
+    """Same configuration, same key; a static value's type or a shape makes another."""
+    key = _key(jnp.ones(3), 1)
+    assert isinstance(key, Signature) and hash(key) == hash(_key(jnp.ones(3), 1))
+    assert key == _key(jax.device_put(jnp.ones(3)), 1)  # committed or not: one executable
+    assert key != _key(jnp.ones(3), 1.0)  # `1` and `1.0` do not share
+    assert key != _key(jnp.ones(4), 1)
+    assert key.statics == ((int, 1),) and key.is_array == (True, False)
+    with pytest.raises(AttributeError):
+        key.statics = ()  # type: ignore[misc]  # a NamedTuple: frozen
+
+
+def test_analysis_reads_scopes_and_constraints_and_lints() -> None:
+    """One pass: marked scopes, output constraints, and the host-compute error."""
+    def marked_step(x: jax.Array) -> jax.Array:
+        with marked("streamed"):
+            y = x * 2
+        return jax.lax.with_sharding_constraint(y, jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))
+
+    found = analyse(jax.make_jaxpr(marked_step)(jnp.ones(3)), "marked_step")
+    assert (found.streamed, found.prefetched, found.whole) == (True, False, False)
+    assert found.out_constraints[0] is not None
+    plain = analyse(jax.make_jaxpr(lambda x: x + 1)(jnp.ones(3)), "plain")
+    assert not (plain.streamed or plain.whole) and plain.out_constraints == (None,)
+    assert dataclasses.is_dataclass(plain)
+    host = eqx_offload.to_host(jnp.ones(3))
+    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+        analyse(jax.jit(lambda x: x + 1).trace(host).jaxpr, "host")

@@ -1,0 +1,47 @@
+"""Every module of the package at most 500 lines, every function's code (its docstring
+aside) at most 60: read with `ast`, so a long function shows by name."""
+
+import ast
+import pathlib
+
+import pytest
+
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_offload"
+MODULE_LINES = 500
+FUNCTION_LINES = 60
+# Modules or functions over the limits, each with its reason (none now).
+EXCEPTIONS: dict[str, str] = {}
+
+
+def oversized(source: str, name: str) -> list[str]:
+    """`name` if `source` is over `MODULE_LINES`, and `name:function` for each function
+    whose code is over `FUNCTION_LINES` lines."""
+    found = [name] if len(source.splitlines()) > MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and (
+                    isinstance(first.value.value, str)):
+                assert first.end_lineno is not None
+                lines -= first.end_lineno - first.lineno + 1
+            if lines > FUNCTION_LINES:
+                found.append(f"{name}:{node.name}")
+    return found
+
+
+def test_measure_can_fail() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES))
+    assert oversized(f'def f():\n    """doc\n    more"""\n{body}', "m") == ["m:f"]
+    assert oversized(f"def f():\n{body[:-len('    x59 = 59')-1]}", "m") == []
+    assert oversized("x = 1\n" * (MODULE_LINES + 1), "m") == ["m"]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_and_function_sizes(path: pathlib.Path) -> None:
+    name = str(path.relative_to(PACKAGE))
+    over = [n for n in oversized(path.read_text(), name) if n not in EXCEPTIONS]
+    assert not over, f"over {MODULE_LINES} lines a module or {FUNCTION_LINES} a function: {over}"
