@@ -25,24 +25,23 @@ _T = TypeVar("_T")
 def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
         memory_kind: Optional[str] = None, argument: Optional[str] = None,
         path_of: Callable[[int], str] = str) -> list[Any]:
-    """The one mover: `leaves` with each leaf whose target (a sharding, or a
-    `jax.memory.Space` inside a trace) is not `None` moved there, all in one
-    `jax.device_put`; the other leaves as they are.
-
-    With `argument` (the option a user set, for the error), the moves are to
-    `memory_kind` (`None`: the device's default memory), and a leaf that comes back
-    traced in another memory space is an error naming its path (`path_of(i)`): a
-    concrete array moved inside a trace (a constant closed over by a jitted function)
-    comes back traced, and JAX drops a memory kind it cannot express there
-    ('unpinned_host') without a word."""
+    """The one mover: each leaf whose target (a sharding; traced, a `jax.memory.Space`)
+    is not `None` moved there, all in one `jax.device_put`. With `argument` (for the
+    error): a leaf that comes back traced outside `memory_kind`'s space is an error
+    naming `path_of(i)` (JAX drops 'unpinned_host' in a trace without a word)."""
     out = list(leaves)
-    indices = [i for i, target in enumerate(targets) if target is not None]
+    indices, chosen, destinations = [], [], []
+    for i, target in enumerate(targets):
+        if target is not None:
+            indices.append(i)
+            chosen.append(leaves[i])
+            destinations.append(target)
     if not indices:
         return out
-    moved = jax.device_put([leaves[i] for i in indices], [targets[i] for i in indices])
+    moved = jax.device_put(chosen, destinations)
     for i, leaf in zip(indices, moved, strict=True):
-        if (argument is not None and is_traced(leaf)
-                and jax.typeof(leaf).memory_space != space_of(memory_kind)):
+        if (argument is not None and isinstance(leaf, jax.core.Tracer)  # (`is_traced`,
+                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # inlined)
             raise traced_move_error(str(memory_kind), argument, path_of(i))
         out[i] = leaf
     return out

@@ -112,10 +112,8 @@ def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
 def fetch(options: Options, leaves: Sequence[Any], init_dtypes: Optional[Sequence[Any]],
           mask: Optional[Sequence[bool]] = None, argument: str = "to_device",
           treedef: Any = None, targets: Optional[dict[Any, Any]] = None) -> list[Any]:
-    """State leaves (those `mask` selects; default all) to the device's default memory,
-    each widened back to the dtype `inner.init` gives it (`init_dtypes`; `None`: none
-    widened) where `store` narrowed it. `argument`, `treedef`, `targets`: as for
-    `store`."""
+    """The leaves `mask` selects (default all) to the device, widened back to
+    `init_dtypes` (`None`: none) where `store` narrowed them."""
     moved = _put(leaves, mask, None, argument, treedef, targets)
     if options.host_dtype is None or init_dtypes is None:
         return moved
@@ -125,11 +123,9 @@ def fetch(options: Options, leaves: Sequence[Any], init_dtypes: Optional[Sequenc
 def store(options: Options, leaves: Sequence[Any], memory_kind: Optional[str],
           mask: Optional[Sequence[bool]] = None, argument: str = "memory_kind",
           treedef: Any = None, targets: Optional[dict[Any, Any]] = None) -> list[Any]:
-    """The leaves `mask` selects (default all) narrowed to `options.host_dtype` where
-    that is narrower, then sent to `memory_kind` (`None`: the device's default memory)
-    in one `jax.device_put`; a leaf already there is not moved. Errors name the option
-    `argument` and the leaf's path in `treedef` (its index without one); `targets`
-    caches where a concrete array goes per (sharding, memory kind)."""
+    """The leaves `mask` selects (default all) narrowed to `host_dtype`, then to
+    `memory_kind` (`None`: the device), in one `put`; errors name `argument` and the
+    path in `treedef`; `targets` caches destinations per (sharding, memory kind)."""
     if options.host_dtype is not None:
         leaves = [_narrow(options, x) if mask is None or m else x
                   for x, m in zip(leaves, mask or [True] * len(leaves), strict=True)]
