@@ -1,10 +1,11 @@
 """`gpu_plan` of abstract arguments, the loop counts, collectives and floors it reads from
 XLA's plan (for an H100, compiled on the CPU: not measurements), and the capacity search
-(`python -m eqx_offload plan --capacity`) on a small ladder. Needs the GPU compiler."""
+(`python bench/capacity_run.py`) on a small ladder. Needs the GPU compiler."""
 
 import argparse
 import json
 import pathlib
+import sys
 
 import equinox as eqx
 import jax
@@ -15,9 +16,14 @@ import pytest
 
 import eqx_offload
 from eqx_offload._plan import deviceless as _deviceless
-from eqx_offload.cli import capacity, capacity_batch, capacity_run, llama
-from eqx_offload.cli import plan as plan_command
 from helpers import gpu_plan_marks
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import capacity  # (bench/: scripts of the repository, not of the package)
+import capacity_batch
+import capacity_run
+import llama
 
 
 pytestmark = gpu_plan_marks()
@@ -153,10 +159,10 @@ def test_llama_model_trains():
 def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
     """One H100 cut to 12 MiB, 3 modes, 3 small shapes; a rerun on its cache plans nothing."""
     parser = argparse.ArgumentParser()
-    plan_command.add_arguments(parser)
+    capacity_run.add_capacity_arguments(parser)
     out, cache = tmp_path / "capacity.json", tmp_path / "points.jsonl"
-    argv = ["--capacity", "--quick", "--json", str(out), "--cache", str(cache)]
-    assert plan_command.run(parser.parse_args(argv)) == 0
+    argv = ["--quick", "--json", str(out), "--cache", str(cache)]
+    assert capacity_run.run_capacity(parser.parse_args(argv)) == 0
     printed = capsys.readouterr().out
     planned = len(cache.read_text().splitlines())
     assert planned >= 3
@@ -165,7 +171,7 @@ def test_capacity_command_quick(tmp_path, capsys, monkeypatch):
         raise AssertionError("planned a point that is in the cache")
 
     monkeypatch.setattr(capacity, "plan_point", no_planning)
-    assert plan_command.run(parser.parse_args(argv)) == 0
+    assert capacity_run.run_capacity(parser.parse_args(argv)) == 0
     assert capsys.readouterr().out == printed
     assert len(cache.read_text().splitlines()) == planned
     assert "| H100 | fp32 |" in printed and "| H100 | +activations |" in printed
@@ -267,7 +273,7 @@ BATCH_JSON = pathlib.Path(__file__).parent.parent / "docs/bench/gpu/capacity_bat
 
 
 def test_published_batch_table_is_the_json():
-    """`plan --capacity --micro-batches`'s JSON is docs/capacity.md's table; the goals hold."""
+    """`bench/capacity_run.py --micro-batches`'s JSON is docs/capacity.md's table; the goals hold."""
     rows = json.loads(BATCH_JSON.read_text())
     page = (BATCH_JSON.parent.parent.parent / "capacity.md").read_text()
     assert rows
@@ -303,7 +309,7 @@ def test_published_batch_table_is_the_json():
 
 
 def test_published_capacity_table_is_the_json_and_meets_the_goals():
-    """`plan --capacity`'s JSON is the README's and the GPU plan page's tables; the goals hold."""
+    """`bench/capacity_run.py`'s JSON is the README's and the GPU plan page's tables; the goals hold."""
     root = pathlib.Path(__file__).parent.parent
     results = json.loads((root / "docs/bench/gpu/capacity.json").read_text())
     best = {(r["target"], r["n_devices"], r["mode"]): r["largest"] for r in results}

@@ -1,12 +1,14 @@
 """The `python` fences of each docs page and public docstring run in order in one namespace
 (`py` fences are shown only); the package's commands in shell fences parse."""
 
+import argparse
 import contextlib
 import inspect
 import io
 import pathlib
 import re
 import shlex
+import sys
 import textwrap
 from typing import Any
 
@@ -94,10 +96,12 @@ def test_docstring_examples_run(name):
 # ------------------------------------------------------------ the documented commands
 _SHELL_LANGUAGES = {"bash", "sh", "shell", "console", "zsh"}
 # `[path/]python3 -m eqx_offload ARGS`, `eqx-offload ARGS`, `bench/gpu_run.sh ARGS` (to
-# `bench`); ARGS end at a shell operator, `)` or a backtick.
+# `bench`), `bench/capacity_run.py ARGS` (the script's own parser, as `capacity_run`);
+# ARGS end at a shell operator, `)` or a backtick.
 _COMMAND = re.compile(
     r"(?:(?<![\w.-])\S*python3?(?:\.\d+)?\s+-m\s+eqx_offload|(?<![\w.-])eqx-offload"
-    r"|(?P<gpu_run>bench/gpu_run\.sh))(?![\w.-])(?P<args>[^;&|)`\n]*)")
+    r"|(?P<gpu_run>bench/gpu_run\.sh)|(?P<capacity>bench/capacity_run\.py))(?![\w.-])"
+    r"(?P<args>[^;&|)`\n]*)")
 
 
 def shell_commands(text: str) -> list[tuple[int, list[str]]]:
@@ -111,7 +115,8 @@ def shell_commands(text: str) -> list[tuple[int, list[str]]]:
             command = re.sub(r"^\s*\$ ", "", command)
             for m in _COMMAND.finditer(command):
                 argv = shlex.split(m["args"], comments=True)
-                found.append((line + offset, ["bench", *argv] if m["gpu_run"] else argv))
+                head = ["bench"] if m["gpu_run"] else ["capacity_run"] if m["capacity"] else []
+                found.append((line + offset, [*head, *argv]))
     return found
 
 
@@ -119,10 +124,20 @@ def parse_command(argv: list[str]) -> str:
     """`argv` parsed as `python -m eqx_offload` would, not run: "" or argparse's message."""
     from eqx_offload.cli import _parser
 
+    if argv[:1] == ["capacity_run"]:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import capacity_run
+
+        parser = argparse.ArgumentParser()
+        capacity_run.add_capacity_arguments(parser)
+        parser.add_argument("--platform")
+        argv = argv[1:]
+    else:
+        parser = _parser()[0]
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            _parser()[0].parse_args(argv)
+            parser.parse_args(argv)
     except SystemExit as exit_:
         if exit_.code not in (0, None):  # `--help` exits 0
             # argparse's last line is the error; the usage above it is long
@@ -147,10 +162,14 @@ def test_extractors_are_not_blind_and_a_failing_block_or_stale_command_fails():
             ".venv/bin/python3 -m eqx_offload demo && eqx-offload plan --capacity\n"
             "MYPYPATH=$(python -m eqx_offload typings --mypy) mypy train.py\n"
             "OUT=/tmp/x bash bench/gpu_run.sh --platform cpu\npython -m eqx_offload_other demo\n"
+            "python bench/capacity_run.py --quick\n"
             "```\n```python\nprint('python -m eqx_offload demo')\n```\n")
     assert [argv for _, argv in shell_commands(text)] == [
         ["bench", "--out", "x", "--modes", "baseline"], ["demo"], ["plan", "--capacity"],
-        ["typings", "--mypy"], ["bench", "--platform", "cpu"]]
+        ["typings", "--mypy"], ["bench", "--platform", "cpu"], ["capacity_run", "--quick"]]
+    assert parse_command(["capacity_run", "--quick", "--gpus", "h100"]) == ""
+    assert "unrecognized arguments" in parse_command(["capacity_run", "--no-such-option"])
+    assert "unrecognized arguments" in parse_command(["plan", "--capacity"])
     ids = {_page_id(p) for p in _DOCUMENTS_WITH_COMMANDS}
     for document in ("README.md", "docs/getting-started.md", "docs/benchmark.md",
                      "docs/gpu-plan.md", "docs/typing.md"):

@@ -54,3 +54,20 @@ def test_host_dtype_is_not_applied_to_unselected_or_narrow_leaves() -> None:
     adam = opt.init(params).inner_state[0]
     assert adam.mu["w"].dtype == jnp.bfloat16  # already 2 bytes: not touched
     assert adam.mu["v"].dtype == jnp.float32 and adam.mu["v"].sharding.memory_kind == "device"
+
+
+@pytest.mark.parametrize("group_bytes, top_level_puts", [("auto", 0), (None, 4), (1024, 4)])
+def test_state_crosses_once_each_way(group_bytes, top_level_puts) -> None:
+    """Traced, each host leaf is fetched once and stored once: `offloaded`'s store after
+    a strategy that stored already moves nothing (one copy each way in XLA's program
+    for a GPU; `auto` moves only inside its `platform_dependent` branches)."""
+    params = {"w": jax.device_put(jnp.ones((32, 32)), jax.devices()[0])}
+    opt = eqx_offload.offloaded(optax.adam(0.1), group_bytes=group_bytes)
+    state = opt.init(params)
+    traced = jax.jit(opt.update).trace(params, state, params)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    placements = re.findall(r"_xla_buffer_placement = \"(\w+)\"", text)
+    assert sorted(placements) == ["device"] * 2 + ["pinned_host"] * 2
+    puts = [len(e.invars) for e in jax.make_jaxpr(opt.update)(params, state, params).eqns
+            if e.primitive.name == "device_put"]
+    assert sum(puts) == top_level_puts  # mu and nu: fetched, stored

@@ -158,7 +158,7 @@ def test_eager_default_update_is_short() -> None:
     _, state = opt.update(grads, state, params)  # warm-up: the layout, the first checks
     measured = profile_update(opt.update, grads, state, params)
     print(f"\n{measured['lines']} lines, {measured['walks']} walks in", *measured["functions"])
-    assert len(measured["files"]) <= 4
+    assert len(measured["files"]) <= 5  # offloaded, checks, strategies, layout; move's `put`
     assert measured["lines"] <= 300
     assert measured["walks"] <= 8
 

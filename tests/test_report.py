@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
 from eqx_offload import LeafMemory, memory_report, MemoryReport, pattern
-from eqx_offload._core.report import format_bytes
+from eqx_offload._core.leaves import format_bytes
 
 
 def test_by_kind_totals_and_leaves() -> None:

@@ -4,9 +4,10 @@ One path convention for the whole package: a leaf's key path as `/`-joined keys 
 root (`"1/0/mu/layers/0/weight"`: dict keys, sequence indices, attribute names), the form
 `pattern` matches, errors print and `memory_report` lists. `path_parts` is the same path
 as a tuple, which `filter_jit` compares from the end to pair outputs with inputs.
+`format_bytes` is how every message and report prints a size.
 """
 
-from typing import Any
+from typing import Any, Union
 
 import jax
 import jax.core
@@ -55,3 +56,19 @@ def nbytes(leaf: Any) -> int:
 def is_traced(x: Any) -> bool:
     """Whether `x` is a tracer (inside `jit`, `grad`, `vmap`, ...)."""
     return isinstance(x, jax.core.Tracer)
+
+
+def is_none(x: Any) -> bool:
+    """`is_leaf` for a tree map that pairs `None` (no update, no gradient) with a
+    subtree."""
+    return x is None
+
+
+def format_bytes(n: Union[int, float]) -> str:
+    """`1536` -> `"1.5 KiB"`. (`int` spelled out: beartype, unlike mypy, does not
+    accept an `int` for `float`.)"""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

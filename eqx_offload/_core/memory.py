@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import MemoryKindError, OptionError
+from .leaves import format_bytes
 from .types import Device, HostMemoryKind, MemoryKind
 
 
@@ -183,8 +184,8 @@ def check_host_pool(
     if used + placing <= cap:
         return
     raise MemoryKindError(
-        f"{what}: placing {_gib(placing)} in 'pinned_host' memory, with {_gib(used)} "
-        f"already there, passes the {_gib(cap)} cap of XLA's pinned host pool on "
+        f"{what}: placing {format_bytes(placing)} in 'pinned_host' memory, with {format_bytes(used)} "
+        f"already there, passes the {format_bytes(cap)} cap of XLA's pinned host pool on "
         f"{platform!r} ({HOST_LIMIT_VARIABLE}="
         f"{os.environ.get(HOST_LIMIT_VARIABLE, f'{DEFAULT_HOST_LIMIT_GB} (default)')}). "
         f"XLA would fail with a host out-of-memory error that reads like a device one. "
@@ -192,16 +193,6 @@ def check_host_pool(
         f"{math.ceil((used + placing) / (1 << 30)) + 1}`, within the machine's RAM), "
         "or offload less (`where=eqx_offload.within_budget(...)`, `host_dtype=jnp.bfloat16`)."
     )
-
-
-def _gib(n: int) -> str:
-    """`1536` -> `"1.5 KiB"` (as `memory_report`'s `format_bytes`)."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def platform_of(leaves: Iterable[Any]) -> str:

@@ -1,8 +1,10 @@
-"""`to_host`, `to_device` and `filter_shard`: one `jax.device_put` for the selected
-array leaves."""
+"""The one mover, `put` (one `jax.device_put` for a flat list of leaves and their
+targets), and the public movers on it: `to_host`, `to_device`, `filter_shard`. Every
+module that moves arrays between memories goes through `put` (the layout's `fetch` and
+`store`, the streamed and host-compute updates through `move`)."""
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, TypeVar
 
 import equinox as eqx
@@ -12,12 +14,37 @@ import jax.tree_util as jtu
 from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, default_kind
-from .placement import destination, memory_kind_of, space_of, traced_move_error
+from .placement import Destination, destination, memory_kind_of, space_of, traced_move_error
 from .types import HostMemoryKind, Where
 from .where import leaf_mask, warn_if_selects_nothing
 
 
 _T = TypeVar("_T")
+
+
+def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
+        memory_kind: Optional[str] = None, argument: Optional[str] = None,
+        path_of: Callable[[int], str] = str) -> list[Any]:
+    """The one mover: each leaf whose target (a sharding; traced, a `jax.memory.Space`)
+    is not `None` moved there, all in one `jax.device_put`. With `argument` (for the
+    error): a leaf that comes back traced outside `memory_kind`'s space is an error
+    naming `path_of(i)` (JAX drops 'unpinned_host' in a trace without a word)."""
+    out = list(leaves)
+    indices, chosen, destinations = [], [], []
+    for i, target in enumerate(targets):
+        if target is not None:
+            indices.append(i)
+            chosen.append(leaves[i])
+            destinations.append(target)
+    if not indices:
+        return out
+    moved = jax.device_put(chosen, destinations)
+    for i, leaf in zip(indices, moved, strict=True):
+        if (argument is not None and isinstance(leaf, jax.core.Tracer)  # (`is_traced`,
+                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # inlined)
+            raise traced_move_error(str(memory_kind), argument, path_of(i))
+        out[i] = leaf
+    return out
 
 
 def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
@@ -34,28 +61,14 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
         )
     keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in keyed_leaves]
-    indices: list[int] = []
-    paths: list[Any] = []
-    destinations: list[Any] = []
     mask = leaf_mask(tree, where)
     if caller is not None:
         _warn_if_nothing_moves(tree, leaves, where, mask, caller)
-    for i, ((path, leaf), selected) in enumerate(zip(keyed_leaves, mask, strict=True)):
-        target = destination(leaf, memory_kind, argument, path_to_str(path)) if selected else None
-        if target is not None:
-            indices.append(i)
-            paths.append(path)
-            destinations.append(target)
-    if indices:
-        moved = jax.device_put([leaves[i] for i in indices], destinations)
-        for i, key_path, leaf in zip(indices, paths, moved, strict=True):
-            # A concrete array moved inside a trace (a constant closed over by a jitted
-            # function) comes back traced; JAX drops a memory kind it cannot express
-            # there ('unpinned_host') without a word, so check.
-            if is_traced(leaf) and jax.typeof(leaf).memory_space != space_of(memory_kind):
-                raise traced_move_error(str(memory_kind), argument, path_to_str(key_path))
-            leaves[i] = leaf
-    out: _T = jtu.tree_unflatten(treedef, leaves)
+    targets = [destination(leaf, memory_kind, argument, path_to_str(path)) if selected
+               else None for (path, leaf), selected in zip(keyed_leaves, mask, strict=True)]
+    moved = put(leaves, targets, memory_kind, argument,
+                lambda i: path_to_str(keyed_leaves[i][0]))
+    out: _T = jtu.tree_unflatten(treedef, moved)
     return out
 
 
@@ -182,15 +195,12 @@ def filter_shard(tree: _T, sharding: jax.sharding.Sharding) -> _T:
             "`jax.sharding.Sharding`, e.g. `NamedSharding(mesh, PartitionSpec())`."
         )
     leaves, treedef = jtu.tree_flatten(tree)
-    indices = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
-    targets = [sharding.with_memory_kind(memory_kind_of(leaves[i]) or default_kind(
-        next(iter(sharding.device_set)))) for i in indices]
-    arrays = [leaves[i] for i in indices]
-    if any(map(is_traced, arrays)):
-        moved = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(arrays, targets, strict=True)]
+    targets = [sharding.with_memory_kind(memory_kind_of(x) or default_kind(
+        next(iter(sharding.device_set)))) if eqx.is_array(x) else None for x in leaves]
+    if any(map(is_traced, leaves)):
+        moved = [x if s is None else jax.lax.with_sharding_constraint(x, s)
+                 for x, s in zip(leaves, targets, strict=True)]
     else:
-        moved = jax.device_put(arrays, targets)
-    for i, x in zip(indices, moved, strict=True):
-        leaves[i] = x
-    out: _T = jtu.tree_unflatten(treedef, leaves)
+        moved = put(leaves, targets)
+    out: _T = jtu.tree_unflatten(treedef, moved)
     return out

@@ -240,45 +240,51 @@ def output_shardings(
     by_shape: dict[Any, list[tuple[Any, tuple[str, ...], jax.sharding.Sharding]]] = {}
     for aval, path, in_sharding in zip(in_avals, in_paths, in_shardings, strict=True):
         by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
-    result = []
     if constrained is None:
         constrained = [None] * len(out_avals)
-    for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True):
-        kind = _kind_of_aval(aval, device)
-        abstract = getattr(aval, "sharding", None)
-        candidates = by_shape.get(aval.shape, [])
-        like_input = None
-        if candidates:
-            _, _, best = max(
-                candidates,  # of equal keys `max` keeps the first: the earliest input
-                key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
-            )
-            like_input = best.with_memory_kind(kind)
-        if isinstance(constraint, jax.sharding.NamedSharding) and isinstance(
-            constraint.mesh, jax.sharding.Mesh
-        ):
-            sharding: jax.sharding.Sharding = constraint.with_memory_kind(kind)
-            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
-                sharding = like_input
-        elif (
-            mesh is not None
-            and isinstance(abstract, jax.sharding.NamedSharding)
-            and not abstract.mesh.empty
-            and abstract.mesh.axis_names == mesh.axis_names
-            and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
-        ):
-            sharding = jax.sharding.NamedSharding(mesh, abstract.spec, memory_kind=kind)
-            # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
-            # spelling so the next call hits the cache.
-            if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
-                sharding = like_input
-        elif like_input is not None:
+    return [_output_sharding(aval, out_path, constraint, _kind_of_aval(aval, device),
+                             by_shape, mesh, device)
+            for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True)]
+
+
+def _output_sharding(aval: Any, out_path: tuple[str, ...],
+                     constraint: Optional[jax.sharding.Sharding], kind: str,
+                     by_shape: dict[Any, list[tuple[Any, tuple[str, ...], jax.sharding.Sharding]]],
+                     mesh: Any, device: Device) -> jax.sharding.Sharding:
+    """One output's sharding, in `output_shardings`' order of preference."""
+    abstract = getattr(aval, "sharding", None)
+    candidates = by_shape.get(aval.shape, [])
+    like_input = None
+    if candidates:
+        _, _, best = max(
+            candidates,  # of equal keys `max` keeps the first: the earliest input
+            key=lambda c: (_common_suffix(c[1], out_path), c[0] == aval.dtype),
+        )
+        like_input = best.with_memory_kind(kind)
+    if isinstance(constraint, jax.sharding.NamedSharding) and isinstance(
+        constraint.mesh, jax.sharding.Mesh
+    ):
+        sharding: jax.sharding.Sharding = constraint.with_memory_kind(kind)
+        if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
             sharding = like_input
-        elif mesh is not None:
-            sharding = jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(), memory_kind=kind
-            )
-        else:
-            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-        result.append(sharding)
-    return result
+    elif (
+        mesh is not None
+        and isinstance(abstract, jax.sharding.NamedSharding)
+        and not abstract.mesh.empty
+        and abstract.mesh.axis_names == mesh.axis_names
+        and jax.sharding.AxisType.Explicit in abstract.mesh.axis_types
+    ):
+        sharding = jax.sharding.NamedSharding(mesh, abstract.spec, memory_kind=kind)
+        # `P()` and `P(None,)` mean the same but hash apart: keep the input's own
+        # spelling so the next call hits the cache.
+        if like_input is not None and like_input.is_equivalent_to(sharding, aval.ndim):
+            sharding = like_input
+    elif like_input is not None:
+        sharding = like_input
+    elif mesh is not None:
+        sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+        )
+    else:
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    return sharding

@@ -1,13 +1,13 @@
 """`memory_report`: where the bytes of a pytree live."""
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .leaves import is_traced, nbytes, path_to_str, shown
+from .leaves import format_bytes, is_traced, nbytes, path_to_str, shown
 from .memory import (HOST_LIMIT_VARIABLE, HOST_MEMORY_KINDS, host_pool_limit, platform_of,
                       pooled_bytes)
 from .placement import memory_kind_of
@@ -114,16 +114,6 @@ class MemoryReport:
         for line in self._pool_lines():
             table.caption = line
         return table
-
-
-def format_bytes(n: Union[int, float]) -> str:
-    """`1536` -> `"1.5 KiB"`. (`int` spelled out: beartype, unlike mypy, does not
-    accept an `int` for `float`.)"""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 _UNPLACED = ("numpy", "unknown", "unplaced")

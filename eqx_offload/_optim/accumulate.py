@@ -32,7 +32,7 @@ from .._core.move import move
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
 from .checks import check_is_offloaded, check_trace
-from .layout import Cache, fetch_state, Layout, layout_for, store_leaves
+from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
 from .strategies import streamed
@@ -295,8 +295,8 @@ def _store(options: Options, tree: Any, mask: Any, memory_kind: str,
            targets: Optional[dict[Any, Any]] = None) -> Any:
     """The leaves of `tree` that `mask` selects, narrowed and sent to `memory_kind`."""
     leaves, treedef = jtu.tree_flatten(tree)
-    return jtu.tree_unflatten(treedef, store_leaves(options, leaves, mask, memory_kind,
-                                                    treedef, targets))
+    return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind, mask,
+                                             treedef=treedef, targets=targets))
 
 
 def _fetch(step: _Step, tree: Any, region: slice) -> Any:
@@ -305,7 +305,7 @@ def _fetch(step: _Step, tree: Any, region: slice) -> Any:
     leaves, treedef = jtu.tree_flatten(tree)
     mask, dtypes = step.layout.mask[region], step.layout.init_dtypes[region]
     selected = [x for x, m in zip(leaves, mask, strict=True) if m]
-    moved = iter(fetch_state(step.layout.options, selected,
+    moved = iter(fetch(step.layout.options, selected,
                              [d for d, m in zip(dtypes, mask, strict=True) if m]))
     return jtu.tree_unflatten(treedef, [next(moved) if m else x
                                         for x, m in zip(leaves, mask, strict=True)])

@@ -17,7 +17,8 @@ import numpy as np
 from jax.core import Tracer
 
 from .._core.errors import OffloadError
-from .._core.placement import destination, space_of, traced_move_error
+from .._core.move import put
+from .._core.placement import destination
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .options import Options
@@ -51,8 +52,8 @@ class Layout:
     def fetch(self, leaves: Sequence[Any]) -> list[Any]:
         """Every array leaf to the device's default memory, widened back where `store`
         narrowed it."""
-        moved = put(leaves, [True] * len(leaves), None, "to_device", self.treedef, self.targets)
-        return _widened(self.options, moved, self.init_dtypes)
+        return fetch(self.options, leaves, self.init_dtypes, treedef=self.treedef,
+                     targets=self.targets)
 
     def store(self, tree: Any, memory_kind: Optional[str] = None) -> Any:
         """The new inner state with its selected leaves narrowed and sent to host
@@ -61,9 +62,9 @@ class Layout:
         mask: Sequence[bool] = self.mask
         if treedef != self.treedef:  # a state that `update` grows (optax's `monitor`)
             mask = leaf_mask(tree, self.options.where)
-        return jtu.tree_unflatten(treedef, store_leaves(
-            self.options, leaves, mask, memory_kind or self.options.memory_kind, treedef,
-            self.targets))
+        return jtu.tree_unflatten(treedef, store(
+            self.options, leaves, memory_kind or self.options.memory_kind, mask,
+            treedef=treedef, targets=self.targets))
 
 
 def layout_for(
@@ -102,36 +103,59 @@ def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
 
 
 # ----------------------------------------------------------------------------------------
-# The transfers, on flat leaves. Every update strategy (`strategies`, `stream`,
-# `host_compute`) moves state only through these, so `host_dtype` (narrow on the way to
-# host, widen on the way back) holds in every mode.
+# The two transfers, on flat leaves: `fetch` and `store`. Every update strategy
+# (`strategies`, `stream`, `host_compute`, `accumulate`) moves state only through these,
+# so `host_dtype` (narrow on the way to host, widen on the way back) holds in every mode.
+# Both move with `_core.move.put`.
 
 
-def put(leaves: Sequence[Any], mask: Sequence[bool], memory_kind: Optional[str],
-        argument: str, treedef: Any = None, targets: Optional[dict[Any, Any]] = None,
-        ) -> list[Any]:
-    """`leaves` with the arrays `mask` selects moved to `memory_kind` (`None`: the
-    device's default memory) in one `jax.device_put`; errors name the leaf's path in
-    `treedef` (its index without one). `targets` caches where a concrete array goes per
-    (sharding, memory kind)."""
-    out = list(leaves)
-    indices: list[int] = []
-    destinations: list[Any] = []
-    for i, (x, selected) in enumerate(zip(leaves, mask, strict=True)):
-        if selected and eqx.is_array(x):
-            target = _target(x, memory_kind, argument, treedef, i, targets)
-            if target is not None:
-                indices.append(i)
-                destinations.append(target)
-    if indices:
-        moved = jax.device_put([leaves[i] for i in indices], destinations)
-        for i, leaf in zip(indices, moved, strict=True):
-            # A concrete array moved inside a trace comes back traced; JAX drops a memory
-            # kind it cannot express there ('unpinned_host') without a word, so check.
-            if isinstance(leaf, Tracer) and jax.typeof(leaf).memory_space != space_of(memory_kind):
-                raise traced_move_error(str(memory_kind), argument, leaf_path(treedef, i))
-            out[i] = leaf
-    return out
+def fetch(options: Options, leaves: Sequence[Any], init_dtypes: Optional[Sequence[Any]],
+          mask: Optional[Sequence[bool]] = None, argument: str = "to_device",
+          treedef: Any = None, targets: Optional[dict[Any, Any]] = None) -> list[Any]:
+    """The leaves `mask` selects (default all) to the device, widened back to
+    `init_dtypes` (`None`: none) where `store` narrowed them."""
+    moved = _put(leaves, mask, None, argument, treedef, targets)
+    if options.host_dtype is None or init_dtypes is None:
+        return moved
+    return [_widen(options, x, d) for x, d in zip(moved, init_dtypes, strict=True)]
+
+
+def store(options: Options, leaves: Sequence[Any], memory_kind: Optional[str],
+          mask: Optional[Sequence[bool]] = None, argument: str = "memory_kind",
+          treedef: Any = None, targets: Optional[dict[Any, Any]] = None) -> list[Any]:
+    """The leaves `mask` selects (default all) narrowed to `host_dtype`, then to
+    `memory_kind` (`None`: the device), in one `put`; errors name `argument` and the
+    path in `treedef`; `targets` caches destinations per (sharding, memory kind)."""
+    if options.host_dtype is not None:
+        leaves = [_narrow(options, x) if mask is None or m else x
+                  for x, m in zip(leaves, mask or [True] * len(leaves), strict=True)]
+    return _put(leaves, mask, memory_kind, argument, treedef, targets)
+
+
+def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
+    """`store` of a whole inner state, the leaves `options.where` selects. (Kept for
+    `offloaded`'s `init`; a tree, not flat leaves.)"""
+    leaves, treedef = jtu.tree_flatten(tree)
+    return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind,
+                                             leaf_mask(tree, options.where), treedef=treedef))
+
+
+def narrowed(options: Options, leaves: Sequence[Any]) -> list[Any]:
+    """State leaves narrowed to `options.host_dtype` where that is narrower, on the
+    device: what `store` sends to host (narrowing twice changes nothing)."""
+    return [_narrow(options, x) for x in leaves]
+
+
+def _put(leaves: Sequence[Any], mask: Optional[Sequence[bool]], memory_kind: Optional[str],
+         argument: str, treedef: Any, targets: Optional[dict[Any, Any]]) -> list[Any]:
+    """`put` of the arrays `mask` selects (default all) to `memory_kind`."""
+    if mask is None:
+        mask = [True] * len(leaves)
+    destinations = [_target(x, memory_kind, argument, treedef, i, targets)
+                    if selected and eqx.is_array(x) else None
+                    for i, (x, selected) in enumerate(zip(leaves, mask, strict=True))]
+    return put(leaves, destinations, memory_kind, argument,
+               lambda i: leaf_path(treedef, i))
 
 
 def _target(leaf: Any, memory_kind: Optional[str], argument: str, treedef: Any, i: int,
@@ -154,50 +178,8 @@ def _destination(leaf: Any, memory_kind: Optional[str], argument: str, treedef: 
         return destination(leaf, memory_kind, argument, leaf_path(treedef, i))
 
 
-def fetch_state(options: Options, leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
-    """State leaves to the device's default memory for the update, each widened back to
-    the dtype `inner.init` gives it (`init_dtypes`) if `store_state` narrowed it."""
-    return _widened(options, put(leaves, [True] * len(leaves), None, "to_device"), init_dtypes)
-
-
-def _widened(options: Options, leaves: list[Any], init_dtypes: Sequence[Any]) -> list[Any]:
-    if options.host_dtype is None:
-        return leaves
-    return [_widen(options, x, d) for x, d in zip(leaves, init_dtypes, strict=True)]
-
-
-def store_leaves(options: Options, leaves: Sequence[Any], mask: Sequence[bool],
-                 memory_kind: str, treedef: Any = None,
-                 targets: Optional[dict[Any, Any]] = None) -> list[Any]:
-    """The leaves `mask` selects narrowed to `options.host_dtype` (where that is
-    narrower) and sent to `memory_kind` (see `put`)."""
-    if options.host_dtype is not None:
-        leaves = [_narrow(options, x) if m else x for x, m in zip(leaves, mask, strict=True)]
-    return put(leaves, mask, memory_kind, "memory_kind", treedef, targets)
-
-
-def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
-    """`tree` (a whole inner state) with the leaves `options.where` selects narrowed and
-    sent to `memory_kind`."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    mask = leaf_mask(tree, options.where)
-    return jtu.tree_unflatten(treedef, store_leaves(options, leaves, mask, memory_kind, treedef))
-
-
-def store_state(options: Options, leaves: Sequence[Any], memory_kind: str) -> list[Any]:
-    """State leaves narrowed to `options.host_dtype` (where that is narrower), then sent
-    to host memory."""
-    return put(narrow_state(options, leaves), [True] * len(leaves), memory_kind, "memory_kind")
-
-
-def narrow_state(options: Options, leaves: Sequence[Any]) -> list[Any]:
-    """State leaves narrowed to `options.host_dtype` where that is narrower, on the
-    device: what `store_state` sends to host (narrowing twice changes nothing)."""
-    return [_narrow(options, x) for x in leaves]
-
-
 def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
-    """The dtype `fetch_state` gives a leaf of `dtype` whose `inner.init` dtype is
+    """The dtype `fetch` gives a leaf of `dtype` whose `inner.init` dtype is
     `init_dtype`."""
     host_dtype = options.host_dtype
     if (

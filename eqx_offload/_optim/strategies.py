@@ -3,7 +3,7 @@
     strategy(inner, layout, traced, updates, leaves, params, extra_args)
         -> (updates, new_inner_state)
 
-Each brings the state it needs to the device (`Layout.fetch`, or `layout.fetch_state`
+Each brings the state it needs to the device (`Layout.fetch`, or `layout.fetch`
 group by group), runs `inner.update`, and returns the new inner state; `offloaded`'s
 update then stores it (`Layout.store`). `leaves` are the inner state's flat leaves;
 `traced` says whether any argument is traced.
@@ -34,7 +34,7 @@ from .._core.placement import is_host
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
 from .host_compute import host_update
-from .layout import Layout, put
+from .layout import fetch, Layout
 from .options import Options
 from .stream import streamed_update
 
@@ -127,8 +127,8 @@ def _as_stored(layout: Layout, state: Any) -> Any:
     mask = layout.mask if treedef == layout.treedef else leaf_mask(
         jtu.tree_unflatten(treedef, leaves), layout.options.where)
     away = [not m and eqx.is_array(x) and is_host(x) for x, m in zip(leaves, mask, strict=True)]
-    return jtu.tree_unflatten(treedef, put(leaves, away, None, "to_device", treedef,
-                                           layout.targets))
+    return jtu.tree_unflatten(treedef, fetch(layout.options, leaves, None, away,
+                                             treedef=treedef, targets=layout.targets))
 
 
 def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,

@@ -68,7 +68,7 @@ from .._core.inner import as_transformation
 from .._core.jaxpr import bind, Env, is_var, trace_update, TracedUpdate
 from .._core.move import move
 from .._core.placement import is_host, memory_kind_of
-from .layout import fetch_state, narrow_state, store_state, widened_dtype
+from .layout import fetch, narrowed, store, widened_dtype
 from .options import Options
 from .schedule import _converts_only, _Piece, _Schedule, _schedule, StreamPlan
 
@@ -222,14 +222,14 @@ class _Runner:
             )
             vals.update(zip(keys, fenced, strict=True))
             env.write(incoming, state)
-        env.write(incoming, fetch_state(self.options, env.read_all(incoming),
+        env.write(incoming, fetch(self.options, env.read_all(incoming),
                                         [self.dtype_of[v] for v in incoming]))
         for p in schedule.pieces[stage]:
             a, b = p.rows
             for i in schedule.sliced[p.root].read:
                 rows = jax.lax.slice_in_dim(vals[("leaf", i)], a, b, axis=0)
                 key = ("read", j, p.root, p.index, i)
-                (vals[key],) = fetch_state(self.options, [rows], [self.dtype_of[self.state_invars[i]]])
+                (vals[key],) = fetch(self.options, [rows], [self.dtype_of[self.state_invars[i]]])
                 if i in self.sliced_leaves:
                     self.pending.setdefault(i, []).append(key)
 
@@ -253,9 +253,9 @@ class _Runner:
         to_host = [key for key in produced if key[1] in self.schedule.host_outputs]
         # (as they go to host: a barrier on anything XLA would not materialise anyway,
         # such as the float32 state that host_dtype narrows, changes its fusions)
-        computed = narrow_state(self.options, [vals[key] for key in to_host])
+        computed = narrowed(self.options, [vals[key] for key in to_host])
         vals.update(zip(to_host, computed, strict=True))
-        vals.update(zip(to_host, store_state(self.options, [vals[key] for key in to_host],
+        vals.update(zip(to_host, store(self.options, [vals[key] for key in to_host],
                                              "pinned_host"), strict=True))
         for p in self.schedule.pieces[stage]:
             host, updates = self.run_piece(j, p, computed)
@@ -353,9 +353,9 @@ class _Runner:
         """Send piece `p`'s new rows of state leaf `i` (run `j`) to host, narrowed, and
         write them into the leaf's host buffer, in place; appends them as computed (on
         the device) to `computed`. Returns the buffer's key."""
-        (value,) = narrow_state(self.options, [value])
+        (value,) = narrowed(self.options, [value])
         computed.append(value)
-        (rows,) = store_state(self.options, [value], "pinned_host")
+        (rows,) = store(self.options, [value], "pinned_host")
         key = ("leaf", i)
         ahead = [r for r in self.pending.pop(i, []) if r[1] > j]
         if ahead:

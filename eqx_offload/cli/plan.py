@@ -8,7 +8,9 @@ your own: `--step package.module:function`, where `function()` returns
 function (a plain function is planned as `eqx_offload.filter_jit(step)`).
 
 Every number is XLA's plan (its buffer assignment and schedule for the target), not a
-measurement. Needs the `plan` extra (jax-cuda12-plugin at the installed JAX version,
+measurement. (The capacity search over Llama-style models that the GPU-plan page
+reports is a script of the repository, `python bench/capacity_run.py`, not a command.)
+Needs the `plan` extra (jax-cuda12-plugin at the installed JAX version,
 nvidia-cuda-nvcc-cu12)."""
 
 import argparse
@@ -24,8 +26,6 @@ import optax
 
 import eqx_offload
 
-from .capacity import CAPACITY_MODES
-from .capacity_run import run_capacity
 from .models import LMShape, lm_workload, make_mlp, make_step, mse_loss, OPTIMIZERS, regression_batches
 from .modes import MODES
 
@@ -56,62 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                         help="plan within this much device memory (MiB) instead of the GPU's")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
-    _add_capacity_arguments(parser)
-
-
-def _add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `--capacity` group: the capacity ladder and the batch table."""
-    capacity = parser.add_argument_group(
-        "capacity", "--capacity: the largest Llama-style model whose AdamW training step fits "
-        "each GPU, per mode (planned from shapes: nothing is allocated)")
-    capacity.add_argument("--capacity", action="store_true",
-                          help="search the size ladder (published Llama shapes 1B-70B and depths "
-                               "between them) for the largest model that fits, per mode")
-    capacity.add_argument("--gpus", default=None,
-                          help="comma-separated GPUs to size for: h100, h200, and NAMExN for a "
-                               "node of N (FSDP over the node; default h100,h200,h100x8, and "
-                               "h100 with --quick)")
-    capacity.add_argument("--host-memory", type=float, default=256, metavar="GB",
-                          help="host memory per GPU, in GB (default 256)")
-    capacity.add_argument("--capacity-modes", default=None, metavar="MODES",
-                          help="comma-separated modes (default all: "
-                               + ",".join(m.name for m in CAPACITY_MODES) + ")")
-    capacity.add_argument("--micro-batch", type=int, default=1,
-                          help="sequences per GPU per step (default 1)")
-    capacity.add_argument("--quick", action="store_true",
-                          help="a ladder of three small shapes (sequence 128) on one H100 cut "
-                               "to 12 MiB (--device-memory), modes fp32,+master,+activations, "
-                               "unless those options are given: a smoke test")
-    capacity.add_argument("--micro-batches", type=int, default=None, metavar="K",
-                          help="the batch table: plan, for each GPU and mode's largest model, "
-                               "the optimizer step that scans K micro-batches (--micro-batch "
-                               "sequences of --seq-len tokens per GPU each) and updates once, "
-                               "and at 2K, and find the smallest global batch within 10%%")
-    capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
-                          help="the dtype of the batch table's gradient sum, a carry on the "
-                               "device (default float32)")
-    capacity.add_argument("--accumulate-in",
-                          choices=("device", "device-fused", "host", "host-stack"),
-                          default="device",
-                          help="where the batch table's gradient sum is: a carry on the "
-                               "device (default); on the device, the blocks' gradients "
-                               "added in their weights' dtype inside the backward scan "
-                               "(device-fused, blocks on the device only); in host memory, "
-                               "each micro-batch's gradients sent there and added by the "
-                               "host's CPU (host); "
-                               "each micro-batch's gradients kept in host memory and summed "
-                               "there once (host-stack)")
-    capacity.add_argument("--seq-len", type=int, default=None, metavar="S",
-                          help="tokens per sequence of the batch table (default the ladder's)")
-    capacity.add_argument("--models-from", default=None, metavar="PATH",
-                          help="the batch table's models: each GPU and mode's largest in this "
-                               "capacity JSON (--json of a --capacity run) instead of a search")
-    capacity.add_argument("--markdown", default=None, metavar="PATH",
-                          help="also write the capacity table as Markdown")
-    capacity.add_argument("--cache", default=None, metavar="PATH",
-                          help="keep every planned point in this JSON-lines file and plan "
-                               "none of those already in it again (a long run that stops "
-                               "resumes where it was)")
 
 
 def plan_record(plan: eqx_offload.GpuPlan) -> dict[str, Any]:
@@ -165,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     # to 2, which hides C++ warnings; TF_CPP_MIN_LOG_LEVEL=0 shows them.
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    if args.capacity:
-        return run_capacity(args)
     kwargs: dict[str, Any] = {"target": args.target}
     if args.device_memory is not None:
         kwargs["device_memory"] = int(args.device_memory * MiB)

@@ -4,7 +4,8 @@ from typing import Any, Optional, Union
 
 
 def format_bytes(n: Union[int, float]) -> str:
-    """`1536` -> `"1.5 KiB"`."""
+    """`1536` -> `"1.5 KiB"`. (The library's own is private, `_core.leaves`; the command
+    line uses only the public API, and a byte formatter is no part of that.)"""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

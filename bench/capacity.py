@@ -1,7 +1,7 @@
 """What fits, and what it costs: the largest Llama-style model whose whole AdamW training
 step fits one GPU (or an 8-GPU node), for each way of offloading, planned from shapes.
 
-`python -m eqx_offload plan --capacity` builds every step abstractly
+`python bench/capacity_run.py` builds every step abstractly
 (`eqx_offload.filter_eval_shape`: no array of the model or its state is allocated),
 compiles it for the target with `eqx_offload.gpu_plan` (XLA's GPU compiler, run
 without a GPU) and searches the size ladder (`llama.ladder()`: the published Llama
@@ -29,7 +29,7 @@ import optax
 
 import eqx_offload
 
-from .llama import Llama, llama_loss, LlamaShape
+from llama import Llama, llama_loss, LlamaShape
 
 
 GB = 10**9

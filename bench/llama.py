@@ -1,6 +1,6 @@
 """A Llama-style decoder in Equinox, and the published Llama shapes from 1B to 70B.
 
-The model the capacity planner (`python -m eqx_offload plan --capacity`) sizes: RMSNorm,
+The model the capacity planner (`python bench/capacity_run.py`) sizes: RMSNorm,
 rotary attention with grouped key/value heads, a SwiGLU MLP, untied input and output
 embeddings, its blocks stacked with `eqx.filter_vmap` and run with
 `eqx_offload.scan_layers` (each block rematerialised in the backward pass, its weights

@@ -1,8 +1,11 @@
-"""`python -m eqx_offload plan --capacity`: the command line of the capacity planner
-(`capacity`, `capacity_batch`), its table and its `--quick` ladder."""
+"""`python bench/capacity_run.py`: the command line of the capacity planner
+(`capacity`, `capacity_batch`), its table and its `--quick` ladder. A script of the
+repository, not of the package (the Llama ladder is no part of the library); it runs
+on the CPU (`--platform` as `python -m eqx_offload plan`) and needs the `plan` extra."""
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -12,10 +15,10 @@ import numpy as np
 
 import eqx_offload
 
-from .capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
+from capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
                        over_limits, PointCache, capacity, point_from_record, point_record,
                        settings_text, size_text, write_outputs)
-from .llama import LlamaShape
+from llama import LlamaShape
 
 
 def _ms(seconds: float) -> str:
@@ -109,7 +112,7 @@ def _gpus(spec: str) -> list[tuple[str, int]]:
     for token in (t.strip().lower() for t in spec.split(",") if t.strip()):
         name, _, count = token.partition("x")
         if name not in eqx_offload.GPU_TARGETS or (count and not count.isdigit()):
-            raise SystemExit(f"eqx_offload plan --capacity: unknown GPU {token!r} (h100, h200, "
+            raise SystemExit(f"capacity_run.py: unknown GPU {token!r} (h100, h200, "
                              "or NAMExN for a node of N)")
         gpus.append((name, int(count or 1)))
     return gpus
@@ -121,7 +124,7 @@ def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
     if n == 1:
         return None
     if len(jax.devices()) < n:
-        raise SystemExit(f"eqx_offload plan --capacity: a node of {n} GPUs needs {n} devices "
+        raise SystemExit(f"capacity_run.py: a node of {n} GPUs needs {n} devices "
                          f"here, and JAX has {len(jax.devices())} (it started before "
                          "jax_num_cpu_devices could be set)")
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
@@ -164,7 +167,7 @@ def _progress(p: CapacityPoint) -> None:
 
 
 def _search(args: Any, gpus: list[tuple[str, int]], names: list[str]) -> list[Capacity]:
-    from .llama import ladder
+    from llama import ladder
 
     base = QUICK_LADDER if args.quick else tuple(ladder())
     shapes = [dataclasses.replace(s, batch=args.micro_batch) for s in base]
@@ -182,7 +185,7 @@ def _search(args: Any, gpus: list[tuple[str, int]], names: list[str]) -> list[Ca
 
 
 def run_capacity(args: Any) -> int:
-    """`python -m eqx_offload plan --capacity`: the capacity table (with
+    """`python -m capacity_run.py`: the capacity table (with
     `--micro-batches`, the batch table of `capacity_batch`)."""
     args = _defaults(args)
     gpus = _gpus(args.gpus)
@@ -195,11 +198,11 @@ def run_capacity(args: Any) -> int:
     names = (args.capacity_modes or ",".join(m.name for m in CAPACITY_MODES)).split(",")
     unknown = [n for n in names if n not in MODES_BY_NAME]
     if unknown:
-        print(f"eqx_offload plan --capacity: unknown mode(s) {', '.join(unknown)}; choose from "
+        print(f"capacity_run.py: unknown mode(s) {', '.join(unknown)}; choose from "
               f"{', '.join(MODES_BY_NAME)}", file=sys.stderr)
         return 2
     if getattr(args, "micro_batches", None):
-        from .capacity_batch import run_batch
+        from capacity_batch import run_batch
 
         return run_batch(args, gpus, names, _search, _mesh)
     results = _search(args, gpus, names)
@@ -216,3 +219,80 @@ def run_capacity(args: Any) -> int:
          "largest": None if r.largest is None else point_record(r.largest),
          "planned": [point_record(p) for p in r.planned]} for r in results])
     return 0
+
+
+def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the capacity ladder and the batch table."""
+    capacity = parser.add_argument_group(
+        "capacity", "the largest Llama-style model whose AdamW training step fits each GPU, "
+        "per mode (planned from shapes: nothing is allocated)")
+    capacity.add_argument("--device-memory", type=float, default=None, metavar="MIB",
+                          help="plan within this much device memory (MiB) instead of the GPU's")
+    capacity.add_argument("--gpus", default=None,
+                          help="comma-separated GPUs to size for: h100, h200, and NAMExN for a "
+                               "node of N (FSDP over the node; default h100,h200,h100x8, and "
+                               "h100 with --quick)")
+    capacity.add_argument("--host-memory", type=float, default=256, metavar="GB",
+                          help="host memory per GPU, in GB (default 256)")
+    capacity.add_argument("--capacity-modes", default=None, metavar="MODES",
+                          help="comma-separated modes (default all: "
+                               + ",".join(m.name for m in CAPACITY_MODES) + ")")
+    capacity.add_argument("--micro-batch", type=int, default=1,
+                          help="sequences per GPU per step (default 1)")
+    capacity.add_argument("--quick", action="store_true",
+                          help="a ladder of three small shapes (sequence 128) on one H100 cut "
+                               "to 12 MiB (--device-memory), modes fp32,+master,+activations, "
+                               "unless those options are given: a smoke test")
+    capacity.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                          help="the batch table: plan, for each GPU and mode's largest model, "
+                               "the optimizer step that scans K micro-batches (--micro-batch "
+                               "sequences of --seq-len tokens per GPU each) and updates once, "
+                               "and at 2K, and find the smallest global batch within 10%%")
+    capacity.add_argument("--accumulate", choices=("float32", "bfloat16"), default="float32",
+                          help="the dtype of the batch table's gradient sum, a carry on the "
+                               "device (default float32)")
+    capacity.add_argument("--accumulate-in",
+                          choices=("device", "device-fused", "host", "host-stack"),
+                          default="device",
+                          help="where the batch table's gradient sum is: a carry on the "
+                               "device (default); on the device, the blocks' gradients "
+                               "added in their weights' dtype inside the backward scan "
+                               "(device-fused, blocks on the device only); in host memory, "
+                               "each micro-batch's gradients sent there and added by the "
+                               "host's CPU (host); "
+                               "each micro-batch's gradients kept in host memory and summed "
+                               "there once (host-stack)")
+    capacity.add_argument("--seq-len", type=int, default=None, metavar="S",
+                          help="tokens per sequence of the batch table (default the ladder's)")
+    capacity.add_argument("--models-from", default=None, metavar="PATH",
+                          help="the batch table's models: each GPU and mode's largest in this "
+                               "capacity JSON (--json of a --capacity run) instead of a search")
+    capacity.add_argument("--markdown", default=None, metavar="PATH",
+                          help="also write the capacity table as Markdown")
+    capacity.add_argument("--cache", default=None, metavar="PATH",
+                          help="keep every planned point in this JSON-lines file and plan "
+                               "none of those already in it again (a long run that stops "
+                               "resumes where it was)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse `argv` (default: `sys.argv[1:]`), select the platform before JAX starts a
+    backend, and run the capacity table."""
+    parser = argparse.ArgumentParser(
+        prog="bench/capacity_run.py", description="The largest Llama-style model (published "
+        "shapes 1B-70B and depths between them) whose training step fits, per GPU and mode.")
+    add_capacity_arguments(parser)
+    parser.add_argument("--platform", default="cpu",
+                        help="JAX platform (default cpu; 'default' lets JAX choose)")
+    args = parser.parse_args(argv)
+    if args.platform != "default":
+        jax.config.update("jax_platforms", args.platform)
+    # XLA's GPU compiler warns near its memory limit; the plan's figures are the verdict
+    # (docs/gpu-plan.md, "XLA's warnings"): C++ warnings hidden unless asked for.
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return run_capacity(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

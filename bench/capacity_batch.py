@@ -1,7 +1,7 @@
 """The capacity table for a batch: what an optimizer step of many tokens costs when it
 scans its micro-batches, accumulates their gradients and updates once.
 
-`python -m eqx_offload plan --capacity --micro-batches K` plans, for each GPU and
+`python bench/capacity_run.py --micro-batches K` plans, for each GPU and
 mode, the step that runs `jax.lax.scan` over `K` micro-batches (the gradients summed
 in an fp32 carry on the device, or in host memory: `--accumulate-in`) and then one
 AdamW update: the optimizer state, where
@@ -31,10 +31,10 @@ from jax.experimental import compute_on
 
 import eqx_offload
 
-from .capacity import (abstract_tokens, argument_bytes, CapacityMode, GB,
+from capacity import (abstract_tokens, argument_bytes, CapacityMode, GB,
                        over_limits, plan_fits, settings_text, size_text, training_update,
                        write_outputs)
-from .llama import llama_loss, LlamaShape
+from llama import llama_loss, LlamaShape
 
 
 # The function form of `compute_on`: `compute_on2` in JAX 0.10, `compute_on` from 0.11.
@@ -447,7 +447,7 @@ def _progress(p: BatchPoint) -> None:
 def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
               search: Callable[..., Any], mesh_of: Callable[[int], Any]) -> int:
     """`plan --capacity --micro-batches K`: the batch table."""
-    from .capacity import MODES_BY_NAME
+    from capacity import MODES_BY_NAME
 
     device_memory = None if args.device_memory is None else int(args.device_memory * (1 << 20))
     rows = []
@@ -477,7 +477,7 @@ def formula_table(published: Sequence[dict[str, Any]], limit: float = 0.1) -> st
     blocks' weights wait in host memory (`+params`, `+activations`) every copy is taken
     as per micro-batch. Not planned: the accumulating step's device peak is not known
     here (it adds the gradient sum, 4 bytes a parameter over the devices)."""
-    from .capacity import MODES_BY_NAME
+    from capacity import MODES_BY_NAME
 
     lines = ["| GPU | mode | model | tokens per micro-batch | compute floor per micro-batch (s) "
              "| transfer floor (s) | smallest batch within 10% (formula) |",
