@@ -104,6 +104,7 @@ def optimizer_step(opt: Any) -> Callable[..., Any]:
 
 
 def master_step(mw: Any) -> Callable[..., Any]:
+    """The step of `master_weights` or `host_params`: `update(grads, state, model)`."""
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
         grads = eqx.filter_grad(batched_loss)(model, tokens)
@@ -128,12 +129,16 @@ def cases(shape: models.LMShape, group_bytes: int) -> Iterator[Case]:
     yield case("state", "optimizer state in host memory, streamed update", lm(), streamed(adamw))
     yield case("remat", "remat of each block, nothing offloaded", lm(True), adamw)
     yield case("activations", "remat + each block's input in host memory", lm(True, True), adamw)
-    yield case("params", "remat + blocks' weights in host memory (state on device)",
-               blocks_on_host(lm(True)), eqx_offload.with_host_params(adamw))
-    yield case("params+state", "remat + blocks' weights and the state in host memory, streamed",
-               blocks_on_host(lm(True)), streamed(eqx_offload.with_host_params(adamw)))
-    yield case("all", "weights, activations and state in host memory, streamed update",
-               blocks_on_host(lm(True, True)), streamed(eqx_offload.with_host_params(adamw)))
+    def host_params_case(name: str, what: str, model: Any, offload: Any) -> Case:
+        hp = eqx_offload.host_params(adamw, offload=offload)
+        return Case(name, what, model, hp.init(model), master_step(hp))
+
+    yield host_params_case("params", "remat + blocks' weights in host memory (state on device)",
+                           blocks_on_host(lm(True)), None)
+    yield host_params_case("params+state", "remat + blocks' weights and the state in host "
+                           "memory, streamed", blocks_on_host(lm(True)), streamed)
+    yield host_params_case("all", "weights, activations and state in host memory, streamed "
+                           "update", blocks_on_host(lm(True, True)), streamed)
     # Master weights: bf16 compute model on the device, fp32 master + state on host.
     mw = eqx_offload.master_weights(adamw, offload=streamed)
     yield Case("master", "bf16 compute weights, fp32 master weights + state in host memory",

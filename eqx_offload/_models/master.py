@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 import optax
 
 from .._core.errors import OptionError, StateError
+from .._core.leaves import is_none
 from .._optim.offloaded import offloaded
 from .params import fetch_each, place_like
 
@@ -44,9 +45,6 @@ class MasterState(NamedTuple):
 def _is_float(x: Any) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def _cast_leaf(dtype: Any, x: Any) -> Any:
@@ -96,10 +94,10 @@ def _master_transformation(
                               "(`params`), to know their dtypes.")
         master = state.master
         # Gradients of weights kept in host memory come to the device first.
-        wide = jtu.tree_map(_widen, fetch_each(updates), master, is_leaf=_is_none)
+        wide = jtu.tree_map(_widen, fetch_each(updates), master, is_leaf=is_none)
         steps, inner_state = inner.update(wide, state.inner_state, master, **extra_args)
         new_master = optax.apply_updates(master, steps)
-        new_params = jtu.tree_map(_round, params, new_master, is_leaf=_is_none)
+        new_params = jtu.tree_map(_round, params, new_master, is_leaf=is_none)
         return new_params, MasterState(new_master, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -23,9 +23,9 @@ import jax.tree_util as jtu
 import optax
 
 from .._core.errors import OptionError
-from .._core.leaves import is_traced
-from .._core.move import move, to_host
-from .._core.placement import is_host, memory_kind_of
+from .._core.leaves import is_none, is_traced
+from .._core.move import move, put, to_host
+from .._core.placement import destination, is_host, memory_kind_of
 from .._core.types import HostMemoryKind, Where
 from .._optim.offloaded import offloaded
 from .remat import Policy
@@ -113,9 +113,6 @@ def host_weights(
 # The rest of the step
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
 
 def apply_updates(model: _T, updates: Any) -> _T:
     """`eqx.apply_updates` that keeps every leaf in the memory it lives in.
@@ -158,21 +155,18 @@ def _add_updates(model: _T, updates: Any, values: Any) -> _T:
     """`apply_updates(model, updates)`, adding to the leaves of `values` (`model` itself,
     or its parameters after the wait for their gradients) and sending each sum to the
     memory kind of `model`'s leaf."""
-    pairs_def: Any = jtu.tree_structure(updates, is_leaf=_is_none)  # (PyTreeDef: untyped)
+    pairs_def: Any = jtu.tree_structure(updates, is_leaf=is_none)  # (PyTreeDef: untyped)
     p_leaves = pairs_def.flatten_up_to(model)
     v_leaves = pairs_def.flatten_up_to(values)
-    u_leaves = jtu.tree_leaves(updates, is_leaf=_is_none)
+    u_leaves = jtu.tree_leaves(updates, is_leaf=is_none)
     home = [memory_kind_of(p) if is_host(p) else None for p in p_leaves]
     touched = [i for i, u in enumerate(u_leaves) if u is not None]
     fetched_p, fetched_u = fetch(([v_leaves[i] for i in touched],
                                    [u_leaves[i] for i in touched]))
     sums = [p + u for p, u in zip(fetched_p, fetched_u, strict=True)]
-    back = [i for i, j in enumerate(touched) if home[j] is not None]
-    for kind in {home[touched[i]] for i in back}:
-        chosen = [i for i in back if home[touched[i]] == kind]
-        moved = move([sums[i] for i in chosen], True, kind, "apply_updates")
-        for i, x in zip(chosen, moved, strict=True):
-            sums[i] = x
+    sums = put(sums, [None if home[j] is None else
+                      destination(x, home[j], "apply_updates", str(j))
+                      for x, j in zip(sums, touched, strict=True)])
     new_leaves = list(p_leaves)
     for i, x in zip(touched, sums, strict=True):
         new_leaves[i] = x
@@ -198,7 +192,7 @@ def _after_gradients(params: _T, grads: Any) -> _T:
         return waited
 
     try:
-        out: _T = jtu.tree_map(wait, params, grads, is_leaf=_is_none)
+        out: _T = jtu.tree_map(wait, params, grads, is_leaf=is_none)
     except ValueError:  # not the same structure: nothing to pair
         return params
     return out
@@ -222,14 +216,12 @@ def fetch_each(tree: _T) -> _T:
 
 def place_like(tree: _T, like: Any) -> _T:
     """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
-    the same place, if that one is in host memory (one move per kind)."""
+    the same place, if that one is in host memory (one `put`)."""
     leaves, treedef = jtu.tree_flatten(tree)
     homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
-    for kind in {h for h in homes if h is not None}:
-        chosen = [i for i, h in enumerate(homes) if h == kind and eqx.is_array(leaves[i])]
-        moved = move([leaves[i] for i in chosen], True, kind, "memory_kind")
-        for i, x in zip(chosen, moved, strict=True):
-            leaves[i] = x
+    leaves = put(leaves, [destination(x, h, "memory_kind", str(i))
+                          if h is not None and eqx.is_array(x) else None
+                          for i, (x, h) in enumerate(zip(leaves, homes, strict=True))])
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 

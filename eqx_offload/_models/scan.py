@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
 from .._core.errors import CompositionError, OptionError
+from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host
 from .params import fetch
@@ -231,9 +232,6 @@ def _all(tree: Any, value: bool) -> Any:
     return jtu.tree_map(constant, tree)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
 
 def _add_unless_none(u: Any, v: Any) -> Any:
     return None if u is None else u + v
@@ -336,7 +334,7 @@ class _LayerScan:
             _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, self.on_host), h, diff)
             g_layer, g_h, g_c = vjp(g)
             g_host, g_device = self.split(g_layer)
-            g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=_is_none)
+            g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=is_none)
             if acc is not None:  # every leaf on the device: the sum, no stacked output
                 acc = [_add_at(a, i, d) for a, d in zip(acc, g_device, strict=True)]
                 g_device = list[Any]()
@@ -416,7 +414,7 @@ def _backward_pass(scan: _LayerScan) -> Any:
                                                 _broadcast(g, batched_g, size), batched_consts,
                                                 acc)
         flags = (_all(g_leaves, False), _all(g_x, True),
-                 jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=_is_none))
+                 jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=is_none))
         return (g_leaves, g_x, g_consts), flags
 
     return backward_batched
@@ -454,7 +452,7 @@ def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any]
                  acc: Optional[list[Any]]) -> Any:
         del perturbed
         leaves, x, consts = vjp_arg
-        g = jtu.tree_map(_cotangent, g, x, is_leaf=_is_none)
+        g = jtu.tree_map(_cotangent, g, x, is_leaf=is_none)
         g_leaves, g_x, g_consts = backward_batched(leaves, consts, residuals, g, acc)
         return g_leaves, g_x, g_consts
 
