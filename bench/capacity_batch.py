@@ -446,7 +446,7 @@ def _progress(p: BatchPoint) -> None:
 
 def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
               search: Callable[..., Any], mesh_of: Callable[[int], Any]) -> int:
-    """`plan --capacity --micro-batches K`: the batch table."""
+    """`capacity_run.py --micro-batches K`: the batch table."""
     from capacity import MODES_BY_NAME
 
     device_memory = None if args.device_memory is None else int(args.device_memory * (1 << 20))
@@ -471,7 +471,7 @@ def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
 
 def formula_table(published: Sequence[dict[str, Any]], limit: float = 0.1) -> str:
     """A Markdown table of the smallest global batch by formula alone, from the
-    one-micro-batch plans of a capacity JSON (`plan --capacity --json`): the compute
+    one-micro-batch plans of a capacity JSON (`capacity_run.py --json`): the compute
     floor grows with the micro-batches, the transfer floor does not where the weights
     stay on the device (every copy is the state's, once per optimizer step); where the
     blocks' weights wait in host memory (`+params`, `+activations`) every copy is taken

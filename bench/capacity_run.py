@@ -71,7 +71,7 @@ def capacity_table(results: Sequence[Capacity]) -> str:
 
 
 def capacity_from_records(records: Sequence[dict[str, Any]]) -> list[Capacity]:
-    """The `Capacity` results a `--json` file of `plan --capacity` holds (its table
+    """The `Capacity` results a `--json` file of `bench/capacity_run.py` holds (its table
     again, e.g. with columns added since, without planning)."""
     results = []
     for r in records:

@@ -51,46 +51,23 @@ def default_compiler_options(platform: str, streamed: bool,
         several state leaves each way per group (Adam: `mu` and `nu` of every
         parameter), so with 2 the copies of a group wait for each other and run back to
         back with no kernel under them. The barriers of the streamed update, not this
-        limit, bound how much state is on the device; without them (the whole state in
-        one update, `group_bytes=None`) the limit lets every copy start during the
-        forward pass (in the plan of an MLP 2048 x 8: 580 MiB at the peak instead of
-        500 MiB), so that mode does not get it.
+        limit, bound how much state is on the device; the whole state in one update does
+        not get it.
     - `xla_gpu_dot_merger_threshold_mb=0`: XLA merges matrix products that share an
         operand (a transformer's q, k and v projections) into one; in a step with the
-        copies, its scheduler then keeps the merged product alive from the forward pass
-        to the backward pass (in the plan of the benchmark's transformer, 8 x 48 MiB at
-        the peak), where separate products are freed one by one.
-
-    In XLA's plan (H200, `eqx_offload.gpu_plan`), with the streamed update's barrier on
-    the previous group's update, they take the default `offloaded(optax.adamw(...))`
-    step of the benchmark's 118M-parameter transformer from 4687 MiB with 51% of its
-    state's copies under compute to 4427 MiB with 100% (4683 MiB with the limit alone;
-    see the "GPU plan" docs page for every workload).
-
+        streamed update's copies, its scheduler then keeps the merged product alive from
+        the forward pass to the backward pass, where separate products are freed one by
+        one.
     - `xla_gpu_enable_analytical_sol_latency_estimator=False`, for the whole state in
-        one update only. The update has no barriers, so where each state leaf's copy
-        to the device starts is the latency-hiding scheduler's choice. With its
-        speed-of-light cost model (XLA's default on Hopper and Blackwell) a copy is
-        worth hiding, and the scheduler starts every one of them before the first
-        forward kernel: the whole state is on the device through the forward and
-        backward passes, next to the activations, and the step holds more than the
-        step without offload (whose state, donated, is updated in place). This option
-        is XLA's escape hatch back to its older latency estimator
-        (`GpuLatencyEstimator`, the one XLA uses on GPUs before Hopper), under which
-        the scheduler keeps no kernel under a copy: each new state leaf goes back to
-        host right after its update, and each copy to the device runs where the
-        scheduler puts it, with nothing under it. In XLA's plan (H200) of the MLP
-        2048 x 8, batch 256, each leaf then comes just before its update, after the
-        backward pass: 244 MiB instead of 500 MiB (no offload: 508 MiB); of the
-        benchmark's 118M-parameter transformer: 4607 MiB instead of 5492 MiB (5262).
-        Of the MLP 1024 x 4, batch 8192, the copies to the device still all run
-        before the forward pass, and the step plans at 320 MiB instead of 332 MiB
-        (324) only by how the rest is scheduled: a margin, not a bound. The price: no
-        copy of the state overlaps compute (before, the copies to host did; the copies
-        to the device ran back to back before the first kernel either way). The
-        option changes the estimates the scheduler orders by for the whole step: what
-        it does to the collectives of a multi-device step has not been planned
-        here."""
+        one update only. That update's copies to the device wait for the gradients (a
+        barrier). XLA's speed-of-light cost model (its default on Hopper and Blackwell)
+        finds a copy worth hiding under compute and starts it early; the older
+        estimator (`GpuLatencyEstimator`, XLA's default before Hopper) keeps no kernel
+        under a copy, so each leaf comes to the device near its update and leaves right
+        after. It changes the estimates the scheduler orders by for the whole step.
+
+    What each option does to the plans of the benchmark's workloads: the "GPU plan"
+    docs page."""
     if platform.lower() not in _GPU_PLATFORMS:
         return {}
     if streamed:
