@@ -1,6 +1,6 @@
-"""The donation harness of `tests/test_trap.py` (ours passes) and
+"""The donation harness of `tests/jit/test_trap.py` (ours passes) and
 `tests/upstream/test_upstream_donation.py` (plain JAX and Equinox abort), and its MLP step
-(also `tests/test_donation.py`, `test_jit.py`, `test_aot.py`). Each run is a fresh process
+(also `tests/jit/test_donation.py`, `test_jit.py`, `test_aot.py`). Each run is a fresh process
 (`isolated.run_isolated`): an abort must not take the suite down."""
 
 import json
@@ -93,3 +93,15 @@ def harness_many(configs: list[list[str]], guarded: bool = False) -> dict[str, A
             result = {"error": type(e).__name__, "message": str(e)[:300]}
         results[json.dumps(config)] = result
     return results
+
+
+# The configurations that abort (the canary tests/upstream/test_upstream_donation.py).
+# Where a donated input meets an output in the other memory: with `(model, state)` outputs
+# the host moments meet the device params first; with `(state, model)` the other way.
+TRAPS = [
+    ("jax", "state", "model_state"),
+    ("jax", "all-except-first", "model_state"),
+    ("jax", "all", "state_model"),
+    ("eqx", "all-except-first", "model_state"),
+    ("eqx", "all", "state_model"),
+]

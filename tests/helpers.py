@@ -2,7 +2,9 @@
 `hex_bits` for JSON out of a subprocess), parameters and gradients (`committed`,
 `make_params`, `make_grads`), where leaves live (`assert_placed`, `memory_kinds`,
 `kind_list`, `unwrap`), `unchecked`, `count_compiles`, `walk_eqns`, a scanned `Stacked`
-model, `gpu_plan_marks`, MultiSteps' updates and a donated training step."""
+model, `gpu_plan_marks`, MultiSteps' updates and a donated training step; and the
+cases several test files share (optax compositions, stacked layers, the multi-process
+worker's model, a ported run against the original)."""
 
 import contextlib
 from collections.abc import Callable, Iterator
@@ -13,7 +15,11 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import optax
+import optax.contrib
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from mp_worker import initial_values, SPECS
 
 import eqx_offload
 from eqx_offload._plan import deviceless as _deviceless
@@ -251,3 +257,132 @@ def donated_step(optimizer: Any, model: Any, x: Any) -> tuple[Any, tuple[Any, An
         return eqx.apply_updates(model, updates), state
 
     return step, (model, state, x)
+
+
+# The compositions of `offloaded` with optax combinators (test_equivalence, test_optax).
+LR = 0.1
+
+
+def scale_by_arg() -> optax.GradientTransformationExtraArgs:
+    def update(updates: Any, state: Any, params: Any = None, *, factor: Any) -> Any:
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def multi_steps(inner: Any) -> optax.GradientTransformation:
+    return optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
+
+
+Make = Callable[[Callable[[Any], Any]], optax.GradientTransformation]
+LABELS = {"embed": "a", "layer": {"w": "a", "b": "b"}, "scale": "b"}
+MASK = {"embed": True, "layer": {"w": False, "b": True}, "scale": True}
+COMPOSITIONS: dict[str, Make] = {
+    # `offloaded` outermost (the recommended order)
+    "offloaded(MultiSteps(adamw))": lambda w: w(multi_steps(optax.adamw(LR))),
+    "offloaded(apply_if_finite(adamw))": lambda w: w(optax.apply_if_finite(optax.adamw(LR), 3)),
+    "offloaded(inject_hyperparams(adamw))": lambda w: w(
+        optax.inject_hyperparams(optax.adamw)(learning_rate=LR)),
+    "offloaded(masked(adam))": lambda w: w(optax.masked(optax.adam(LR), MASK)),
+    "offloaded(multi_transform)": lambda w: w(optax.multi_transform(
+        {"a": optax.adam(LR), "b": optax.sgd(LR, momentum=0.9)}, LABELS)),
+    "offloaded(chain(clip, adamw))": lambda w: w(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))),
+    "offloaded(schedule_free(adam))": lambda w: w(
+        optax.contrib.schedule_free(optax.adam(LR, b1=0.0), LR)),
+    # `offloaded` inside a combinator that only routes the state
+    "chain(clip, offloaded(adamw))": lambda w: optax.chain(
+        optax.clip_by_global_norm(1.0), w(optax.adamw(LR))),
+    "chain(offloaded(adam), offloaded(trace))": lambda w: optax.chain(
+        w(optax.scale_by_adam()), w(optax.trace(0.9)), optax.scale(-LR)),
+    "inject_hyperparams(offloaded(adamw))": lambda w: optax.inject_hyperparams(
+        lambda learning_rate: w(optax.adamw(learning_rate)))(learning_rate=LR),
+    "masked(offloaded(adam))": lambda w: optax.masked(w(optax.adam(LR)), MASK),
+    "multi_transform(offloaded(adam), sgd)": lambda w: optax.multi_transform(
+        {"a": w(optax.adam(LR)), "b": optax.sgd(LR, momentum=0.9)}, LABELS),
+    "schedule_free(offloaded(adam))": lambda w: optax.contrib.schedule_free(
+        w(optax.adam(LR, b1=0.0)), LR),
+    "apply_if_finite(offloaded(adamw))": lambda w: optax.apply_if_finite(w(optax.adamw(LR)), 3),
+    # computes on the state it wraps (`jnp.where`): runs on the CPU; test_optax.py
+    # has `filter_jit` reject it
+    "MultiSteps(offloaded(adamw))": lambda w: multi_steps(w(optax.adamw(LR))),
+}
+
+
+# Updates the streamed strategy cannot stream (test_schedule, test_stream).
+REJECTED_STREAMING: dict[str, Callable[[], Any]] = {
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "clip_after_adam": lambda: optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)),
+}
+
+
+# Stacked layers for `scan_layers` (test_scan, test_jit).
+SCAN_DEPTH, SCAN_WIDTH = 4, 16
+
+
+def make_layers(seed: int = 0) -> eqx.nn.Linear:
+    keys = jax.random.split(jax.random.key(seed), SCAN_DEPTH)
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(SCAN_WIDTH, SCAN_WIDTH, key=k))(keys)
+
+
+def tanh_layer(layer: Any, x: jax.Array) -> jax.Array:
+    return jnp.tanh(layer(x))
+
+
+def scan_loss(layers: Any, x: jax.Array, offload_input: bool = False,
+              prefetch: bool = True) -> jax.Array:
+    return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer, offload_input=offload_input,
+                                           prefetch=prefetch) ** 2)
+
+
+# The multi-process worker's model and training loop in one process (test_checkpoint,
+# test_jit).
+def worker_params(mesh: Optional[jax.sharding.Mesh] = None) -> dict[str, jax.Array]:
+    params = {k: jnp.asarray(v) for k, v in initial_values()[0].items()}
+    return params if mesh is None else {
+        k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
+
+
+def worker_opt() -> optax.GradientTransformation:
+    return eqx_offload.offloaded(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)))
+
+
+def worker_train(params: Any, state: Any, step: Any, steps: range,
+          mesh: Optional[jax.sharding.Mesh] = None) -> tuple[Any, Any, list[jax.Array]]:
+    """Steps `steps` of a fixed stream of batches (split over `data` on a mesh)."""
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal((2, 8, 8), np.float32) for _ in range(max(steps) + 1)]
+    where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P("data", None))
+    losses = []
+    for i in steps:
+        params, state, value = step(params, state, *jax.device_put(list(data[i]), where))
+        losses.append(value)
+    return params, state, losses
+
+
+def host_typed(x: jax.Array) -> bool:
+    """JAX's type of `x` says host memory (what `jax.jit` traces it as)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def offloaded_leaves(state: Any) -> list[jax.Array]:
+    return [x for x in jtu.tree_leaves(state) if x.ndim >= 1]
+
+
+# A ported program against the program as written (test_ports, test_programs, test_donation).
+def assert_same_run(plain: Any, ported: Any) -> None:
+    """Bitwise equal losses, model, inner state and extras of two `ports.common.Run`s; the
+    ported state in host memory after every step; no compilation after the first ported
+    step."""
+    from ports.common import expected_placement  # (it imports this module)
+
+    assert len(plain.losses) == len(ported.losses) >= 4
+    assert len({np.asarray(x).tobytes() for x in plain.losses}) > 1, "it does not train"
+    assert_tree_equal((plain.losses, plain.model, plain.opt_state, plain.extra),
+                      (ported.losses, ported.model, unwrap(ported.opt_state), ported.extra))
+    expected = expected_placement(ported.opt_state)
+    assert "pinned_host" in expected.values()
+    assert not plain.placements and ported.placements == [expected] * len(ported.losses)
+    # (The plain run may compile twice: its `init` returns uncommitted arrays, upstream.)
+    assert ported.compiles[1:] == [0] * (len(ported.compiles) - 1), ported.compiles

@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eqx_offload"
 # Lowest first. The top level (""): `__init__`, `_runtime`, `_stubs`. The command line
-# (`cli` and `__main__`) is on the public API only (tests/test_cli.py).
+# (`cli` and `__main__`) is on the public API only (tests/cli/test_cli.py).
 LAYERS = ["_core", "_jit", "_optim", "_models", "_plan", "", "cli"]
 
 
@@ -90,3 +90,22 @@ def test_the_check_can_fail(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert _violations() == ["eqx_offload/_core/bad.py:2 imports eqx_offload._optim.state "
                              "(layer _optim above _core)"]
+
+
+def _test_imports(folder: pathlib.Path) -> list[str]:
+    """`file:line module` for every import of a test module (`test_*`) by a test file."""
+    found = []
+    for path in sorted(folder.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(folder)}:{node.lineno} {name}" for name in names
+                      if name.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_file_imports_another(tmp_path: pathlib.Path) -> None:
+    """The tests mirror the subpackages, and what several share is in `tests/helpers.py`."""
+    assert _test_imports(pathlib.Path(__file__).resolve().parent) == []
+    (tmp_path / "test_a.py").write_text("from test_b import x\n")
+    assert _test_imports(tmp_path) == ["test_a.py:1 test_b"]

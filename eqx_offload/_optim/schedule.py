@@ -165,7 +165,7 @@ def _pack(units: _Units, streamed: Sequence[int], sizes: Sequence[int],
     soon as its gradients exist, so every gradient and activation is freed early. In
     leaf order the first group waits for the very last gradient, and XLA keeps the
     backward pass's activations alive until the update of the later layers: in the GPU
-    plan of an activation-heavy MLP (H200, `tests/test_plan.py`) that costs 100 MiB
+    plan of an activation-heavy MLP (H200, `tests/plan/test_plan.py`) that costs 100 MiB
     (357 MiB at the peak instead of 256 MiB; 292 MiB without offload). The order of
     the groups changes nothing in the results: each equation computes what it did.
     (A stacked leaf's gradient comes out of the backward `scan` whole, so the pieces of

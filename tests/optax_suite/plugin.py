@@ -1,5 +1,5 @@
 """A pytest plugin that runs Optax's own tests with every optimizer wrapped in
-`eqx_offload.offloaded` (in the child pytest of `tests/test_optax_suite.py`).
+`eqx_offload.offloaded` (in the child pytest of `tests/optim/test_optax_suite.py`).
 
 Each public optax factory, called from test code, returns `offloaded(...)` of its
 transformation after unwrapping wrapped arguments: each optimizer is offloaded once,

@@ -182,7 +182,7 @@ if __name__ == "__main__":
 
 
 def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
-    """XLA's GPU plan of the step (type-checked here; run in tests/test_plan.py)."""
+    """XLA's GPU plan of the step (type-checked here; run in tests/plan/test_plan.py)."""
     optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
 
     def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:

@@ -1,24 +1,14 @@
 """Canary: donating a host-resident state to plain `jax.jit` or `eqx.filter_jit` still
 aborts the process (a donated `pinned_host` input paired with a device output), the trap
-`eqx_offload.filter_jit` avoids (`tests/test_trap.py`, same harness). If this fails after
+`eqx_offload.filter_jit` avoids (`tests/jit/test_trap.py`, same harness). If this fails after
 an upgrade, update the docs' donation-trap section. Each configuration is a fresh process."""
 
 import pytest
-from donation_harness import harness
+from donation_harness import harness, TRAPS
 from isolated import run_isolated
 
 
 ABORT = "memory kind does not match sharding's memory kind"
-
-# Where a donated input meets an output in the other memory: with `(model, state)` outputs
-# the host moments meet the device params first; with `(state, model)` the other way.
-TRAPS = [
-    ("jax", "state", "model_state"),
-    ("jax", "all-except-first", "model_state"),
-    ("jax", "all", "state_model"),
-    ("eqx", "all-except-first", "model_state"),
-    ("eqx", "all", "state_model"),
-]
 
 
 @pytest.mark.slow

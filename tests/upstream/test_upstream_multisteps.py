@@ -2,7 +2,7 @@
 
 - it keeps what it was built from in the private attributes `compat.multi_steps_parts`
   reads, with the arithmetic `offloaded(MultiSteps(...))` reproduces (if not, adapt
-  `multi_steps_parts` and `_optim/accumulate.py`; `tests/test_accumulate.py` checks the bits);
+  `multi_steps_parts` and `_optim/accumulate.py`; `tests/optim/test_accumulate.py` checks the bits);
 - it computes on the state of what it wraps, so `MultiSteps(offloaded(x))` computes on host
   memory (a `select_n`) and `filter_jit` refuses it (if not, the docs' advice on
   composition order, `docs/concepts.md`, may relax)."""

@@ -5,7 +5,7 @@ it gives the loop without offload, bit for bit. Each run is a fresh process."""
 import json
 
 import pytest
-from donation_harness import harness_many, STEPS
+from donation_harness import harness_many, STEPS, TRAPS
 from isolated import call_isolated
 
 
@@ -31,8 +31,6 @@ def test_ours_passes_in_the_same_harness():
 def test_donating_plain_jits_fail_clearly_instead_of_aborting():
     """The canary's aborting configurations, with `offloaded`'s check on (as users get it):
     each fails while tracing with a `CompositionError` saying why; the process lives."""
-    from upstream.test_upstream_donation import TRAPS
-
     results = call_isolated(harness_many, [list(t) for t in TRAPS], True)
     assert len(results) == len(TRAPS)
     for config, result in results.items():

@@ -12,9 +12,9 @@ import optax.contrib
 import pytest
 from helpers import (assert_multi_steps_updates, assert_placed, assert_tree_equal, make_grads,
                      make_params, walk_eqns)
+from helpers import COMPOSITIONS, scale_by_arg
 from jax.extend.core import Literal
 from jaxtyping import TypeCheckError
-from test_equivalence import _scale_by_arg, COMPOSITIONS
 
 import eqx_offload
 from eqx_offload import OffloadedState
@@ -85,8 +85,8 @@ def test_multi_steps_passes_extra_args(every_k: int) -> None:
     """`offloaded(MultiSteps(x))` hands keyword arguments to `x` (a plain
     `with_extra_args_support` around `.gradient_transformation()` drops them)."""
     params = {"w": jnp.arange(3.0)}
-    inner = optax.MultiSteps(_scale_by_arg(), every_k)
-    opt = eqx_offload.offloaded(optax.MultiSteps(_scale_by_arg(), every_k))
+    inner = optax.MultiSteps(scale_by_arg(), every_k)
+    opt = eqx_offload.offloaded(optax.MultiSteps(scale_by_arg(), every_k))
     state, ref_state = opt.init(params), inner.init(params)
     for _ in range(3):
         updates, state = opt.update(params, state, params, factor=5.0)

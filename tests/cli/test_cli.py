@@ -29,7 +29,7 @@ from eqx_offload.cli.tables import markdown
 from helpers import gpu_plan_marks
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SMALL_DEMO = "--width 32 --depth 2 --features 8 --batch 16 --steps 12 --no-progress".split()
 _PNGS = ["device_bytes.png", "floor_ratio.png", "loss_curves.png", "movers.png",
          "step_time_ratio.png"]

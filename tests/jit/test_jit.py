@@ -16,8 +16,8 @@ import optax
 import pytest
 from donation_harness import mlp_setup, mlp_step, state_kinds
 from helpers import assert_tree_equal, count_compiles, kind_list, tree_bits as bits
-from test_checkpoint import host_typed, make_opt, make_params, make_step, offloaded_leaves, train
-from test_scan import D, make_layers, scan_loss
+from mp_worker import make_step
+from helpers import host_typed, make_layers, offloaded_leaves, scan_loss, SCAN_WIDTH as D, worker_opt, worker_params, worker_train
 
 import eqx_offload
 from eqx_offload._core.compat import host_compute
@@ -133,8 +133,8 @@ def test_output_memory_kinds_follow_the_program():
 def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
     """Shards assembled as orbax does are typed device memory (JAX 0.10): `filter_jit`
     retypes them without a warning, bitwise, donation honoured."""
-    opt = make_opt()
-    step, params = make_step(opt), make_params()
+    opt = worker_opt()
+    step, params = make_step(opt), worker_params()
     state = opt.init(params)
 
     def assembled(leaf: jax.Array) -> jax.Array:
@@ -145,9 +145,9 @@ def test_filter_jit_retypes_host_arrays_assembled_from_shards() -> None:
     assert all(x.sharding.memory_kind == "pinned_host" and not host_typed(x)
                for x in offloaded_leaves(rebuilt))
     assert bits(rebuilt) == bits(state)
-    new = train(jax.tree.map(jnp.copy, params), rebuilt, step, range(1))
+    new = worker_train(jax.tree.map(jnp.copy, params), rebuilt, step, range(1))
     assert all(x.is_deleted() for x in jtu.tree_leaves(rebuilt))
-    assert bits(new) == bits(train(params, state, step, range(1)))
+    assert bits(new) == bits(worker_train(params, state, step, range(1)))
     assert all(host_typed(x) for x in offloaded_leaves(new[1]))
 
 

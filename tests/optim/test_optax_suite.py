@@ -13,7 +13,7 @@ import optax
 import pytest
 
 
-SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optax_suite")
+SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "optax_suite")
 OPTAX = os.path.dirname(os.path.abspath(optax.__file__))
 sys.path.insert(0, SUITE)
 from adaptations import ADAPT, XFAIL  # noqa: E402

@@ -10,22 +10,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import hex_bits as bits, memory_kinds, unchecked, walk_eqns
+from helpers import make_layers, scan_loss, SCAN_DEPTH as L, SCAN_WIDTH as D, tanh_layer
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload
 
 
-L, D = 4, 16
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-def make_layers(seed: int = 0) -> eqx.nn.Linear:
-    keys = jax.random.split(jax.random.key(seed), L)
-    return eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)
-
-
-def tanh_layer(layer: Any, x: jax.Array) -> jax.Array:
-    return jnp.tanh(layer(x))
 
 
 def plain_scan(layers: Any, x: jax.Array, call: Any = tanh_layer) -> jax.Array:
@@ -36,12 +27,6 @@ def plain_scan(layers: Any, x: jax.Array, call: Any = tanh_layer) -> jax.Array:
         return jax.checkpoint(lambda x, a: call(eqx.combine(a, static), x))(x, arrays), None
 
     return jax.lax.scan(body, x, dynamic)[0]
-
-
-def scan_loss(layers: Any, x: jax.Array, offload_input: bool = False,
-              prefetch: bool = True) -> jax.Array:
-    return jnp.sum(eqx_offload.scan_layers(layers, x, tanh_layer, offload_input=offload_input,
-                                           prefetch=prefetch) ** 2)
 
 
 def plain_loss(layers: Any, x: jax.Array) -> jax.Array:

@@ -1,7 +1,6 @@
 """The streamed update's analysis (`_optim/schedule.py`), on traced programs only: the groups
 it plans and the updates it refuses to stream, naming the coupling."""
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -9,15 +8,9 @@ import numpy as np
 import optax
 import pytest
 from helpers import committed, make_grads, make_params
+from helpers import REJECTED_STREAMING
 
 import eqx_offload
-
-
-REJECTED_STREAMING: dict[str, Callable[[], Any]] = {
-    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
-    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
-    "clip_after_adam": lambda: optax.chain(optax.adam(1e-2), optax.clip_by_global_norm(1.0)),
-}
 
 
 @pytest.mark.parametrize("name", list(REJECTED_STREAMING))

@@ -15,9 +15,9 @@ import optax
 import pytest
 from donation_harness import mlp_setup, mlp_step, state_kinds, STEPS, unpack
 from helpers import assert_tree_equal, count_compiles, hex_bits, kind_list, tree_bits as bits
+from helpers import assert_same_run
 from isolated import call_isolated
 from ports import dcgan, dcgan_example
-from test_ports import _assert_same_run
 
 import eqx_offload
 
@@ -242,7 +242,7 @@ def test_dcgan_shared_buffers_donated(program: Any) -> None:
     deleted: list[bool] = []
     ported = program.train(True, donate="all" if program is dcgan else "returned", deleted=deleted)
     plain = program.train(False, donate="none")
-    _assert_same_run(plain, ported)
+    assert_same_run(plain, ported)
     assert deleted == [True] * program.STEPS
     if program is dcgan_example:
         assert ported.compiles == plain.compiles == [2] + [0] * (program.STEPS - 1)

@@ -21,9 +21,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import count_compiles, hex_bits, tree_bits as bits, unchecked
+from helpers import host_typed, offloaded_leaves, worker_opt, worker_params, worker_train
 from isolated import call_isolated, run_isolated
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from mp_worker import initial_values, make_step, SPECS
+from jax.sharding import AxisType, NamedSharding
+from mp_worker import make_step, SPECS
 
 import eqx_offload
 
@@ -32,32 +33,9 @@ LAYOUTS = pytest.mark.parametrize("layout", ["one-device", "mesh"])
 FILTER = eqx_offload.deserialise_filter_spec
 
 
-def make_params(mesh: Optional[jax.sharding.Mesh] = None) -> dict[str, jax.Array]:
-    params = {k: jnp.asarray(v) for k, v in initial_values()[0].items()}
-    return params if mesh is None else {
-        k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in params.items()}
-
-
 def mesh_for(layout: str) -> Optional[jax.sharding.Mesh]:
     return None if layout == "one-device" else jax.make_mesh(
         (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-
-
-def make_opt() -> optax.GradientTransformation:
-    return eqx_offload.offloaded(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)))
-
-
-def train(params: Any, state: Any, step: Any, steps: range,
-          mesh: Optional[jax.sharding.Mesh] = None) -> tuple[Any, Any, list[jax.Array]]:
-    """Steps `steps` of a fixed stream of batches (split over `data` on a mesh)."""
-    rng = np.random.default_rng(1)
-    data = [rng.standard_normal((2, 8, 8), np.float32) for _ in range(max(steps) + 1)]
-    where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P("data", None))
-    losses = []
-    for i in steps:
-        params, state, value = step(params, state, *jax.device_put(list(data[i]), where))
-        losses.append(value)
-    return params, state, losses
 
 
 def placements(tree: Any) -> list[tuple[str, Optional[str], Any]]:
@@ -65,15 +43,6 @@ def placements(tree: Any) -> list[tuple[str, Optional[str], Any]]:
     return [(jtu.keystr(p), x.sharding.memory_kind, sorted(
         (d.id, str(i)) for d, i in x.sharding.devices_indices_map(tuple(x.shape)).items()))
             for p, x in jtu.tree_flatten_with_path(tree)[0]]
-
-
-def host_typed(x: jax.Array) -> bool:
-    """JAX's type of `x` says host memory (what `jax.jit` traces it as)."""
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
-
-
-def offloaded_leaves(state: Any) -> list[jax.Array]:
-    return [x for x in jtu.tree_leaves(state) if x.ndim >= 1]
 
 
 def device_put_spy(calls: list[Any]) -> Callable[..., Any]:
@@ -95,8 +64,8 @@ def device_put_spy(calls: list[Any]) -> Callable[..., Any]:
 def test_abstract_init_is_what_init_makes(layout: str) -> None:
     """Shapes, dtypes, memory kinds and shardings of `init`'s state."""
     mesh = mesh_for(layout)
-    params = make_params(mesh)
-    for opt in [make_opt(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)),
+    params = worker_params(mesh)
+    for opt in [worker_opt(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)),
                 eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/nu/.*"))]:
         state, target = opt.init(params), eqx_offload.abstract_init(opt, params)
         assert jtu.tree_structure(target) == jtu.tree_structure(state)
@@ -115,7 +84,7 @@ def test_abstract_init_is_what_init_makes(layout: str) -> None:
 
 def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host shardings keep mesh and spec; bad kinds name the leaf."""
-    params = make_params(mesh_for("mesh"))
+    params = worker_params(mesh_for("mesh"))
     plain = optax.adam(1e-3).init(params)  # as restored without host shardings
     shardings = eqx_offload.host_shardings(plain, eqx_offload.min_ndim(1))
     host = {k: params[k].sharding.with_memory_kind("pinned_host") for k in SPECS}
@@ -126,7 +95,7 @@ def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> N
     target = eqx_offload.restore_target(plain, mu, memory_kind="unpinned_host")
     assert target[0].mu["w1"].sharding == params["w1"].sharding.with_memory_kind("unpinned_host")
     assert target[0].nu["w1"].sharding == params["w1"].sharding
-    abstract = jax.eval_shape(optax.adam(1e-3).init, make_params())  # leaves without a sharding
+    abstract = jax.eval_shape(optax.adam(1e-3).init, worker_params())  # leaves without a sharding
     w1 = eqx_offload.restore_target(abstract, True)[0].mu["w1"].sharding
     assert w1.memory_kind == "pinned_host" and w1.is_fully_replicated
     assert w1.device_set == {jax.devices()[0]}
@@ -206,10 +175,10 @@ def load(fmt: str, directory: Path, targets: dict[str, Any], step: int = 3) -> d
 def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Restored straight into host memory as a new run would: one compile, bitwise."""
-    mesh, opt = mesh_for(layout), make_opt()
-    full = train(make_params(mesh), opt.init(make_params(mesh)), make_step(opt), range(6), mesh)
-    opt = make_opt()
-    params, state, losses = train(make_params(mesh), opt.init(make_params(mesh)),
+    mesh, opt = mesh_for(layout), worker_opt()
+    full = worker_train(worker_params(mesh), opt.init(worker_params(mesh)), make_step(opt), range(6), mesh)
+    opt = worker_opt()
+    params, state, losses = worker_train(worker_params(mesh), opt.init(worker_params(mesh)),
                                   make_step(opt), range(3), mesh)
     save(fmt, tmp_path, {"params": params, "state": state})
     # Neither format records memory kinds: without a target the state comes back in device
@@ -221,7 +190,7 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path,
     assert fmt == "orbax" or {len(x.sharding.device_set) for x in naive} == {1}
     targets = {"params": eqx_offload.restore_target(params)}
     del params, state, naive
-    opt = make_opt()
+    opt = worker_opt()
     targets["state"] = eqx_offload.abstract_init(opt, targets["params"])
     device_puts: list[tuple[tuple[int, ...], Optional[str]]] = []
     monkeypatch.setattr(jax, "device_put", device_put_spy(device_puts))
@@ -235,7 +204,7 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path,
         assert host_typed(x) == (t.sharding.memory_kind == "pinned_host")
     params = load(fmt, tmp_path, {"params": targets["params"]})["params"]
     with count_compiles("step") as compiles:
-        params, state, more = train(params, state, make_step(opt), range(3, 6), mesh)
+        params, state, more = worker_train(params, state, make_step(opt), range(3, 6), mesh)
     assert len(compiles) == 1
     assert bits((params, state, losses + more)) == bits(full)
     assert placements(state) == placements(full[1])
@@ -268,12 +237,12 @@ def killed_save_child(directory: str, mode: str) -> None:
     async def stop_before_commit(self: Any) -> None:
         stop()
 
-    fmt, opt = mode.split("-")[0], make_opt()
+    fmt, opt = mode.split("-")[0], worker_opt()
     step = make_step(opt)
-    params, state, _ = train(make_params(), opt.init(make_params()), step, range(1))
+    params, state, _ = worker_train(worker_params(), opt.init(worker_params()), step, range(1))
     save(fmt, Path(directory, "ckpt"), {"params": params, "state": state}, step=1)
     Path(directory, "expected.json").write_text(json.dumps(hex_bits([params, state])))
-    params, state, _ = train(params, state, step, range(1, 2))
+    params, state, _ = worker_train(params, state, step, range(1, 2))
     if mode == "orbax-writing":
         serialization.async_serialize_from_host = first_array_then_stop
     if mode == "orbax-committing":
@@ -290,9 +259,9 @@ def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
     """Killed mid-save, step 2 is not committed; step 1 restores bitwise."""
     child = run_isolated(killed_save_child, str(tmp_path), mode)
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
-    ckpt, params_target = tmp_path / "ckpt", eqx_offload.restore_target(make_params())
+    ckpt, params_target = tmp_path / "ckpt", eqx_offload.restore_target(worker_params())
     targets = {"params": params_target,
-               "state": eqx_offload.abstract_init(make_opt(), params_target)}
+               "state": eqx_offload.abstract_init(worker_opt(), params_target)}
     fmt = mode.split("-")[0]
     if fmt == "eqx":
         assert not (ckpt / "2.params.eqx").exists()

@@ -217,7 +217,7 @@ def test_default_copies_overlap_compute(workload):
 
 def test_good_usage_plans_from_shapes() -> None:
     """tests/types/good_usage.py's `plan_the_step`: planned from shapes, nothing allocated."""
-    path = pathlib.Path(__file__).parent / "types" / "good_usage.py"
+    path = pathlib.Path(__file__).parents[1] / "types" / "good_usage.py"
     spec = importlib.util.spec_from_file_location("good_usage_plan", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

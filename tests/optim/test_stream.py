@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_placed, assert_tree_equal, committed, count_compiles, make_grads, make_params, Stacked
-from test_schedule import REJECTED_STREAMING
+from helpers import REJECTED_STREAMING
 
 import eqx_offload
 

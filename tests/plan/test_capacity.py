@@ -19,7 +19,7 @@ from eqx_offload._plan import deviceless as _deviceless
 from helpers import gpu_plan_marks
 
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import capacity  # (bench/: scripts of the repository, not of the package)
 import capacity_batch
 import capacity_run
@@ -269,7 +269,7 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
     assert tight_device.from_arguments and not tight_device.fits  # weights, mu, nu, count
 
 
-BATCH_JSON = pathlib.Path(__file__).parent.parent / "docs/bench/gpu/capacity_batch.json"
+BATCH_JSON = pathlib.Path(__file__).parents[2] / "docs/bench/gpu/capacity_batch.json"
 
 
 def test_published_batch_table_is_the_json():
@@ -310,7 +310,7 @@ def test_published_batch_table_is_the_json():
 
 def test_published_capacity_table_is_the_json_and_meets_the_goals():
     """`bench/capacity_run.py`'s JSON is the README's and the GPU plan page's tables; the goals hold."""
-    root = pathlib.Path(__file__).parent.parent
+    root = pathlib.Path(__file__).parents[2]
     results = json.loads((root / "docs/bench/gpu/capacity.json").read_text())
     best = {(r["target"], r["n_devices"], r["mode"]): r["largest"] for r in results}
     assert len(best) == 3 * len(capacity.CAPACITY_MODES)

@@ -19,6 +19,7 @@ import optax
 import optax.contrib
 import pytest
 from helpers import assert_tree_equal, count_compiles, unwrap
+from helpers import assert_same_run
 from isolated import call_isolated
 from ports import batchnorm, data_parallel, frozen, linen_trainstate, nonarray, rnn
 from ports.common import expected_placement, placement, Recorder, Run
@@ -26,24 +27,10 @@ from ports.common import expected_placement, placement, Recorder, Run
 import eqx_offload
 
 
-def _assert_same_run(plain: Run, ported: Run) -> None:
-    """Bitwise equal losses, model, inner state and extras; the ported state in host
-    memory after every step; no compilation after the first ported step."""
-    assert len(plain.losses) == len(ported.losses) >= 4
-    assert len({np.asarray(x).tobytes() for x in plain.losses}) > 1, "it does not train"
-    assert_tree_equal((plain.losses, plain.model, plain.opt_state, plain.extra),
-                      (ported.losses, ported.model, unwrap(ported.opt_state), ported.extra))
-    expected = expected_placement(ported.opt_state)
-    assert "pinned_host" in expected.values()
-    assert not plain.placements and ported.placements == [expected] * len(ported.losses)
-    # (The plain run may compile twice: its `init` returns uncommitted arrays, upstream.)
-    assert ported.compiles[1:] == [0] * (len(ported.compiles) - 1), ported.compiles
-
-
 def _difference(plain: Run, ported: Run) -> Optional[str]:
-    """`_assert_same_run`'s error (its start), or None."""
+    """`assert_same_run`'s error (its start), or None."""
     try:
-        _assert_same_run(plain, ported)
+        assert_same_run(plain, ported)
     except AssertionError as error:
         return str(error)[:2000]
     return None
@@ -71,7 +58,7 @@ PROGRAMS: dict[str, Callable[..., Run]] = {
 
 @pytest.mark.parametrize("name", sorted(set(PROGRAMS) - {"data_parallel_device_put"}))
 def test_port_bitwise(name: str) -> None:
-    _assert_same_run(PROGRAMS[name](False), PROGRAMS[name](True))
+    assert_same_run(PROGRAMS[name](False), PROGRAMS[name](True))
 
 
 @pytest.mark.parametrize("idioms", [(), ("eager",), ("in_step",), ("eager", "in_step")],
@@ -81,7 +68,7 @@ def test_port_data_parallel(idioms: tuple[str, ...]) -> None:
     opt_state), replicated)` after `init` and/or in the step: bitwise equal, each state
     leaf replicated on the 4 devices and in host memory."""
     ported = data_parallel.train(True, idioms)
-    _assert_same_run(data_parallel.train(False, idioms), ported)
+    assert_same_run(data_parallel.train(False, idioms), ported)
     mesh_devices = set(data_parallel.mesh().devices.flat)
     offloaded = [x for x in jtu.tree_leaves(ported.opt_state) if x.ndim >= 1]
     assert offloaded

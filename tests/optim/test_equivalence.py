@@ -20,13 +20,13 @@ import optax.contrib
 import pytest
 from helpers import (assert_multi_steps_updates, assert_placed, assert_tree_equal,
                      count_compiles, make_grads, make_params, tree_equal, unwrap)
+from helpers import COMPOSITIONS, LR, scale_by_arg
 from hypothesis import given, HealthCheck, Phase, settings
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqx_offload
 
 
-LR = 0.1
 STEPS = 3
 
 
@@ -44,17 +44,6 @@ def _optimistic_adam() -> optax.GradientTransformation:
     with warnings.catch_warnings():  # deprecated in favour of optimistic_adam_v2
         warnings.simplefilter("ignore", DeprecationWarning)
         return optax.optimistic_adam(LR)
-
-
-def _scale_by_arg() -> optax.GradientTransformationExtraArgs:
-    def update(updates: Any, state: Any, params: Any = None, *, factor: Any) -> Any:
-        return jax.tree.map(lambda u: u * factor, updates), state
-
-    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-
-
-def _multi_steps(inner: Any) -> optax.GradientTransformation:
-    return optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
 
 
 # The optax aliases, with the learning rate `LR` (test_every_optax_alias_is_covered).
@@ -77,44 +66,11 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
         LR, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: jnp.ndim(x) > 1, p))),
     "inject_hyperparams(adam)": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=LR),
     "chain(adam, clip)": lambda: optax.chain(optax.adam(LR), optax.clip_by_global_norm(1.0)),
-    "extra_arg": lambda: optax.chain(optax.adam(LR), _scale_by_arg()),
+    "extra_arg": lambda: optax.chain(optax.adam(LR), scale_by_arg()),
 }
 EXTRA: dict[str, Callable[[Any], dict[str, Any]]] = {  # extra `update` arguments
     "lbfgs": _lbfgs_extra, "polyak_sgd": lambda p: {"value": _loss(p)},
     "extra_arg": lambda p: {"factor": jnp.float32(3.0)}}
-Make = Callable[[Callable[[Any], Any]], optax.GradientTransformation]
-LABELS = {"embed": "a", "layer": {"w": "a", "b": "b"}, "scale": "b"}
-MASK = {"embed": True, "layer": {"w": False, "b": True}, "scale": True}
-COMPOSITIONS: dict[str, Make] = {
-    # `offloaded` outermost (the recommended order)
-    "offloaded(MultiSteps(adamw))": lambda w: w(_multi_steps(optax.adamw(LR))),
-    "offloaded(apply_if_finite(adamw))": lambda w: w(optax.apply_if_finite(optax.adamw(LR), 3)),
-    "offloaded(inject_hyperparams(adamw))": lambda w: w(
-        optax.inject_hyperparams(optax.adamw)(learning_rate=LR)),
-    "offloaded(masked(adam))": lambda w: w(optax.masked(optax.adam(LR), MASK)),
-    "offloaded(multi_transform)": lambda w: w(optax.multi_transform(
-        {"a": optax.adam(LR), "b": optax.sgd(LR, momentum=0.9)}, LABELS)),
-    "offloaded(chain(clip, adamw))": lambda w: w(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))),
-    "offloaded(schedule_free(adam))": lambda w: w(
-        optax.contrib.schedule_free(optax.adam(LR, b1=0.0), LR)),
-    # `offloaded` inside a combinator that only routes the state
-    "chain(clip, offloaded(adamw))": lambda w: optax.chain(
-        optax.clip_by_global_norm(1.0), w(optax.adamw(LR))),
-    "chain(offloaded(adam), offloaded(trace))": lambda w: optax.chain(
-        w(optax.scale_by_adam()), w(optax.trace(0.9)), optax.scale(-LR)),
-    "inject_hyperparams(offloaded(adamw))": lambda w: optax.inject_hyperparams(
-        lambda learning_rate: w(optax.adamw(learning_rate)))(learning_rate=LR),
-    "masked(offloaded(adam))": lambda w: optax.masked(w(optax.adam(LR)), MASK),
-    "multi_transform(offloaded(adam), sgd)": lambda w: optax.multi_transform(
-        {"a": w(optax.adam(LR)), "b": optax.sgd(LR, momentum=0.9)}, LABELS),
-    "schedule_free(offloaded(adam))": lambda w: optax.contrib.schedule_free(
-        w(optax.adam(LR, b1=0.0)), LR),
-    "apply_if_finite(offloaded(adamw))": lambda w: optax.apply_if_finite(w(optax.adamw(LR)), 3),
-    # computes on the state it wraps (`jnp.where`): runs on the CPU; test_optax.py
-    # has `filter_jit` reject it
-    "MultiSteps(offloaded(adamw))": lambda w: _multi_steps(w(optax.adamw(LR))),
-}
 # Clipping ones and sm3 reject complex params (prodigy casts them to real, with a JAX
 # DeprecationWarning: not supported); sm3 rejects 0-d ones; the masks and labels of the
 # compositions name no complex leaf.
@@ -398,7 +354,7 @@ def test_training_step_donated(strategy: str) -> None:
 # ------------------------------------------------------------------------ the long tail
 # Random pytrees, optimizer chains and `where`s. Profile `ci`: few examples (each compiles
 # steps), the same on every run, no shrinking (a failure prints its draws as they are);
-# `HYPOTHESIS_PROFILE=long pytest tests/test_equivalence.py -k random`: 400 each.
+# `HYPOTHESIS_PROFILE=long pytest tests/optim/test_equivalence.py -k random`: 400 each.
 settings.register_profile(
     "ci", max_examples=12, deadline=None, derandomize=True,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],

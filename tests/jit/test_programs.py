@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import assert_same_run
 from isolated import call_isolated
 from ports import dcgan_example, mnist, nnx as nnx_port, solver, vit
 from ports.common import batches
-from test_ports import _assert_same_run
 
 import eqx_offload
 
@@ -34,10 +34,10 @@ PROGRAMS: dict[str, Any] = {
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_ported_program(name: str) -> None:
-    """The ported run is bitwise the plain one (`_assert_same_run`)."""
+    """The ported run is bitwise the plain one (`assert_same_run`)."""
     train, check = PROGRAMS[name]
     plain, ported = train(False), train(True)
-    _assert_same_run(plain, ported)
+    assert_same_run(plain, ported)
     assert check is None or check(ported), ported.extra
 
 

@@ -228,7 +228,7 @@ def _check_message(text: str, fix: str) -> None:
     assert page_url == "https://eqx-offload.readthedocs.io/en/latest/errors/"
     anchor = lines[-1].removeprefix(f"See {page_url}#").removesuffix(".")
     assert anchor != lines[-1], text
-    page = (pathlib.Path(__file__).parents[1] / eqx_offload._core.errors.DOCS).read_text()
+    page = (pathlib.Path(__file__).parents[2] / eqx_offload._core.errors.DOCS).read_text()
     assert "{#" + anchor + "}" in page, anchor
 
 
@@ -297,7 +297,7 @@ def test_memory_space_error_keeps_jax_error_as_its_cause() -> None:
 
 def test_errors_page_lists_every_exported_exception_with_its_bases() -> None:
     """docs/errors.md's table: one row per exception `eqx_offload` exports, its real bases."""
-    page = (pathlib.Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "errors.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, flags=re.M))
     exported = {name: getattr(eqx_offload, name) for name in eqx_offload.__all__}
     errors = {name: cls for name, cls in exported.items()
