@@ -85,7 +85,7 @@ install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package insta
     want=$(jax_version "$py")
     uvpip -e ".[dev]"
     uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12
-    "$py" -c 'from eqx_offload._plan import deviceless; deviceless.check_available()'
+    "$py" -c 'from eqx_offload._core.compat import deviceless; deviceless.check_available()'
   fi
   [ "$(jax_version "$py")" = "$want" ] || { echo "expected jax, jaxlib $want"; exit 1; }
   echo "$1: $("$py" -V), jax/jaxlib $want"

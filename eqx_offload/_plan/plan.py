@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, Union
 
 from .._core.errors import OptionError, PlanError
-from . import deviceless as _deviceless
+from .._core.compat import deviceless as _deviceless
 from .flops import matmul_flops
 from .hlo import (
     Direction, PlannedCollective, PlannedCopy, scheduled_collectives, scheduled_copies,

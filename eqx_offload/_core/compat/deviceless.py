@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .._core.errors import PlanError
-from .._core.memory import host_pool_limit
+from ..errors import PlanError
+from ..memory import host_pool_limit
 
 
 def _install_hint() -> str:
