@@ -10,6 +10,7 @@ from typing import Any, Optional, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from .leaves import is_traced, path_to_str
@@ -30,7 +31,9 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     error): a leaf that comes back traced outside `memory_kind`'s space is an error
     naming `path_of(i)` (JAX drops 'unpinned_host' in a trace without a word)."""
     out = list(leaves)
-    indices, chosen, destinations = [], [], []
+    indices: list[int] = []
+    chosen: list[Any] = []
+    destinations: list[Destination] = []
     for i, target in enumerate(targets):
         if target is not None:
             indices.append(i)
@@ -40,8 +43,8 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
         return out
     moved = jax.device_put(chosen, destinations)
     for i, leaf in zip(indices, moved, strict=True):
-        if (argument is not None and isinstance(leaf, jax.core.Tracer)  # (`is_traced`,
-                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # inlined)
+        if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
+                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)
             raise traced_move_error(str(memory_kind), argument, path_of(i))
         out[i] = leaf
     return out

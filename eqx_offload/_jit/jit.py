@@ -128,8 +128,13 @@ class _FilterJit(Generic[_P, _T]):
         self._warned = False  # `_warn_changed_number`, once per function
         functools.update_wrapper(self, fun)
 
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+        # (`flatten_call` is called from here, where the arguments are typed as what they
+        # are, not as `_P.args`: pytype cannot record a call trace with `ParamSpecArgs`.)
+        return flatten_call(args, kwargs, self._donate, name=self._name)
+
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        call = flatten_call(args, kwargs, self._donate, name=self._name)
+        call = self._flatten(args, kwargs)
         compiled = self._cache.get(call.key)
         if compiled is None:
             if not self._warned and self._cache:
@@ -144,7 +149,7 @@ class _FilterJit(Generic[_P, _T]):
         compilation). `.compile()` on the result gives a callable `Compiled` with
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
         cache is not touched."""
-        return self._lower_call(flatten_call(args, kwargs, self._donate, name=self._name))
+        return self._lower_call(self._flatten(args, kwargs))
 
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
         """`jax.export.export` for this function, memory kinds kept: returns a callable
