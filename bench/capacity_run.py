@@ -266,7 +266,9 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                           help="tokens per sequence of the batch table (default the ladder's)")
     capacity.add_argument("--models-from", default=None, metavar="PATH",
                           help="the batch table's models: each GPU and mode's largest in this "
-                               "capacity JSON (--json of a --capacity run) instead of a search")
+                               "capacity JSON (--json of an earlier run) instead of a search")
+    capacity.add_argument("--json", default=None, metavar="PATH",
+                          help="also write the plans as JSON")
     capacity.add_argument("--markdown", default=None, metavar="PATH",
                           help="also write the capacity table as Markdown")
     capacity.add_argument("--cache", default=None, metavar="PATH",
