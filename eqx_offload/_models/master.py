@@ -46,7 +46,6 @@ def _is_float(x: Any) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-
 def _cast_leaf(dtype: Any, x: Any) -> Any:
     return x.astype(dtype) if _is_float(x) else x
 

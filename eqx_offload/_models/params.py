@@ -113,7 +113,6 @@ def host_weights(
 # The rest of the step
 
 
-
 def apply_updates(model: _T, updates: Any) -> _T:
     """`eqx.apply_updates` that keeps every leaf in the memory it lives in.
 

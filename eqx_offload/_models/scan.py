@@ -232,7 +232,6 @@ def _all(tree: Any, value: bool) -> Any:
     return jtu.tree_map(constant, tree)
 
 
-
 def _add_unless_none(u: Any, v: Any) -> Any:
     return None if u is None else u + v
 
