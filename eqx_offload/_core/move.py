@@ -15,7 +15,9 @@ from jax.core import Tracer
 from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, default_kind
-from .placement import Destination, destination, memory_kind_of, space_of, traced_move_error
+from .placement import (
+    Destination, destination, is_host, memory_kind_of, space_of, traced_move_error,
+)
 from .types import HostMemoryKind, Where
 from .where import leaf_mask, warn_if_selects_nothing
 
@@ -47,6 +49,18 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)
             raise traced_move_error(str(memory_kind), argument, path_of(i))
         out[i] = leaf
+    return out
+
+
+def place_like(tree: _T, like: Any) -> _T:
+    """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
+    the same place, if that one is in host memory (one `put`)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
+    leaves = put(leaves, [destination(x, h, "memory_kind", str(i))
+                          if h is not None and eqx.is_array(x) else None
+                          for i, (x, h) in enumerate(zip(leaves, homes, strict=True))])
+    out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 
 

@@ -24,7 +24,7 @@ import optax
 
 from .._core.errors import OptionError
 from .._core.leaves import is_none, is_traced
-from .._core.move import move, put, to_host
+from .._core.move import move, place_like, put, to_host
 from .._core.placement import destination, is_host, memory_kind_of
 from .._core.types import HostMemoryKind, Where
 from .._optim.offloaded import offloaded
@@ -209,18 +209,6 @@ def fetch_each(tree: _T) -> _T:
     rest = [i for i, x in enumerate(leaves) if i not in set(traced) and eqx.is_array(x)]
     for i, x in zip(rest, fetch([leaves[i] for i in rest]), strict=True):
         leaves[i] = x
-    out: _T = jtu.tree_unflatten(treedef, leaves)
-    return out
-
-
-def place_like(tree: _T, like: Any) -> _T:
-    """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
-    the same place, if that one is in host memory (one `put`)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    homes = [memory_kind_of(x) if is_host(x) else None for x in jtu.tree_leaves(like)]
-    leaves = put(leaves, [destination(x, h, "memory_kind", str(i))
-                          if h is not None and eqx.is_array(x) else None
-                          for i, (x, h) in enumerate(zip(leaves, homes, strict=True))])
     out: _T = jtu.tree_unflatten(treedef, leaves)
     return out
 
