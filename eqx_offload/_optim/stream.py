@@ -60,6 +60,7 @@ from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
@@ -370,16 +371,18 @@ class _Runner:
 
     def outputs(self) -> list[Any]:
         """The jaxpr's outputs: those the runs made, the host buffers of the split
-        leaves, and what no stage produced (literals, and inputs or constants returned
-        as they are)."""
+        leaves, and what no stage produced (inputs or constants returned as they are;
+        a literal as an array, as `inner.update` called itself returns it)."""
         outputs = []
         for k, v in enumerate(self.jaxpr.outvars):
             if ("out", k) in self.vals:
                 outputs.append(self.vals[("out", k)])
             elif k >= self.n_updates and k - self.n_updates in self.sliced_leaves:
                 outputs.append(self.vals[("leaf", k - self.n_updates)])
-            else:
+            elif is_var(v):
                 outputs.append(self.env.read(v))
+            else:
+                outputs.append(jnp.asarray(self.env.read(v), v.aval.dtype))
         return outputs
 
 
