@@ -26,7 +26,7 @@ from jax import lax
 
 from .._core.checkpoint import check_init_fits_host_pool
 from .._core.compat import host_compute, multi_steps_parts, MultiStepsParts
-from .._core.errors import CompositionError, OptionError
+from .._core.errors import OptionError
 from .._core.leaves import is_traced
 from .._core.move import move
 from .._core.where import leaf_mask
@@ -35,6 +35,7 @@ from .checks import check_is_offloaded, check_trace
 from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
+from .schedule import NotStreamable
 from .strategies import streamed
 
 
@@ -218,13 +219,13 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
         final, new_state = streamed(step.parts.opt, layout, True, grads, old, step.params,
                                     step.extra_args)
         if [x.dtype for x in jtu.tree_leaves(new_state)] != [x.dtype for x in old]:
-            raise TypeError("the update changes its state's dtypes")
+            raise NotStreamable("the update changes its state's dtypes")
         return final, new_state  # its host leaves are in host memory again
 
     try:  # JAX lowers the branch of the platform it lowers for (as `auto_update`)
         result: tuple[Any, Any] = lax.platform_dependent(
             cpu=lambda: _whole(step, grads, state.inner_opt_state, emit), default=stream)
-    except (CompositionError, TypeError):  # an update that couples all of its state
+    except NotStreamable:  # an update that couples all of its state: the whole state
         return _whole(step, grads, state.inner_opt_state, emit)
     return result
 

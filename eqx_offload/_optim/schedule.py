@@ -16,6 +16,13 @@ from .._core.leaves import nbytes
 from .._core.placement import is_host
 
 
+class NotStreamable(CompositionError):
+    """The update cannot be streamed (it couples all of its state, has side effects,
+    changes its state's structure or dtypes): `group_bytes=N` raises it; the default
+    `"auto"` catches it alone and updates the whole state, the documented mode for such
+    an update (a test pins that plan). Any other error comes through."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
     """How `offloaded(inner, group_bytes=N)` streams a state through the device.
@@ -110,7 +117,7 @@ def _check_not_coupled(traced: TracedUpdate, units: _Units, streamed: Sequence[i
         coupled = [traced.state_paths[i] for i in streamed if units.uf.find(i) == root]
         reason = next((e for e, roots in units.merges if units.uf.find(roots[0]) == root), None)
         listed = ", ".join(coupled[:4]) + (", ..." if len(coupled) > 4 else "")
-        raise CompositionError(
+        raise NotStreamable(
             "offloaded(..., group_bytes=...): this optimizer's update cannot be "
             f"streamed. It couples the state of {len(outs)} parameters (state "
             f"leaves {listed}): no group boundary can be drawn between them"

@@ -29,13 +29,14 @@ import jax
 import jax.tree_util as jtu
 
 from .._core.compat import marked
-from .._core.errors import CompositionError
+from .._core.move import place_like
 from .._core.placement import is_host
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
 from .host_compute import host_update
 from .layout import fetch, Layout
 from .options import Options
+from .schedule import NotStreamable
 from .stream import streamed_update
 
 
@@ -86,13 +87,16 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
 def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
     """For an accelerator, `streamed` with an automatic group size, or the whole state
-    where the update cannot be streamed (it couples all of the state, e.g.
-    `apply_if_finite`, or has side effects). Eagerly, or for the CPU backend (one RAM:
-    streaming frees nothing and its barriers cost step time), the whole state at once.
+    where the update cannot be streamed (`NotStreamable`: it couples all of the state,
+    e.g. `apply_if_finite`, or has side effects). Eagerly, or for the CPU backend (one
+    RAM: streaming frees nothing and its barriers cost step time), the whole state at
+    once.
 
     Under `jit` the program holds both, and JAX lowers only the one for the platform it
     lowers for (`jax.lax.platform_dependent`): a step traced on a CPU machine and
-    lowered for `cuda` (`gpu_plan`, `export`) streams. Tracing both costs trace time."""
+    lowered for `cuda` (`gpu_plan`, `export`) streams. Tracing both costs trace time.
+    Both return the same types (`_as_returned`); any error but `NotStreamable` comes
+    through: none falls back to the whole state unseen."""
     arguments = (inner, layout, traced, updates, leaves, params, extra_args)
     if not traced:
         return update_on_device(*arguments)
@@ -101,8 +105,9 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     def branch(strategy: Strategy) -> Callable[[], Any]:
         def run() -> Any:
             new_updates, new_state = strategy(*arguments)
-            dynamic, static = eqx.partition((new_updates, _as_stored(layout, new_state)),
-                                            eqx.is_array)
+            dynamic, static = eqx.partition(
+                (_as_returned(new_updates, updates), _as_stored(layout, new_state)),
+                eqx.is_array)
             statics.append(static)
             return dynamic
         return run
@@ -110,12 +115,21 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     try:
         dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
                                              default=branch(streamed))
-    except (CompositionError, TypeError):  # an update that cannot stream, or that
-        # streamed returns other types: the whole state (an error of `inner.update`
-        # itself comes again from there)
+    except NotStreamable:  # the documented mode of such an update: the whole state
         return update_on_device(*arguments)
     result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
     return result
+
+
+def _as_returned(new_updates: Any, gradients: Any) -> Any:
+    """The updates as both branches of `auto_update` return them: each update whose
+    gradient is in host memory (of a weight kept there) in that memory, as the streamed
+    update writes those of split leaves while it makes them (`master_weights`' new
+    compute weights); every other one where it was made. Paired by position, as the
+    streamed update pairs them, where there are as many of each."""
+    if len(jtu.tree_leaves(new_updates)) != len(jtu.tree_leaves(gradients)):
+        return new_updates
+    return place_like(new_updates, gradients)
 
 
 def _as_stored(layout: Layout, state: Any) -> Any:

@@ -64,14 +64,15 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._core.errors import CompositionError
 from .._core.inner import as_transformation
 from .._core.jaxpr import bind, Env, is_var, trace_update, TracedUpdate
 from .._core.move import move
 from .._core.placement import is_host, memory_kind_of
 from .layout import fetch, narrowed, store, widened_dtype
 from .options import Options
-from .schedule import _converts_only, _Piece, _Schedule, _schedule, StreamPlan
+from .schedule import (
+    _converts_only, _Piece, _Schedule, _schedule, NotStreamable, StreamPlan,
+)
 
 
 # ----------------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ def _trace_streamable(inner: Any, updates: Any, inner_state: Any, params: Any,
                       state_dtypes: Optional[Sequence[Any]] = None) -> TracedUpdate:
     traced = trace_update(inner, updates, inner_state, params, extra_args, state_dtypes)
     if traced.jaxpr.effects:
-        raise CompositionError(
+        raise NotStreamable(
             "offloaded(..., group_bytes=...): the inner update has side effects "
             f"({', '.join(sorted(map(str, traced.jaxpr.effects)))}), e.g. a callback or "
             "`jax.debug.print`; streaming reorders its operations, so it is not done. "
@@ -415,7 +416,7 @@ def _trace_streamable(inner: Any, updates: Any, inner_state: Any, params: Any,
         [v.aval for v in traced.jaxpr.outvars])[1])  # PyTreeDef: typed without __eq__
     in_state: Any = jtu.tree_structure(inner_state)
     if out_state != in_state:
-        raise CompositionError(
+        raise NotStreamable(
             "offloaded(..., group_bytes=...): the inner transformation returns a state "
             "whose structure differs from that of the state it was given, so new "
             "state leaves cannot be matched to old ones. Use group_bytes=None."
@@ -435,7 +436,7 @@ def streamed_update(
     traced = _trace_streamable(inner, updates, inner_state, params, extra_args,
                                [widened_dtype(options, x.dtype, d) for x, d in arrays])
     assert options.group_bytes is not None
-    schedule = _schedule(traced, options.group_bytes)  # may raise CompositionError
+    schedule = _schedule(traced, options.group_bytes)  # may raise NotStreamable
     return traced.rebuild(_run(traced, schedule, options, [d for _, d in arrays]))
 
 
