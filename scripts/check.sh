@@ -7,8 +7,9 @@
 #   bash scripts/check.sh fast      # the library's quick tests, oldest environment only
 #   bash scripts/check.sh accelerator  # tests/accelerator, on a machine with a TPU or GPU
 #
-#   oldest  .venv      Python 3.11, jax == jaxlib == 0.10.2 (.ci/constraints-oldest.txt)
-#   newest  .venv-new  Python 3.12, the newest jax and jaxlib, and the GPU compiler (plan)
+#   oldest  .venv      Python 3.11, jax == jaxlib == 0.10.2 (.ci/constraints-oldest.txt),
+#                      and libtpu (the TPU compiler: tests/tpu compile for a v5e without one)
+#   newest  .venv-new  Python 3.12, the newest jax and jaxlib, the GPU compiler (plan), libtpu
 #
 # Each environment: a venv (created if missing), uv in it (with pip), the package with
 # its dev extra (uv pip install, every run but `fast`), then pytest. The oldest runs the
@@ -77,14 +78,14 @@ install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package insta
   if [ "$("$py" -V 2>&1)" != "$("$3" -V 2>&1)" ]; then rm -rf "$2"; "$3" -m venv "$2"; fi
   "$py" -m pip install -q uv
   uvpip() { "$py" -m uv pip install -q --python "$py" "$@"; }
-  if [ "$1" = oldest ]; then
-    uvpip -e ".[dev]" -c .ci/constraints-oldest.txt
+  if [ "$1" = oldest ]; then  # (libtpu: the TPU compiler, for tests/tpu without a chip)
+    uvpip -e ".[dev]" "jax[tpu]==0.10.2" -c .ci/constraints-oldest.txt
     want="0.10.2 0.10.2"
   else  # the newest JAX first; the package and the GPU compiler must leave it as it is
     uvpip --upgrade jax jaxlib
     want=$(jax_version "$py")
     uvpip -e ".[dev]"
-    uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12
+    uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12 "jax[tpu]==${want%% *}"
     "$py" -c 'from eqx_offload._core.compat import deviceless; deviceless.check_available()'
   fi
   [ "$(jax_version "$py")" = "$want" ] || { echo "expected jax, jaxlib $want"; exit 1; }
