@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import capacity  # noqa: E402  (bench/, beside this folder)
-import eqx_offload  # noqa: E402
-from llama import Llama, llama_loss, LlamaShape  # noqa: E402
+import capacity  # (bench/, beside this folder)
+import eqx_offload
+from llama import Llama, llama_loss, LlamaShape
 
 
 def shape_of(width: int, layers: int, seq: int, batch: int) -> LlamaShape:
@@ -107,7 +107,7 @@ if __name__ == "__main__":
     numbers = [int(a) for a in args[1:]] + [20, 1024, 4][len(args) - 3:]
     try:
         result = main(args[0], *numbers)
-    except Exception as error:  # a row that does not fit: say why, in the same format
+    except Exception as error:  # noqa: BLE001 - a row that does not fit, reported as JSON
         result = {"mode": args[0], "width": numbers[0], "layers": numbers[1],
                   "error": f"{type(error).__name__}: {str(error)[:600]}"}
     line = json.dumps(result)

@@ -21,8 +21,9 @@ import optax
 
 from .._core.errors import OptionError, StateError
 from .._core.leaves import is_none
+from .._core.move import place_like
 from .._optim.offloaded import offloaded
-from .params import fetch_each, place_like
+from .params import fetch_each
 
 
 _M = TypeVar("_M")

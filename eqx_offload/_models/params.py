@@ -24,7 +24,7 @@ import optax
 
 from .._core.errors import OptionError
 from .._core.leaves import is_none, is_traced
-from .._core.move import move, place_like, put, to_host
+from .._core.move import move, put, to_host
 from .._core.placement import destination, is_host, memory_kind_of
 from .._core.types import HostMemoryKind, Where
 from .._optim.offloaded import offloaded
