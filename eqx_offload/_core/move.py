@@ -41,7 +41,12 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
             destinations.append(target)
     if not indices:
         return out
-    moved = jax.device_put(chosen, destinations)
+    # A traced leaf's own memory as the source: JAX transposes a move to its source,
+    # so a cotangent comes back in the memory of its primal (`jax.grad` through a
+    # store to host; without a source the cotangent would stay in host memory).
+    sources = [jax.typeof(x).memory_space if isinstance(x, Tracer) else None
+               for x in chosen]
+    moved = jax.device_put(chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)
