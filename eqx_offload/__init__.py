@@ -32,6 +32,7 @@ from ._core.errors import (
 )
 from ._jit.jax_jit import jit as jit
 from ._jit.jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._jit.nnx_jit import nnx_jit as nnx_jit
 from ._models.master import (
     master_weights as master_weights,
     MasterState as MasterState,
@@ -131,6 +132,7 @@ __all__ = [
     "min_bytes",
     "min_ndim",
     "Nested",
+    "nnx_jit",
     "NotATransformationError",
     "offload_dots",
     "offload_names",

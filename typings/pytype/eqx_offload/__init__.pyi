@@ -70,6 +70,7 @@ __all__ = [
     "min_bytes",
     "min_ndim",
     "Nested",
+    "nnx_jit",
     "NotATransformationError",
     "offload_dots",
     "offload_names",
@@ -381,6 +382,11 @@ def jit(
     donate_argnames: Union[str, Iterable[str], None] = None,
     compiler_options: Optional[dict[str, Any]] = None,
 ) -> _Jit[_F]: ...
+
+@overload
+def nnx_jit(fun: None = None, **jit_kwargs: Any) -> Callable[[_F], _F]: ...
+@overload
+def nnx_jit(fun: _F, **jit_kwargs: Any) -> _F: ...
 
 # Reports.
 @dataclasses.dataclass(frozen=True)
