@@ -21,6 +21,7 @@ from .where import leaf_mask, warn_if_selects_nothing
 
 
 _T = TypeVar("_T")
+DEVICE = jax.memory.Space.Device
 
 
 def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
@@ -34,18 +35,18 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     indices: list[int] = []
     chosen: list[Any] = []
     destinations: list[Destination] = []
+    # The source of a traced device leaf: JAX moves a cotangent back to the source (a
+    # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
+    sources: list[Any] = []
     for i, target in enumerate(targets):
         if target is not None:
             indices.append(i)
             chosen.append(leaves[i])
             destinations.append(target)
+            sources.append(DEVICE if isinstance(leaves[i], Tracer) and jax.typeof(
+                leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
-    # A traced leaf's own memory as the source: JAX transposes a move to its source,
-    # so a cotangent comes back in the memory of its primal (`jax.grad` through a
-    # store to host; without a source the cotangent would stay in host memory).
-    sources = [jax.typeof(x).memory_space if isinstance(x, Tracer) else None
-               for x in chosen]
     moved = jax.device_put(chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:

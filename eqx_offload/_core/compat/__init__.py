@@ -33,8 +33,8 @@ JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _
 # not differentiated, such as a state passed to `jax.grad(f)` beside the argument) an
 # array of zeros in device memory, whatever the memory of its primal; JAX 0.12 keeps it
 # symbolic. A host-resident state leaf through a barrier then gets a device (co)tangent,
-# and `jax.grad` through two offloaded updates fails ("Expected cotangent type
-# float32[4] but got float32<host>[4]"). `optimization_barrier` is the barrier whose
+# and `jax.grad` through offloaded updates (Optax's meta-learning example) fails
+# ("Expected cotangent type float32<host>[] but got float32[]"). `optimization_barrier` is the barrier whose
 # tangents pass through as they are: it orders the values of the step, and its
 # derivative is the identity (`tests/upstream/test_upstream_barrier_zeros.py` is the
 # canary).
