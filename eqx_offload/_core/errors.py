@@ -219,5 +219,18 @@ def host_compute_error(function: str, described: str, fix: str) -> CompositionEr
     )
 
 
+def host_weights_error(function: str, described: str, leaf: str) -> CompositionError:
+    """A step that computes on a model weight moved to host memory (`to_host(model)`,
+    `leaf`: its argument and path), not on an optimizer state."""
+    return CompositionError(
+        "Keep model weights in host memory with `eqx_offload.host_weights(module)` (each "
+        "weight comes to the device while the module computes) or `eqx_offload.scan_layers` "
+        "(stacked layers, fetched in turn); or call the model on the device: "
+        "`eqx_offload.to_device(model)`.\n"
+        f"{function}: {described} computes on a model weight in host memory: {leaf} "
+        "(not an optimizer state).\n" + see("host-resident-arrays")
+    )
+
+
 def _name(obj: object) -> str:
     return str(getattr(obj, "__name__", None) or type(obj).__name__)

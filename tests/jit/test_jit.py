@@ -202,6 +202,23 @@ def test_host_compute_is_rejected_but_fetching_a_host_slice_is_not() -> None:
             stacked, jnp.int32(2))
 
 
+def test_computing_on_host_model_weights_names_host_weights_and_the_leaf() -> None:
+    """A model moved with `to_host` and called in the step: the fix first (`host_weights`,
+    `scan_layers`), then the argument and the weight's path; a host optimizer state read
+    in the step keeps the state's message."""
+    model = eqx_offload.to_host(eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
+    with pytest.raises(eqx_offload.CompositionError) as caught:
+        eqx_offload.filter_jit(lambda model, x: model(x))(model, jnp.ones(3))
+    lines = str(caught.value).splitlines()
+    assert len(lines) <= 4 and lines[0].startswith("Keep model weights in host memory with "
+                                                   "`eqx_offload.host_weights(module)`")
+    assert "`eqx_offload.scan_layers`" in lines[0] and lines[-1].startswith("See https://")
+    assert "args[0], leaf .layers[0].weight (not an optimizer state)" in lines[1]
+    state = eqx_offload.offloaded(optax.adam(0.1)).init({"w": jnp.ones(3)})
+    with pytest.raises(eqx_offload.CompositionError, match="^Bring what the step reads"):
+        eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(state)
+
+
 def test_host_compute_under_compute_on_is_allowed():
     """The function form of `compute_on` (`compute_on2` in JAX 0.10)."""
     to_host = jax.memory.Space.Host
