@@ -24,14 +24,22 @@ from .._jit.lint import foreign_donation
 from .state import OffloadedState, OffloadWarning
 
 
-def check_not_deleted(params: Any, function: str) -> None:
+def check_not_deleted(params: Any, function: str, argument: str = "params") -> None:
     """A `DonationError` naming `params`' first deleted array (one an earlier donating call
     consumed), its path and the fix, before `function` (`"offloaded(...).init"`) would
     hand it to JAX, whose error would name only its own internals."""
     for path, x in jtu.tree_flatten_with_path(params)[0]:
         if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
             leaf = jtu.keystr(path) or "(the argument itself)"
-            raise deleted_array_error(function, "params", leaf, f"{x.dtype}{list(x.shape)}")
+            raise deleted_array_error(function, argument, leaf, f"{x.dtype}{list(x.shape)}")
+
+
+def check_state_not_deleted(leaves: list[Any], state: Any) -> None:
+    """`check_not_deleted` for an eager `update`'s state, whose flat `leaves` are at hand:
+    a state a donating step consumed (the one passed to it, not the one it returned)."""
+    for x in leaves:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            check_not_deleted(state, "offloaded(...).update", "state")
 
 
 def check_new_state(inner: Any, state: Any, updates: Any, params: Any,

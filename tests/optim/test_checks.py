@@ -121,3 +121,26 @@ def test_a_state_that_differs_after_the_first_update_is_still_checked() -> None:
     with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/mu/b is in device memory"):
         _, state = opt.update(params, eqx_offload.to_device(state), params)
     assert_placed(state)
+
+
+def test_an_eager_update_with_a_state_a_donating_step_consumed() -> None:
+    """The state passed to a donating step, updated again eagerly: a `DonationError` with
+    the fix first, naming `state` and the leaf (JAX: "Array has been deleted")."""
+    params = {"w": jnp.ones((2, 3))}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(params: Any, state: Any) -> Any:
+        updates, state = opt.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    old = opt.init(params)
+    opt.update(params, old, params)  # (its layout is known: the check is not the first)
+    params, state = step(params, old)
+    with pytest.raises(eqx_offload.DonationError) as caught:
+        opt.update(params, old, params)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("Pass the value the donating call returned in its place")
+    assert lines[1].startswith("offloaded(...).update: state, leaf .inner_state[0].count")
+    assert len(lines) == 3 and isinstance(caught.value, RuntimeError)
+    opt.update(params, state, params)  # the state the step returned
