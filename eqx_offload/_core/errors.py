@@ -219,6 +219,18 @@ def host_compute_error(function: str, described: str, fix: str) -> CompositionEr
     )
 
 
+def none_leaf_error(leaf: str, state_path: str) -> StateError:
+    """`offloaded(...).update` with a state `init` made from a leaf that is not an array
+    (the whole model given to `init`, a Python float among its leaves), whose gradient is
+    `None`: the state does belong to this optimizer, the updates lack that leaf."""
+    return StateError(
+        "Initialise with the model's arrays only: `tx.init(eqx.filter(model, eqx.is_array))`.\n"
+        f"offloaded(...).update(updates=...): leaf {leaf} is None (the gradient of a leaf "
+        "that is not an array, such as a Python float dropout rate), but `init` made state "
+        f"for it at inner_state/{state_path}.\n" + see("a-non-array-leaf")
+    )
+
+
 def host_weights_error(function: str, described: str, leaf: str) -> CompositionError:
     """A step that computes on a model weight moved to host memory (`to_host(model)`,
     `leaf`: its argument and path), not on an optimizer state."""
