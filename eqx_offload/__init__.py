@@ -14,6 +14,7 @@ from ._core.checkpoint import (
     filter_eval_shape as filter_eval_shape,
     host_shardings as host_shardings,
     restore_target as restore_target,
+    tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._core.errors import (
     CheckpointError as CheckpointError,
@@ -157,6 +158,7 @@ __all__ = [
     "supported_memory_kinds",
     "to_device",
     "to_host",
+    "tree_deserialise_leaves",
     "TracedMoveError",
     "TreeError",
     "Where",

@@ -219,6 +219,19 @@ def host_compute_error(function: str, described: str, fix: str) -> CompositionEr
     )
 
 
+_CHECKPOINT_FIX = ("Build `like` for the same model and optimizer that wrote the checkpoint "
+                   "(e.g. `eqx_offload.abstract_init(opt, params)`).")
+
+
+def checkpoint_leaf_error(function: str, leaf: str, held: str, expected: str) -> CheckpointError:
+    """A checkpointed leaf (`held`: its dtype and shape) that does not fit its restore
+    target (`expected`)."""
+    return CheckpointError(
+        f"{_CHECKPOINT_FIX}\n{function}: leaf {leaf}: the checkpoint holds {held} where "
+        f"`like` has {expected}.\n" + see("a-checkpoint-that-does-not-fit")
+    )
+
+
 def none_leaf_error(leaf: str, state_path: str) -> StateError:
     """`offloaded(...).update` with a state `init` made from a leaf that is not an array
     (the whole model given to `init`, a Python float among its leaves), whose gradient is
