@@ -417,8 +417,8 @@ def tree_deserialise_leaves(path_or_file: Any, like: _T,
         ```
     """
     try:
-        return eqx.tree_deserialise_leaves(path_or_file, like, filter_spec=filter_spec,
-                                           is_leaf=is_leaf)
+        restored: _T = eqx.tree_deserialise_leaves(path_or_file, like, filter_spec=filter_spec,
+                                                   is_leaf=is_leaf)
     except RuntimeError as error:  # Equinox's `TreePathError`
         cause = error.__cause__
         while cause is not None and not isinstance(cause, CheckpointError):
@@ -430,3 +430,4 @@ def tree_deserialise_leaves(path_or_file: Any, like: _T,
         leaf = jtu.keystr(tuple(getattr(error, "path", ()))) or "(the tree itself)"
         raise CheckpointError(f"{fix}\ntree_deserialise_leaves: leaf {leaf}: {detail}\n"
                               f"{link}") from error
+    return restored
