@@ -102,7 +102,8 @@ def _committed(nnx: Any, args: tuple[Any, ...],
     for i, sharding in zip(arrays, shardings, strict=True):
         if not is_committed(leaves[i]):
             leaves[i] = jax.device_put(leaves[i], sharding)
-    trees, start = [], 0
+    trees: list[Any] = []
+    start = 0
     for a, node, (tree, treedef) in zip(arguments, nodes, flat):
         trees.append(jtu.tree_unflatten(treedef, leaves[start:start + len(tree)]))
         start += len(tree)

@@ -17,7 +17,7 @@ from jax.core import Tracer
 
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
                             none_leaf_error, StateError)
-from .._core.leaves import path_to_str
+from .._core.leaves import is_none, path_to_str
 from .._core.placement import is_host, memory_kind_of
 from .._core.where import structure_divergence
 from .._jit.lint import foreign_donation
@@ -105,7 +105,7 @@ def _state_for_a_none_leaf(state: Any, like: Any, abstract: Any) -> Optional[tup
     found = structure_divergence(abstract, state.inner_state)
     if found is None or not found[1].startswith("None where"):
         return None
-    for path, x in jtu.tree_flatten_with_path(like, is_leaf=lambda x: x is None)[0]:
+    for path, x in jtu.tree_flatten_with_path(like, is_leaf=is_none)[0]:
         name = path_to_str(path)
         if x is None and (found[0] == name or found[0].endswith("/" + name)):
             return jtu.keystr(path), found[0]

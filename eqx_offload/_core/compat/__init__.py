@@ -46,8 +46,11 @@ def _barrier(*leaves: Any) -> list[Any]:
     return list(jax.lax.optimization_barrier(list(leaves)))
 
 
-_barrier.defjvp(lambda primals, tangents: (_barrier(*primals), list(tangents)),
-                symbolic_zeros=True)
+def _barrier_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+    return _barrier(*primals), list(tangents)
+
+
+_barrier.defjvp(_barrier_jvp, symbolic_zeros=True)
 
 
 def optimization_barrier(tree: Any) -> Any:
