@@ -289,6 +289,10 @@ def filter_jit(
     call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
     and the executable is the same whatever is shared.
 
+    Called inside another `jit`, `jax.grad` or `jax.vmap` (traced arguments, as the inner
+    function of Optax's meta-learning example), it is a nested `eqx.filter_jit` call,
+    part of the enclosing program, which gives it its shardings and donation.
+
     **Arguments:**
 
     - `fun`: a pure function.
