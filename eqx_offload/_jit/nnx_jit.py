@@ -18,6 +18,7 @@ from typing import Any, Optional, overload, TypeVar
 import jax
 import jax.tree_util as jtu
 
+from .._core.move import put
 from .._core.placement import input_shardings, is_committed
 
 
@@ -98,10 +99,11 @@ def _committed(nnx: Any, args: tuple[Any, ...],
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     if all(is_committed(leaves[i]) for i in arrays):
         return args, kwargs
-    shardings = input_shardings([leaves[i] for i in arrays])
-    for i, sharding in zip(arrays, shardings, strict=True):
-        if not is_committed(leaves[i]):
-            leaves[i] = jax.device_put(leaves[i], sharding)
+    chosen = [leaves[i] for i in arrays]
+    targets = [None if is_committed(x) else s
+               for x, s in zip(chosen, input_shardings(chosen), strict=True)]
+    for i, x in zip(arrays, put(chosen, targets), strict=True):
+        leaves[i] = x
     trees: list[Any] = []
     start = 0
     for a, node, (tree, treedef) in zip(arguments, nodes, flat):
