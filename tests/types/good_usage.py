@@ -159,6 +159,7 @@ def train(steps: int = 3) -> float:
         eqx.tree_serialise_leaves(path, state)
         spec = eqx_offload.deserialise_filter_spec
         restored = eqx.tree_deserialise_leaves(path, like, filter_spec=spec)
+        restored = eqx_offload.tree_deserialise_leaves(path, like)
     print(type(target).__name__, type(shardings).__name__, type(restored).__name__)
 
     # Every error the library raises is an OffloadError and a ValueError or TypeError.
