@@ -123,6 +123,33 @@ def test_grad_through_two_updates(mode: dict[str, Any]) -> None:
     assert {memory_kinds(s)["inner_state/0/nu"] for _, s in ported} == {"pinned_host"}
 
 
+@pytest.mark.parametrize("where", ["default", "all"])
+def test_grad_by_a_learning_rate_written_into_the_state(where: str) -> None:
+    """Optax's meta-learning write: `state.hyperparams["learning_rate"] = sigmoid(eta)`,
+    then two updates, differentiated by `eta`: bitwise as unwrapped, eagerly and under
+    every jit (the hyperparameters on the device by default, in host memory with
+    `where=True`)."""
+    theta = jnp.arange(1.0, 5.0)
+
+    def derivatives(offload: bool) -> list[Any]:
+        opt = optax.inject_hyperparams(optax.rmsprop)(learning_rate=0.1)
+        if offload:
+            opt = eqx_offload.offloaded(opt, **({"where": True} if where == "all" else {}))
+
+        def f(eta: Any, theta: Any, state: Any) -> Any:
+            state.hyperparams["learning_rate"] = jax.nn.sigmoid(eta)
+            for _ in range(2):
+                u, state = opt.update(theta, state)
+                theta = optax.apply_updates(theta, u)
+            return jnp.sum(theta ** 2)
+
+        return [jit(jax.grad(f))(0.5, theta, opt.init(theta)) for jit in (
+            lambda f: f, jax.jit, eqx_offload.jit, eqx_offload.filter_jit)]
+
+    plain = derivatives(False)
+    assert bits(derivatives(True)) == bits(plain) and float(plain[0]) != 0.0
+
+
 def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
     """`inject_hyperparams(adam)` turns a bfloat16 moment float32 (mixed dtypes): accepted."""
     p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
