@@ -150,6 +150,23 @@ def test_grad_by_a_learning_rate_written_into_the_state(where: str) -> None:
     assert bits(derivatives(True)) == bits(plain) and float(plain[0]) != 0.0
 
 
+def test_grad_through_a_host_compute_update_is_refused_clearly() -> None:
+    """`compute="host"` under `jax.grad`: a `CompositionError` with the fix (JAX's own
+    transpose error otherwise); its update undifferentiated under `jit` still runs."""
+    opt = eqx_offload.offloaded(optax.rmsprop(0.1), compute="host")
+    theta = jnp.arange(1.0, 5.0)
+    state = opt.init(theta)
+
+    def f(s: Any, state: Any) -> Any:
+        u, state = opt.update(s * theta, state)
+        return jnp.sum(optax.apply_updates(theta, u) ** 2)
+
+    with pytest.raises(eqx_offload.CompositionError, match="^Differentiate through "
+                       r"`offloaded\(..., compute='device'\)`"):
+        jax.jit(jax.grad(f))(1.0, state)
+    assert jnp.isfinite(jax.jit(f)(1.0, state))
+
+
 def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
     """`inject_hyperparams(adam)` turns a bfloat16 moment float32 (mixed dtypes): accepted."""
     p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}
