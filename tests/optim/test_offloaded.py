@@ -123,18 +123,18 @@ def test_grad_through_two_updates(mode: dict[str, Any]) -> None:
     assert {memory_kinds(s)["inner_state/0/nu"] for _, s in ported} == {"pinned_host"}
 
 
-@pytest.mark.parametrize("where", ["default", "all"])
-def test_grad_by_a_learning_rate_written_into_the_state(where: str) -> None:
+@pytest.mark.parametrize("options", [{}, {"where": True}, {"where": True, "group_bytes": 8}])
+def test_grad_by_a_learning_rate_written_into_the_state(options: dict[str, Any]) -> None:
     """Optax's meta-learning write: `state.hyperparams["learning_rate"] = sigmoid(eta)`,
     then two updates, differentiated by `eta`: bitwise as unwrapped, eagerly and under
     every jit (the hyperparameters on the device by default, in host memory with
-    `where=True`)."""
+    `where=True`; the whole state at once on the CPU, or streamed)."""
     theta = jnp.arange(1.0, 5.0)
 
     def derivatives(offload: bool) -> list[Any]:
         opt = optax.inject_hyperparams(optax.rmsprop)(learning_rate=0.1)
         if offload:
-            opt = eqx_offload.offloaded(opt, **({"where": True} if where == "all" else {}))
+            opt = eqx_offload.offloaded(opt, **options)
 
         def f(eta: Any, theta: Any, state: Any) -> Any:
             state.hyperparams["learning_rate"] = jax.nn.sigmoid(eta)
