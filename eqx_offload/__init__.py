@@ -14,6 +14,7 @@ from ._core.checkpoint import (
     filter_eval_shape as filter_eval_shape,
     host_shardings as host_shardings,
     restore_target as restore_target,
+    tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._core.errors import (
     CheckpointError as CheckpointError,
@@ -32,6 +33,7 @@ from ._core.errors import (
 )
 from ._jit.jax_jit import jit as jit
 from ._jit.jit import Compiled as Compiled, filter_jit as filter_jit, Lowered as Lowered
+from ._jit.nnx_jit import nnx_jit as nnx_jit
 from ._models.master import (
     master_weights as master_weights,
     MasterState as MasterState,
@@ -131,6 +133,7 @@ __all__ = [
     "min_bytes",
     "min_ndim",
     "Nested",
+    "nnx_jit",
     "NotATransformationError",
     "offload_dots",
     "offload_names",
@@ -155,6 +158,7 @@ __all__ = [
     "supported_memory_kinds",
     "to_device",
     "to_host",
+    "tree_deserialise_leaves",
     "TracedMoveError",
     "TreeError",
     "Where",

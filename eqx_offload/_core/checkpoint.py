@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from .errors import CheckpointError
+from .errors import CheckpointError, checkpoint_leaf_error
 from .inner import as_transformation
 from .leaves import path_parts, path_to_str
 from .memory import (check_devices_offer, check_host_kind, check_tree_fits_host_pool,
@@ -368,12 +368,66 @@ def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:
     if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
         value = value.view(dtype)  # bfloat16 and friends are saved as raw bytes
     if value.shape != tuple(x.shape) or value.dtype != dtype:
-        raise CheckpointError(
-            f"deserialise_filter_spec: the checkpoint holds {value.dtype}{list(value.shape)} "
-            f"where `like` has {dtype}{list(x.shape)}. Build `like` for the same model and "
-            "optimizer that wrote the checkpoint (e.g. `eqx_offload.abstract_init(opt, "
-            "params)`)."
-        )
+        # (Equinox wraps this in its `TreePathError`; `tree_deserialise_leaves` does not.)
+        raise checkpoint_leaf_error("deserialise_filter_spec", "(its path is in Equinox's error)",
+                                    f"{value.dtype}{list(value.shape)}", f"{dtype}{list(x.shape)}")
     # One `device_put` of the NumPy value: each shard goes from it straight to its
     # device's memory of the sharding's kind.
     return jax.device_put(value, _sharding_of(x))
+
+
+def tree_deserialise_leaves(path_or_file: Any, like: _T,
+                            filter_spec: Callable[[BinaryIO, Any], Any] = deserialise_filter_spec,
+                            is_leaf: Optional[Callable[[Any], bool]] = None) -> _T:
+    """`eqx.tree_deserialise_leaves` with `deserialise_filter_spec`: every array restored
+    where `like` says (its sharding and memory kind), and a `CheckpointError` for a leaf
+    that does not fit, naming its path. (Equinox raises a filter spec's error as the
+    cause of its own `TreePathError`, which `except eqx_offload.CheckpointError` misses.)
+
+    **Arguments:**
+
+    - `path_or_file`, `like`, `is_leaf`: as for `eqx.tree_deserialise_leaves`.
+    - `filter_spec`: default `eqx_offload.deserialise_filter_spec`.
+
+    **Returns:**
+
+    The restored tree, of `like`'s structure.
+
+    **Raises:**
+
+    `CheckpointError` if a stored array's shape or dtype differs from its `like` leaf's.
+
+    !!! Example
+
+        ```python
+        import tempfile
+        import equinox as eqx
+        import jax.numpy as jnp
+        import optax
+        import eqx_offload
+
+        opt = eqx_offload.offloaded(optax.adam(1e-3))
+        path = tempfile.mkdtemp() + "/state.eqx"
+        eqx.tree_serialise_leaves(path, opt.init({"w": jnp.ones((4, 4))}))
+        try:
+            eqx_offload.tree_deserialise_leaves(
+                path, eqx_offload.abstract_init(opt, {"w": jnp.ones((4, 5))}))
+        except eqx_offload.CheckpointError as error:
+            assert "leaf .inner_state[0].mu['w']" in str(error)
+        ```
+    """
+    try:
+        restored: _T = eqx.tree_deserialise_leaves(path_or_file, like, filter_spec=filter_spec,
+                                                   is_leaf=is_leaf)
+    except RuntimeError as error:  # Equinox's `TreePathError`
+        cause = error.__cause__
+        while cause is not None and not isinstance(cause, CheckpointError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        fix, where, link = str(cause).split("\n", 2)
+        detail = where.split(": ", 2)[-1]
+        leaf = jtu.keystr(tuple(getattr(error, "path", ()))) or "(the tree itself)"
+        raise CheckpointError(f"{fix}\ntree_deserialise_leaves: leaf {leaf}: {detail}\n"
+                              f"{link}") from error
+    return restored

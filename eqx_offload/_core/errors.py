@@ -219,5 +219,43 @@ def host_compute_error(function: str, described: str, fix: str) -> CompositionEr
     )
 
 
+_CHECKPOINT_FIX = ("Build `like` for the same model and optimizer that wrote the checkpoint "
+                   "(e.g. `eqx_offload.abstract_init(opt, params)`).")
+
+
+def checkpoint_leaf_error(function: str, leaf: str, held: str, expected: str) -> CheckpointError:
+    """A checkpointed leaf (`held`: its dtype and shape) that does not fit its restore
+    target (`expected`)."""
+    return CheckpointError(
+        f"{_CHECKPOINT_FIX}\n{function}: leaf {leaf}: the checkpoint holds {held} where "
+        f"`like` has {expected}.\n" + see("a-checkpoint-that-does-not-fit")
+    )
+
+
+def none_leaf_error(leaf: str, state_path: str) -> StateError:
+    """`offloaded(...).update` with a state `init` made from a leaf that is not an array
+    (the whole model given to `init`, a Python float among its leaves), whose gradient is
+    `None`: the state does belong to this optimizer, the updates lack that leaf."""
+    return StateError(
+        "Initialise with the model's arrays only: `tx.init(eqx.filter(model, eqx.is_array))`.\n"
+        f"offloaded(...).update(updates=...): leaf {leaf} is None (the gradient of a leaf "
+        "that is not an array, such as a Python float dropout rate), but `init` made state "
+        f"for it at inner_state/{state_path}.\n" + see("a-non-array-leaf")
+    )
+
+
+def host_weights_error(function: str, described: str, leaf: str) -> CompositionError:
+    """A step that computes on a model weight moved to host memory (`to_host(model)`,
+    `leaf`: its argument and path), not on an optimizer state."""
+    return CompositionError(
+        "Keep model weights in host memory with `eqx_offload.host_weights(module)` (each "
+        "weight comes to the device while the module computes) or `eqx_offload.scan_layers` "
+        "(stacked layers, fetched in turn); or call the model on the device: "
+        "`eqx_offload.to_device(model)`.\n"
+        f"{function}: {described} computes on a model weight in host memory: {leaf} "
+        "(not an optimizer state).\n" + see("host-resident-arrays")
+    )
+
+
 def _name(obj: object) -> str:
     return str(getattr(obj, "__name__", None) or type(obj).__name__)

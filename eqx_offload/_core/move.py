@@ -23,6 +23,7 @@ from .where import leaf_mask, warn_if_selects_nothing
 
 
 _T = TypeVar("_T")
+DEVICE = jax.memory.Space.Device
 
 
 def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
@@ -36,14 +37,19 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     indices: list[int] = []
     chosen: list[Any] = []
     destinations: list[Destination] = []
+    # The source of a traced device leaf: JAX moves a cotangent back to the source (a
+    # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
+    sources: list[Any] = []
     for i, target in enumerate(targets):
         if target is not None:
             indices.append(i)
             chosen.append(leaves[i])
             destinations.append(target)
+            sources.append(DEVICE if isinstance(leaves[i], Tracer) and jax.typeof(
+                leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
-    moved = jax.device_put(chosen, destinations)
+    moved = jax.device_put(chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)

@@ -36,7 +36,9 @@ class MemoryReport:
     `device_bytes` sums the device kinds and `host_bytes` the JAX host kinds
     (`"pinned_host"`, `"unpinned_host"`); NumPy arrays count under `"numpy"`, traced
     PRNG keys (whose memory JAX's type does not tell) under `"unknown"`, and
-    `jax.ShapeDtypeStruct`s without a sharding under `"unplaced"`, in neither.
+    `jax.ShapeDtypeStruct`s without a sharding under `"unplaced"`, and arrays a donating
+    call consumed (deleted: they hold no memory) under `"deleted"` with 0 bytes, in
+    neither.
     Sizes are global (a sharded array counts once, at its full size). `str(report)` is
     a plain-text table; with `rich` installed, `rich.print(report)` draws one.
 
@@ -116,7 +118,7 @@ class MemoryReport:
         return table
 
 
-_UNPLACED = ("numpy", "unknown", "unplaced")
+_UNPLACED = ("numpy", "unknown", "unplaced", "deleted")
 
 
 def _kind_of(leaf: Any) -> str:
@@ -165,12 +167,14 @@ def memory_report(tree: Any) -> MemoryReport:
     """
     leaves = []
     by_kind: dict[str, int] = {}
-    concrete = [x for x in jtu.tree_leaves(tree) if isinstance(x, jax.Array) and not is_traced(x)]
+    concrete = [x for x in jtu.tree_leaves(tree)
+                if isinstance(x, jax.Array) and not is_traced(x) and not x.is_deleted()]
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         if not _counted(leaf):  # (tracers are `jax.Array`s too)
             continue
-        kind = _kind_of(leaf)
-        size = nbytes(leaf)
+        deleted = isinstance(leaf, jax.Array) and not is_traced(leaf) and leaf.is_deleted()
+        kind = "deleted" if deleted else _kind_of(leaf)
+        size = 0 if deleted else nbytes(leaf)
         by_kind[kind] = by_kind.get(kind, 0) + size
         leaves.append(LeafMemory(path_to_str(path), kind, size, tuple(leaf.shape), str(leaf.dtype)))
     limit = host_pool_limit(platform_of(concrete)) if concrete else None

@@ -10,6 +10,7 @@ it before it compiles, read from the program itself.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
 
 from .._core.compat import scopes
@@ -27,12 +28,13 @@ class Analysis:
     out_constraints: tuple[Optional[Any], ...]  # per output: its sharding constraint, or None
 
 
-def analyse(closed: Any, name: str) -> Analysis:
+def analyse(closed: Any, name: str,
+            weights: Callable[[], Optional[str]] = lambda: None) -> Analysis:
     """Check the traced program `closed` (a closed jaxpr) computes on no host-resident
-    array (`CompositionError` naming `name` otherwise) and read what it marks and
-    constrains."""
+    array (`CompositionError` naming `name`, and `weights()`, a host weight among the
+    arguments, otherwise) and read what it marks and constrains."""
     jaxpr = closed.jaxpr
-    _check_no_host_compute(jaxpr, name)
+    _check_no_host_compute(jaxpr, name, weights)
     constraints = {
         eqn.outvars[0]: eqn.params["sharding"] for eqn in jaxpr.eqns
         if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .._core.errors import OffloadWarning
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
@@ -42,12 +43,20 @@ class _Call:
     shared: dict[int, jax.Array] = dataclasses.field(default_factory=dict)  # see `_unshare`
 
 
+def traced(flat: tuple[list[Any], Any]) -> bool:
+    """Whether a leaf of a flattened call is traced: the call is inside an enclosing
+    `jit`, `grad` or `vmap`."""
+    return any(isinstance(x, Tracer) for x in flat[0])
+
+
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donation,
-                  abstract: bool = False, name: str = "fun") -> _Call:
-    """The call's arguments, flattened once. With `abstract` (`gpu_plan`), a
-    `jax.ShapeDtypeStruct` leaf stands for an array too: the step is traced and
-    compiled for it, and nothing is allocated (a caller checks it has a sharding)."""
-    all_leaves, treedef = jtu.tree_flatten((args, kwargs))
+                  abstract: bool = False, name: str = "fun",
+                  flat: Optional[tuple[list[Any], Any]] = None) -> _Call:
+    """The call's arguments, flattened once (or `flat`, their `jtu.tree_flatten`).
+    With `abstract` (`gpu_plan`), a `jax.ShapeDtypeStruct` leaf stands for an array
+    too: the step is traced and compiled for it, and nothing is allocated (a caller
+    checks it has a sharding)."""
+    all_leaves, treedef = flat if flat is not None else jtu.tree_flatten((args, kwargs))
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
     # Which argument each leaf is of matters only where the arguments are donated

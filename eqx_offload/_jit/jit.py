@@ -17,11 +17,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
+import equinox as eqx
 import jax
+import jax.tree_util as jtu
 
 from .._core.errors import OptionError, SignatureError
 from .._core.types import Donate
-from .call import _Call, _Output, _warn_changed_number, flatten_call, Signature
+from .call import _Call, _Output, _warn_changed_number, flatten_call, Signature, traced
 from .compiler_options import default_compiler_options
 from .donation import _donation, _Donation, _UNUSABLE_DONATION
 from .stage import run, stage
@@ -126,6 +128,7 @@ class _FilterJit(Generic[_P, _T]):
         self._name = getattr(fun, "__qualname__", repr(fun))
         self._cache: dict[Signature, Compiled] = {}
         self._warned = False  # `_warn_changed_number`, once per function
+        self._nested: Optional[Callable[..., Any]] = None  # see `__call__`
         functools.update_wrapper(self, fun)
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
@@ -134,7 +137,17 @@ class _FilterJit(Generic[_P, _T]):
         return flatten_call(args, kwargs, self._donate, name=self._name)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        call = self._flatten(args, kwargs)
+        flat = jtu.tree_flatten((args, kwargs))
+        if traced(flat):
+            # Called inside an enclosing `jit`, `grad` or `vmap` (the inner function of
+            # Optax's meta-learning example): a nested `jax.jit` call, as
+            # `eqx.filter_jit`'s, part of the enclosing program (which gives it its
+            # shardings and donation, if it has any).
+            if self._nested is None:
+                self._nested = eqx.filter_jit(self._fun)
+            nested: _T = self._nested(*args, **kwargs)
+            return nested
+        call = flatten_call(args, kwargs, self._donate, name=self._name, flat=flat)
         compiled = self._cache.get(call.key)
         if compiled is None:
             if not self._warned and self._cache:
@@ -275,6 +288,10 @@ def filter_jit(
     model's arrays) is donated once: the other places get a copy for that call, so the
     call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
     and the executable is the same whatever is shared.
+
+    Called inside another `jit`, `jax.grad` or `jax.vmap` (traced arguments, as the inner
+    function of Optax's meta-learning example), it is a nested `eqx.filter_jit` call,
+    part of the enclosing program, which gives it its shardings and donation.
 
     **Arguments:**
 

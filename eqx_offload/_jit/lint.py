@@ -4,13 +4,16 @@ host-resident array), and the detection of an enclosing donating `jax.jit` (whic
 
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
+import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
 from .._core.compat import enclosing_donating_jit, memory_space_mismatch
-from .._core.errors import CompositionError, host_compute_error
+from .._core.errors import CompositionError, host_compute_error, host_weights_error
+from .._core.placement import memory_kind_of
 
 
 # Primitives that may hold or pass along host-resident values without computing on them:
@@ -103,18 +106,46 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str
     return None
 
 
-def _check_no_host_compute(jaxpr: Any, name: str) -> None:
+def host_weights_leaf(arguments: Any) -> Optional[str]:
+    """The argument and path of the first host-memory array of `arguments` (a call's
+    `(args, kwargs)`) that is a field of a module (an attribute on its path) outside an
+    optimizer state (an `OffloadedState`'s `inner_state`): a model's weight moved with
+    `to_host`, which a step cannot compute on as it is."""
+    for path, x in jtu.tree_flatten_with_path(arguments)[0]:
+        names = [getattr(k, "name", None) for k in path if isinstance(k, jtu.GetAttrKey)]
+        if names and "inner_state" not in names and memory_kind_of(x) in (
+                "pinned_host", "unpinned_host"):
+            first, rest = path[:2], path[2:]
+            where = (f"args[{getattr(first[1], 'idx', 0)}]" if getattr(first[0], "idx", 1) == 0
+                     else f"`{getattr(first[1], 'key', first[1])}`")
+            return f"{where}, leaf {jtu.keystr(tuple(rest)) or '(the argument itself)'}"
+    return None
+
+
+def _explained(name: str, described: str, hint: str,
+               weights: Callable[[], Optional[str]]) -> CompositionError:
+    leaf = weights()
+    if leaf is None:
+        return host_compute_error(f"filter_jit({name})", described, hint)
+    return host_weights_error(f"filter_jit({name})", described, leaf)
+
+
+def _check_no_host_compute(jaxpr: Any, name: str,
+                           weights: Callable[[], Optional[str]] = lambda: None) -> None:
     found = _host_compute(jaxpr)
     if found is None:
         return
     primitive, described = found
-    raise host_compute_error(f"filter_jit({name})", described, _HINTS.get(primitive, _GENERIC_HINT))
+    raise _explained(name, described, _HINTS.get(primitive, _GENERIC_HINT), weights)
 
 
-def memory_space_error(name: str, error: BaseException) -> Optional[CompositionError]:
+def memory_space_error(name: str, error: BaseException,
+                       weights: Callable[[], Optional[str]] = lambda: None,
+                       ) -> Optional[CompositionError]:
     """The `CompositionError` for JAX's refusal to trace an operation on a host-resident
     and a device array (`compat.memory_space_mismatch`), naming where in the source it
-    is; `None` for any other error, which the caller lets through."""
+    is (and `weights()`, a host weight among the arguments: `host_weights_leaf`); `None`
+    for any other error, which the caller lets through."""
     primitive = memory_space_mismatch(error)
     if primitive is None:
         return None
@@ -125,5 +156,4 @@ def memory_space_error(name: str, error: BaseException) -> Optional[CompositionE
             source = f" (at {path}:{line} in {frame.f_code.co_name})"  # the innermost
     operands = str(error).split("Got one operand with type: ", 1)[-1].replace(
         " and another operand with type: ", " with ")
-    return host_compute_error(f"filter_jit({name})", f"`{primitive}` on {operands}{source}",
-                              _GENERIC_HINT)
+    return _explained(name, f"`{primitive}` on {operands}{source}", _GENERIC_HINT, weights)

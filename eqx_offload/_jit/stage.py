@@ -19,7 +19,7 @@ from .._core.placement import output_shardings
 from .analysis import analyse
 from .call import _Call, _Output
 from .donation import _UNUSABLE_DONATION
-from .lint import memory_space_error
+from .lint import host_weights_leaf, memory_space_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +64,17 @@ def stage(fun: Callable[..., Any], name: str, call: _Call) -> Staged:
     """Trace `fun` once for `call`, analyse the program, and stage a replay of it with
     memory-kind-aware input and output shardings."""
     outputs: list[Any] = []
+    weights = lambda: host_weights_leaf(jtu.tree_unflatten(call.treedef, call.all_leaves))  # noqa: E731
     try:
         traced = jax.jit(_flat_fun(fun, call, outputs),
                          in_shardings=call.in_shardings).trace(*call.leaves)
     except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
-        explained = memory_space_error(name, error)
+        explained = memory_space_error(name, error, weights)
         if explained is None:
             raise
         raise explained from error
     closed = traced.jaxpr
-    found = analyse(closed, name)
+    found = analyse(closed, name, weights)
     output, out_paths = outputs
     # An argument's path without the leading args/kwargs index: `(0, ...)` is the
     # first positional argument, as `(0, ...)` is the first element of a tuple result.

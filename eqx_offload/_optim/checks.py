@@ -16,22 +16,30 @@ import numpy as np
 from jax.core import Tracer
 
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
-                            StateError)
-from .._core.leaves import path_to_str
+                            none_leaf_error, StateError)
+from .._core.leaves import is_none, path_to_str
 from .._core.placement import is_host, memory_kind_of
 from .._core.where import structure_divergence
 from .._jit.lint import foreign_donation
 from .state import OffloadedState, OffloadWarning
 
 
-def check_not_deleted(params: Any, function: str) -> None:
+def check_not_deleted(params: Any, function: str, argument: str = "params") -> None:
     """A `DonationError` naming `params`' first deleted array (one an earlier donating call
     consumed), its path and the fix, before `function` (`"offloaded(...).init"`) would
     hand it to JAX, whose error would name only its own internals."""
     for path, x in jtu.tree_flatten_with_path(params)[0]:
         if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
             leaf = jtu.keystr(path) or "(the argument itself)"
-            raise deleted_array_error(function, "params", leaf, f"{x.dtype}{list(x.shape)}")
+            raise deleted_array_error(function, argument, leaf, f"{x.dtype}{list(x.shape)}")
+
+
+def check_state_not_deleted(leaves: list[Any], state: Any) -> None:
+    """`check_not_deleted` for an eager `update`'s state, whose flat `leaves` are at hand:
+    a state a donating step consumed (the one passed to it, not the one it returned)."""
+    for x in leaves:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            check_not_deleted(state, "offloaded(...).update", "state")
 
 
 def check_new_state(inner: Any, state: Any, updates: Any, params: Any,
@@ -55,17 +63,21 @@ def check_new_state(inner: Any, state: Any, updates: Any, params: Any,
     try:
         check_state(state, abstract)
     except StateError as difference:
-        _accept_or_raise(inner, state, difference, (updates, state.inner_state, params, extra_args))
+        _accept_or_raise(inner, state, difference, (updates, state.inner_state, params, extra_args),
+                         (like, abstract))
     return [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
 
 
 def _accept_or_raise(inner: Any, state: Any, difference: StateError,
-                     arguments: tuple[Any, ...]) -> None:
+                     arguments: tuple[Any, ...], made_from: tuple[Any, Any]) -> None:
     if not isinstance(state, OffloadedState):
         raise difference
     try:
         new_state = eval_shape(functools.partial(_updated_state, inner), arguments)
     except Exception as error:  # any failure of the user's optimizer on this state
+        none_leaf = _state_for_a_none_leaf(state, *made_from)
+        if none_leaf is not None:
+            raise none_leaf_error(*none_leaf) from error
         raise StateError(
             f"{difference} (`inner.update` cannot run on it either: "
             f"{type(error).__name__}: {first_line(error)})"
@@ -84,6 +96,20 @@ def _accept_or_raise(inner: Any, state: Any, difference: StateError,
 def _updated_state(inner: Any, updates: Any, inner_state: Any, params: Any,
                    extra_args: dict[str, Any]) -> Any:
     return inner.update(updates, inner_state, params, **extra_args)[1]
+
+
+def _state_for_a_none_leaf(state: Any, like: Any, abstract: Any) -> Optional[tuple[str, str]]:
+    """Where the state has an array for a leaf that is `None` in `like` (the arrays of the
+    updates or params): `init` was given the whole model, a Python float (a dropout
+    rate) among its leaves, whose gradient is `None`. `(leaf of like, state path)`."""
+    found = structure_divergence(abstract, state.inner_state)
+    if found is None or not found[1].startswith("None where"):
+        return None
+    for path, x in jtu.tree_flatten_with_path(like, is_leaf=is_none)[0]:
+        name = path_to_str(path)
+        if x is None and (found[0] == name or found[0].endswith("/" + name)):
+            return jtu.keystr(path), found[0]
+    return None
 
 
 def check_is_offloaded(state: Any) -> None:

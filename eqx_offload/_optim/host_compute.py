@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._core.compat import host_compute, JAXPR_TYPES
-from .._core.errors import CompositionError
+from .._core.errors import CompositionError, see
 from .._core.jaxpr import bind, evaluate, is_var, trace_update, where_made
 from .._core.move import move
 from .._core.where import leaf_mask
@@ -88,4 +88,21 @@ def host_update(
     compiled_on_host: Callable[..., list[Any]] = host_compute(
         run, compute_type="device_host", out_memory_spaces=spaces
     )
-    return traced.rebuild(compiled_on_host(*args))
+
+    @jax.custom_jvp
+    def not_differentiable(*leaves: Any) -> list[Any]:
+        return compiled_on_host(*leaves)
+
+    not_differentiable.defjvp(_refuse_jvp, symbolic_zeros=True)  # (zeros: no derivative)
+    return traced.rebuild(not_differentiable(*args))
+
+
+def _refuse_jvp(primals: Any, tangents: Any) -> Any:
+    """A derivative through the host computation: JAX's own would fail in its transpose
+    ("Expected cotangent type float32<host>[4] but got float32[4]")."""
+    raise CompositionError(
+        "Differentiate through `offloaded(..., compute='device')` (the default): JAX cannot "
+        "differentiate a computation on the host.\n"
+        "offloaded(..., compute='host').update is differentiated (`jax.grad` or `jax.jvp` "
+        "through it, as in meta-learning).\n" + see("under-vmap-and-grad")
+    )

@@ -22,7 +22,8 @@ from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 from .._jit.jit import filter_jit
 from .checks import (
-    check_is_offloaded, check_not_deleted, check_trace, first_on_device, warn_on_device,
+    check_is_offloaded, check_not_deleted, check_state_not_deleted, check_trace,
+    first_on_device, warn_on_device,
 )
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
@@ -162,6 +163,8 @@ def _update(
                                         extra_args)
     if traced:
         check_trace(layout.treedef, leaves, layout.mask)
+    else:
+        check_state_not_deleted(leaves, state)
     if not cache.warned:  # the cheap part: a memory kind per selected leaf, no walk
         i = first_on_device(leaves, layout.mask)
         if i is not None:

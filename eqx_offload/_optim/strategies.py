@@ -28,7 +28,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._core.compat import marked
+from .._core.compat import marked, optimization_barrier
 from .._core.move import place_like
 from .._core.placement import is_host
 from .._core.where import leaf_mask
@@ -70,7 +70,7 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
     fence there would change how XLA fuses the gradients, and the last bits. The
     gradients themselves are not fenced: `inner.update` reads them as they are."""
     def fenced(leaves: list[Any], updates: Any) -> list[Any]:
-        return list(jax.lax.optimization_barrier((leaves, updates))[0])
+        return list(optimization_barrier((leaves, updates))[0])
 
     def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._core.compat import optimization_barrier
 from .._core.inner import as_transformation
 from .._core.jaxpr import bind, Env, is_var, trace_update, TracedUpdate
 from .._core.move import move
@@ -219,7 +220,7 @@ class _Runner:
             # (typically `apply_updates`, in place). Fenced, they would all be
             # materialised and live until the end: on an H200, 1216 MiB at the peak
             # instead of 256 MiB (16 x 64 MiB params, Adam; bench/gpu_peak.py).
-            fenced, state, _ = jax.lax.optimization_barrier(
+            fenced, state, _ = optimization_barrier(
                 ([vals[k] for k in keys], env.read_all(incoming), after)
             )
             vals.update(zip(keys, fenced, strict=True))
@@ -316,7 +317,7 @@ class _Runner:
         key = ("acc", k)
         # The barrier keeps the write in place, and out of `apply_updates`'s
         # fusion (which would keep every piece's inputs until the last one).
-        self.vals[key] = jax.lax.optimization_barrier(
+        self.vals[key] = optimization_barrier(
             jax.lax.dynamic_update_slice_in_dim(self.vals[key], rows, p.rows[0], axis=0))
         if p.last:
             whole = {cut: self.vals[key]}
@@ -363,7 +364,7 @@ class _Runner:
         if ahead:
             # Pieces of this leaf fetched ahead read its buffer before this write
             # lands in it (in place): they need no copy of the buffer.
-            buffer, reads = jax.lax.optimization_barrier(
+            buffer, reads = optimization_barrier(
                 (self.vals[key], [self.vals[r] for r in ahead]))
             self.vals[key] = buffer
             self.vals.update(zip(ahead, reads, strict=True))

@@ -144,6 +144,27 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
     assert bits(grad(restored)) == bits(grad(eqx_offload.to_host(layers)))
 
 
+def test_tree_deserialise_leaves_raises_the_checkpoint_error(tmp_path: Path) -> None:
+    """A resume into a `like` made for other parameters: `except CheckpointError` catches
+    it, the fix first, the leaf's path; a fitting `like` restores into host memory."""
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    params = {"w": jnp.ones((3, 4))}
+    state = opt.init(params)
+    eqx.tree_serialise_leaves(tmp_path / "state.eqx", state)
+    wrong = eqx_offload.abstract_init(opt, {"w": jnp.ones((4, 3))})
+    with pytest.raises(eqx_offload.CheckpointError) as caught:
+        eqx_offload.tree_deserialise_leaves(tmp_path / "state.eqx", wrong)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("Build `like` for the same model and optimizer")
+    assert lines[1] == ("tree_deserialise_leaves: leaf .inner_state[0].mu['w']: the checkpoint "
+                        "holds float32[3, 4] where `like` has float32[4, 3].")
+    assert len(lines) == 3 and lines[2].endswith("#a-checkpoint-that-does-not-fit.")
+    restored = eqx_offload.tree_deserialise_leaves(tmp_path / "state.eqx",
+                                                   eqx_offload.abstract_init(opt, params))
+    assert bits(restored) == bits(state)
+    assert restored.inner_state[0].nu["w"].sharding.memory_kind == "pinned_host"
+
+
 def save(fmt: str, directory: Path, tree: dict[str, Any], step: int = 3,
          spec: Any = eqx.default_serialise_filter_spec) -> None:
     """An orbax step, or an Equinox file per item renamed into place once complete."""

@@ -130,3 +130,15 @@ def test_under_jit() -> None:
     (1 << 20, "1.0 MiB"), (5 << 30, "5.0 GiB"), (1 << 40, "1024.0 GiB")])
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+def test_a_donated_state_is_reported_deleted_not_live() -> None:
+    params = {"w": jnp.ones((2, 3))}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+    old = opt.init(params)
+    assert memory_report(old).host_bytes == 48
+    eqx_offload.filter_jit(lambda s: s, donate="all")(old)
+    report = memory_report(old)
+    assert {leaf.memory_kind for leaf in report.leaves} == {"deleted"}
+    assert report.host_bytes == report.device_bytes == 0 and report.host_pool_bytes == 0
+    assert "deleted" in str(report)

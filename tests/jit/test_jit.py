@@ -50,6 +50,34 @@ def test_filter_jit_compiles_once(committed: bool) -> None:
     assert per_call == [1, 0, 0, 0, 0]
 
 
+def test_a_call_inside_an_enclosing_trace_is_part_of_its_program() -> None:
+    """Called with traced arguments (inside `jax.jit`, `jax.grad`, `jax.vmap`): a nested
+    call of the enclosing program, as `eqx.filter_jit`'s, with the same results; the
+    offloaded state it returns in host memory."""
+    opt = eqx_offload.offloaded(optax.adam(0.1))
+    params = {"w": jnp.arange(1.0, 5.0)}
+
+    def step(params: Any, state: Any, scale: float) -> Any:
+        updates, state = opt.update(jax.tree.map(lambda p: scale * p, params), state)
+        return optax.apply_updates(params, updates), state
+
+    ours, theirs = eqx_offload.filter_jit(step), eqx.filter_jit(step)
+    state = opt.init(params)
+    with count_compiles() as compiled:
+        got = jax.jit(ours, static_argnums=2)(params, state, 2.0)
+    assert len(compiled) == 1 and bits(got) == bits(jax.jit(theirs, static_argnums=2)(
+        params, state, 2.0))
+    assert kind_list(got[1].inner_state[0].mu) == ["pinned_host"]
+
+    def loss(p: Any, jitted: Any) -> Any:
+        return jnp.sum(jitted(p, state, 1.0)[0]["w"] ** 2)
+
+    assert bits(jax.grad(loss)(params, ours)) == bits(jax.grad(loss)(params, theirs))
+    batch = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), params)
+    assert bits(jax.vmap(lambda p: ours(p, opt.init(p), 1.0)[0])(batch)) == bits(
+        jax.vmap(lambda p: theirs(p, opt.init(p), 1.0)[0])(batch))
+
+
 def test_cache_one_entry_per_configuration():
     @eqx_offload.filter_jit
     def f(x, n, *, scale):
@@ -172,6 +200,23 @@ def test_host_compute_is_rejected_but_fetching_a_host_slice_is_not() -> None:
     with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
         eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
             stacked, jnp.int32(2))
+
+
+def test_computing_on_host_model_weights_names_host_weights_and_the_leaf() -> None:
+    """A model moved with `to_host` and called in the step: the fix first (`host_weights`,
+    `scan_layers`), then the argument and the weight's path; a host optimizer state read
+    in the step keeps the state's message."""
+    model = eqx_offload.to_host(eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
+    with pytest.raises(eqx_offload.CompositionError) as caught:
+        eqx_offload.filter_jit(lambda model, x: model(x))(model, jnp.ones(3))
+    lines = str(caught.value).splitlines()
+    assert len(lines) <= 4 and lines[0].startswith("Keep model weights in host memory with "
+                                                   "`eqx_offload.host_weights(module)`")
+    assert "`eqx_offload.scan_layers`" in lines[0] and lines[-1].startswith("See https://")
+    assert "args[0], leaf .layers[0].weight (not an optimizer state)" in lines[1]
+    state = eqx_offload.offloaded(optax.adam(0.1)).init({"w": jnp.ones(3)})
+    with pytest.raises(eqx_offload.CompositionError, match="^Bring what the step reads"):
+        eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(state)
 
 
 def test_host_compute_under_compute_on_is_allowed():

@@ -2,6 +2,7 @@
 
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -121,3 +122,57 @@ def test_a_state_that_differs_after_the_first_update_is_still_checked() -> None:
     with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/mu/b is in device memory"):
         _, state = opt.update(params, eqx_offload.to_device(state), params)
     assert_placed(state)
+
+
+def test_an_eager_update_with_a_state_a_donating_step_consumed() -> None:
+    """The state passed to a donating step, updated again eagerly: a `DonationError` with
+    the fix first, naming `state` and the leaf (JAX: "Array has been deleted")."""
+    params = {"w": jnp.ones((2, 3))}
+    opt = eqx_offload.offloaded(optax.adam(1e-3))
+
+    @eqx_offload.filter_jit(donate="all")
+    def step(params: Any, state: Any) -> Any:
+        updates, state = opt.update(params, state, params)
+        return optax.apply_updates(params, updates), state
+
+    old = opt.init(params)
+    opt.update(params, old, params)  # (its layout is known: the check is not the first)
+    params, state = step(params, old)
+    with pytest.raises(eqx_offload.DonationError) as caught:
+        opt.update(params, old, params)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("Pass the value the donating call returned in its place")
+    assert lines[1].startswith("offloaded(...).update: state, leaf .inner_state[0].count")
+    assert len(lines) == 3 and isinstance(caught.value, RuntimeError)
+    opt.update(params, state, params)  # the state the step returned
+
+
+class _Block(eqx.Module):
+    """A block of Equinox's BERT example: a linear layer and a dropout (its rate a float)."""
+
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, key: jax.Array) -> None:
+        self.linear = eqx.nn.Linear(3, 3, key=key)
+        self.dropout = eqx.nn.Dropout(p=0.1)
+
+    def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
+        return self.dropout(self.linear(x), key=key)
+
+
+def test_init_on_a_model_with_a_float_leaf_names_the_leaf_and_the_fix() -> None:
+    """`tx.init(model)` with the dropout rate among the leaves: the update's gradient has
+    `None` there. The `StateError` says to initialise with the arrays, names the leaf."""
+    model = _Block(jax.random.key(0))
+    tx = eqx_offload.offloaded(optax.adam(1e-3))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3), jax.random.key(1))))(model)
+    with pytest.raises(eqx_offload.StateError) as caught:
+        tx.update(grads, tx.init(model), model)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == ("Initialise with the model's arrays only: "
+                        "`tx.init(eqx.filter(model, eqx.is_array))`.")
+    assert lines[1].startswith("offloaded(...).update(updates=...): leaf .dropout.")
+    assert "inner_state/0/mu/dropout/" in lines[1] and len(lines) == 3
+    updates, _ = tx.update(grads, tx.init(eqx.filter(model, eqx.is_array)), model)
+    assert updates.dropout.p is None

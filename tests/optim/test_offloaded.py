@@ -97,6 +97,76 @@ def test_update_under_grad() -> None:
         assert d_mu["w"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.parametrize("mode", [{}, {"group_bytes": None}, {"group_bytes": 8}])
+def test_grad_through_two_updates(mode: dict[str, Any]) -> None:
+    """`jax.grad` through two updates (the second reads the state the first stored in
+    host memory), by a scale of the gradients: bitwise as unwrapped, eagerly and under
+    every jit; the cotangent of the state is host-resident."""
+    theta = jnp.arange(1.0, 5.0)
+
+    def derivatives(opt: Any) -> list[Any]:
+        def f(s: Any, theta: Any, state: Any) -> Any:
+            for _ in range(2):
+                u, state = opt.update(s * theta, state)
+                theta = optax.apply_updates(theta, u)
+            return jnp.sum(theta ** 2)
+
+        state = opt.init(theta)
+        grad = jax.grad(f, argnums=(0, 2))
+        return [jit(grad)(1.0, theta, state) for jit in (
+            lambda f: f, jax.jit, eqx_offload.jit, eqx_offload.filter_jit)]
+
+    ported = derivatives(eqx_offload.offloaded(optax.rmsprop(0.1), **mode))
+    plain = derivatives(optax.rmsprop(0.1))
+    assert bits([(d, s.inner_state) for d, s in ported]) == bits(plain)
+    assert float(plain[0][0]) != 0.0
+    assert {memory_kinds(s)["inner_state/0/nu"] for _, s in ported} == {"pinned_host"}
+
+
+@pytest.mark.parametrize("options", [{}, {"where": True}, {"where": True, "group_bytes": 8}])
+def test_grad_by_a_learning_rate_written_into_the_state(options: dict[str, Any]) -> None:
+    """Optax's meta-learning write: `state.hyperparams["learning_rate"] = sigmoid(eta)`,
+    then two updates, differentiated by `eta`: bitwise as unwrapped, eagerly and under
+    every jit (the hyperparameters on the device by default, in host memory with
+    `where=True`; the whole state at once on the CPU, or streamed)."""
+    theta = jnp.arange(1.0, 5.0)
+
+    def derivatives(offload: bool) -> list[Any]:
+        opt = optax.inject_hyperparams(optax.rmsprop)(learning_rate=0.1)
+        if offload:
+            opt = eqx_offload.offloaded(opt, **options)
+
+        def f(eta: Any, theta: Any, state: Any) -> Any:
+            state.hyperparams["learning_rate"] = jax.nn.sigmoid(eta)
+            for _ in range(2):
+                u, state = opt.update(theta, state)
+                theta = optax.apply_updates(theta, u)
+            return jnp.sum(theta ** 2)
+
+        return [jit(jax.grad(f))(0.5, theta, opt.init(theta)) for jit in (
+            lambda f: f, jax.jit, eqx_offload.jit, eqx_offload.filter_jit)]
+
+    plain = derivatives(False)
+    assert bits(derivatives(True)) == bits(plain) and float(plain[0]) != 0.0
+
+
+def test_grad_through_a_host_compute_update_is_refused_clearly() -> None:
+    """`compute="host"` under `jax.grad`: a `CompositionError` with the fix (JAX's own
+    transpose error otherwise); its update undifferentiated under `jit` still runs."""
+    opt = eqx_offload.offloaded(optax.rmsprop(0.1), compute="host")
+    theta = jnp.arange(1.0, 5.0)
+    state = opt.init(theta)
+
+    def f(s: Any, state: Any) -> Any:
+        u, state = opt.update(s * theta, state)
+        return jnp.sum(optax.apply_updates(theta, u) ** 2)
+
+    with pytest.raises(eqx_offload.CompositionError, match="^Differentiate through "
+                       r"`offloaded\(..., compute='device'\)`"):
+        jax.jit(jax.grad(f))(1.0, state)
+    assert jnp.isfinite(jax.jit(f)(1.0, state))
+
+
 def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
     """`inject_hyperparams(adam)` turns a bfloat16 moment float32 (mixed dtypes): accepted."""
     p = {"a": jnp.asarray(0.25, jnp.bfloat16), "b": jnp.asarray(0.5, jnp.float32)}

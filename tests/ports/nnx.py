@@ -1,8 +1,9 @@
 """Flax NNX: `nnx.Optimizer(model, tx, wrt=nnx.Param)` in NNX's two documented styles:
 
 - `"nnx_jit"`: `train_step(model, optimizer, x, y)` under `nnx.jit`, undonated. Ported: the
-    import, `offloaded(...)`, and a line committing model and optimizer first (else
-    `nnx.jit` compiles twice: they start uncommitted, the offloaded state is committed).
+    import, `offloaded(...)`, and `eqx_offload.nnx_jit` for `nnx.jit` (`nnx.jit` itself,
+    `nnx_jit=False`, compiles twice: the model starts uncommitted, the offloaded state and
+    the step's outputs are committed).
 - `"functional"`: `nnx.split` once, a pure step under `eqx.filter_jit(donate="all")` with
     `nnx.merge` inside (NNX's "functional API"). Ported: the usual three lines; the way to
     donate an offloaded state (docs/nnx.md).
@@ -38,14 +39,8 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((model(x) - y) ** 2)
 
 
-def commit(*nodes: object) -> None:
-    """Every array of `nodes` committed to the default device (host leaves stay in host)."""
-    nnx.update(nodes, eqx_offload.filter_shard(
-        nnx.state(nodes), jax.sharding.SingleDeviceSharding(jax.devices()[0])))
-
-
 def train(port: bool, style: str = "nnx_jit", donate: str = "all",
-          commit_first: bool = True) -> Run:
+          nnx_jit: bool = True) -> Run:
     model = MLP(nnx.Rngs(0))
     tx = optax.adamw(1e-2, weight_decay=1e-3)
     if port:
@@ -55,10 +50,7 @@ def train(port: bool, style: str = "nnx_jit", donate: str = "all",
     data = batches(jr.key(1), STEPS, (BATCH, IN))
     deleted = []  # (functional: per step, whether every array passed in was consumed)
     if style == "nnx_jit":
-        if port and commit_first:
-            commit(model, optimizer)  # (3)
-
-        @nnx.jit
+        @(eqx_offload.nnx_jit if port and nnx_jit else nnx.jit)  # (3)
         def train_step(model, optimizer, x, y):
             loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
             optimizer.update(model, grads)

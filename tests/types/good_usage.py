@@ -159,6 +159,7 @@ def train(steps: int = 3) -> float:
         eqx.tree_serialise_leaves(path, state)
         spec = eqx_offload.deserialise_filter_spec
         restored = eqx.tree_deserialise_leaves(path, like, filter_spec=spec)
+        restored = eqx_offload.tree_deserialise_leaves(path, like)
     print(type(target).__name__, type(shardings).__name__, type(restored).__name__)
 
     # Every error the library raises is an OffloadError and a ValueError or TypeError.
@@ -257,4 +258,20 @@ def jax_jit_step(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
     jitted = eqx_offload.jit(apply, static_argnums=2, donate_argnums=(0,))
     result: jax.Array = jitted(params, x, 2.0)
+    return result
+
+
+def nnx_jit_step(x: jax.Array) -> jax.Array:
+    """`eqx_offload.nnx_jit` as a decorator, with and without `nnx.jit`'s arguments (its
+    NNX programs: tests/jit/test_programs.py)."""
+
+    @eqx_offload.nnx_jit
+    def double(x: jax.Array) -> jax.Array:
+        return 2 * x
+
+    @eqx_offload.nnx_jit(static_argnums=1)
+    def scale(x: jax.Array, factor: float) -> jax.Array:
+        return factor * x
+
+    result: jax.Array = scale(double(x), 3.0)
     return result

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.extend.core as _jex
+import jax.tree_util as _jtu
 from jax.experimental import compute_on as _compute_on
 
 
@@ -26,6 +27,39 @@ host_compute: Callable[..., Any] = getattr(_compute_on, "compute_on2", None) or 
 # `ClosedJaxpr` (a `Jaxpr` with its constants); JAX 0.12 merged them into one `Jaxpr`
 # and left `jax.extend.core.ClosedJaxpr` as an alias that it does not export.
 JAXPR_TYPES: tuple[type[Any], ...] = (_jex.Jaxpr, getattr(_jex, "ClosedJaxpr", _jex.Jaxpr))
+
+
+# JAX 0.10's `optimization_barrier` makes a zero tangent or cotangent (that of a value
+# not differentiated, such as a state passed to `jax.grad(f)` beside the argument) an
+# array of zeros in device memory, whatever the memory of its primal; JAX 0.12 keeps it
+# symbolic. A host-resident state leaf through a barrier then gets a device (co)tangent,
+# and `jax.grad` through offloaded updates (Optax's meta-learning example) fails
+# ("Expected cotangent type float32<host>[] but got float32[]"). `optimization_barrier` is the barrier whose
+# tangents pass through as they are: it orders the values of the step, and its
+# derivative is the identity (`tests/upstream/test_upstream_barrier_zeros.py` is the
+# canary).
+BARRIER_INSTANTIATES_ZEROS = jax.__version_info__ < (0, 12)
+
+
+@jax.custom_jvp
+def _barrier(*leaves: Any) -> list[Any]:
+    return list(jax.lax.optimization_barrier(list(leaves)))
+
+
+def _barrier_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+    return _barrier(*primals), list(tangents)
+
+
+_barrier.defjvp(_barrier_jvp, symbolic_zeros=True)
+
+
+def optimization_barrier(tree: Any) -> Any:
+    """`jax.lax.optimization_barrier` whose derivative keeps a zero (co)tangent symbolic
+    (as JAX 0.12's does), on every supported JAX."""
+    if not BARRIER_INSTANTIATES_ZEROS:
+        return jax.lax.optimization_barrier(tree)
+    leaves, treedef = _jtu.tree_flatten(tree)
+    return _jtu.tree_unflatten(treedef, _barrier(*leaves))
 
 
 MARKER_PREFIX = "eqx_offload."

@@ -70,6 +70,7 @@ __all__ = [
     "min_bytes",
     "min_ndim",
     "Nested",
+    "nnx_jit",
     "NotATransformationError",
     "offload_dots",
     "offload_names",
@@ -94,6 +95,7 @@ __all__ = [
     "supported_memory_kinds",
     "to_device",
     "to_host",
+    "tree_deserialise_leaves",
     "TracedMoveError",
     "TreeError",
     "Where",
@@ -382,6 +384,11 @@ def jit(
     compiler_options: Optional[dict[str, Any]] = None,
 ) -> _Jit[_F]: ...
 
+@overload
+def nnx_jit(fun: None = None, **jit_kwargs: Any) -> Callable[[_F], _F]: ...
+@overload
+def nnx_jit(fun: _F, **jit_kwargs: Any) -> _F: ...
+
 # Reports.
 @dataclasses.dataclass(frozen=True)
 class LeafMemory:
@@ -419,6 +426,12 @@ def restore_target(
 ) -> _T: ...
 def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any: ...
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any: ...
+def tree_deserialise_leaves(
+    path_or_file: Any,
+    like: _T,
+    filter_spec: Callable[[BinaryIO, Any], Any] = ...,
+    is_leaf: Optional[Callable[[Any], bool]] = None,
+) -> _T: ...
 def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T: ...
 
 # Inside models: parameters in host memory.
