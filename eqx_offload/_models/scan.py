@@ -129,6 +129,7 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)
         fused: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
@@ -154,6 +155,27 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _packed_vector(a: Any) -> bool:
+    """Whether `a` is a stacked host leaf whose layers are vectors (or scalars) of a
+    dtype narrower than 32 bits (bf16, fp8, int8)."""
+    return is_host(a) and a.ndim <= 2 and a.dtype.itemsize < 4
+
+
+def _fetch_packed_vectors(dynamic: Any) -> Any:
+    """`dynamic` with each `_packed_vector` leaf brought to the device whole, before
+    the scan: a TPU tiles the two minor axes of an array and packs 2 (bf16) or 4 (int8,
+    fp8) elements of the second-minor one into one 32-bit word, so it cannot copy one
+    row of an `(L, D)` bf16 array out of host memory (XLA:TPU: "Sublane slicing size
+    must be multiple of element packing factor"), nor write one row of its gradient
+    back. These leaves (norm scales, biases) are small; their gradients go to host
+    memory whole (JAX transposes the move). Matrices (`ndim >= 3`) are sliced along a
+    major axis, which any dtype allows. One move per leaf: under differentiation, one
+    move of several leaves would mark an integer leaf as differentiated."""
+    def one(a: Any) -> Any:
+        return fetch(a) if _packed_vector(a) else a
+    return jtu.tree_map(one, dynamic)
 
 
 def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -> list[Any]:
