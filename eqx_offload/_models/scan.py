@@ -59,9 +59,11 @@ def scan_layers(
     backward pass recomputes each layer from its input. Weights kept in host memory
     (`eqx_offload.to_host(layers)`) come to the device one layer at a time, in the
     forward pass and again in the backward pass, and their gradients go back to host
-    memory (`pinned_host`). Leaves already on the device are used as they are; on the
-    CPU backend every move is a no-op and the result is bitwise that of the same
-    rematted scan without the moves.
+    memory (`pinned_host`). Leaves already on the device are used as they are; host
+    leaves whose layers are vectors of a dtype under 32 bits (bf16 norm scales) come to
+    the device whole before the scan, as a TPU cannot copy one such row out of host
+    memory ("On a TPU" in `docs/models.md`). On the CPU backend every move is a no-op
+    and the result is bitwise that of the same rematted scan without the moves.
 
     By default (`prefetch=True`) layer `i + 1`'s weights come to the device while layer
     `i` computes (layer `i - 1`'s in the backward pass), which holds one more layer of
