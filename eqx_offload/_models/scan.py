@@ -23,7 +23,7 @@ from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host
 from .params import fetch
-from .remat import LAYER_INPUT, offload_names, Policy, union
+from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
 
 
 _M = TypeVar("_M")
@@ -86,7 +86,9 @@ def scan_layers(
         A policy that saves everything would keep the fetched weights on the device.
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
-        `eqx_offload.LAYER_INPUT` and the policy offloads that name.
+        `eqx_offload.LAYER_INPUT` and the policy offloads that name. (An input, or a
+        value `policy` offloads, that is a vector of a dtype under 32 bits stays on the
+        device: "On a TPU" in `docs/models.md`.)
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not
         compile for XLA's GPU target: see `docs/models.md`).
     - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
@@ -142,6 +144,7 @@ def scan_layers(
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)
+    policy = in_a_scan(policy)
 
     def layer_body(carry: Any, layer_arrays: Any) -> Any:
         if offload_input:
@@ -162,7 +165,7 @@ def scan_layers(
 def _packed_vector(a: Any) -> bool:
     """Whether `a` is a stacked host leaf whose layers are vectors (or scalars) of a
     dtype narrower than 32 bits (bf16, fp8, int8)."""
-    return is_host(a) and a.ndim <= 2 and a.dtype.itemsize < 4
+    return is_host(a) and packed_vector(jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
 
 
 def _fetch_packed_vectors(dynamic: Any) -> Any:
@@ -220,6 +223,15 @@ def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
     slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
               for a in host_leaves]
     return [a[0] for a in fetch(slices)]
+
+
+def _offload_input(h: Any) -> Any:
+    """A layer's input moved to host memory for the backward pass, but for leaves that
+    are `packed_vector`s: the scan would write each layer's row of them into one host
+    array, which XLA:TPU cannot (they are small; they stay on the device)."""
+    def one(a: Any) -> Any:
+        return a if packed_vector(a) else to_host(a)
+    return jtu.tree_map(one, h)
 
 
 def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
@@ -321,7 +333,7 @@ class _LayerScan:
             h, current = carry
             i, device_slices = xs
             following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
-            saved = (to_host(h) if self.offload_input else h) if save else None
+            saved = (_offload_input(h) if self.offload_input else h) if save else None
             y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
             return (y, following), saved
 

@@ -114,6 +114,22 @@ def _host_weights_step() -> Step:
     return step, (mlp, hp.init(mlp), jnp.ones((SHAPE.batch, SHAPE.width), jnp.bfloat16))
 
 
+def _vector_inputs_step() -> Step:
+    """bf16 stacked layers in host memory whose inputs are vectors, each kept for the
+    backward pass (`offload_input`), differentiated without `vmap`."""
+    keys = jax.random.split(jax.random.key(2), SHAPE.layers)
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(SHAPE.width, SHAPE.width, key=k))(keys)
+    layers = eqx_offload.to_host(jax.tree.map(lambda a: a.astype(jnp.bfloat16), layers))
+
+    def step(layers: eqx.nn.Linear, x: jax.Array) -> Any:
+        def loss(layers: eqx.nn.Linear) -> jax.Array:
+            out = eqx_offload.scan_layers(layers, x, offload_input=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss)(layers)
+
+    return step, (layers, jnp.ones(SHAPE.width, jnp.bfloat16))
+
+
 def _streamed(**kwargs: Any) -> Any:
     return functools.partial(eqx_offload.offloaded, **kwargs)
 
@@ -140,8 +156,10 @@ STEPS: dict[str, Callable[[], Step]] = {
         blocks="host", offload_input=True),
     "int8-weights": lambda: _quantised_step(jnp.int8),
     "fp8-weights": lambda: _quantised_step(jnp.float8_e4m3fn),
+    "vector-activations-bf16": _vector_inputs_step,
 }
-OTHER_MODELS = {"host-weights-bf16", "int8-weights", "fp8-weights"}  # (no plain step here)
+# (Models other than the decoder: no plain step to compare with.)
+OTHER_MODELS = {"host-weights-bf16", "int8-weights", "fp8-weights", "vector-activations-bf16"}
 
 
 def compile_for(device: Any, name: str) -> Any:
