@@ -1,14 +1,18 @@
 """Canary: XLA:TPU cannot copy one row of an `(L, D)` array of a dtype under 32 bits out of
 host memory (2 bf16 or 4 int8 values share a 32-bit word along the second-to-last axis),
-so `scan_layers` brings such stacked host leaves to the device whole
-(`_models/scan.py`, `_fetch_packed_vectors`). Matrices `(L, A, B)` and fp32 vectors slice.
-When this test fails, XLA slices packed rows: the whole fetch may go. (Compiled for a TPU
-v5e without one: `helpers.v5e`.)"""
+and stops the process on a program that writes one row into such a host array (a scan
+stacking a bf16 vector per layer in host memory). So `scan_layers` brings such stacked
+host leaves to the device whole (`_models/scan.py`, `_fetch_packed_vectors`) and keeps
+such vectors on the device where it would offload them (`_offload_input`,
+`_models/remat.py` `in_a_scan`). Matrices `(L, A, B)` and fp32 vectors slice. When these
+tests fail, XLA copies packed rows: the workarounds may go. (Compiled for a TPU v5e
+without one: `helpers.v5e`.)"""
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import v5e
+from helpers import TPU_ENV, v5e
+from isolated import run_isolated
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -36,3 +40,23 @@ def test_tpu_cannot_fetch_one_packed_row_from_host_memory(dtype: jnp.dtype) -> N
 def test_tpu_fetches_fp32_rows_and_packed_matrices(shape: tuple[int, ...],
                                                    dtype: jnp.dtype) -> None:
     _compile_row_fetch(shape, dtype)
+
+
+def compile_row_store() -> None:
+    """(In a child process.) A scan whose iterations each write a bf16 row into one
+    host array: XLA:TPU stops the process."""
+    mesh = Mesh([v5e()], ("x",))
+
+    def f(x: jax.Array) -> jax.Array:
+        def body(h: jax.Array, _: None) -> tuple[jax.Array, jax.Array]:
+            return jnp.tanh(h), jax.device_put(h, jax.memory.Space.Host)
+        return jax.lax.scan(body, x, length=8)[1]
+
+    device = NamedSharding(mesh, P(), memory_kind="device")
+    jax.jit(f).lower(jax.ShapeDtypeStruct((256,), jnp.bfloat16, sharding=device)).compile()
+
+
+def test_tpu_stops_on_storing_one_packed_row_in_host_memory() -> None:
+    child = run_isolated(compile_row_store, env=TPU_ENV)
+    assert child.returncode != 0
+    assert "Sublane slicing size not multiple of update chunk sublane size" in child.stderr
