@@ -1,12 +1,12 @@
 """Canary: XLA:TPU cannot copy one row of an `(L, D)` array of a dtype under 32 bits out of
 host memory (2 bf16 or 4 int8 values share a 32-bit word along the second-to-last axis),
-and stops the process on a program that writes one row into such a host array (a scan
-stacking a bf16 vector per layer in host memory). So `scan_layers` brings such stacked
-host leaves to the device whole (`_models/scan.py`, `_fetch_packed_vectors`) and keeps
-such vectors on the device where it would offload them (`_offload_input`,
-`_models/remat.py` `in_a_scan`). Matrices `(L, A, B)` and fp32 vectors slice. When these
-tests fail, XLA copies packed rows: the workarounds may go. (Compiled for a TPU v5e
-without one: `helpers.v5e`.)"""
+nor write one row into one (a scan stacking a bf16 vector per layer in host memory: with
+libtpu 0.0.42 a failed CHECK stops the process, with 0.0.50 the compile raises). So
+`scan_layers` brings such stacked host leaves to the device whole (`_models/scan.py`,
+`_fetch_packed_vectors`) and keeps such vectors on the device where it would offload
+them (`_offload_input`; `_models/remat.py`, `in_a_scan`). Matrices `(L, A, B)` and fp32
+vectors slice. When these tests fail, XLA copies packed rows: the workarounds may go.
+(Compiled for a TPU v5e without one: `helpers.v5e`.)"""
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ def test_tpu_fetches_fp32_rows_and_packed_matrices(shape: tuple[int, ...],
 
 def compile_row_store() -> None:
     """(In a child process.) A scan whose iterations each write a bf16 row into one
-    host array: XLA:TPU stops the process."""
+    host array: XLA:TPU fails to compile it (or stops the process)."""
     mesh = Mesh([v5e()], ("x",))
 
     def f(x: jax.Array) -> jax.Array:
@@ -56,7 +56,7 @@ def compile_row_store() -> None:
     jax.jit(f).lower(jax.ShapeDtypeStruct((256,), jnp.bfloat16, sharding=device)).compile()
 
 
-def test_tpu_stops_on_storing_one_packed_row_in_host_memory() -> None:
+def test_tpu_cannot_store_one_packed_row_in_host_memory() -> None:
     child = run_isolated(compile_row_store, env=TPU_ENV)
     assert child.returncode != 0
-    assert "Sublane slicing size not multiple of update chunk sublane size" in child.stderr
+    assert "Sublane slicing size" in child.stderr
