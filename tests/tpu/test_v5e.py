@@ -145,6 +145,8 @@ STEPS: dict[str, Callable[[], Step]] = {
     "params-fp32": lambda: _wrapped_step(eqx_offload.host_params(ADAMW), blocks="host"),
     "params-fp32-whole": lambda: _wrapped_step(
         eqx_offload.host_params(ADAMW, offload=_streamed(group_bytes=None)), blocks="host"),
+    "params-fp32-host-compute": lambda: _wrapped_step(
+        eqx_offload.host_params(ADAMW, offload=_streamed(compute="host")), blocks="host"),
     "params-bf16": lambda: _wrapped_step(eqx_offload.host_params(ADAMW), blocks="host",
                                          dtype=jnp.bfloat16),
     "host-weights-bf16": _host_weights_step,
