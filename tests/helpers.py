@@ -2,11 +2,14 @@
 `hex_bits` for JSON out of a subprocess), parameters and gradients (`committed`,
 `make_params`, `make_grads`), where leaves live (`assert_placed`, `memory_kinds`,
 `kind_list`, `unwrap`), `unchecked`, `count_compiles`, `walk_eqns`, a scanned `Stacked`
-model, `gpu_plan_marks`, MultiSteps' updates and a donated training step; and the
+model, `gpu_plan_marks`, a TPU v5e (`v5e`), MultiSteps' updates and a donated training step; and the
 cases several test files share (optax compositions, stacked layers, the multi-process
 worker's model, a ported run against the original)."""
 
 import contextlib
+import functools
+import importlib.metadata
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -219,6 +222,50 @@ class Stacked(eqx.Module):
             return jnp.tanh(eqx.combine(weights, static)(x)), None
 
         return jax.lax.scan(layer, x, dynamic)[0]
+
+
+# What libtpu needs to compile for a TPU v5e on a machine without one (tests/tpu/): the
+# chip it describes, no metadata server to ask, and several processes at once
+# (pytest-xdist's workers; without it the second fails on libtpu's lockfile).
+TPU_ENV = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def v5e() -> Any:
+    """The first device of a TPU v5e topology (2x2, of which a test uses one chip),
+    compile-only, with the chip's memories; fails the test, naming the install, without
+    libtpu. `TPU_ENV` is set for the plugin's start only, the process's own values back
+    after it (another test's child process inherits nothing of it); the CPU stays JAX's
+    default backend."""
+    try:
+        import libtpu  # noqa: F401  (the package only: the compiler loads with the topology)
+        installed = True
+    except ImportError:
+        installed = False
+    if not installed:
+        version = importlib.metadata.version("jax")
+        pytest.fail(
+            "This test compiles for a TPU v5e without one and needs libtpu, which is not "
+            f'installed: `pip install "jax[tpu]=={version}"` (the libtpu that JAX '
+            f"{version} pins; no TPU is needed).", pytrace=False)
+    from jax.experimental import topologies
+
+    saved = {k: os.environ.get(k) for k in TPU_ENV}
+    os.environ.update(TPU_ENV)
+    try:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return topology.devices[0]
 
 
 def gpu_plan_marks() -> list[Any]:

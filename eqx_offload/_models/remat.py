@@ -199,6 +199,42 @@ def union(*policies: Optional[Policy]) -> Optional[Policy]:
     return present[0] if len(present) == 1 else _Union(present)
 
 
+def packed_vector(aval: Any) -> bool:
+    """Whether `aval` (an array or its type) is a vector or a scalar of a dtype under 32
+    bits (bf16, fp8, int8): one row of a stacked array of such values cannot be copied
+    between a TPU and host memory (a TPU packs 2 or 4 of them into one 32-bit word
+    along the second-to-last axis; "On a TPU" in `docs/models.md`)."""
+    return len(aval.shape) <= 1 and aval.dtype.itemsize < 4
+
+
+def _outputs(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> list[Any]:
+    """The types of what `prim` makes from `avals` (a named value: its input's)."""
+    if _name_of(prim, params) is not None:
+        return list(avals)
+    out, _ = prim.abstract_eval(*avals, **params)
+    return list(out) if prim.multiple_results else [out]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackedVectorsOnDevice:
+    policy: Policy
+
+    def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
+        decision = self.policy(prim, *avals, **params)
+        if isinstance(decision, Offloadable) and any(
+                packed_vector(a) for a in _outputs(prim, avals, params)):
+            return Saveable
+        return decision
+
+
+def in_a_scan(policy: Optional[Policy]) -> Optional[Policy]:
+    """`policy` for the body of a layer scan: a value it offloads that is a
+    `packed_vector` is kept on the device instead, since the scan would write each
+    layer's row of it into one host array (XLA:TPU stops the process there). Such values
+    are one vector per layer: small."""
+    return None if policy is None else _PackedVectorsOnDevice(policy)
+
+
 def filter_remat(fun: _F, policy: Optional[Policy] = None, *, prevent_cse: bool = True) -> _F:
     """`eqx.filter_checkpoint` with a policy: rematerialise `fun` (an Equinox module or
     any function) in the backward pass, keeping what `policy` chooses on the device or

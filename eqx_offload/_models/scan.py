@@ -23,7 +23,7 @@ from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host
 from .params import fetch
-from .remat import LAYER_INPUT, offload_names, Policy, union
+from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
 
 
 _M = TypeVar("_M")
@@ -59,9 +59,11 @@ def scan_layers(
     backward pass recomputes each layer from its input. Weights kept in host memory
     (`eqx_offload.to_host(layers)`) come to the device one layer at a time, in the
     forward pass and again in the backward pass, and their gradients go back to host
-    memory (`pinned_host`). Leaves already on the device are used as they are; on the
-    CPU backend every move is a no-op and the result is bitwise that of the same
-    rematted scan without the moves.
+    memory (`pinned_host`). Leaves already on the device are used as they are; host
+    leaves whose layers are vectors of a dtype under 32 bits (bf16 norm scales) come to
+    the device whole before the scan, as a TPU cannot copy one such row out of host
+    memory ("On a TPU" in `docs/models.md`). On the CPU backend every move is a no-op
+    and the result is bitwise that of the same rematted scan without the moves.
 
     By default (`prefetch=True`) layer `i + 1`'s weights come to the device while layer
     `i` computes (layer `i - 1`'s in the backward pass), which holds one more layer of
@@ -84,7 +86,9 @@ def scan_layers(
         A policy that saves everything would keep the fetched weights on the device.
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
-        `eqx_offload.LAYER_INPUT` and the policy offloads that name.
+        `eqx_offload.LAYER_INPUT` and the policy offloads that name. (An input, or a
+        value `policy` offloads, that is a vector of a dtype under 32 bits stays on the
+        device: "On a TPU" in `docs/models.md`.)
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not
         compile for XLA's GPU target: see `docs/models.md`).
     - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
@@ -129,6 +133,7 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)
         fused: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
@@ -139,6 +144,7 @@ def scan_layers(
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)
+    policy = in_a_scan(policy)
 
     def layer_body(carry: Any, layer_arrays: Any) -> Any:
         if offload_input:
@@ -154,6 +160,27 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _packed_vector(a: Any) -> bool:
+    """Whether `a` is a stacked host leaf whose layers are vectors (or scalars) of a
+    dtype narrower than 32 bits (bf16, fp8, int8)."""
+    return is_host(a) and packed_vector(jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+
+
+def _fetch_packed_vectors(dynamic: Any) -> Any:
+    """`dynamic` with each `_packed_vector` leaf brought to the device whole, before
+    the scan: a TPU tiles the two minor axes of an array and packs 2 (bf16) or 4 (int8,
+    fp8) elements of the second-minor one into one 32-bit word, so it cannot copy one
+    row of an `(L, D)` bf16 array out of host memory (XLA:TPU: "Sublane slicing size
+    must be multiple of element packing factor"), nor write one row of its gradient
+    back. These leaves (norm scales, biases) are small; their gradients go to host
+    memory whole (JAX transposes the move). Matrices (`ndim >= 3`) are sliced along a
+    major axis, which any dtype allows. One move per leaf: under differentiation, one
+    move of several leaves would mark an integer leaf as differentiated."""
+    def one(a: Any) -> Any:
+        return fetch(a) if _packed_vector(a) else a
+    return jtu.tree_map(one, dynamic)
 
 
 def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -> list[Any]:
@@ -196,6 +223,15 @@ def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
     slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
               for a in host_leaves]
     return [a[0] for a in fetch(slices)]
+
+
+def _offload_input(h: Any) -> Any:
+    """A layer's input moved to host memory for the backward pass, but for leaves that
+    are `packed_vector`s: the scan would write each layer's row of them into one host
+    array, which XLA:TPU cannot (they are small; they stay on the device)."""
+    def one(a: Any) -> Any:
+        return a if packed_vector(a) else to_host(a)
+    return jtu.tree_map(one, h)
 
 
 def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
@@ -297,7 +333,7 @@ class _LayerScan:
             h, current = carry
             i, device_slices = xs
             following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
-            saved = (to_host(h) if self.offload_input else h) if save else None
+            saved = (_offload_input(h) if self.offload_input else h) if save else None
             y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
             return (y, following), saved
 

@@ -37,9 +37,16 @@ def on_host(eqn: Any, invals: list[Any]) -> list[Any]:
     JAX types memory spaces: an operation's array operands must all be in one memory,
     and arrays an update creates itself (`jnp.where(c, x, 0.0)` broadcasts `0.0`) are
     typed for device memory. Inside the host computation everything lives on the host,
-    so such arrays are retyped to host memory where they meet host operands.
+    so such arrays are retyped to host memory where they meet host operands, and a
+    move to the device leaves its operands where they are.
     """
     host = jax.memory.Space.Host
+    if eqn.primitive.name == "device_put" and all(
+            d == jax.memory.Space.Device for d in eqn.params["devices"]):
+        # A move to the device (`host_params` fetches its parameters and gradients)
+        # stays on the host here: XLA:TPU refuses a device placement in a host
+        # computation.
+        return list(invals)
     spaces = [jax.typeof(x).memory_space if np.ndim(x) else None for x in invals]
     if host in spaces:
         if _has_subprogram(eqn):

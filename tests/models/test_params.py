@@ -100,15 +100,17 @@ def _host_step(hp: Any, loss: Any = None) -> Any:
     return step
 
 
-@pytest.mark.parametrize("group_bytes", [None, 0])
-def test_host_params_offloaded_is_bitwise(group_bytes: Any) -> None:
-    """Host params and gradients, state whole or streamed: bitwise, kinds kept."""
+@pytest.mark.parametrize("options", [dict(group_bytes=None), dict(group_bytes=0),
+                                     dict(compute="host")], ids=["whole", "streamed", "host"])
+def test_host_params_offloaded_is_bitwise(options: Any) -> None:
+    """Host params and gradients, state whole, streamed or updated on the host:
+    bitwise, kinds kept."""
     params = {"w": jax.random.normal(jax.random.key(6), (8, 8)), "b": jnp.ones(8)}
     grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
     where = {"w": True, "b": False}
     placed, placed_grads = (eqx_offload.to_host(t, where=where) for t in (params, grads))
     hp = eqx_offload.host_params(optax.adamw(1e-2), offload=functools.partial(
-        eqx_offload.offloaded, group_bytes=group_bytes))
+        eqx_offload.offloaded, **options))
     plain = optax.adamw(1e-2)
     state, want_state = hp.init(placed), plain.init(params)
     step = jax.jit(_host_step(hp))

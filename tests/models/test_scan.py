@@ -69,6 +69,67 @@ def test_scan_layers_is_bitwise_the_plain_scan(where: Any, prefetch: bool,
         assert residuals == [HOST if offload_input else DEVICE]
 
 
+class _Quantised(eqx.Module):
+    """A layer with an integer scale per output (frozen: not differentiated)."""
+
+    linear: eqx.nn.Linear
+    scale: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(self.linear(x)) * self.scale.astype(x.dtype)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_scan_layers_fetches_packed_vectors_whole_before_the_scan(prefetch: bool) -> None:
+    """Host leaves whose layers are vectors of a dtype under 32 bits (a bf16 bias, an
+    int8 scale: a TPU cannot copy one row of them out of host memory) come to the
+    device whole before the scan, the bf16 matrices one layer at a time; bitwise,
+    gradients in host memory."""
+    layers = _Quantised(jax.tree.map(lambda a: a.astype(jnp.bfloat16), make_layers()),
+                        jnp.arange(L * D, dtype=jnp.int8).reshape(L, D) % 3)
+    x = jax.random.normal(jax.random.key(1), (D,), jnp.bfloat16)
+
+    def grad(scan: Any) -> Any:
+        return eqx.filter_grad(
+            lambda layers: jnp.sum(scan(layers, x, tanh_layer).astype(jnp.float32) ** 2))
+
+    scan = functools.partial(eqx_offload.scan_layers, prefetch=prefetch)
+    placed = eqx_offload.to_host(layers)
+    got = eqx.filter_jit(grad(scan))(placed)
+    assert bits(got) == bits(eqx.filter_jit(grad(plain_scan))(layers))
+    assert memory_kinds(got.linear) == {"weight": "pinned_host", "bias": "pinned_host"}
+    assert got.scale is None
+    scans = _scans(jax.make_jaxpr(grad(scan))(placed))
+    for e in scans:
+        kinds = {v.aval.shape: v.aval.memory_space for v in e.invars if v.aval.ndim >= 2}
+        assert kinds[(L, D, D)] == HOST and kinds[(L, D)] == DEVICE
+
+
+@pytest.mark.parametrize("options", [dict(offload_input=True),
+                                     dict(offload_input=True, prefetch=False),
+                                     dict(policy=eqx_offload.offload_dots())],
+                         ids=["input", "input-no-prefetch", "dots"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_scan_layers_offloads_activations_but_packed_vectors(options: Any, dtype: Any) -> None:
+    """A value the layer scan would keep in host memory (the layer input, a matrix
+    product) stays on the device when it is a vector of a dtype under 32 bits (the scan
+    would write one packed row per layer into host memory, which a TPU cannot);
+    bitwise either way."""
+    layers = jax.tree.map(lambda a: a.astype(dtype), make_layers())
+    x = jax.random.normal(jax.random.key(1), (D,), dtype)
+
+    def grad(scan: Any) -> Any:
+        return jax.grad(lambda layers: jnp.sum(scan(layers, x, tanh_layer).astype(
+            jnp.float32) ** 2))
+
+    scan = functools.partial(eqx_offload.scan_layers, **options)
+    placed = eqx_offload.to_host(layers)
+    assert bits(jax.jit(grad(scan))(placed)) == bits(jax.jit(grad(plain_scan))(layers))
+    forward = _scans(jax.make_jaxpr(grad(scan))(placed))[0]
+    kinds = {v.aval.memory_space for v in forward.outvars if v.aval.shape == (L, D)}
+    assert (HOST in kinds) == (dtype == jnp.float32)
+
+
 def test_scan_layers_prefetches_the_next_layer_in_both_passes() -> None:
     """Both scans fetch one slice per step; no stacked device copy is kept."""
     forward, backward = _scans(jax.make_jaxpr(jax.grad(scan_loss))(
