@@ -59,6 +59,13 @@ class CompositionError(OffloadError, ValueError):
     step (such as `pmap`) that JAX cannot combine with memory kinds."""
 
 
+class NotStreamable(CompositionError):
+    """(Private.) The update cannot be streamed (it couples all of its state, has side
+    effects, changes its state's structure or dtypes): `group_bytes=N` raises it; the
+    default `"auto"` catches it alone and updates the whole state, the documented mode
+    for such an update (a test pins that plan). Any other error comes through."""
+
+
 class CheckpointError(OffloadError, ValueError):
     """A checkpointed leaf that does not fit its restore target (another shape or dtype),
     or a restore target that cannot be built."""

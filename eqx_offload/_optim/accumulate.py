@@ -26,7 +26,7 @@ from jax import lax
 
 from .._core.checkpoint import check_init_fits_host_pool
 from .._core.compat import host_compute, multi_steps_parts, MultiStepsParts
-from .._core.errors import OptionError
+from .._core.errors import NotStreamable, OptionError
 from .._core.leaves import is_traced
 from .._core.move import move
 from .._core.where import leaf_mask
@@ -35,7 +35,6 @@ from .checks import check_is_offloaded, check_trace
 from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
-from .schedule import NotStreamable
 from .strategies import streamed
 
 

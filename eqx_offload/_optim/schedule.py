@@ -10,17 +10,10 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
-from .._core.errors import CompositionError
+from .._core.errors import NotStreamable
 from .._core.jaxpr import is_var, TracedUpdate, where_made
 from .._core.leaves import nbytes
 from .._core.placement import is_host
-
-
-class NotStreamable(CompositionError):
-    """The update cannot be streamed (it couples all of its state, has side effects,
-    changes its state's structure or dtypes): `group_bytes=N` raises it; the default
-    `"auto"` catches it alone and updates the whole state, the documented mode for such
-    an update (a test pins that plan). Any other error comes through."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._core.compat import marked, optimization_barrier
+from .._core.errors import NotStreamable
 from .._core.move import place_like
 from .._core.placement import is_host
 from .._core.where import leaf_mask
@@ -36,7 +37,6 @@ from .._jit.jit import filter_jit
 from .host_compute import host_update
 from .layout import fetch, Layout
 from .options import Options
-from .schedule import NotStreamable
 from .stream import streamed_update
 
 
