@@ -36,7 +36,8 @@ def _host_operand_eqns(jaxpr: Any, allowed: set[str]) -> list[str]:
 
 
 # Transfers, call wrappers and the streamed update's barriers: they pass values unchanged.
-TRANSFERS_AND_CALLS = {"device_put", "jit", "pjit", "closed_call", "optimization_barrier"}
+TRANSFERS_AND_CALLS = {"device_put", "jit", "pjit", "closed_call", "optimization_barrier",
+                       "custom_jvp_call"}  # (compat.optimization_barrier on JAX 0.10)
 NO_HOST_TOUCH = sorted(n for n in COMPOSITIONS if not n.startswith(("apply_if_finite(", "MultiSteps(")))
 
 

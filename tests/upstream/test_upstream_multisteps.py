@@ -55,7 +55,7 @@ def test_multi_steps_computes_on_the_wrapped_state():
     grads = jax.tree.map(jnp.ones_like, params)
     # Transfers, calls, conds and barriers hand host values through unchanged (the
     # streamed applying branch of `offloaded(MultiSteps)` orders its copies by barriers).
-    passing = frozenset({"device_put", "jit", "pjit", "closed_call", "cond",
+    passing = frozenset({"device_put", "jit", "pjit", "closed_call", "custom_jvp_call", "cond",
                          "optimization_barrier"})
     plain = optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2)
     wrapped = optax.MultiSteps(eqx_offload.offloaded(optax.adamw(1e-2)), every_k_schedule=2)
