@@ -4,8 +4,8 @@
 
 `pytype-single` per module, two at a time, each after the modules it imports (their
 inferred `.pyi` on its `--pythonpath`, with `typings/` for jax, equinox, optax and
-jaxtyping and `scripts/pytype_stubs/` for rich, matplotlib and beartype); an import cycle
-runs twice, the first pass only writing its `.pyi`. Exit status 1 on any error. Not the
+jaxtyping and `scripts/pytype_stubs/` for rich, matplotlib, beartype and flax); an import
+cycle runs twice, the first pass only writing its `.pyi`. Exit status 1 on any error. Not the
 `pytype` command: it maps every installed package to an empty stub (everything `Any`),
 stubs on its `--pythonpath` or not. typeshed's modules are parsed once, for every run
 (`--precompiled-builtins`), except for modules that import tqdm, whose stub pytype cannot

@@ -132,11 +132,16 @@ class _FilterJit(Generic[_P, _T]):
         functools.update_wrapper(self, fun)
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-        # (`flatten_call` is called from here, where the arguments are typed as what they
-        # are, not as `_P.args`: pytype cannot record a call trace with `ParamSpecArgs`.)
+        # (The arguments reach `flatten_call` from here and from `_run`, where they are
+        # typed as what they are, not as `_P.args`: pytype cannot record a call trace
+        # with `ParamSpecArgs`.)
         return flatten_call(args, kwargs, self._donate, name=self._name)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        out: _T = self._run(args, kwargs)
+        return out
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = jtu.tree_flatten((args, kwargs))
         if traced(flat):
             # Called inside an enclosing `jit`, `grad` or `vmap` (the inner function of
@@ -145,8 +150,7 @@ class _FilterJit(Generic[_P, _T]):
             # shardings and donation, if it has any).
             if self._nested is None:
                 self._nested = eqx.filter_jit(self._fun)
-            nested: _T = self._nested(*args, **kwargs)
-            return nested
+            return self._nested(*args, **kwargs)
         call = flatten_call(args, kwargs, self._donate, name=self._name, flat=flat)
         compiled = self._cache.get(call.key)
         if compiled is None:
@@ -154,8 +158,7 @@ class _FilterJit(Generic[_P, _T]):
                 self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
             compiled = self._lower_call(call).compile()
             self._cache[call.key] = compiled
-        out: _T = run(compiled._executable, compiled._output, call, self._donate.silence)
-        return out
+        return run(compiled._executable, compiled._output, call, self._donate.silence)
 
     def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
         """Lowers the function for these arguments without running it (ahead-of-time
