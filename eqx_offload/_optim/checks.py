@@ -10,11 +10,11 @@ from typing import Any, cast, Optional
 
 import equinox as eqx
 import jax
-import jax.extend.core as jex
 import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
+from .._core.compat import named_axes
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
                             none_leaf_error, StateError)
 from .._core.leaves import is_none, path_to_str
@@ -220,7 +220,7 @@ def check_trace(treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]) -> No
     no state leaf brought to device memory by `pmap` or `shard_map`."""
     if any(isinstance(x, Tracer) for x in leaves) and any(is_host(x) for x in leaves):
         _check_no_foreign_donation()
-    if _named_axes():
+    if named_axes():
         i = first_on_device(leaves, mask)
         if i is not None:
             raise device_state_error(leaf_path(treedef, i))
@@ -237,12 +237,6 @@ def _check_no_foreign_donation() -> None:
     if name is None:
         return
     raise foreign_donation_error(name)
-
-
-def _named_axes() -> tuple[Any, ...]:
-    """The named axes of the trace in progress (`pmap`, `shard_map`, `vmap(axis_name=...)`)."""
-    names = getattr(jex, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())()
-    return tuple(names)
 
 
 def warn_on_device(treedef: Any, leaves: Sequence[Any], i: int, memory_kind: str) -> bool:
@@ -274,7 +268,7 @@ def warn_on_device(treedef: Any, leaves: Sequence[Any], i: int, memory_kind: str
         f"is in device memory, but `where` selects it for {memory_kind!r}. "
         "It is used as is and the new state goes to host. This happens "
         "when a state was restored without host shardings (see "
-        "`eqx_offload.host_shardings`), placed with a device sharding (e.g. "
+        "`eqx_offload.checkpoint.host_shardings`), placed with a device sharding (e.g. "
         "`eqx.filter_shard(opt_state, sharding)` outside `jit`: use "
         "`eqx_offload.filter_shard`, which keeps memory kinds), or made "
         "with another `where`. (This warning is shown once per transformation.)",

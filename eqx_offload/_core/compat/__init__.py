@@ -121,6 +121,14 @@ def enclosing_donating_jit() -> Optional[str]:
     return None
 
 
+def named_axes() -> tuple[Any, ...]:
+    """The named axes of the trace in progress (`pmap`, `shard_map`,
+    `vmap(axis_name=...)`): `jax.extend.core.unsafe_get_axis_names_DO_NOT_USE`, JAX's one
+    way to ask, empty where a JAX lacks it (`tests/upstream/test_upstream_axis_names.py`
+    is the canary)."""
+    return tuple(getattr(_jex, "unsafe_get_axis_names_DO_NOT_USE", lambda: ())())
+
+
 class MultiStepsParts(NamedTuple):
     """What `optax.MultiSteps(...)` was built from, as its `update` uses it."""
 
