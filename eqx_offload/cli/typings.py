@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`python -m eqx_offload typings`."""
-    from eqx_offload.__main__ import _typings
+    """`python -m eqx_offload typings`, through the command line's entry point (the
+    `eqx-offload` console script's)."""
+    from eqx_offload.__main__ import main
 
-    return _typings(["--mypy"] if args.mypy else [])
+    return main(["typings", "--mypy"] if args.mypy else ["typings"])
