@@ -2,7 +2,7 @@
 step fits one GPU (or an 8-GPU node), for each way of offloading, planned from shapes.
 
 `python bench/capacity_run.py` builds every step abstractly
-(`eqx_offload.filter_eval_shape`: no array of the model or its state is allocated),
+(`eqx_offload.checkpoint.filter_eval_shape`: no array of the model or its state is allocated),
 compiles it for the target with `eqx_offload.gpu_plan` (XLA's GPU compiler, run
 without a GPU) and searches the size ladder (`llama.ladder()`: the published Llama
 shapes from 1B to 70B and depths between them) for the largest member whose step fits
@@ -153,19 +153,19 @@ def training_update(shape: LlamaShape, mode: CapacityMode,
         model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
         return _blocks_to_host(model) if mode.params_on_host else model
 
-    model = shard_abstract(eqx_offload.filter_eval_shape(make), mesh)
+    model = shard_abstract(eqx_offload.checkpoint.filter_eval_shape(make), mesh)
     adamw = optax.adamw(3e-4, weight_decay=0.1)
     if mode.bf16:
         mw = eqx_offload.master_weights(
             adamw, offload=eqx_offload.offloaded if mode.master_on_host else None)
-        model, state = eqx_offload.filter_eval_shape(mw.init, model)
+        model, state = eqx_offload.checkpoint.filter_eval_shape(mw.init, model)
         return _master_update(mw), model, state
     if mode.params_on_host:
-        hp = eqx_offload.host_params(
+        hp = eqx_offload.host_weights_optimizer(
             adamw, offload=eqx_offload.offloaded if mode.state_on_host else None)
-        return _master_update(hp), model, eqx_offload.filter_eval_shape(hp.init, model)
+        return _master_update(hp), model, eqx_offload.checkpoint.filter_eval_shape(hp.init, model)
     opt = eqx_offload.offloaded(adamw) if mode.state_on_host else adamw
-    state = eqx_offload.filter_eval_shape(functools.partial(_init, opt), model)
+    state = eqx_offload.checkpoint.filter_eval_shape(functools.partial(_init, opt), model)
     return _optimizer_update(opt), model, state
 
 
@@ -240,7 +240,7 @@ class CapacityPoint:
         return self.shape.params
 
 
-HOST_KINDS: tuple[str, ...] = typing.get_args(eqx_offload.HostMemoryKind)
+HOST_KINDS: tuple[str, ...] = typing.get_args(eqx_offload.types.HostMemoryKind)
 
 
 def write_outputs(markdown: Optional[str], json_path: Optional[str], table: str,
@@ -319,7 +319,7 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
-    except eqx_offload.PlanError as error:
+    except eqx_offload.errors.PlanError as error:
         return CapacityPoint(shape, mode.name, target, n, 0, memory, 0, host_memory, 0, False,
                              0, 0, {}, 0.0, 0.0, 0.0, str(error)[:500],
                              time.perf_counter() - start)

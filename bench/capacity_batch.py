@@ -272,7 +272,7 @@ def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
     try:
         plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
-    except eqx_offload.PlanError as error:
+    except eqx_offload.errors.PlanError as error:
         return point(0, 0, False, (0, 0), (0.0, 0.0, 0.0), str(error)[:500])
     return point(plan.device_peak_bytes, plan.host_total_bytes, plan_fits(plan, host_memory),
                  (plan.bytes_moved("to_device"), plan.bytes_moved("to_host")),

@@ -96,7 +96,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     result["opt_state_host_bytes"] = report.host_bytes
     result["opt_state_device_bytes"] = report.device_bytes
     if args.child == "streamed":
-        plan = eqx_offload.stream_plan(inner, grads, state.inner_state, params, group_bytes=0)
+        plan = eqx_offload.stream.stream_plan(inner, grads, state.inner_state, params, group_bytes=0)
         result["stream_plan"] = {
             "groups": len(plan.groups),
             "max_group_nbytes": plan.max_group_nbytes,

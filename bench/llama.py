@@ -7,7 +7,7 @@ embeddings, its blocks stacked with `eqx.filter_vmap` and run with
 brought from host memory where they live there, its input kept in host memory for the
 backward pass with `offload_input`). It trains (`llama_loss`) and runs on the CPU like
 any Equinox model; at the ladder's sizes it is only ever built abstractly
-(`eqx_offload.filter_eval_shape`), so no array of it is allocated.
+(`eqx_offload.checkpoint.filter_eval_shape`), so no array of it is allocated.
 """
 
 import dataclasses

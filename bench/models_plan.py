@@ -104,7 +104,7 @@ def optimizer_step(opt: Any) -> Callable[..., Any]:
 
 
 def master_step(mw: Any) -> Callable[..., Any]:
-    """The step of `master_weights` or `host_params`: `update(grads, state, model)`."""
+    """The step of `master_weights` or `host_weights_optimizer`: `update(grads, state, model)`."""
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
         grads = eqx.filter_grad(batched_loss)(model, tokens)
@@ -130,7 +130,7 @@ def cases(shape: models.LMShape, group_bytes: int) -> Iterator[Case]:
     yield case("remat", "remat of each block, nothing offloaded", lm(True), adamw)
     yield case("activations", "remat + each block's input in host memory", lm(True, True), adamw)
     def host_params_case(name: str, what: str, model: Any, offload: Any) -> Case:
-        hp = eqx_offload.host_params(adamw, offload=offload)
+        hp = eqx_offload.host_weights_optimizer(adamw, offload=offload)
         return Case(name, what, model, hp.init(model), master_step(hp))
 
     yield host_params_case("params", "remat + blocks' weights in host memory (state on device)",
@@ -143,7 +143,7 @@ def cases(shape: models.LMShape, group_bytes: int) -> Iterator[Case]:
     mw = eqx_offload.master_weights(adamw, offload=streamed)
     yield Case("master", "bf16 compute weights, fp32 master weights + state in host memory",
                *mw.init(lm()), master_step(mw))
-    mw = eqx_offload.master_weights(eqx_offload.with_host_params(adamw), offload=streamed)
+    mw = eqx_offload.master_weights(adamw, offload=streamed)
     yield Case("master+all", "master weights + bf16 blocks' weights and activations in host memory",
                *mw.init(blocks_on_host(lm(True, True))), master_step(mw))
 

@@ -68,18 +68,24 @@ def checked(fn: _F) -> _F:
 
 
 def _check_eqx_offload() -> None:
-    """Checks on the public functions (and filter classes) of eqx_offload, which is
-    already imported when `install_runtime_checks` runs."""
+    """Checks on the public functions (and dataclasses' constructors) of eqx_offload and
+    its public submodules, which are already imported when `install_runtime_checks` runs."""
     package = sys.modules[_PACKAGE]
     if getattr(package, "__runtime_checks__", False):
         return
-    for name, value in vars(package).items():
-        if name.startswith("_") or name == "install_runtime_checks":
-            continue
-        if inspect.isfunction(value) and value.__module__.startswith(_PACKAGE + "."):
-            setattr(package, name, checked(value))
-        elif inspect.isclass(value) and "__dataclass_fields__" in vars(value):
-            value.__init__ = checked(value.__init__)  # type: ignore[method-assign]  # checks the filter dataclasses' constructors in place
+    public = [package] + [m for name, m in vars(package).items() if inspect.ismodule(m)
+                          and m.__name__ == f"{_PACKAGE}.{name}" and name[0] != "_" and name != "cli"]
+    classes = set()
+    for module in public:
+        for name, value in list(vars(module).items()):
+            if name.startswith("_") or name == "install_runtime_checks":
+                continue
+            if inspect.isfunction(value) and value.__module__.startswith(_PACKAGE + "."):
+                setattr(module, name, checked(value))
+            elif inspect.isclass(value) and "__dataclass_fields__" in vars(value):
+                classes.add(value)
+    for cls in classes:  # (each once, however many modules export it)
+        cls.__init__ = checked(cls.__init__)  # type: ignore[method-assign]  # checks the dataclasses' constructors in place
     package.__runtime_checks__ = True  # type: ignore[attr-defined]  # marks the package as done
 
 

@@ -158,7 +158,7 @@ def _selects(where: Any, leaf: Any, path: str) -> bool:
         where = eqx_offload.min_ndim(1)
     if isinstance(where, bool):
         return where
-    if isinstance(where, eqx_offload.Filter):
+    if isinstance(where, eqx_offload.types.Filter):
         return bool(where(leaf, path))
     return bool(where(leaf))
 
@@ -273,7 +273,7 @@ def gpu_plan_marks() -> list[Any]:
     and, without the GPU compiler, a skip naming its install command."""
     try:
         _deviceless.check_available()
-    except eqx_offload.PlanError as error:
+    except eqx_offload.errors.PlanError as error:
         return [pytest.mark.once, pytest.mark.skip(reason=str(error))]
     return [pytest.mark.once]
 

@@ -40,7 +40,7 @@ RUNTIME_MISTAKES = {
         lambda: eqx_offload.to_device(PARAMS, memory_kind="device"), "memory_kind", None,
         TypeError),
     "platform name for a device": (
-        lambda: eqx_offload.supported_memory_kinds("cpu"), "device", "Device", Check),
+        lambda: eqx_offload.memory.supported_memory_kinds("cpu"), "device", "Device", Check),
     "optimizer factory": (
         lambda: eqx_offload.offloaded(optax.adam), "inner", "GradientTransformation", Check),
     "model for a transformation": (
@@ -48,7 +48,7 @@ RUNTIME_MISTAKES = {
         "GradientTransformation", Check),
     "transformation as its state": (
         lambda: (lambda opt: opt.update(PARAMS, opt, PARAMS))(_adam()), "state",
-        "OffloadedState", eqx_offload.StateError),
+        "OffloadedState", eqx_offload.errors.StateError),
     "compute tpu": (lambda: _adam(compute="tpu"), "compute", "'host'", Check),
     "group_bytes string": (lambda: _adam(group_bytes="1MiB"), "group_bytes", "int", Check),
     # (`Where` resolves at run time: a forward reference would make it `Any`.)
@@ -59,7 +59,7 @@ RUNTIME_MISTAKES = {
     # Deeper than the runtime check looks into a `Where`: the library's check.
     "string in a where prefix": (
         lambda: eqx_offload.to_host(PARAMS, where={"w": True, "b": "yes"}), "where", "filter",
-        eqx_offload.WhereError),
+        eqx_offload.errors.WhereError),
     "donate mode": (
         lambda: eqx_offload.filter_jit(lambda x: x, donate="everything"), "donate",
         "all-except-first", Check),
@@ -84,7 +84,7 @@ def _moments(value: Any) -> Nested[jax.Array]:
 
 
 @jaxtyping.jaxtyped(typechecker=beartype)
-def _select(tree: Any, where: eqx_offload.Where) -> Any:
+def _select(tree: Any, where: eqx_offload.types.Where) -> Any:
     return eqx_offload.to_host(tree, where)
 
 

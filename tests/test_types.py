@@ -31,6 +31,7 @@ def _load(path: pathlib.Path) -> Any:
 
 TABLE = _load(pathlib.Path(__file__).resolve().parent / "types" / "checkers.py")
 ROOT, TYPES, GOOD, BAD, CHECKERS = TABLE.ROOT, TABLE.TYPES, TABLE.GOOD, TABLE.BAD, TABLE.CHECKERS
+SUBMODULES = ("checkpoint", "errors", "memory", "remat", "stream", "types")
 DOCS = ROOT / "docs" / "typing.md"
 once = pytest.mark.once
 needs_pytype = pytest.mark.skipif(
@@ -114,12 +115,14 @@ def test_bad_usage_covers_the_listed_mistakes() -> None:
 
 @once
 def test_good_usage_uses_every_public_name() -> None:
-    public = set(eqx_offload.__all__) | {"__version__"}
+    public = set(eqx_offload.__all__) | {"__version__"} | {  # (each object once)
+        f"{m}.{n}" for m in SUBMODULES for n in getattr(eqx_offload, m).__all__
+        if n not in eqx_offload.__all__}
     text = GOOD.read_text()
     used = set(re.findall(r"eqx_offload\.(\w+)", text))
-    imported = re.search(r"from eqx_offload import ([\w, ]+)", text)
-    assert imported is not None
-    used |= {n.strip() for n in imported[1].split(",")}
+    used |= set(re.findall(r"eqx_offload\.(\w+\.\w+)", text))
+    for module, names in re.findall(r"from eqx_offload(?:\.(\w+))? import ([\w, ]+)", text):
+        used |= {f"{module}.{n.strip()}" if module else n.strip() for n in names.split(",")}
     assert public - used == set()
 
 
@@ -152,10 +155,11 @@ def test_pytype_gate_fails_on_a_type_error(tmp_path: pathlib.Path) -> None:
 
 @once
 def test_all_is_every_reexport() -> None:
-    """stubtest holds the stub to `__all__`; `__all__` is every `from ._x import a as a`."""
+    """stubtest holds the stub to `__all__`; `__all__` is every `from ._x import a as a`
+    (the public submodules, `from . import m as m`, are not in it)."""
     init = ast.parse((ROOT / "eqx_offload" / "__init__.py").read_text()).body
     reexports = {a.name for node in init if isinstance(node, ast.ImportFrom) and node.level
-                 for a in node.names if a.asname == a.name}
+                 and node.module for a in node.names if a.asname == a.name}
     assert sorted(eqx_offload.__all__) == sorted(reexports)
     assert len(set(eqx_offload.__all__)) == len(eqx_offload.__all__)
 
@@ -163,15 +167,15 @@ def test_all_is_every_reexport() -> None:
 @once
 def test_stub_literals_have_the_runtime_values() -> None:
     """The `Literal` aliases stubtest cannot compare (its allowlist) are compared here."""
-    text = (ROOT / "typings" / "pytype" / "eqx_offload" / "__init__.pyi").read_text()
+    text = (ROOT / "typings" / "pytype" / "eqx_offload" / "types.pyi").read_text()
     stub = {node.targets[0].id: ast.literal_eval(node.value.slice) for node in ast.parse(text).body
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
             and ast.unparse(node.value.value) == "Literal"}
     assert sorted(stub) == ["Compute", "Donate", "HostMemoryKind", "MemoryKind"]
     allowed = (ROOT / "typings" / "stubtest-allowlist.txt").read_text().split()
     for name, values in stub.items():
-        assert f"eqx_offload.{name}" in allowed
-        assert typing.get_args(getattr(eqx_offload, name)) == values, name
+        assert f"eqx_offload.types.{name}" in allowed
+        assert typing.get_args(getattr(eqx_offload.types, name)) == values, name
 
 
 @once

@@ -47,7 +47,7 @@ def optimizer_for(mode: Any, bf16_state: bool) -> tuple[Any, Any]:
         mw = eqx_offload.master_weights(adamw, offload=offload if mode.master_on_host else None)
         return mw.init, capacity._master_update(mw)
     if mode.params_on_host:
-        hp = eqx_offload.host_params(adamw, offload=offload if mode.state_on_host else None)
+        hp = eqx_offload.host_weights_optimizer(adamw, offload=offload if mode.state_on_host else None)
         return (lambda m: (m, hp.init(m))), capacity._master_update(hp)
     opt = offload(adamw) if mode.state_on_host else adamw
     return ((lambda m: (m, opt.init(eqx.filter(m, eqx.is_array)))),

@@ -227,7 +227,7 @@ def host_compute_error(function: str, described: str, fix: str) -> CompositionEr
 
 
 _CHECKPOINT_FIX = ("Build `like` for the same model and optimizer that wrote the checkpoint "
-                   "(e.g. `eqx_offload.abstract_init(opt, params)`).")
+                   "(e.g. `eqx_offload.checkpoint.abstract_init(opt, params)`).")
 
 
 def checkpoint_leaf_error(function: str, leaf: str, held: str, expected: str) -> CheckpointError:

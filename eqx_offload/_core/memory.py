@@ -53,7 +53,7 @@ def supported_memory_kinds(device: Optional[Device] = None) -> tuple[str, ...]:
 
         ```python
         import eqx_offload
-        assert "pinned_host" in eqx_offload.supported_memory_kinds()
+        assert "pinned_host" in eqx_offload.memory.supported_memory_kinds()
         ```
     """
     return device_memory_kinds(default_device() if device is None else device)
@@ -91,7 +91,7 @@ def check_devices_offer(
                 f"{argument}={memory_kind!r}: device {device} (platform "
                 f"{device.platform!r}) holding leaf {path or '<root>'} does not offer "
                 f"that memory kind; it offers {', '.join(repr(k) for k in kinds)}. "
-                "Pass one of those, or check `eqx_offload.supported_memory_kinds()`."
+                "Pass one of those, or check `eqx_offload.memory.supported_memory_kinds()`."
             )
 
 
@@ -191,7 +191,7 @@ def check_host_pool(
         f"XLA would fail with a host out-of-memory error that reads like a device one. "
         f"Raise the cap before JAX starts (e.g. `export {HOST_LIMIT_VARIABLE}="
         f"{math.ceil((used + placing) / (1 << 30)) + 1}`, within the machine's RAM), "
-        "or offload less (`where=eqx_offload.within_budget(...)`, `host_dtype=jnp.bfloat16`)."
+        "or offload less (`where=eqx_offload.stream.within_budget(...)`, `host_dtype=jnp.bfloat16`)."
     )
 
 

@@ -3,9 +3,8 @@
 - `HostWeights` / `host_weights`: one module of an unscanned model whose weights live in
   `pinned_host` and come to the device only while it computes (`scan_layers`, in
   `_models/scan.py`, does the same for stacked layers).
-- `host_params`: `init`/`update` for a model with host-resident parameters (each waits
-  for its gradient; the update is added on the device). `with_host_params`, deprecated,
-  is its optax transformation without the wait.
+- `host_weights_optimizer`: `init`/`update` for a model with host-resident parameters
+  (each waits for its gradient; the update is added on the device).
 - `apply_updates`: `eqx.apply_updates` that keeps every leaf in the memory it lives in.
 
 The gradient of a weight in host memory is in host memory (`pinned_host`): JAX
@@ -13,7 +12,6 @@ transposes the `device_put` that fetched it into a `device_put` back to host.
 """
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any, cast, Generic, Optional, TypeVar
 
@@ -122,7 +120,7 @@ def apply_updates(model: _T, updates: Any) -> _T:
     memory is brought to the device first). The result is bitwise that of
     `eqx.apply_updates` on the same values; `eqx.apply_updates` itself would add host
     arrays, which `eqx_offload.filter_jit` refuses (and XLA runs on the host). A pure
-    function: the same program under any `jit` (`host_params` makes each host weight
+    function: the same program under any `jit` (`host_weights_optimizer` makes each host weight
     wait for its gradient first).
 
     **Arguments:**
@@ -181,7 +179,7 @@ def _after_gradients(params: _T, grads: Any) -> _T:
     Without the wait XLA's GPU scheduler may start the update's copy of a weight before
     the forward pass and hold it on the device through both passes; with it the copy
     comes after the backward pass made the gradient ("Why the prefetch once raised the
-    peak" in `docs/models.md`). `HostParams.update` hands the waited value to both the
+    peak" in `docs/models.md`). `HostWeightsOptimizer.update` hands the waited value to both the
     inner update and the add, so XLA copies each parameter once."""
 
     def wait(p: Any, g: Any) -> Any:
@@ -232,8 +230,8 @@ def _fetching(inner: optax.GradientTransformation) -> optax.GradientTransformati
 
 
 @dataclasses.dataclass(frozen=True)
-class HostParams(Generic[_M]):
-    """What `host_params` returns: `init` and `update` for a model whose parameters
+class HostWeightsOptimizer(Generic[_M]):
+    """What `host_weights_optimizer` returns: `init` and `update` for a model whose parameters
     (some or all) live in host memory. (Not an `optax.GradientTransformation`: its
     update makes each host weight wait for its gradient and adds the update to that
     waited value, which an optax update cannot hand to `apply_updates`.)
@@ -276,12 +274,12 @@ class HostParams(Generic[_M]):
         return cast(_M, eqx.combine(new_params, static)), state
 
 
-def host_params(
+def host_weights_optimizer(
     inner: optax.GradientTransformation,
     *,
     offload: Optional[Callable[[optax.GradientTransformation],
                                optax.GradientTransformation]] = offloaded,
-) -> HostParams[Any]:
+) -> HostWeightsOptimizer[Any]:
     """Trains a model whose parameters live in host memory (`host_weights`,
     `scan_layers`, `to_host`), with `inner`'s state kept by `offload`.
 
@@ -305,7 +303,7 @@ def host_params(
 
     **Returns:**
 
-    A `HostParams` with `init(model) -> state` and
+    A `HostWeightsOptimizer` with `init(model) -> state` and
     `update(grads, state, model) -> (new_model, new_state)`.
 
     !!! Example
@@ -318,7 +316,7 @@ def host_params(
         import eqx_offload
 
         model = eqx_offload.to_host(eqx.nn.Linear(4, 4, key=jax.random.key(0)))
-        hp = eqx_offload.host_params(optax.adamw(1e-2))
+        hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-2))
         state = hp.init(model)
 
         @eqx_offload.filter_jit(donate="all")
@@ -331,38 +329,11 @@ def host_params(
         ```
     """
     if offload is not None and not callable(offload):
-        raise OptionError(f"host_params(offload={offload!r}): pass a function from a "
+        raise OptionError(f"host_weights_optimizer(offload={offload!r}): pass a function from a "
                           "transformation to a transformation (e.g. eqx_offload.offloaded), "
                           "or None.")
     transformation = _fetching(inner)
     if offload is not None:
         transformation = optax.with_extra_args_support(offload(transformation))
-    return HostParams(transformation)
+    return HostWeightsOptimizer(transformation)
 
-
-def with_host_params(
-    inner: optax.GradientTransformation,
-) -> optax.GradientTransformationExtraArgs:
-    """Deprecated: use `host_params(inner, offload=...)`, whose `update` returns the new
-    model. (This will be removed in the next release.)
-
-    Wraps an optax transformation so that it accepts parameters and gradients in host
-    memory: `init` and `update` bring host-resident `params` and `updates` to the device
-    (one move per leaf) and run `inner` there; the updates stay on the device, where
-    `eqx_offload.apply_updates` adds them to the host-resident weights. Its state and
-    updates are bitwise those of `inner`. The weights no longer wait for their
-    gradients (`host_params` does that).
-
-    **Arguments:**
-
-    - `inner`: any `optax.GradientTransformation`.
-
-    **Returns:**
-
-    An `optax.GradientTransformationExtraArgs` with the same state as `inner`.
-    """
-    warnings.warn(
-        "eqx_offload.with_host_params is deprecated: use eqx_offload.host_params(inner, "
-        "offload=...), whose update(grads, state, model) returns the new model (and makes "
-        "each host weight wait for its gradient).", DeprecationWarning, stacklevel=2)
-    return _fetching(inner)

@@ -97,7 +97,7 @@ def offload_names(*names: str, save: tuple[str, ...] = ()) -> Policy:
             h = checkpoint_name(jnp.tanh(w @ x), "hidden")
             return jnp.sum(jnp.sin(h))
 
-        remat = eqx_offload.filter_remat(f, eqx_offload.offload_names("hidden"))
+        remat = eqx_offload.filter_remat(f, eqx_offload.remat.offload_names("hidden"))
         g = jax.grad(remat)(jnp.ones((4, 4)), jnp.ones(4))
         ```
     """
@@ -146,7 +146,7 @@ def offload_regex(offload: Optional[str], *, save: Optional[str] = None) -> Poli
 
         ```python
         import eqx_offload
-        policy = eqx_offload.offload_regex(r"attention/.*", save=r".*/logits")
+        policy = eqx_offload.remat.offload_regex(r"attention/.*", save=r".*/logits")
         ```
     """
     for argument, regex in (("offload", offload), ("save", save)):
@@ -259,7 +259,7 @@ def filter_remat(fun: _F, policy: Optional[Policy] = None, *, prevent_cse: bool 
     if policy is not None and not callable(policy):
         raise OptionError(
             f"filter_remat(policy={policy!r}): a policy is a callable, e.g. "
-            "`eqx_offload.offload_names('name')` or `jax.checkpoint_policies.nothing_saveable`."
+            "`eqx_offload.remat.offload_names('name')` or `jax.checkpoint_policies.nothing_saveable`."
         )
     # (`eqx.filter_checkpoint` is typed with a ParamSpec; a module is a callable of any.)
     return cast(_F, eqx.filter_checkpoint(fun, prevent_cse=prevent_cse, policy=policy))

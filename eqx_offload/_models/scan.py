@@ -81,12 +81,12 @@ def scan_layers(
     - `call`: `call(layer, x) -> x`, one layer's computation (default `layer(x)`). Close
         over anything else a layer needs (a mask, positions).
     - `policy`: the remat policy of the layer body (default `None`: save nothing,
-        recompute the layer in the backward pass). Use `eqx_offload.offload_names`,
+        recompute the layer in the backward pass). Use `eqx_offload.remat.offload_names`,
         `offload_regex` or `offload_dots` to keep named activations in host memory.
         A policy that saves everything would keep the fetched weights on the device.
     - `offload_input`: keep each layer's input (the residual stream) in host memory
         for the backward pass instead of on the device: the body names it
-        `eqx_offload.LAYER_INPUT` and the policy offloads that name. (An input, or a
+        `eqx_offload.remat.LAYER_INPUT` and the policy offloads that name. (An input, or a
         value `policy` offloads, that is a vector of a dtype under 32 bits stays on the
         device: "On a TPU" in `docs/models.md`.)
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not

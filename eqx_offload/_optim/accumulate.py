@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 import optax
 from jax import lax
 
-from .._core.checkpoint import check_init_fits_host_pool
+from .._core.shape import check_init_fits_host_pool
 from .._core.compat import host_compute, multi_steps_parts, MultiStepsParts
 from .._core.errors import NotStreamable, OptionError
 from .._core.leaves import is_traced

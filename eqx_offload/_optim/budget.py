@@ -40,7 +40,7 @@ def within_budget(inner: optax.GradientTransformation, params: Any, device_bytes
 
         params = {"big": jnp.ones((1024, 256)), "small": jnp.ones((16, 16))}
         # Adam keeps two moments per parameter: 2 x 1 MiB for "big", 2 x 1 KiB for "small".
-        where = eqx_offload.within_budget(optax.adam(1e-3), params, device_bytes=4096)
+        where = eqx_offload.stream.within_budget(optax.adam(1e-3), params, device_bytes=4096)
         opt = eqx_offload.offloaded(optax.adam(1e-3), where)
         state = opt.init(params)
         assert state.inner_state[0].mu["big"].sharding.memory_kind == "pinned_host"

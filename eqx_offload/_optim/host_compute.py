@@ -43,7 +43,7 @@ def on_host(eqn: Any, invals: list[Any]) -> list[Any]:
     host = jax.memory.Space.Host
     if eqn.primitive.name == "device_put" and all(
             d == jax.memory.Space.Device for d in eqn.params["devices"]):
-        # A move to the device (`host_params` fetches its parameters and gradients)
+        # A move to the device (`host_weights_optimizer` fetches its parameters and gradients)
         # stays on the host here: XLA:TPU refuses a device placement in a host
         # computation.
         return list(invals)

@@ -16,7 +16,7 @@ from jax.core import Tracer
 from .accumulate import (
     Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
 )
-from .._core.checkpoint import check_init_fits_host_pool
+from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
@@ -56,7 +56,7 @@ def offloaded(
     - `where`: which leaves of the inner state live in host memory (a filter, as for
         `to_host`). The default keeps 0-d step counters on the device, and a line
         search's stored `grad`, which `optax.value_and_grad_from_state` reads.
-        `eqx_offload.within_budget` makes one for a device memory budget.
+        `eqx_offload.stream.within_budget` makes one for a device memory budget.
     - `memory_kind`: `"pinned_host"` (default), or `"unpinned_host"` (eager use only).
     - `group_bytes`: how the state comes to the device. `"auto"` (default): streamed
         in groups under `jit` for an accelerator where the update allows it, else the

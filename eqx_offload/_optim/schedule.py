@@ -227,7 +227,7 @@ def _rows_sharded(aval: Any) -> bool:
 
 
 def _is_fetch(eqn: Any) -> bool:
-    """A move of one value to device memory (`host_params` fetches each host
+    """A move of one value to device memory (`host_weights_optimizer` fetches each host
     parameter so, `fetch_each`): rows `a:b` moved are the moved value's rows `a:b`."""
     return (eqn.primitive.name == "device_put" and len(eqn.invars) == 1
             and tuple(eqn.params.get("devices", ())) == (jax.memory.Space.Device,))

@@ -479,7 +479,7 @@ def stream_plan(
         params = {"a": jnp.ones((256, 256)), "b": jnp.ones((256, 256))}
         opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=1 << 19)
         state = opt.init(params)
-        plan = eqx_offload.stream_plan(
+        plan = eqx_offload.stream.stream_plan(
             optax.adam(1e-3), params, state.inner_state, group_bytes=1 << 19
         )
         assert len(plan.groups) == 2  # mu and nu of "a", then of "b"

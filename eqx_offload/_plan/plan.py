@@ -239,8 +239,8 @@ def gpu_plan(
     - `*args`, `**kwargs`: its arguments, as for a call: arrays on this machine's
         devices (e.g. the CPU; their memory kinds are what is planned), or
         `jax.ShapeDtypeStruct`s with shardings on those devices that carry the
-        memory kinds (`eqx_offload.filter_eval_shape` of the model and of
-        `optimizer.init`, or `eqx_offload.abstract_init`): a step of any size plans
+        memory kinds (`eqx_offload.checkpoint.filter_eval_shape` of the model and of
+        `optimizer.init`, or `eqx_offload.checkpoint.abstract_init`): a step of any size plans
         without allocating one of its arrays. Nothing runs. With a sharding over
         several devices (a `NamedSharding` of a `jax.make_mesh`), the plan is for as
         many GPUs.
@@ -401,10 +401,10 @@ def check_abstract_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
             raise PlanError(
                 f"gpu_plan: the abstract argument {where} ({shape}) has no sharding, so the "
                 "plan cannot tell which device or memory it is in. Give it one, e.g. "
-                "`eqx_offload.restore_target(tree)` (every leaf on the default device, "
+                "`eqx_offload.checkpoint.restore_target(tree)` (every leaf on the default device, "
                 "`where=` to host memory) or `jax.ShapeDtypeStruct(shape, dtype, sharding="
                 "jax.sharding.NamedSharding(mesh, spec, memory_kind=...))`; "
-                "`eqx_offload.filter_eval_shape` keeps the shardings a function gives."
+                "`eqx_offload.checkpoint.filter_eval_shape` keeps the shardings a function gives."
             )
         if not isinstance(leaf.sharding, jax.sharding.Sharding) or not set(
                 leaf.sharding.device_set) <= local:

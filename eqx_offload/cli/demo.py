@@ -45,8 +45,8 @@ class RunResult:
     label: str
     losses: np.ndarray
     step_seconds: list[float]
-    params: eqx_offload.MemoryReport
-    opt_state: eqx_offload.MemoryReport
+    params: eqx_offload.memory.MemoryReport
+    opt_state: eqx_offload.memory.MemoryReport
     compilations: int
     final_params: Any = dataclasses.field(repr=False)
     # The process's peak device memory after the run, where the backend reports it

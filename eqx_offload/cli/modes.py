@@ -194,7 +194,7 @@ def _activations(mode: str, optimizer: optax.GradientTransformation, model: Any,
     the matrix products wait in host memory for the backward pass."""
     wrapped = eqx_offload.offloaded(optimizer)
     state = wrapped.init(eqx.filter(model, eqx.is_array))
-    rematted = eqx_offload.filter_remat(loss, eqx_offload.offload_dots())
+    rematted = eqx_offload.filter_remat(loss, eqx_offload.remat.offload_dots())
     step: Any = eqx_offload.filter_jit(make_step(wrapped, rematted), donate="all")
 
     def compile(model: Any, state: Any, batch: Any) -> Any:
@@ -210,12 +210,12 @@ def _is_linear(x: Any) -> bool:
 def _host_weights(mode: str, optimizer: optax.GradientTransformation, model: Any,
                   loss: Loss) -> Runner:
     """Every `eqx.nn.Linear` of the model in host memory (`eqx_offload.host_weights`),
-    `host_params(optimizer)` (its state offloaded)."""
+    `host_weights_optimizer(optimizer)` (its state offloaded)."""
     linears = [x for x in jax.tree.leaves(model, is_leaf=_is_linear) if _is_linear(x)]
     model = eqx.tree_at(lambda m: [x for x in jax.tree.leaves(m, is_leaf=_is_linear)
                                    if _is_linear(x)], model,
                         [eqx_offload.host_weights(x) for x in linears])
-    hp = eqx_offload.host_params(optimizer)
+    hp = eqx_offload.host_weights_optimizer(optimizer)
     state = hp.init(model)
 
     def step(model: Any, state: Any, batch: Any) -> Any:
@@ -262,7 +262,7 @@ MODES: dict[str, Mode] = {
         "wait in host memory for the backward pass (GPU); eqx.filter_jit without donation", _activations,
         bitwise=False, default=False),
     "host_weights": Mode(
-        "every eqx.nn.Linear in host memory (host_weights), host_params(...), "
+        "every eqx.nn.Linear in host memory (host_weights), host_weights_optimizer(...), "
         "apply_updates; eqx.filter_jit without donation", _host_weights,
         bitwise=False, default=False),
 }

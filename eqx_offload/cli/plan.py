@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 model, batch, loss = workload.make_model(0), workload.batches(1, 0)[0], workload.loss
             for name in modes:
                 plans[name] = plan_step(name, optimizer, model, batch, loss, **kwargs)
-    except eqx_offload.PlanError as error:
+    except eqx_offload.errors.PlanError as error:
         print(f"eqx_offload plan: {error}", file=sys.stderr)
         return 2
     baseline = plans.get("baseline")

@@ -92,10 +92,10 @@ def _on_device_adamw(model: Any, batch: Any) -> list[float]:
 
 
 def test_fp32_weights_in_host_memory_train_as_on_the_device(accelerator: str) -> None:
-    """`host_params` with the blocks' weights in host memory, the AdamW state
+    """`host_weights_optimizer` with the blocks' weights in host memory, the AdamW state
     offloaded: the weights and the state are in host memory between steps, and the
     losses follow plain AdamW with the weights on the device to 1e-4 relative."""
-    hp = eqx_offload.host_params(optax.adamw(1e-3))
+    hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-3))
     model = eqx_offload.to_host(_blocks())
     losses, (model, state) = _run(hp.update, model, hp.init(model), _batch())
     _falls(losses)

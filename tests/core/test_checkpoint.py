@@ -30,7 +30,7 @@ import eqx_offload
 
 
 LAYOUTS = pytest.mark.parametrize("layout", ["one-device", "mesh"])
-FILTER = eqx_offload.deserialise_filter_spec
+FILTER = eqx_offload.checkpoint.deserialise_filter_spec
 
 
 def mesh_for(layout: str) -> Optional[jax.sharding.Mesh]:
@@ -67,7 +67,7 @@ def test_abstract_init_is_what_init_makes(layout: str) -> None:
     params = worker_params(mesh)
     for opt in [worker_opt(), eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)),
                 eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/nu/.*"))]:
-        state, target = opt.init(params), eqx_offload.abstract_init(opt, params)
+        state, target = opt.init(params), eqx_offload.checkpoint.abstract_init(opt, params)
         assert jtu.tree_structure(target) == jtu.tree_structure(state)
         for (path, t), s in zip(jtu.tree_flatten_with_path(target)[0], jtu.tree_leaves(state)):
             assert isinstance(t, jax.ShapeDtypeStruct) and (t.shape, t.dtype) == (s.shape, s.dtype)
@@ -77,39 +77,39 @@ def test_abstract_init_is_what_init_makes(layout: str) -> None:
                 assert t.sharding == s.sharding, path
             elif t.sharding.memory_kind == "pinned_host":
                 assert isinstance(t.sharding, NamedSharding) and t.sharding.mesh.size == 1
-        abstract = eqx_offload.restore_target(params)
+        abstract = eqx_offload.checkpoint.restore_target(params)
         assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jtu.tree_leaves(abstract))
-        assert placements(eqx_offload.abstract_init(opt, abstract)) == placements(target)
+        assert placements(eqx_offload.checkpoint.abstract_init(opt, abstract)) == placements(target)
 
 
 def test_host_shardings_and_restore_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host shardings keep mesh and spec; bad kinds name the leaf."""
     params = worker_params(mesh_for("mesh"))
     plain = optax.adam(1e-3).init(params)  # as restored without host shardings
-    shardings = eqx_offload.host_shardings(plain, eqx_offload.min_ndim(1))
+    shardings = eqx_offload.checkpoint.host_shardings(plain, eqx_offload.min_ndim(1))
     host = {k: params[k].sharding.with_memory_kind("pinned_host") for k in SPECS}
     assert shardings[0].count == plain[0].count.sharding and shardings[0].mu == host
     assert shardings[1] == optax.EmptyState()
-    assert placements(eqx_offload.restore_target(plain)) == placements(plain)
+    assert placements(eqx_offload.checkpoint.restore_target(plain)) == placements(plain)
     mu = eqx_offload.pattern(".*mu/.*")
-    target = eqx_offload.restore_target(plain, mu, memory_kind="unpinned_host")
+    target = eqx_offload.checkpoint.restore_target(plain, mu, memory_kind="unpinned_host")
     assert target[0].mu["w1"].sharding == params["w1"].sharding.with_memory_kind("unpinned_host")
     assert target[0].nu["w1"].sharding == params["w1"].sharding
     abstract = jax.eval_shape(optax.adam(1e-3).init, worker_params())  # leaves without a sharding
-    w1 = eqx_offload.restore_target(abstract, True)[0].mu["w1"].sharding
+    w1 = eqx_offload.checkpoint.restore_target(abstract, True)[0].mu["w1"].sharding
     assert w1.memory_kind == "pinned_host" and w1.is_fully_replicated
     assert w1.device_set == {jax.devices()[0]}
     other = {"a": 1.5, "b": None, "c": "x"}
-    assert eqx_offload.restore_target(other) == other
-    with pytest.raises(eqx_offload.MemoryKindError, match="memory_kind='device'.*host memory kind"):
-        unchecked(eqx_offload.host_shardings)({"w": jnp.ones(3)}, memory_kind="device")
-    with pytest.raises(eqx_offload.MemoryKindError, match="memory_kind='hbm'"):
-        unchecked(eqx_offload.restore_target)({"w": jnp.ones(3)}, memory_kind="hbm")
+    assert eqx_offload.checkpoint.restore_target(other) == other
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match="memory_kind='device'.*host memory kind"):
+        unchecked(eqx_offload.checkpoint.host_shardings)({"w": jnp.ones(3)}, memory_kind="device")
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match="memory_kind='hbm'"):
+        unchecked(eqx_offload.checkpoint.restore_target)({"w": jnp.ones(3)}, memory_kind="hbm")
     monkeypatch.setattr("eqx_offload._core.memory.device_memory_kinds",
                         lambda d: ("device", "pinned_host"))
-    with pytest.raises(eqx_offload.MemoryKindError, match=r"memory_kind='unpinned_host'.*leaf "
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match=r"memory_kind='unpinned_host'.*leaf "
                        r"0/count does not offer.*'device', 'pinned_host'"):
-        eqx_offload.host_shardings(plain, memory_kind="unpinned_host")
+        eqx_offload.checkpoint.host_shardings(plain, memory_kind="unpinned_host")
 
 
 def test_deserialise_filter_spec(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
     stack works as a freshly offloaded one."""
     tree = {"b": jnp.arange(4, dtype=jnp.bfloat16), "n": np.arange(3.0), "s": 2.0}
     eqx.tree_serialise_leaves(tmp_path / "s.eqx", tree)
-    like = {"b": eqx_offload.restore_target(tree["b"], True), "n": np.zeros(3), "s": 0.0}
+    like = {"b": eqx_offload.checkpoint.restore_target(tree["b"], True), "n": np.zeros(3), "s": 0.0}
     out = eqx.tree_deserialise_leaves(tmp_path / "s.eqx", like, filter_spec=FILTER)
     assert out["b"].dtype == jnp.bfloat16 and out["b"].sharding.memory_kind == "pinned_host"
     assert bits(out) == bits(tree) and isinstance(out["n"], np.ndarray) and out["s"] == 2.0
@@ -127,14 +127,14 @@ def test_deserialise_filter_spec(tmp_path: Path) -> None:
         eqx.tree_deserialise_leaves(tmp_path / "w.eqx", like, filter_spec=FILTER)
     assert "DictKey(key='w')" in str(info.value)
     cause: Optional[BaseException] = info.value
-    while cause is not None and not isinstance(cause, eqx_offload.CheckpointError):
+    while cause is not None and not isinstance(cause, eqx_offload.errors.CheckpointError):
         cause = cause.__cause__
     assert isinstance(cause, ValueError)
     assert "float32[3, 4] where `like` has float32[4, 3]" in str(cause)
     keys = jax.random.split(jax.random.key(0), 3)
     layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(keys)
     eqx.tree_serialise_leaves(tmp_path / "layers.eqx", layers)
-    restored = eqx.tree_deserialise_leaves(tmp_path / "layers.eqx", eqx_offload.restore_target(
+    restored = eqx.tree_deserialise_leaves(tmp_path / "layers.eqx", eqx_offload.checkpoint.restore_target(
         layers, where=True), filter_spec=FILTER)
     assert all(x.sharding.memory_kind == "pinned_host" and host_typed(x)
                for x in jtu.tree_leaves(restored))
@@ -151,16 +151,16 @@ def test_tree_deserialise_leaves_raises_the_checkpoint_error(tmp_path: Path) -> 
     params = {"w": jnp.ones((3, 4))}
     state = opt.init(params)
     eqx.tree_serialise_leaves(tmp_path / "state.eqx", state)
-    wrong = eqx_offload.abstract_init(opt, {"w": jnp.ones((4, 3))})
-    with pytest.raises(eqx_offload.CheckpointError) as caught:
-        eqx_offload.tree_deserialise_leaves(tmp_path / "state.eqx", wrong)
+    wrong = eqx_offload.checkpoint.abstract_init(opt, {"w": jnp.ones((4, 3))})
+    with pytest.raises(eqx_offload.errors.CheckpointError) as caught:
+        eqx_offload.checkpoint.tree_deserialise_leaves(tmp_path / "state.eqx", wrong)
     lines = str(caught.value).splitlines()
     assert lines[0].startswith("Build `like` for the same model and optimizer")
     assert lines[1] == ("tree_deserialise_leaves: leaf .inner_state[0].mu['w']: the checkpoint "
                         "holds float32[3, 4] where `like` has float32[4, 3].")
     assert len(lines) == 3 and lines[2].endswith("#a-checkpoint-that-does-not-fit.")
-    restored = eqx_offload.tree_deserialise_leaves(tmp_path / "state.eqx",
-                                                   eqx_offload.abstract_init(opt, params))
+    restored = eqx_offload.checkpoint.tree_deserialise_leaves(tmp_path / "state.eqx",
+                                                   eqx_offload.checkpoint.abstract_init(opt, params))
     assert bits(restored) == bits(state)
     assert restored.inner_state[0].nu["w"].sharding.memory_kind == "pinned_host"
 
@@ -209,10 +209,10 @@ def test_resume_is_bitwise_equal(layout: str, fmt: str, tmp_path: Path,
                             eqx.tree_deserialise_leaves(tmp_path / "3.state.eqx", state))
     assert {x.sharding.memory_kind for x in naive} == {"device"}
     assert fmt == "orbax" or {len(x.sharding.device_set) for x in naive} == {1}
-    targets = {"params": eqx_offload.restore_target(params)}
+    targets = {"params": eqx_offload.checkpoint.restore_target(params)}
     del params, state, naive
     opt = worker_opt()
-    targets["state"] = eqx_offload.abstract_init(opt, targets["params"])
+    targets["state"] = eqx_offload.checkpoint.abstract_init(opt, targets["params"])
     device_puts: list[tuple[tuple[int, ...], Optional[str]]] = []
     monkeypatch.setattr(jax, "device_put", device_put_spy(device_puts))
     state = load(fmt, tmp_path, {"state": targets["state"]})["state"]
@@ -280,9 +280,9 @@ def test_killed_during_save_keeps_previous(mode: str, tmp_path: Path) -> None:
     """Killed mid-save, step 2 is not committed; step 1 restores bitwise."""
     child = run_isolated(killed_save_child, str(tmp_path), mode)
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
-    ckpt, params_target = tmp_path / "ckpt", eqx_offload.restore_target(worker_params())
+    ckpt, params_target = tmp_path / "ckpt", eqx_offload.checkpoint.restore_target(worker_params())
     targets = {"params": params_target,
-               "state": eqx_offload.abstract_init(worker_opt(), params_target)}
+               "state": eqx_offload.checkpoint.abstract_init(worker_opt(), params_target)}
     fmt = mode.split("-")[0]
     if fmt == "eqx":
         assert not (ckpt / "2.params.eqx").exists()

@@ -15,8 +15,8 @@ import pytest
 from helpers import unchecked
 
 import eqx_offload
-from eqx_offload import (CompositionError, MemoryKindError, NotATransformationError, StateError,
-                         TracedMoveError, WhereError)
+from eqx_offload.errors import (CompositionError, MemoryKindError, NotATransformationError,
+                                StateError, TracedMoveError, WhereError)
 
 
 def params() -> dict[str, jax.Array]:
@@ -25,7 +25,7 @@ def params() -> dict[str, jax.Array]:
 
 @pytest.mark.parametrize("error,base", [
     (MemoryKindError, ValueError), (WhereError, ValueError), (TracedMoveError, ValueError),
-    (CompositionError, ValueError), (eqx_offload.CheckpointError, ValueError),
+    (CompositionError, ValueError), (eqx_offload.errors.CheckpointError, ValueError),
     (StateError, TypeError), (NotATransformationError, TypeError)])
 def test_error_types_are_builtin_subclasses(error: type, base: type) -> None:
     assert issubclass(error, base) and issubclass(error, eqx_offload.OffloadError)
@@ -86,13 +86,13 @@ RAISES: dict[str, tuple[Callable[[], Any], type, list[str]]] = {
                         NotATransformationError, ["got builtins.dict"]),
     # Every function that takes an inner optimizer gives `offloaded`'s error, naming itself.
     "within_budget(optax.adam)": (
-        lambda: unchecked(eqx_offload.within_budget)(optax.adam, {"w": jnp.ones((4, 4))}, 0),
+        lambda: unchecked(eqx_offload.stream.within_budget)(optax.adam, {"w": jnp.ones((4, 4))}, 0),
         NotATransformationError, [r"within_budget\(inner=\.\.\.\)", _FACTORY_FIX]),
     "stream_plan(optax.adam)": (
-        lambda: unchecked(eqx_offload.stream_plan)(optax.adam, {"w": jnp.ones((4, 4))}, None),
+        lambda: unchecked(eqx_offload.stream.stream_plan)(optax.adam, {"w": jnp.ones((4, 4))}, None),
         NotATransformationError, [r"stream_plan\(inner=\.\.\.\)", _FACTORY_FIX]),
     "abstract_init(optax.adam)": (
-        lambda: unchecked(eqx_offload.abstract_init)(optax.adam, {"w": jnp.ones((4, 4))}),
+        lambda: unchecked(eqx_offload.checkpoint.abstract_init)(optax.adam, {"w": jnp.ones((4, 4))}),
         NotATransformationError, [r"abstract_init\(optimizer=\.\.\.\)", _FACTORY_FIX]),
     "state of the unwrapped optimizer": (
         lambda: unchecked(_adam().update)(params(), optax.adam(1e-3).init(params()), params()),
@@ -159,55 +159,55 @@ _MISTAKES: dict[str, tuple[Callable[[], Any], type, str]] = {
     # A plain donating jit around an offloaded step (XLA would abort the process).
     "eqx.filter_jit(donate='all')": (
         _offloaded_step(lambda f: eqx.filter_jit(f, donate="all")),
-        eqx_offload.CompositionError, "eqx_offload.filter_jit(step"),
+        eqx_offload.errors.CompositionError, "eqx_offload.filter_jit(step"),
     # A name where `pattern` matches whole paths: selects nothing.
     "offloaded(where=pattern('mu'))": (
-        _init_with(eqx_offload.pattern("mu")), eqx_offload.OffloadWarning, 'pattern(".*mu.*")'),
+        _init_with(eqx_offload.pattern("mu")), eqx_offload.errors.OffloadWarning, 'pattern(".*mu.*")'),
     "to_host(where=pattern('w'))": (
         lambda: eqx_offload.to_host([params()], where=eqx_offload.pattern("w")),
-        eqx_offload.OffloadWarning, 'pattern(".*w.*")'),
+        eqx_offload.errors.OffloadWarning, 'pattern(".*w.*")'),
     # A callable of (path, leaf).
     "where=lambda path, leaf": (
-        _init_with(lambda path, leaf: True), eqx_offload.WhereError, "lambda x:"),
+        _init_with(lambda path, leaf: True), eqx_offload.errors.WhereError, "lambda x:"),
     "to_host(where=lambda path, leaf)": (
         lambda: eqx_offload.to_host(params(), where=lambda path, leaf: True),
-        eqx_offload.WhereError, "eqx_offload.pattern("),
+        eqx_offload.errors.WhereError, "eqx_offload.pattern("),
     # A dtype as a filter, eagerly and under jit.
     "where=jnp.float32": (
-        _init_with(jnp.float32), eqx_offload.WhereError, "lambda x: x.dtype == jnp.float32"),
+        _init_with(jnp.float32), eqx_offload.errors.WhereError, "lambda x: x.dtype == jnp.float32"),
     "where=jnp.float32 under jit": (
         lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(p, where=jnp.float32))(
-            params()), eqx_offload.WhereError, "x.dtype == jnp.float32"),
+            params()), eqx_offload.errors.WhereError, "x.dtype == jnp.float32"),
     # A callable that returns an array (a tracer under jit) instead of a bool.
     "where returns an array": (
         lambda: eqx_offload.filter_jit(lambda p: eqx_offload.to_host(
-            p, where=lambda x: x > 0))(params()), eqx_offload.WhereError, "Python bool"),
+            p, where=lambda x: x > 0))(params()), eqx_offload.errors.WhereError, "Python bool"),
     # A callable of no argument: what a `where` callable takes, not "more than one".
     "where=lambda: True": (
-        _init_with(lambda: True), eqx_offload.WhereError, "a callable of one argument, the leaf"),
+        _init_with(lambda: True), eqx_offload.errors.WhereError, "a callable of one argument, the leaf"),
     # Arithmetic on a host-resident leaf in the step: alone (the host-compute check), with
     # a device array (JAX's "memory_space of all inputs ... must be the same").
     "host leaf * 2 in a step": (
         lambda: eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(_adam().init(params())),
-        eqx_offload.CompositionError, "eqx_offload.to_device("),
+        eqx_offload.errors.CompositionError, "eqx_offload.to_device("),
     "host leaf + device array in a step": (
         lambda: eqx_offload.filter_jit(lambda s, p: s.inner_state[0].mu["w"] + p["w"])(
             _adam().init(params()), params()),
-        eqx_offload.CompositionError, "eqx_offload.to_device("),
+        eqx_offload.errors.CompositionError, "eqx_offload.to_device("),
     # An array a donating call consumed, passed again, and to `init`.
     "a donated array passed again": (
-        lambda: _twice(lambda f, p: f(p)), eqx_offload.DonationError, "Pass the value the donating call returned"),
+        lambda: _twice(lambda f, p: f(p)), eqx_offload.errors.DonationError, "Pass the value the donating call returned"),
     "offloaded(...).init on donated params": (
-        lambda: _twice(lambda f, p: _adam().init(p)), eqx_offload.DonationError,
+        lambda: _twice(lambda f, p: _adam().init(p)), eqx_offload.errors.DonationError,
         "Pass the value the donating call returned"),
     "offloaded(optax.adamw)": (
         lambda: unchecked(eqx_offload.offloaded)(optax.adamw), NotATransformationError, "call it first"),
     # Nothing to move.
     "to_host([1, 2, 3])": (
-        lambda: eqx_offload.to_host([1, 2, 3]), eqx_offload.OffloadWarning, "jnp.asarray"),
-    "to_host(3.0)": (lambda: eqx_offload.to_host(3.0), eqx_offload.OffloadWarning, "jnp.asarray"),
+        lambda: eqx_offload.to_host([1, 2, 3]), eqx_offload.errors.OffloadWarning, "jnp.asarray"),
+    "to_host(3.0)": (lambda: eqx_offload.to_host(3.0), eqx_offload.errors.OffloadWarning, "jnp.asarray"),
     "to_device(3.0)": (
-        lambda: eqx_offload.to_device(3.0), eqx_offload.OffloadWarning, "jax.device_put"),
+        lambda: eqx_offload.to_device(3.0), eqx_offload.errors.OffloadWarning, "jax.device_put"),
 }
 
 
@@ -296,10 +296,10 @@ def test_memory_space_error_keeps_jax_error_as_its_cause() -> None:
 
 
 def test_errors_page_lists_every_exported_exception_with_its_bases() -> None:
-    """docs/errors.md's table: one row per exception `eqx_offload` exports, its real bases."""
+    """docs/errors.md's table: one row per exception of `eqx_offload.errors`, its real bases."""
     page = (pathlib.Path(__file__).parents[2] / "docs" / "errors.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, flags=re.M))
-    exported = {name: getattr(eqx_offload, name) for name in eqx_offload.__all__}
+    exported = {name: getattr(eqx_offload.errors, name) for name in eqx_offload.errors.__all__}
     errors = {name: cls for name, cls in exported.items()
               if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, Warning)}
     assert len(errors) >= 13 and set(rows) == set(errors), set(rows) ^ set(errors)

@@ -15,11 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 import eqx_offload
-from eqx_offload._core import checkpoint as _checkpoint
+from eqx_offload._core import shape as _shape
 from eqx_offload._core.compat import deviceless as _deviceless
 from eqx_offload._core import memory as _memory
-from eqx_offload._core import report as _report
-from eqx_offload import MemoryKindError
+from eqx_offload import _report
+from eqx_offload.errors import MemoryKindError
 
 
 CPU_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -29,22 +29,22 @@ GIB = 1 << 30
 def test_supported_memory_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU's kinds, each one a device really takes; a device, not a string; without one,
     the default device's."""
-    assert eqx_offload.supported_memory_kinds() == CPU_KINDS
-    assert all(eqx_offload.supported_memory_kinds(d) == CPU_KINDS for d in jax.devices())
+    assert eqx_offload.memory.supported_memory_kinds() == CPU_KINDS
+    assert all(eqx_offload.memory.supported_memory_kinds(d) == CPU_KINDS for d in jax.devices())
     x = jnp.ones(2)
     for kind in CPU_KINDS:
         assert jax.device_put(x, x.sharding.with_memory_kind(kind)).sharding.memory_kind == kind
     with pytest.raises(TypeCheckError, match="device"):
-        eqx_offload.supported_memory_kinds("cpu:0")  # type: ignore[arg-type]  # under test
+        eqx_offload.memory.supported_memory_kinds("cpu:0")  # type: ignore[arg-type]  # under test
     asked: list[jax.Device] = []
     original = _memory.device_memory_kinds
     monkeypatch.setattr(_memory, "device_memory_kinds", lambda d: asked.append(d) or original(d))
-    eqx_offload.supported_memory_kinds()
-    eqx_offload.supported_memory_kinds(jax.devices()[6])
+    eqx_offload.memory.supported_memory_kinds()
+    eqx_offload.memory.supported_memory_kinds(jax.devices()[6])
     with jax.default_device(jax.devices()[3]):
-        eqx_offload.supported_memory_kinds()
+        eqx_offload.memory.supported_memory_kinds()
     with jax.default_device("cpu"):
-        eqx_offload.supported_memory_kinds()
+        eqx_offload.memory.supported_memory_kinds()
     assert asked == [jax.devices()[i] for i in (0, 6, 3, 0)]
 
 
@@ -59,7 +59,7 @@ def test_unsupported_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The error names kind, device, platform, leaf (a NumPy leaf: on the default device) and
     the offer; a `ValueError`."""
     _lacking(monkeypatch, "unpinned_host")
-    assert eqx_offload.supported_memory_kinds() == ("device", "pinned_host")
+    assert eqx_offload.memory.supported_memory_kinds() == ("device", "pinned_host")
     tree = {"state": {"mu": jnp.ones(3)}}
     message = ("memory_kind='unpinned_host': device cpu:0 (platform 'cpu') holding leaf state/mu "
                "does not offer that memory kind; it offers 'device', 'pinned_host'.")
@@ -119,7 +119,7 @@ def test_client_memory_fraction_is_read_as_jax_reads_it() -> None:
     assert read({old: "0.5"}) == (0.5, old)
     assert read({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})[0] == 1.0
     for bad in ("abc", "0", "1.5"):
-        with pytest.raises(eqx_offload.OptionError, match="XLA_CLIENT_MEM_FRACTION"):
+        with pytest.raises(eqx_offload.errors.OptionError, match="XLA_CLIENT_MEM_FRACTION"):
             read({"XLA_CLIENT_MEM_FRACTION": bad})
 
 
@@ -138,7 +138,7 @@ def test_run_settings(peak: int, fraction: float, host: int, expected: list[str]
 def test_check_host_pool_fails_naming_the_variable() -> None:
     """Over the cap, the error names the variable; off CUDA/ROCm there is no such pool."""
     _memory.check_host_pool(4 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB, limit=64 * GIB)
-    with pytest.raises(eqx_offload.MemoryKindError) as info:
+    with pytest.raises(eqx_offload.errors.MemoryKindError) as info:
         _memory.check_host_pool(10 * GIB, "gpu", "offloaded(...).init", in_use=60 * GIB,
                                 limit=64 * GIB)
     message = str(info.value)
@@ -156,7 +156,7 @@ def small_pool(monkeypatch: pytest.MonkeyPatch) -> int:
     """The CPU treated as a CUDA backend whose pinned host pool holds 64 KiB, counted from
     here on (what earlier tests left in `pinned_host` is not this test's)."""
     cap = 64 << 10
-    for module in (_memory, _checkpoint, _report):
+    for module in (_memory, _shape, _report):
         monkeypatch.setattr(module, "host_pool_limit", lambda platform, environ=None: cap)
     gc.collect()
     live, baseline = _memory.live_pooled_bytes, _memory.live_pooled_bytes("cpu")
@@ -170,15 +170,15 @@ def test_init_and_restores_check_the_pool(small_pool: int) -> None:
     state = opt.init(small)
     big = {"w": jnp.ones((64, 128))}  # 2 moments x 32 KiB, with 8 KiB in use: does not
     before = {id(x) for x in jax.live_arrays()}
-    with pytest.raises(eqx_offload.MemoryKindError, match=r"offloaded\(\.\.\.\)\.init: placing "
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match=r"offloaded\(\.\.\.\)\.init: placing "
                        r"64\.0 KiB .* with 8\.0 KiB already there"):
         opt.init(big)
     placed = [x for x in jax.live_arrays() if id(x) not in before]
     assert not [x for x in placed if x.sharding.memory_kind == "pinned_host"], placed
-    with pytest.raises(eqx_offload.MemoryKindError, match=r"abstract_init\(\.\.\.\): placing"):
-        eqx_offload.abstract_init(opt, big)
-    with pytest.raises(eqx_offload.MemoryKindError, match=r"restore_target\(\.\.\.\): placing"):
-        eqx_offload.restore_target(optax.adam(1e-3).init(big), eqx_offload.min_ndim(1))
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match=r"abstract_init\(\.\.\.\): placing"):
+        eqx_offload.checkpoint.abstract_init(opt, big)
+    with pytest.raises(eqx_offload.errors.MemoryKindError, match=r"restore_target\(\.\.\.\): placing"):
+        eqx_offload.checkpoint.restore_target(optax.adam(1e-3).init(big), eqx_offload.min_ndim(1))
     # `memory_report` shows the pool against its cap.
     report = eqx_offload.memory_report(state)
     assert report.host_pool_limit == small_pool and report.host_pool_bytes == 2 * 32 * 32 * 4

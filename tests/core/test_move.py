@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 import eqx_offload
-from eqx_offload import MemoryKindError, min_bytes, min_ndim, to_device, to_host, TracedMoveError
+from eqx_offload import min_bytes, min_ndim, to_device, to_host
+from eqx_offload.errors import MemoryKindError, TracedMoveError
 
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -110,7 +111,7 @@ def _nothing_to_move(tree: Any) -> Any:
     """`to_host([1, 2])` (leaves, none an array) warns; nothing else does."""
     leaves = jtu.tree_leaves(tree)
     if leaves and not any(map(eqx.is_array, leaves)):
-        return pytest.warns(eqx_offload.OffloadWarning, match="nothing moved")
+        return pytest.warns(eqx_offload.errors.OffloadWarning, match="nothing moved")
     return contextlib.nullcontext()
 
 
@@ -354,7 +355,7 @@ def test_bad_memory_kind(kind: Any, device_put_calls: list[int]) -> None:
                                   lambda: map(jnp.asarray, [1.0])])
 def test_iterator_is_not_a_tree(make: Any) -> None:
     """An iterator (one opaque leaf to JAX) is a `TreeError`, a `TypeError`."""
-    assert issubclass(eqx_offload.TreeError, TypeError)
+    assert issubclass(eqx_offload.errors.TreeError, TypeError)
     for move in (to_host, to_device):
-        with pytest.raises(eqx_offload.TreeError, match="an iterator is not a pytree.*list"):
+        with pytest.raises(eqx_offload.errors.TreeError, match="an iterator is not a pytree.*list"):
             unchecked(move)(make())

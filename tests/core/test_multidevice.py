@@ -254,7 +254,7 @@ def test_filter_shard_under_jit_keeps_memory() -> None:
         assert out["host"].sharding.mesh == mesh
         assert out["device"].sharding.memory_kind == "device" and out["n"] == 3
         assert_tree_equal(out, tree)
-    with pytest.raises(eqx_offload.OptionError, match="must be a `jax.sharding.Sharding`"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="must be a `jax.sharding.Sharding`"):
         unchecked(eqx_offload.filter_shard)(tree, P())
 
 
@@ -326,7 +326,7 @@ def test_restores_keep_every_shard(layout: str, fmt: str, tmp_path: Path) -> Non
         return state
 
     state = step(params, step(params, opt.init(params)))
-    target = eqx_offload.abstract_init(opt, params)
+    target = eqx_offload.checkpoint.abstract_init(opt, params)
     if fmt == "orbax":
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp_path / "state", state)
@@ -336,7 +336,7 @@ def test_restores_keep_every_shard(layout: str, fmt: str, tmp_path: Path) -> Non
     else:
         eqx.tree_serialise_leaves(tmp_path / "state.eqx", state)
         restored = eqx.tree_deserialise_leaves(tmp_path / "state.eqx", target,
-                                               filter_spec=eqx_offload.deserialise_filter_spec)
+                                               filter_spec=eqx_offload.checkpoint.deserialise_filter_spec)
     assert _checksums(restored) == _checksums(state)
     for leaf in jtu.tree_leaves(restored):
         if leaf.ndim:

@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
-from eqx_offload import LeafMemory, memory_report, MemoryReport, pattern
+from eqx_offload import memory_report, pattern
+from eqx_offload.memory import LeafMemory, MemoryReport
 from eqx_offload._core.leaves import format_bytes
 
 

@@ -16,7 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import TypeCheckError
 
 import eqx_offload
-from eqx_offload import Filter, min_bytes, min_ndim, pattern, WhereError
+from eqx_offload import min_bytes, min_ndim, pattern
+from eqx_offload.errors import WhereError
+from eqx_offload.types import Filter
 from eqx_offload._core.leaves import path_to_str
 from eqx_offload._core.where import leaf_mask, structure_divergence
 
@@ -186,7 +188,7 @@ def test_specs_built_from_the_tree_and_pattern_fragments() -> None:
     spec = eqx.tree_at(lambda s: s["head"].weight, jax.tree.map(lambda _: False, model), True)
     assert _on_host(model, spec) == {"head/weight"}
     for fragment in ("mu", "mu/layers/0/weight"):
-        with pytest.warns(eqx_offload.OffloadWarning, match=r"pattern\("):
+        with pytest.warns(eqx_offload.errors.OffloadWarning, match=r"pattern\("):
             assert _on_host(state, pattern(fragment)) == set()
 
 

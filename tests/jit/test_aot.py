@@ -27,10 +27,10 @@ def test_lower_compile_call_equals_the_call() -> None:
     jitted = eqx_offload.filter_jit(step, donate="all")
     ref = eqx_offload.filter_jit(step)(model, state, x)
     lowered = jitted.lower(model, state, x)
-    assert isinstance(lowered, eqx_offload.Lowered)
+    assert isinstance(lowered, eqx_offload.types.Lowered)
     assert "pinned_host" in lowered.as_text()
     compiled = lowered.compile()
-    assert isinstance(compiled, eqx_offload.Compiled)
+    assert isinstance(compiled, eqx_offload.types.Compiled)
     assert compiled.memory_analysis().argument_size_in_bytes > 0
     # XLA's cost model read the program: its floating-point operations are counted.
     assert compiled.cost_analysis()["flops"] > 0
@@ -56,7 +56,7 @@ def test_user_function_traced_once_per_compilation() -> None:
 
     jitted = eqx_offload.filter_jit(counted)
     compiled = jitted.lower(model, state, x).compile()
-    with pytest.raises(eqx_offload.SignatureError, match="differ from those it was lowered for"):
+    with pytest.raises(eqx_offload.errors.SignatureError, match="differ from those it was lowered for"):
         compiled(model, state, jnp.ones((5, 3)))
     with pytest.raises(TypeError):  # a SignatureError is a TypeError too
         compiled(model, state, x.astype(jnp.float16))
@@ -87,7 +87,7 @@ def test_compiler_options_reach_the_executable() -> None:
     ({"donate": "some"}, "donate must be one of"),
     ({"compiler_options": ["xla_flag"]}, "compiler_options must be a dict")])
 def test_bad_options_are_option_errors(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(eqx_offload.OptionError, match=match):
+    with pytest.raises(eqx_offload.errors.OptionError, match=match):
         unchecked(eqx_offload.filter_jit)(lambda x: x, **kwargs)
 
 

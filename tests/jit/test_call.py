@@ -44,5 +44,5 @@ def test_analysis_reads_scopes_and_constraints_and_lints() -> None:
     assert not (plain.streamed or plain.whole) and plain.out_constraints == (None,)
     assert dataclasses.is_dataclass(plain)
     host = eqx_offload.to_host(jnp.ones(3))
-    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="computes on host-resident"):
         analyse(jax.jit(lambda x: x + 1).trace(host).jaxpr, "host")

@@ -181,7 +181,7 @@ def test_a_failed_call_keeps_donated_inputs() -> None:
     assert intact(model, new_state)
     wrong_opt = eqx_offload.offloaded(optax.sgd(1e-2, momentum=0.9))  # a bug: another's state
     wrong = wrong_opt.init(eqx.filter(model, eqx.is_array))
-    with pytest.raises(eqx_offload.StateError, match="does not belong to this optimizer"):
+    with pytest.raises(eqx_offload.errors.StateError, match="does not belong to this optimizer"):
         step(model, wrong, jnp.ones((4, 3)))
     assert intact(model, new_state, wrong)
     with pytest.raises(TypeError):  # a batch of the wrong shape: fails while tracing

@@ -57,7 +57,7 @@ def test_static_arguments_by_number_and_name(options: dict[str, Any]) -> None:
 
 
 def test_static_and_donated_at_once_is_refused() -> None:
-    with pytest.raises(eqx_offload.OptionError, match="static and donated"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="static and donated"):
         eqx_offload.jit(_make_branchy(), static_argnums=0, donate_argnames="x")
 
 

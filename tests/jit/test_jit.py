@@ -95,7 +95,7 @@ def test_cache_one_entry_per_configuration():
     assert_tree_equal(out, jnp.full(3, 3.0))
     inputs = jnp.ones(4), jnp.ones(3, jnp.int32), jax.device_put(jnp.ones(3), jax.memory.Space.Host)
     with count_compiles() as compiles:
-        with pytest.warns(eqx_offload.OffloadWarning, match="`n`"):
+        with pytest.warns(eqx_offload.errors.OffloadWarning, match="`n`"):
             f(ones, 3, scale=1.5)  # another static value (a Python number: warns)
         f(inputs[0], 2, scale=1.5)  # another shape
         f(inputs[1], 2, scale=1.5)  # another dtype
@@ -113,7 +113,7 @@ def test_a_changed_python_number_warns_once_naming_the_leaf_and_the_fix():
         run = linen_trainstate.train(True, style="filter_jit")
     assert run.compiles == [1] * linen_trainstate.STEPS
     messages = [str(w.message) for w in caught]
-    assert [w.category for w in caught] == [eqx_offload.OffloadWarning], messages
+    assert [w.category for w in caught] == [eqx_offload.errors.OffloadWarning], messages
     message = messages[0]
     assert "`state`, leaf .step" in message and "(0 -> 1)" in message
     assert message.index("jnp.asarray") < message.index("eqx_offload.jit") < message.index(".step")
@@ -186,7 +186,7 @@ def test_host_compute_is_rejected_but_fetching_a_host_slice_is_not() -> None:
     """Computing on a host value fails before compiling, naming the op and aval; fetching
     a host slice to the device (and computing there) passes."""
     host = jax.device_put(jnp.ones(3), jax.memory.Space.Host)
-    with pytest.raises(eqx_offload.CompositionError, match=r"`mul` on float32<host>\[3\]"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match=r"`mul` on float32<host>\[3\]"):
         with count_compiles() as compiles:
             eqx_offload.filter_jit(lambda x: x * 2)(host)
     assert len(compiles) == 0
@@ -197,7 +197,7 @@ def test_host_compute_is_rejected_but_fetching_a_host_slice_is_not() -> None:
 
     out = eqx_offload.filter_jit(fetch)(stacked, jnp.int32(2))
     assert_tree_equal(out, jnp.arange(6.0, 9.0) * 2)
-    with pytest.raises(eqx_offload.CompositionError, match="computes on host-resident"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="computes on host-resident"):
         eqx_offload.filter_jit(lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (1, 3)) * 2)(
             stacked, jnp.int32(2))
 
@@ -207,7 +207,7 @@ def test_computing_on_host_model_weights_names_host_weights_and_the_leaf() -> No
     `scan_layers`), then the argument and the weight's path; a host optimizer state read
     in the step keeps the state's message."""
     model = eqx_offload.to_host(eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
-    with pytest.raises(eqx_offload.CompositionError) as caught:
+    with pytest.raises(eqx_offload.errors.CompositionError) as caught:
         eqx_offload.filter_jit(lambda model, x: model(x))(model, jnp.ones(3))
     lines = str(caught.value).splitlines()
     assert len(lines) <= 4 and lines[0].startswith("Keep model weights in host memory with "
@@ -215,7 +215,7 @@ def test_computing_on_host_model_weights_names_host_weights_and_the_leaf() -> No
     assert "`eqx_offload.scan_layers`" in lines[0] and lines[-1].startswith("See https://")
     assert "args[0], leaf .layers[0].weight (not an optimizer state)" in lines[1]
     state = eqx_offload.offloaded(optax.adam(0.1)).init({"w": jnp.ones(3)})
-    with pytest.raises(eqx_offload.CompositionError, match="^Bring what the step reads"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="^Bring what the step reads"):
         eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(state)
 
 
@@ -348,7 +348,7 @@ def test_export_of_plain_jit_with_specs_is_loud() -> None:
     params, state, step = _adam_setup()
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                          (params, state))
-    with pytest.warns(eqx_offload.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
+    with pytest.warns(eqx_offload.errors.OffloadWarning, match=r"filter_jit\(step\)\.export") as record:
         exported = jax.export.export(jax.jit(step), platforms=["cuda"])(*specs)
     assert "traced without the state's memory kinds" in str(record[0].message)
     ported = eqx_offload.filter_jit(step).export(platforms=["cuda"])(params, state)

@@ -105,7 +105,7 @@ def nnx_jit_donated_child() -> dict[str, Any]:
     try:
         nnx.jit(train_step, donate_argnums=(1,))(model, optimizer, x, y)
         error = ""
-    except eqx_offload.CompositionError as e:
+    except eqx_offload.errors.CompositionError as e:
         error = str(e)
     deleted = any(a.is_deleted() for a in arrays)
     losses = [float(nnx.jit(train_step)(model, optimizer, x, y)) for _ in range(3)]
@@ -149,7 +149,7 @@ def test_optimistix_solver_moves_the_state_every_iteration() -> None:
 
 def test_dcgan_example_donate_all_names_the_read_only_model() -> None:
     # `donate="all"` consumes the generator that `step_discriminator` only reads.
-    with pytest.raises(eqx_offload.DonationError,
+    with pytest.raises(eqx_offload.errors.DonationError,
                        match=r"donate only what it returns(.|\n)*filter_jit\(_step_generator\): "
                              r"args\[0\] \(`generator`\), leaf \.layers\[1\]\.weight "):
         dcgan_example.train(True, donate="all")

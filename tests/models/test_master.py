@@ -98,9 +98,9 @@ def test_master_weights_non_float_leaves_pass_through_and_bad_options() -> None:
     new, _ = jax.jit(mw.update)(grads, state, model)
     assert bits(new["steps"]) == bits(params["steps"])
     assert np.asarray(new["w"]).astype(np.float32).tolist() == [0.8984375] * 4  # bf16(0.9)
-    with pytest.raises(eqx_offload.OptionError, match="compute_dtype"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="compute_dtype"):
         eqx_offload.master_weights(optax.sgd(0.1), compute_dtype=jnp.int32)
-    with pytest.raises(eqx_offload.OptionError, match="offload"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="offload"):
         unchecked(eqx_offload.master_weights)(optax.sgd(0.1), offload="host")
 
 
@@ -158,7 +158,7 @@ def test_master_weights_with_compute_weights_in_host_memory() -> None:
     """Host compute weights stay on host, bitwise the device ones."""
     x = jax.random.normal(jax.random.key(2), (16, 8), jnp.bfloat16)
     results = []
-    for wrap in (eqx_offload.host_weights, eqx_offload.HostWeights):
+    for wrap in (eqx_offload.host_weights, eqx_offload.types.HostWeights):
         mw = eqx_offload.master_weights(optax.adamw(1e-2))
         model, state = mw.init(eqx.tree_at(lambda m: m.layers[1], make_model(), replace_fn=wrap))
         step = eqx.filter_jit(make_step(mw))

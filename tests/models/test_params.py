@@ -1,4 +1,4 @@
-"""`host_weights`, `host_params`, `apply_updates`: bitwise the program without moves
+"""`host_weights`, `host_weights_optimizer`, `apply_updates`: bitwise the program without moves
 (a no-op on CPU); what is fetched where is read from the jaxpr."""
 
 import functools
@@ -37,7 +37,7 @@ def test_host_weights_bitwise_memory_kinds_and_fetches() -> None:
     x = jax.random.normal(jax.random.key(4), (8, D))
     wrapped = eqx.tree_at(lambda m: m.layers[1], model, replace_fn=eqx_offload.host_weights)
     assert set(memory_kinds(wrapped.layers[1]).values()) == {"pinned_host"}
-    reference = eqx.tree_at(lambda m: m.layers[1], model, replace_fn=eqx_offload.HostWeights)
+    reference = eqx.tree_at(lambda m: m.layers[1], model, replace_fn=eqx_offload.types.HostWeights)
     grad = eqx.filter_jit(eqx.filter_value_and_grad(mlp_loss))
     got = grad(wrapped, x)
     assert bits(got) == bits(grad(reference, x))
@@ -89,7 +89,7 @@ def _step(opt: Any, apply: Any, loss: Any = None) -> Any:
 
 
 def _host_step(hp: Any, loss: Any = None) -> Any:
-    """A `host_params` step from gradients (`loss=None`) or from a batch."""
+    """A `host_weights_optimizer` step from gradients (`loss=None`) or from a batch."""
     if loss is None:
         def update(params: Any, grads: Any, state: Any) -> Any:
             return hp.update(grads, state, params)
@@ -102,14 +102,14 @@ def _host_step(hp: Any, loss: Any = None) -> Any:
 
 @pytest.mark.parametrize("options", [dict(group_bytes=None), dict(group_bytes=0),
                                      dict(compute="host")], ids=["whole", "streamed", "host"])
-def test_host_params_offloaded_is_bitwise(options: Any) -> None:
+def test_host_weights_optimizer_offloaded_is_bitwise(options: Any) -> None:
     """Host params and gradients, state whole, streamed or updated on the host:
     bitwise, kinds kept."""
     params = {"w": jax.random.normal(jax.random.key(6), (8, 8)), "b": jnp.ones(8)}
     grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
     where = {"w": True, "b": False}
     placed, placed_grads = (eqx_offload.to_host(t, where=where) for t in (params, grads))
-    hp = eqx_offload.host_params(optax.adamw(1e-2), offload=functools.partial(
+    hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-2), offload=functools.partial(
         eqx_offload.offloaded, **options))
     plain = optax.adamw(1e-2)
     state, want_state = hp.init(placed), plain.init(params)
@@ -128,10 +128,10 @@ def _barriers(step: Any, *args: Any) -> int:
 
 @pytest.mark.parametrize("stack, offload", [(False, True), (True, False), (True, True)],
                          ids=["mlp-offloaded", "stack", "stack-offloaded"])
-def test_host_params_donated_steps(stack: bool, offload: bool) -> None:
+def test_host_weights_optimizer_donated_steps(stack: bool, offload: bool) -> None:
     """Donated steps of a host model, one compile, bitwise; each host weight waits for its
     gradient, under `filter_jit` and `jax.jit` alike, so a GPU fetches it once."""
-    hp = eqx_offload.host_params(optax.adamw(1e-2),
+    hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-2),
                                  offload=eqx_offload.offloaded if offload else None)
     plain = optax.adamw(1e-2)
     if stack:
@@ -178,17 +178,3 @@ def test_apply_updates_is_the_same_program_under_any_jit() -> None:
     assert_tree_equal(ours(params, updates), theirs(params, updates))
 
 
-def test_with_host_params_is_deprecated_and_still_bitwise() -> None:
-    """The old transformation warns, and its state and updates are still bitwise `inner`'s."""
-    params = eqx_offload.to_host({"w": jax.random.normal(jax.random.key(6), (8, 8))})
-    grads = jax.tree.map(lambda p: p * 0.5 - 0.1, params)
-    with pytest.warns(DeprecationWarning, match="host_params"):
-        opt = eqx_offload.with_host_params(optax.adamw(1e-2))
-    plain = optax.adamw(1e-2)
-    state, want_state = opt.init(params), plain.init(eqx_offload.to_device(params))
-    step = eqx_offload.filter_jit(_step(opt, eqx_offload.apply_updates))
-    new, updates, state = step(params, grads, state)
-    want = jax.jit(_step(plain, eqx.apply_updates))(
-        eqx_offload.to_device(params), eqx_offload.to_device(grads), want_state)
-    assert memory_kinds(new) == {"w": "pinned_host"}
-    assert bits((eqx_offload.to_device(new), updates, state)) == bits(want)

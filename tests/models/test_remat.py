@@ -12,7 +12,7 @@ from helpers import hex_bits as bits, unchecked, walk_eqns
 from jax.ad_checkpoint import checkpoint_name, Offloadable, Recompute, Saveable
 
 import eqx_offload
-from eqx_offload import offload_names, offload_regex
+from eqx_offload.remat import offload_names, offload_regex
 
 
 class Block(eqx.Module):
@@ -81,7 +81,7 @@ def test_offload_dots_bitwise_to_saving_the_same_dots() -> None:
         return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
 
     w1, w2 = jnp.ones((8, 16)) * 0.1, jnp.ones((16, 8)) * 0.2
-    offloading = eqx_offload.filter_remat(mlp, eqx_offload.offload_dots())
+    offloading = eqx_offload.filter_remat(mlp, eqx_offload.remat.offload_dots())
     saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     keeping = eqx.filter_checkpoint(mlp, policy=saveable)
     grad = jax.jit(jax.grad(lambda *a: a[-1](*a[:-1]), argnums=(0, 1)), static_argnums=3)
@@ -105,11 +105,11 @@ def test_policies_choose_by_full_match_are_values_and_bad_ones_option_errors() -
     assert policy(jax.lax.tanh_p) is Recompute
     assert offload_names("a") == offload_names("a")
     assert hash(offload_regex("a.*")) == hash(offload_regex("a.*"))
-    with pytest.raises(eqx_offload.OptionError, match="both offloaded and saved"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="both offloaded and saved"):
         offload_names("a", save=("a",))
-    with pytest.raises(eqx_offload.OptionError, match="not a name"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="not a name"):
         unchecked(offload_names)(3)
-    with pytest.raises(eqx_offload.OptionError, match="not a valid regular expression"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="not a valid regular expression"):
         offload_regex("(")
-    with pytest.raises(eqx_offload.OptionError, match="a policy is a callable"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="a policy is a callable"):
         unchecked(eqx_offload.filter_remat)(BLOCK, "block/act")

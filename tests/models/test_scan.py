@@ -107,7 +107,7 @@ def test_scan_layers_fetches_packed_vectors_whole_before_the_scan(prefetch: bool
 
 @pytest.mark.parametrize("options", [dict(offload_input=True),
                                      dict(offload_input=True, prefetch=False),
-                                     dict(policy=eqx_offload.offload_dots())],
+                                     dict(policy=eqx_offload.remat.offload_dots())],
                          ids=["input", "input-no-prefetch", "dots"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_scan_layers_offloads_activations_but_packed_vectors(options: Any, dtype: Any) -> None:
@@ -193,15 +193,15 @@ def test_scan_layers_composes_with_a_policy_and_extra_arguments() -> None:
         return jnp.sum(eqx_offload.scan_layers(layers, jnp.ones(D), call, policy=policy) ** 2)
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
-    assert bits(grad(eqx_offload.to_host(make_layers()), eqx_offload.offload_names("act"))) == bits(
+    assert bits(grad(eqx_offload.to_host(make_layers()), eqx_offload.remat.offload_names("act"))) == bits(
         grad(make_layers(), jax.checkpoint_policies.save_only_these_names("act")))
 
 
 def test_scan_layers_refuses_bad_options_and_prefetching_an_ensemble() -> None:
     """Non-bool options, and the prefetch of an ensemble (naming the fix); without it, bitwise."""
-    with pytest.raises(eqx_offload.OptionError, match="offload_input"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="offload_input"):
         unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), offload_input="yes")
-    with pytest.raises(eqx_offload.OptionError, match="prefetch"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="prefetch"):
         unchecked(eqx_offload.scan_layers)(make_layers(), jnp.ones(D), prefetch=1)
     ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
 
@@ -211,7 +211,7 @@ def test_scan_layers_refuses_bad_options_and_prefetching_an_ensemble() -> None:
         return jnp.sum(jax.vmap(one)(layers, jnp.ones((2, D))) ** 2)
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
-    with pytest.raises(eqx_offload.CompositionError, match="prefetch=False"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="prefetch=False"):
         grad(eqx_offload.to_host(ensemble), True)
     got = grad(eqx_offload.to_host(ensemble), False)
     assert bits(got) == bits(grad(ensemble, False))
@@ -278,14 +278,14 @@ def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
     layers, x = make_layers(), jnp.ones(D)
     acc = _sum_of(layers)
     cases = [
-        ({"policy": eqx_offload.offload_names("x")}, layers, acc, "policy=None"),
+        ({"policy": eqx_offload.remat.offload_names("x")}, layers, acc, "policy=None"),
         ({}, eqx_offload.to_host(layers), acc, "on the device"),
         ({}, layers, eqx_offload.to_host(acc), "on the device"),
         ({}, layers, acc.weight, "structure"),
         ({}, layers, jax.tree.map(lambda a: a.astype(jnp.bfloat16), acc), "dtype"),
     ]
     for options, stack, total, match in cases:
-        with pytest.raises(eqx_offload.OptionError, match=match):
+        with pytest.raises(eqx_offload.errors.OptionError, match=match):
             eqx_offload.scan_layers(stack, x, tanh_layer, accumulate=total, **options)
     ensemble = jax.tree.map(lambda a, b: jnp.stack([a, b]), make_layers(0), make_layers(1))
 
@@ -294,5 +294,5 @@ def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
             return eqx_offload.scan_layers(stack, x, tanh_layer, accumulate=acc)
         return jnp.sum(jax.vmap(one)(layers, jnp.ones((2, D))) ** 2)
 
-    with pytest.raises(eqx_offload.CompositionError, match="ensemble"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="ensemble"):
         jax.grad(loss)(ensemble)

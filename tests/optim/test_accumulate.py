@@ -185,7 +185,7 @@ def test_other_modes_keep_the_whole_wrapper_offloaded():
 ])
 def test_accumulator_option_errors(inner, options):
     # (`"disk"`: the runtime type check at test time, an `OptionError` without it.)
-    with pytest.raises((eqx_offload.OptionError, jaxtyping.TypeCheckError), match="accumulator"):
+    with pytest.raises((eqx_offload.errors.OptionError, jaxtyping.TypeCheckError), match="accumulator"):
         eqx_offload.offloaded(inner, **options)
 
 

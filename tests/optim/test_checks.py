@@ -30,7 +30,7 @@ def _python_scalar_state() -> optax.GradientTransformation:
         lambda params: _ScalarState(0, 0.5, jtu.tree_map(jnp.zeros_like, params)), update_fn)
 
 
-@pytest.mark.filterwarnings("ignore:filter_jit.*Python int:eqx_offload.OffloadWarning")
+@pytest.mark.filterwarnings("ignore:filter_jit.*Python int:eqx_offload.errors.OffloadWarning")
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_python_scalars_in_state_not_rejected(mode: str) -> None:
     """A state with Python scalars made by this optimizer is never a `StateError`."""
@@ -96,14 +96,14 @@ def test_a_state_for_other_params_that_would_broadcast_is_refused() -> None:
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     state = opt.init({"w": jnp.ones(1)})
     match = r"leaf inner_state/0/mu/w is float32\[1\], but `inner.update` makes it float32\[3\]"
-    with pytest.raises(eqx_offload.StateError, match=match):
+    with pytest.raises(eqx_offload.errors.StateError, match=match):
         opt.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
 
 
 def test_another_optimizers_state_names_the_difference_and_the_update_error() -> None:
     adam = eqx_offload.offloaded(optax.adam(1e-3))
     state = eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init({"w": jnp.ones(3)})
-    with pytest.raises(eqx_offload.StateError) as info:
+    with pytest.raises(eqx_offload.errors.StateError) as info:
         adam.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
     assert "at path inner_state/0 the expected state has ScaleByAdamState" in str(info.value)
     assert "`inner.update` cannot run on it either: AttributeError" in str(info.value)
@@ -115,11 +115,11 @@ def test_a_state_that_differs_after_the_first_update_is_still_checked() -> None:
     opt = eqx_offload.offloaded(optax.adam(1e-3))
     _, state = opt.update(params, opt.init(params), params)
     other = opt.init({"w": jnp.ones((3, 2)), "b": jnp.ones(3)})
-    with pytest.raises(eqx_offload.StateError, match=r"leaf inner_state/0/mu/w is float32\[3, 2\]"):
+    with pytest.raises(eqx_offload.errors.StateError, match=r"leaf inner_state/0/mu/w is float32\[3, 2\]"):
         opt.update(params, other, params)
-    with pytest.raises(eqx_offload.StateError, match="does not belong to this optimizer"):
+    with pytest.raises(eqx_offload.errors.StateError, match="does not belong to this optimizer"):
         opt.update(params, eqx_offload.offloaded(optax.sgd(1e-3, momentum=0.9)).init(params), params)
-    with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/mu/b is in device memory"):
+    with pytest.warns(eqx_offload.errors.OffloadWarning, match=r"inner_state/0/mu/b is in device memory"):
         _, state = opt.update(params, eqx_offload.to_device(state), params)
     assert_placed(state)
 
@@ -138,7 +138,7 @@ def test_an_eager_update_with_a_state_a_donating_step_consumed() -> None:
     old = opt.init(params)
     opt.update(params, old, params)  # (its layout is known: the check is not the first)
     params, state = step(params, old)
-    with pytest.raises(eqx_offload.DonationError) as caught:
+    with pytest.raises(eqx_offload.errors.DonationError) as caught:
         opt.update(params, old, params)
     lines = str(caught.value).splitlines()
     assert lines[0].startswith("Pass the value the donating call returned in its place")
@@ -167,7 +167,7 @@ def test_init_on_a_model_with_a_float_leaf_names_the_leaf_and_the_fix() -> None:
     model = _Block(jax.random.key(0))
     tx = eqx_offload.offloaded(optax.adam(1e-3))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(3), jax.random.key(1))))(model)
-    with pytest.raises(eqx_offload.StateError) as caught:
+    with pytest.raises(eqx_offload.errors.StateError) as caught:
         tx.update(grads, tx.init(model), model)
     lines = str(caught.value).splitlines()
     assert lines[0] == ("Initialise with the model's arrays only: "

@@ -363,7 +363,7 @@ settings.register_profile("long", max_examples=400, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Random patterns (among them "nothing") may select no leaf (that warning: test_errors.py).
-NOTHING_SELECTED = "ignore:(?s).*selects no array leaf:eqx_offload.OffloadWarning"
+NOTHING_SELECTED = "ignore:(?s).*selects no array leaf:eqx_offload.errors.OffloadWarning"
 
 
 class Pair(NamedTuple):

@@ -28,7 +28,7 @@ def test_state_from_another_where_is_used_with_a_warning() -> None:
     mu_only = eqx_offload.offloaded(optax.adam(1e-3), where=eqx_offload.pattern(".*/mu/.*"))
     state = mu_only.init(params())
     assert memory_kinds(state)["inner_state/0/nu/w"] == "device"
-    with pytest.warns(eqx_offload.OffloadWarning, match=r"inner_state/0/nu/b is in device memory"):
+    with pytest.warns(eqx_offload.errors.OffloadWarning, match=r"inner_state/0/nu/b is in device memory"):
         _, new = every.update(params(), state, params())
     assert memory_kinds(new)["inner_state/0/nu/w"] == "pinned_host"
 
@@ -39,12 +39,12 @@ def test_state_on_device_warns_once_and_is_used() -> None:
     opt = eqx_offload.offloaded(inner)
     on_device = eqx_offload.to_device(opt.init(params()))
     assert set(memory_kinds(on_device).values()) == {"device"}
-    with pytest.warns(eqx_offload.OffloadWarning) as record:
+    with pytest.warns(eqx_offload.errors.OffloadWarning) as record:
         updates, state = opt.update(params(), on_device, params())
     assert len(record) == 1
     message = str(record[0].message)
     assert "state leaf inner_state/0/mu/b is in device memory" in message
-    assert "eqx_offload.host_shardings" in message  # the fix
+    assert "eqx_offload.checkpoint.host_shardings" in message  # the fix
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the second call does not warn
         updates2, state2 = opt.update(params(), eqx_offload.to_device(state), params())
@@ -161,7 +161,7 @@ def test_grad_through_a_host_compute_update_is_refused_clearly() -> None:
         u, state = opt.update(s * theta, state)
         return jnp.sum(optax.apply_updates(theta, u) ** 2)
 
-    with pytest.raises(eqx_offload.CompositionError, match="^Differentiate through "
+    with pytest.raises(eqx_offload.errors.CompositionError, match="^Differentiate through "
                        r"`offloaded\(..., compute='device'\)`"):
         jax.jit(jax.grad(f))(1.0, state)
     assert jnp.isfinite(jax.jit(f)(1.0, state))

@@ -64,7 +64,7 @@ def test_inner_order_rejected_by_filter_jit() -> None:
     tests/upstream/test_upstream_multisteps.py): `filter_jit` names the order that works."""
     opt, params = _compose("MultiSteps(offloaded(adamw))"), make_params()
     step = eqx_offload.filter_jit(lambda g, s, p: opt.update(g, s, p))
-    with pytest.raises(eqx_offload.CompositionError, match=r"offloaded\(optax.MultiSteps"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match=r"offloaded\(optax.MultiSteps"):
         step(make_grads(params, 0), opt.init(params), params)
 
 
@@ -113,11 +113,11 @@ def test_bad_options(kwargs: dict[str, Any], match: str) -> None:
     """Each bad option is an `OptionError` (a ValueError or TypeError) naming it."""
     options = {"where": True, "memory_kind": "pinned_host", "group_bytes": None,
                "lookahead": 1, "compute": "device", "host_dtype": None, **kwargs}
-    with pytest.raises(eqx_offload.OptionError, match=match) as info:
+    with pytest.raises(eqx_offload.errors.OptionError, match=match) as info:
         normalise(**options)
     assert isinstance(info.value, (ValueError, TypeError))
     # Under the suite's runtime type checks, jaxtyping refuses a wrong type first.
-    with pytest.raises((eqx_offload.OptionError, TypeCheckError)):
+    with pytest.raises((eqx_offload.errors.OptionError, TypeCheckError)):
         eqx_offload.offloaded(optax.adam(1e-3), **kwargs)
 
 

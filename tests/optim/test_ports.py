@@ -83,12 +83,12 @@ def test_port_filter_pmap() -> None:
     plain = data_parallel.train_pmap(False)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", eqx_offload.OffloadWarning)
+            warnings.simplefilter("error", eqx_offload.errors.OffloadWarning)
             ported = data_parallel.train_pmap(True)
     except eqx_offload.OffloadError as error:
         assert re.search(r"filter_jit|filter_shard|shard", str(error)), error
         return
-    except eqx_offload.OffloadWarning as warning:
+    except eqx_offload.errors.OffloadWarning as warning:
         raise AssertionError(f"the state was not offloaded: {warning}") from None
     assert_tree_equal((plain.losses, plain.model, plain.opt_state),
                       (ported.losses, ported.model, unwrap(ported.opt_state)))
@@ -388,7 +388,7 @@ def test_python_scalars_in_state(name: Optional[str], mode: str) -> None:
         grads = jtu.tree_map(lambda p: p * (step + 1), params)
         # The changing int `count` recompiles each step under filter_jit: one warning.
         warns = mode == "filter_jit" and step == 2
-        with (pytest.warns(eqx_offload.OffloadWarning, match=r"`state`, leaf .*count")
+        with (pytest.warns(eqx_offload.errors.OffloadWarning, match=r"`state`, leaf .*count")
               if warns else contextlib.nullcontext()):
             updates, state = update(grads, state, params)
         plain_updates, plain_state = plain_update(grads, plain_state, params)
@@ -618,7 +618,7 @@ def test_extra_args_reach_the_inner_transformation(name: str, composition: str, 
         return
     try:
         (steps, params) = _run_extra(ported, names, eqx_offload.filter_jit)
-    except eqx_offload.CompositionError as error:
+    except eqx_offload.errors.CompositionError as error:
         assert mode != "default" and name not in MODE_RUNS[mode], error
         assert re.search(r"group_bytes|compute", str(error)), error
         return

@@ -19,7 +19,7 @@ def test_streaming_rejects_coupled_state(name: str) -> None:
     params = make_params()
     opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), group_bytes=0)
     state = opt.init(params)
-    with pytest.raises(eqx_offload.CompositionError, match="cannot be streamed") as info:
+    with pytest.raises(eqx_offload.errors.CompositionError, match="cannot be streamed") as info:
         jax.jit(opt.update)(make_grads(params, 0), state, params)
     message = str(info.value)
     assert "couples the state of" in message and "the coupling is made by `" in message
@@ -34,7 +34,7 @@ def test_streaming_rejects_side_effects() -> None:
     printing = optax.GradientTransformation(lambda p: optax.EmptyState(), print_update)
     opt = eqx_offload.offloaded(optax.chain(optax.adam(1e-2), printing), group_bytes=0)
     params = make_params()
-    with pytest.raises(eqx_offload.CompositionError, match="side effects"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="side effects"):
         jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
 
 
@@ -43,8 +43,8 @@ def test_stream_plan_groups() -> None:
     opt = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=0)
     inner_state = opt.init(params).inner_state
 
-    def plan(group_bytes: int) -> eqx_offload.StreamPlan:
-        return eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params,
+    def plan(group_bytes: int) -> eqx_offload.stream.StreamPlan:
+        return eqx_offload.stream.stream_plan(optax.adam(1e-3), params, inner_state, params,
                                        group_bytes=group_bytes)
 
     finest = plan(0)
@@ -60,7 +60,7 @@ def test_stream_plan_groups() -> None:
     assert plan(1 << 30).group_nbytes == (8192,)
     # "auto" (offloaded's default): about 1/16 of the streamed state, so here one
     # parameter's state per group (8 KiB / 16 = 512 B, below one unit).
-    assert eqx_offload.stream_plan(optax.adam(1e-3), params, inner_state, params) == finest
+    assert eqx_offload.stream.stream_plan(optax.adam(1e-3), params, inner_state, params) == finest
 
 
 def test_plan_prologue_when_counter_is_offloaded() -> None:
@@ -69,5 +69,5 @@ def test_plan_prologue_when_counter_is_offloaded() -> None:
     params = make_params()
     state = eqx_offload.offloaded(optax.adam(1e-2), where=True, group_bytes=0).init(params)
     assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
-    plan = eqx_offload.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
+    plan = eqx_offload.stream.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
     assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue

@@ -40,7 +40,7 @@ def _master_step(offload: Any) -> tuple[Any, Any, Any]:
 
 
 def _host_params_step(offload: Any) -> tuple[Any, Any, Any]:
-    hp = eqx_offload.host_params(optax.adamw(1e-3), offload=offload)
+    hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-3), offload=offload)
     model = eqx_offload.to_host(_blocks())
 
     def step(model: Any, state: Any) -> Any:
@@ -49,7 +49,7 @@ def _host_params_step(offload: Any) -> tuple[Any, Any, Any]:
 
 
 @pytest.mark.parametrize("make", [_master_step, _host_params_step],
-                         ids=["master_weights", "host_params"])
+                         ids=["master_weights", "host_weights_optimizer"])
 def test_weights_in_host_memory_keep_the_streamed_branch(make: Any) -> None:
     """Gradients in host memory (of weights kept there): both branches return the same
     types, so the program keeps the accelerator's streamed update beside the CPU's
@@ -76,7 +76,7 @@ def test_an_update_that_cannot_stream_updates_the_whole_state() -> None:
     default = eqx_offload.offloaded(inner)
     assert _modes(default.update, params, default.init(params), params) == {"whole"}
     streamed = eqx_offload.offloaded(inner, group_bytes=0)
-    with pytest.raises(eqx_offload.CompositionError, match="cannot be streamed"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="cannot be streamed"):
         jax.jit(streamed.update)(params, streamed.init(params), params)
 
 

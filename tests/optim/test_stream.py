@@ -22,7 +22,7 @@ import eqx_offload
 def test_host_compute_rejects_control_flow_on_state(name: str) -> None:
     params = make_params()
     opt = eqx_offload.offloaded(REJECTED_STREAMING[name](), compute="host")
-    with pytest.raises(eqx_offload.CompositionError, match="`cond` at"):
+    with pytest.raises(eqx_offload.errors.CompositionError, match="`cond` at"):
         jax.jit(opt.update)(make_grads(params, 0), opt.init(params), params)
 
 
@@ -237,7 +237,7 @@ def test_stacked_leaves_stream_by_layer(name: str) -> None:
     params = eqx.filter(model, eqx.is_array)
     opt = eqx_offload.offloaded(make(), group_bytes=LAYER_BYTES)
     state = opt.init(params)
-    plan = eqx_offload.stream_plan(make(), params, state.inner_state, params,
+    plan = eqx_offload.stream.stream_plan(make(), params, state.inner_state, params,
                                    group_bytes=LAYER_BYTES)
     rows = [path for group in plan.groups for path in group if path.endswith("]")]
     if split:
@@ -307,7 +307,7 @@ def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
 
     def split(params: Any) -> bool:
         state = eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=group_bytes).init(params)
-        plan = eqx_offload.stream_plan(optax.adamw(1e-2), params, state.inner_state, params,
+        plan = eqx_offload.stream.stream_plan(optax.adamw(1e-2), params, state.inner_state, params,
                                        group_bytes=group_bytes)
         return any(path.endswith("]") for group in plan.groups for path in group)
 

@@ -42,9 +42,9 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
 
     state, x = opt.init(eqx.filter(model, eqx.is_array)), jnp.ones((64, 256))
     concrete = eqx_offload.gpu_plan(step, model, state, x, target="h100")
-    abstract_model = eqx_offload.filter_eval_shape(
+    abstract_model = eqx_offload.checkpoint.filter_eval_shape(
         lambda: eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0)))
-    abstract_state = eqx_offload.filter_eval_shape(
+    abstract_state = eqx_offload.checkpoint.filter_eval_shape(
         lambda m: opt.init(eqx.filter(m, eqx.is_array)), abstract_model)
     abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     assert abstract_state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
@@ -61,15 +61,15 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
     floor = concrete.bytes_moved("to_device") / 64e9
     assert concrete.transfer_floor_seconds == pytest.approx(floor) and concrete.floor_ratio >= 1.0
     assert "floors (lower bounds, not predictions)" in concrete.summary()
-    with pytest.raises(eqx_offload.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
+    with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
                                                     r"sharding.*restore_target"):
         eqx_offload.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
     topology = _deviceless.topology(eqx_offload.GPU_TARGETS["h100"].config_text(), 1)
     elsewhere = jax.sharding.SingleDeviceSharding(topology.devices[0])
-    with pytest.raises(eqx_offload.PlanError, match=r"args\[2\].*not this process's"):
+    with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\].*not this process's"):
         eqx_offload.gpu_plan(step, model, state,
                              jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=elsewhere))
-    with pytest.raises(eqx_offload.OptionError, match="host_memory"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="host_memory"):
         eqx_offload.gpu_plan(step, model, state, jnp.ones((64, 256)), host_memory=-1)
 
 

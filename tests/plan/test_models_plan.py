@@ -95,10 +95,10 @@ def mlp_blocks(n: int, d: int) -> Any:
 
 
 def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
-    """An AdamW step of host blocks (`host_params`) against the same on the device: 80%
+    """An AdamW step of host blocks (`host_weights_optimizer`) against the same on the device: 80%
     of the host bytes leave the peak, 90% of fetches overlap, one update fetch per leaf."""
     n, d, b = 8, 256, 4096
-    hp = eqx_offload.host_params(optax.adamw(1e-3), offload=None)
+    hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-3), offload=None)
 
     @eqx_offload.filter_jit(donate="all")
     def step(layers: Any, state: Any, x: jax.Array) -> Any:
@@ -169,7 +169,7 @@ def test_master_weights_of_host_layers_stream_a_layer_at_a_time() -> None:
     assert plan.device_peak_bytes < stacked_fp32, plan.summary()
 
 
-@pytest.mark.parametrize("technique", ["master_weights", "host_params"])
+@pytest.mark.parametrize("technique", ["master_weights", "host_weights_optimizer"])
 def test_default_update_streams_with_weights_in_host_memory(technique: str) -> None:
     """With the weights in host memory, the default `offloaded` (`group_bytes="auto"`)
     streams the update: at least half of what streaming (`group_bytes=0`) saves against
@@ -185,7 +185,7 @@ def test_default_update_streams_with_weights_in_host_memory(technique: str) -> N
             model, state = mw.init(blocks)
             update, x = mw.update, jnp.ones((b, d), jnp.bfloat16)
         else:
-            hp = eqx_offload.host_params(optax.adamw(1e-3), offload=offload)
+            hp = eqx_offload.host_weights_optimizer(optax.adamw(1e-3), offload=offload)
             model, state = blocks, hp.init(blocks)
             update, x = hp.update, jnp.ones((b, d))
 

@@ -106,13 +106,13 @@ def test_memory_budget_option_changes_the_plan():
     """`prefetch_options(device_bytes)` gives XLA's scheduler a budget the step fits in."""
     gpu = eqx_offload.GPU_TARGETS["h200"].with_memory(600 * MiB)
     budget = 240 * MiB
-    options = eqx_offload.prefetch_options(budget, device_memory_size=gpu.device_memory_size)
+    options = eqx_offload.stream.prefetch_options(budget, device_memory_size=gpu.device_memory_size)
     assert options == {"xla_gpu_memory_limit_slop_factor": 40}
     free = plan("plain", ACTIVATION_HEAVY, target=gpu)
     budgeted = plan("plain", ACTIVATION_HEAVY, target=gpu, compiler_options=options)
     assert budgeted.compiler_options == options
     assert free.device_peak_bytes > budget >= budgeted.device_peak_bytes
-    assert eqx_offload.prefetch_options() == {}
+    assert eqx_offload.stream.prefetch_options() == {}
 
 
 def test_the_same_step_is_compiled_once(monkeypatch):
@@ -171,9 +171,9 @@ def test_targets_errors_and_the_memory_jax_allocates(monkeypatch):
     assert "run with: XLA_CLIENT_MEM_FRACTION=0.01" in tight.summary()
     given = eqx_offload.gpu_plan(step, *args, target="h100", device_memory=1 << 30)
     assert given.memory_fraction == 1.0 and given.fits
-    with pytest.raises(eqx_offload.OptionError, match="target must be one of 'h100', 'h200'"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="target must be one of 'h100', 'h200'"):
         eqx_offload.gpu_plan(step, *args, target="a100")
-    with pytest.raises(eqx_offload.OptionError, match="device_memory must be an int > 0"):
+    with pytest.raises(eqx_offload.errors.OptionError, match="device_memory must be an int > 0"):
         eqx_offload.gpu_plan(step, *args, device_memory=-1)
 
 

@@ -57,9 +57,9 @@ def _optax_step(opt: optax.GradientTransformation, **model: Any) -> Step:
 
 
 def _wrapped_step(wrapper: Any, **model: Any) -> Step:
-    """A step of `host_params(...)` or `master_weights(...)` (`update` returns the model)."""
+    """A step of `host_weights_optimizer(...)` or `master_weights(...)` (`update` returns the model)."""
     m = _model(**model)
-    if isinstance(wrapper, eqx_offload.MasterWeights):
+    if isinstance(wrapper, eqx_offload.types.MasterWeights):
         m, state = wrapper.init(m)
     else:
         state = wrapper.init(m)
@@ -100,11 +100,11 @@ def _quantised_step(dtype: Any) -> Step:
 
 def _host_weights_step() -> Step:
     """A bf16 MLP whose hidden layer waits in host memory (`host_weights`), trained
-    with `host_params`."""
+    with `host_weights_optimizer`."""
     mlp = eqx.nn.MLP(SHAPE.width, SHAPE.width, SHAPE.ffn, 2, key=jax.random.key(1))
     mlp = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, mlp)
     mlp = eqx.tree_at(lambda m: m.layers[1], mlp, replace_fn=eqx_offload.host_weights)
-    hp = eqx_offload.host_params(ADAMW)
+    hp = eqx_offload.host_weights_optimizer(ADAMW)
 
     def step(mlp: eqx.nn.MLP, state: Any, x: jax.Array) -> Any:
         def loss(m: eqx.nn.MLP) -> jax.Array:
@@ -142,12 +142,12 @@ STEPS: dict[str, Callable[[], Step]] = {
     "state-bf16": lambda: _optax_step(eqx_offload.offloaded(ADAMW, host_dtype=jnp.bfloat16)),
     "state-multisteps": lambda: _optax_step(eqx_offload.offloaded(optax.MultiSteps(ADAMW, 2))),
     "activations": lambda: _optax_step(ADAMW, offload_input=True),
-    "params-fp32": lambda: _wrapped_step(eqx_offload.host_params(ADAMW), blocks="host"),
+    "params-fp32": lambda: _wrapped_step(eqx_offload.host_weights_optimizer(ADAMW), blocks="host"),
     "params-fp32-whole": lambda: _wrapped_step(
-        eqx_offload.host_params(ADAMW, offload=_streamed(group_bytes=None)), blocks="host"),
+        eqx_offload.host_weights_optimizer(ADAMW, offload=_streamed(group_bytes=None)), blocks="host"),
     "params-fp32-host-compute": lambda: _wrapped_step(
-        eqx_offload.host_params(ADAMW, offload=_streamed(compute="host")), blocks="host"),
-    "params-bf16": lambda: _wrapped_step(eqx_offload.host_params(ADAMW), blocks="host",
+        eqx_offload.host_weights_optimizer(ADAMW, offload=_streamed(compute="host")), blocks="host"),
+    "params-bf16": lambda: _wrapped_step(eqx_offload.host_weights_optimizer(ADAMW), blocks="host",
                                          dtype=jnp.bfloat16),
     "host-weights-bf16": _host_weights_step,
     "master": lambda: _wrapped_step(eqx_offload.master_weights(ADAMW)),

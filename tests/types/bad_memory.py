@@ -19,7 +19,7 @@ eqx_offload.to_device(params, memory_kind="device")  # expect: mypy=call-arg pyt
 
 # A platform name where a device is expected. (mypy cannot see it: jaxlib ships no
 # types for `jax.Device`, so the parameter is `Any` to mypy.)
-eqx_offload.supported_memory_kinds("cpu")  # expect: pytype=wrong-arg-types
+eqx_offload.memory.supported_memory_kinds("cpu")  # expect: pytype=wrong-arg-types
 
 # The memory kinds are strings, not a set of `MemoryKind`s to index by position.
-kinds: list[eqx_offload.MemoryKind] = eqx_offload.supported_memory_kinds(jax.devices()[0])  # expect: mypy=assignment pytype=annotation-type-mismatch pyright=reportAssignmentType pyrefly=bad-assignment
+kinds: list[eqx_offload.types.MemoryKind] = eqx_offload.memory.supported_memory_kinds(jax.devices()[0])  # expect: mypy=assignment pytype=annotation-type-mismatch pyright=reportAssignmentType pyrefly=bad-assignment

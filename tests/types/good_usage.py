@@ -13,7 +13,8 @@ import optax
 from jaxtyping import Float
 
 import eqx_offload
-from eqx_offload import Compute, Donate, HostMemoryKind, MemoryKind, Nested, Where
+from eqx_offload import Nested
+from eqx_offload.types import Compute, Donate, HostMemoryKind, MemoryKind, Where
 
 
 class Model(eqx.Module):
@@ -30,7 +31,7 @@ def loss_fn(model: Model, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
-class LargeFloat(eqx_offload.Filter):
+class LargeFloat(eqx_offload.types.Filter):
     """A user-defined path-aware filter: floating-point leaves of at least `n` elements."""
 
     def __init__(self, n: int) -> None:
@@ -98,15 +99,15 @@ def train(steps: int = 3) -> float:
     y = jnp.zeros((8, 2))
     loss = jnp.zeros(())
     with warnings.catch_warnings():
-        warnings.simplefilter("error", eqx_offload.OffloadWarning)
+        warnings.simplefilter("error", eqx_offload.errors.OffloadWarning)
         for _ in range(steps):
             model, state, loss = step(model, state, x, y)
 
     # Ahead of time: lower, compile, inspect; GPU scheduler options per executable.
-    lowered: eqx_offload.Lowered = step.lower(model, state, x, y)
-    compiled: eqx_offload.Compiled = lowered.compile()
+    lowered: eqx_offload.types.Lowered = step.lower(model, state, x, y)
+    compiled: eqx_offload.types.Compiled = lowered.compile()
     print(compiled.memory_analysis() is not None, len(lowered.as_text()) > 0)
-    step_options: dict[str, Any] = eqx_offload.prefetch_options(device_bytes=None)
+    step_options: dict[str, Any] = eqx_offload.stream.prefetch_options(device_bytes=None)
     print(sorted(step_options))
 
     # Donating by parameter name: what the step returns, not a model it only reads.
@@ -117,15 +118,15 @@ def train(steps: int = 3) -> float:
     keep_model = eqx_offload.filter_jit(evaluate, donate=("state",))
     state = keep_model(model, state, x)
 
-    report: eqx_offload.MemoryReport = eqx_offload.memory_report(state)
-    largest: eqx_offload.LeafMemory = max(report.leaves, key=lambda leaf: leaf.nbytes)
+    report: eqx_offload.memory.MemoryReport = eqx_offload.memory_report(state)
+    largest: eqx_offload.memory.LeafMemory = max(report.leaves, key=lambda leaf: leaf.nbytes)
     print(f"eqx_offload {eqx_offload.__version__}: {report.host_bytes} bytes on host, "
           f"largest leaf {largest.path} ({largest.memory_kind})")
     print(report)
 
     # The movers, on any pytree; `Where` accepts bools, filters and prefix trees.
     kind: MemoryKind = "pinned_host"
-    assert kind in eqx_offload.supported_memory_kinds(jax.devices()[0])
+    assert kind in eqx_offload.memory.supported_memory_kinds(jax.devices()[0])
     host_kind: HostMemoryKind = "pinned_host"
     prefix: Where = {"w": True, "b": eqx_offload.min_ndim(1)}
     tree = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
@@ -141,35 +142,35 @@ def train(steps: int = 3) -> float:
     print(scaled(jnp.ones((2, 4)), 0.5).shape)
 
     # Offload only what does not fit in a device budget.
-    budget_where = eqx_offload.within_budget(optax.adamw(1e-3), tree, device_bytes=64)
+    budget_where = eqx_offload.stream.within_budget(optax.adamw(1e-3), tree, device_bytes=64)
     budget_state = eqx_offload.offloaded(optax.adamw(1e-3), budget_where).init(tree)
     print(eqx_offload.memory_report(budget_state).device_bytes)
 
     # Streaming the update group by group; the plan says what goes together.
-    plan: eqx_offload.StreamPlan = eqx_offload.stream_plan(
+    plan: eqx_offload.stream.StreamPlan = eqx_offload.stream.stream_plan(
         optax.adamw(1e-3), tree, optax.adamw(1e-3).init(tree), tree, group_bytes=1 << 10)
     print(len(plan.groups), plan.max_group_nbytes)
 
     # Checkpoints: restore straight into host memory.
-    target = eqx_offload.abstract_init(opt, params)
-    shardings = eqx_offload.host_shardings(inner_state, eqx_offload.min_ndim(1))
-    like = eqx_offload.restore_target(state)
+    target = eqx_offload.checkpoint.abstract_init(opt, params)
+    shardings = eqx_offload.checkpoint.host_shardings(inner_state, eqx_offload.min_ndim(1))
+    like = eqx_offload.checkpoint.restore_target(state)
     with tempfile.TemporaryDirectory() as tmp:
         path = tmp + "/state.eqx"
         eqx.tree_serialise_leaves(path, state)
-        spec = eqx_offload.deserialise_filter_spec
+        spec = eqx_offload.checkpoint.deserialise_filter_spec
         restored = eqx.tree_deserialise_leaves(path, like, filter_spec=spec)
-        restored = eqx_offload.tree_deserialise_leaves(path, like)
+        restored = eqx_offload.checkpoint.tree_deserialise_leaves(path, like)
     print(type(target).__name__, type(shardings).__name__, type(restored).__name__)
 
     # Every error the library raises is an OffloadError and a ValueError or TypeError.
     try:
         eqx_offload.to_host(tree, where={"not a key of tree": True})
-    except (eqx_offload.MemoryKindError, eqx_offload.WhereError, eqx_offload.TracedMoveError,
-            eqx_offload.TreeError, eqx_offload.OptionError, eqx_offload.SignatureError,
-            eqx_offload.StateError, eqx_offload.NotATransformationError,
-            eqx_offload.CompositionError, eqx_offload.CheckpointError,
-            eqx_offload.DonationError) as e:
+    except (eqx_offload.errors.MemoryKindError, eqx_offload.errors.WhereError, eqx_offload.errors.TracedMoveError,
+            eqx_offload.errors.TreeError, eqx_offload.errors.OptionError, eqx_offload.errors.SignatureError,
+            eqx_offload.errors.StateError, eqx_offload.errors.NotATransformationError,
+            eqx_offload.errors.CompositionError, eqx_offload.errors.CheckpointError,
+            eqx_offload.errors.DonationError) as e:
         print("a documented mistake:", e)
     except eqx_offload.OffloadError as e:
         print("other:", e)
@@ -193,17 +194,17 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
 
     h100: eqx_offload.GpuTarget = eqx_offload.GPU_TARGETS["h100"]
     # The same step planned from shapes: nothing of the model or the state allocated.
-    abstract_model = eqx_offload.filter_eval_shape(lambda: model)
+    abstract_model = eqx_offload.checkpoint.filter_eval_shape(lambda: model)
     # (`eqx.filter(..., eqx.is_array)` inside: a ShapeDtypeStruct is not an array.)
     def init(model: Model) -> optax.OptState:
         return optimizer.init(eqx.filter(model, eqx.is_array))
 
-    abstract_state = eqx_offload.filter_eval_shape(init, abstract_model)
+    abstract_state = eqx_offload.checkpoint.filter_eval_shape(init, abstract_model)
     try:
         plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
             eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
             x, y, target=h100.with_memory(1 << 30))
-    except eqx_offload.PlanError:
+    except eqx_offload.errors.PlanError:
         return False
     copies: tuple[eqx_offload.PlannedCopy, ...] = plan.copies_to("to_device")
     collectives: tuple[eqx_offload.PlannedCollective, ...] = plan.collectives
@@ -228,24 +229,22 @@ def models_in_host_memory(key: jax.Array, x: jax.Array) -> jax.Array:
     """Weights, activations and master weights in host memory (type-checked here, run elsewhere)."""
     keys = jax.random.split(key, 3)
     blocks = eqx.filter_vmap(Block)(keys)
-    policy: eqx_offload.Policy = eqx_offload.offload_names(eqx_offload.LAYER_INPUT)
+    policy: eqx_offload.remat.Policy = eqx_offload.remat.offload_names(eqx_offload.remat.LAYER_INPUT)
     out = eqx_offload.scan_layers(blocks, x, call_block, policy=policy, offload_input=True)
     total = eqx.filter(blocks, eqx.is_array)  # a running gradient sum of the blocks
     out = out + eqx_offload.scan_layers(blocks, x, call_block, accumulate=total)
-    head: eqx_offload.HostWeights[eqx.nn.Linear] = eqx_offload.host_weights(
-        eqx.nn.Linear(4, 4, key=key), policy=eqx_offload.offload_regex(".*"))
-    rematted = eqx_offload.filter_remat(call_block, eqx_offload.offload_dots())
+    head: eqx_offload.types.HostWeights[eqx.nn.Linear] = eqx_offload.host_weights(
+        eqx.nn.Linear(4, 4, key=key), policy=eqx_offload.remat.offload_regex(".*"))
+    rematted = eqx_offload.filter_remat(call_block, eqx_offload.remat.offload_dots())
     out = rematted(Block(key), out) + head(out)
-    hp: eqx_offload.HostParams[Any] = eqx_offload.host_params(optax.adam(1e-3), offload=None)
+    hp: eqx_offload.types.HostWeightsOptimizer[Any] = eqx_offload.host_weights_optimizer(optax.adam(1e-3), offload=None)
     head, _ = hp.update(eqx.filter(head, eqx.is_array), hp.init(head), head)
-    with warnings.catch_warnings():  # deprecated, and still typed
-        warnings.simplefilter("ignore", DeprecationWarning)
-        inner = eqx_offload.with_host_params(optax.adam(1e-3))
+    inner = optax.adam(1e-3)
     updates = jax.tree.map(jnp.zeros_like, eqx.filter(head, eqx.is_array))
     head = eqx_offload.apply_updates(head, updates)
-    master: eqx_offload.MasterWeights[Any] = eqx_offload.master_weights(inner)
+    master: eqx_offload.types.MasterWeights[Any] = eqx_offload.master_weights(inner)
     compute, master_state = master.init(Block(key))
-    assert isinstance(master_state, eqx_offload.MasterState) or master_state is not None
+    assert isinstance(master_state, eqx_offload.types.MasterState) or master_state is not None
     result: jax.Array = out + compute(x)
     return result
 

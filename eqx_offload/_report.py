@@ -7,10 +7,10 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .leaves import format_bytes, is_traced, nbytes, path_to_str, shown
-from .memory import (HOST_LIMIT_VARIABLE, HOST_MEMORY_KINDS, host_pool_limit, platform_of,
+from ._core.leaves import format_bytes, is_traced, nbytes, path_to_str, shown
+from ._core.memory import (HOST_LIMIT_VARIABLE, HOST_MEMORY_KINDS, host_pool_limit, platform_of,
                       pooled_bytes)
-from .placement import memory_kind_of
+from ._core.placement import memory_kind_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,25 +16,17 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from .errors import CheckpointError, checkpoint_leaf_error
-from .inner import as_transformation
-from .leaves import path_parts, path_to_str
-from .memory import (check_devices_offer, check_host_kind, check_tree_fits_host_pool,
-                      default_device, host_pool_limit, platform_of)
-from .placement import input_shardings, output_shardings, typed_sharding
-from .types import HostMemoryKind, Where
-from .where import leaf_mask
+from ._core.errors import CheckpointError, checkpoint_leaf_error
+from ._core.inner import as_transformation
+from ._core.leaves import path_to_str
+from ._core.memory import check_devices_offer, check_host_kind, check_tree_fits_host_pool, default_device
+from ._core.placement import typed_sharding
+from ._core.shape import abstract_state, filter_eval_shape as filter_eval_shape, is_abstract, is_arraylike
+from ._core.types import HostMemoryKind, Where
+from ._core.where import leaf_mask
 
 
 _T = TypeVar("_T")
-
-
-def _is_abstract(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _is_arraylike(x: Any) -> bool:
-    return eqx.is_array(x) or _is_abstract(x)
 
 
 def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
@@ -51,7 +43,7 @@ def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
 def _stand_in(leaf: Any) -> Any:
     """An array the `where` filters can look at in place of an abstract leaf: the right
     shape and dtype, no memory (a broadcast view of one element)."""
-    if _is_abstract(leaf):
+    if is_abstract(leaf):
         return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
     return leaf
 
@@ -97,7 +89,7 @@ def host_shardings(
         import eqx_offload
 
         state = optax.adam(1e-3).init({"w": jnp.ones((4, 4))})  # e.g. restored on device
-        shardings = eqx_offload.host_shardings(state, eqx_offload.min_ndim(1))
+        shardings = eqx_offload.checkpoint.host_shardings(state, eqx_offload.min_ndim(1))
         assert shardings[0].mu["w"].memory_kind == "pinned_host"
         assert shardings[0].count.memory_kind == "device"
         ```
@@ -110,11 +102,11 @@ def _flat_host_shardings(
     tree: Any, where: Where, memory_kind: str
 ) -> tuple[list[Any], Any, list[Optional[jax.sharding.Sharding]]]:
     check_host_kind(memory_kind, "memory_kind")
-    keyed, treedef = jtu.tree_flatten_with_path(tree, is_leaf=_is_abstract)
+    keyed, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_abstract)
     mask = leaf_mask(jtu.tree_unflatten(treedef, [_stand_in(x) for _, x in keyed]), where)
     shardings: list[Optional[jax.sharding.Sharding]] = []
     for (path, leaf), selected in zip(keyed, mask):
-        if not _is_arraylike(leaf):
+        if not is_arraylike(leaf):
             shardings.append(None)
             continue
         sharding = _sharding_of(leaf)
@@ -137,7 +129,7 @@ def restore_target(
     keeps its placement; `where` additionally sends leaves to host memory. Orbax restores
     each shard straight into that memory (no full-size device copy on the way, no memory
     kind mismatch at the next step); `eqx.tree_deserialise_leaves` does the same with
-    `filter_spec=eqx_offload.deserialise_filter_spec`.
+    `filter_spec=eqx_offload.checkpoint.deserialise_filter_spec`.
 
     **Arguments:**
 
@@ -160,7 +152,7 @@ def restore_target(
 
         params = {"w": jnp.ones((4, 4))}
         opt = eqx_offload.offloaded(optax.adam(1e-3))
-        target = eqx_offload.restore_target(opt.init(params))
+        target = eqx_offload.checkpoint.restore_target(opt.init(params))
         assert target.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
         # state = ocp.StandardCheckpointer().restore(path, target)
         ```
@@ -174,7 +166,7 @@ def restore_target(
         else leaf
         for leaf, sharding in zip(leaves, shardings)
     ])
-    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "restore_target(...)")
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=is_abstract), "restore_target(...)")
     return target
 
 
@@ -207,114 +199,14 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
 
         params = {"w": jnp.ones((4, 4))}
         opt = eqx_offload.offloaded(optax.adamw(1e-3))
-        target = eqx_offload.abstract_init(opt, params)
+        target = eqx_offload.checkpoint.abstract_init(opt, params)
         assert target.inner_state[0].nu["w"].sharding.memory_kind == "pinned_host"
         assert target.inner_state[0].count.sharding.memory_kind == "device"
         ```
     """
     target = abstract_state(as_transformation(optimizer, "abstract_init(optimizer=...)"), params)
-    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), "abstract_init(...)")
+    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=is_abstract), "abstract_init(...)")
     return target
-
-
-def check_init_fits_host_pool(init: Any, params: Any, what: str) -> None:
-    """On CUDA/ROCm, raise a `MemoryKindError` naming `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`
-    if `init(params)` would place more `pinned_host` bytes than XLA's pinned host pool
-    has left (the state is traced, not made); off those platforms nothing is done."""
-    leaves = jtu.tree_leaves(params, is_leaf=_is_abstract)
-    if host_pool_limit(platform_of(leaves)) is None:
-        return
-    target = abstract_state(_InitOnly(init), params)
-    check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=_is_abstract), what)
-
-
-class _InitOnly:
-    """What `abstract_state` needs of an optimizer: its `init`."""
-
-    def __init__(self, init: Any) -> None:
-        self.init = init
-
-
-def abstract_state(optimizer: Any, params: Any) -> Any:
-    """`abstract_init` without the host pool check (`offloaded(...).init` checks it
-    itself, naming itself)."""
-    return filter_eval_shape(optimizer.init, params)
-
-
-def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """`eqx.filter_eval_shape` that keeps where each array would live: what
-    `fun(*args, **kwargs)` would return, with a `jax.ShapeDtypeStruct` at every array
-    leaf that carries the sharding and memory kind the real call gives it. Nothing is
-    computed or allocated, so a model or an optimizer state of any size can be
-    described on a laptop, and planned (`eqx_offload.gpu_plan` takes the result) or
-    restored into (`abstract_init` is this of `optimizer.init`).
-
-    **Arguments:**
-
-    - `fun`: any function, e.g. a model's constructor (`lambda: Model(key)`),
-        `optimizer.init`, `eqx_offload.master_weights(...).init`.
-    - `*args`, `**kwargs`: its arguments: arrays, `jax.ShapeDtypeStruct`s (with a
-        sharding, or on the default device without one) and anything else (passed as
-        is).
-
-    **Returns:**
-
-    `fun`'s result with `jax.ShapeDtypeStruct` array leaves. Their memory kinds are the
-    traced program's (`eqx_offload.to_host` inside `fun` gives `pinned_host`), their
-    layouts those of an input of the same shape (a state mirrors its parameters'
-    mesh and `PartitionSpec`), or the default device.
-
-    !!! Example
-
-        ```python
-        import equinox as eqx
-        import jax
-        import optax
-        import eqx_offload
-
-        def make():
-            model = eqx.nn.MLP(8192, 8192, 8192, 4, key=jax.random.key(0))  # 336M params
-            return eqx.tree_at(lambda m: m.layers[1:], model, replace_fn=eqx_offload.to_host)
-
-        model = eqx_offload.filter_eval_shape(make)
-        assert model.layers[1].weight.sharding.memory_kind == "pinned_host"
-        opt = eqx_offload.offloaded(optax.adamw(1e-3))
-        state = eqx_offload.filter_eval_shape(lambda m: opt.init(eqx.filter(m, eqx.is_array)),
-                                              model)
-        assert state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
-        ```
-    """
-    dynamic, static = eqx.partition((args, kwargs), _is_arraylike, is_leaf=_is_abstract)
-    leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=_is_abstract)
-    in_shardings = input_shardings(leaves)
-    abstract_in = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
-        for x, s in zip(leaves, in_shardings)
-    ]
-    out_parts: list[Any] = []
-
-    def flat_fun(*flat: Any) -> list[Any]:
-        call_args, call_kwargs = eqx.combine(jtu.tree_unflatten(treedef, flat), static)
-        dynamic_out, static_out = eqx.partition(fun(*call_args, **call_kwargs), eqx.is_array)
-        keyed, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
-        out_parts[:] = [static_out, out_treedef, [path_parts(p) for p, _ in keyed]]
-        return [x for _, x in keyed]
-
-    out_avals = jax.jit(flat_fun).trace(*abstract_in).jaxpr.out_avals
-    static_out, out_treedef, out_paths = out_parts
-    # The paths as `filter_jit` sees them (`(0, ...)`: the first argument), so that the
-    # layouts chosen here are those a jitted call chooses (`offloaded`'s `init`).
-    in_paths = [path_parts(p)[1:] for p, _ in jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, leaves), is_leaf=_is_abstract)[0]]
-    out_shardings = output_shardings(
-        out_avals, out_paths, [jax.typeof(x) for x in abstract_in], in_paths, in_shardings
-    )
-    abstract_out = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=typed_sharding(s), weak_type=a.weak_type)
-        for a, s in zip(out_avals, out_shardings)
-    ]
-    result: _T = eqx.combine(jtu.tree_unflatten(out_treedef, abstract_out), static_out)
-    return result
 
 
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:
@@ -355,8 +247,8 @@ def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:
         path = tempfile.mkdtemp() + "/state.eqx"
         eqx.tree_serialise_leaves(path, opt.init(params))
         state = eqx.tree_deserialise_leaves(
-            path, eqx_offload.abstract_init(opt, params),
-            filter_spec=eqx_offload.deserialise_filter_spec,
+            path, eqx_offload.checkpoint.abstract_init(opt, params),
+            filter_spec=eqx_offload.checkpoint.deserialise_filter_spec,
         )
         assert state.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
         ```
@@ -382,12 +274,12 @@ def tree_deserialise_leaves(path_or_file: Any, like: _T,
     """`eqx.tree_deserialise_leaves` with `deserialise_filter_spec`: every array restored
     where `like` says (its sharding and memory kind), and a `CheckpointError` for a leaf
     that does not fit, naming its path. (Equinox raises a filter spec's error as the
-    cause of its own `TreePathError`, which `except eqx_offload.CheckpointError` misses.)
+    cause of its own `TreePathError`, which `except eqx_offload.errors.CheckpointError` misses.)
 
     **Arguments:**
 
     - `path_or_file`, `like`, `is_leaf`: as for `eqx.tree_deserialise_leaves`.
-    - `filter_spec`: default `eqx_offload.deserialise_filter_spec`.
+    - `filter_spec`: default `eqx_offload.checkpoint.deserialise_filter_spec`.
 
     **Returns:**
 
@@ -410,9 +302,9 @@ def tree_deserialise_leaves(path_or_file: Any, like: _T,
         path = tempfile.mkdtemp() + "/state.eqx"
         eqx.tree_serialise_leaves(path, opt.init({"w": jnp.ones((4, 4))}))
         try:
-            eqx_offload.tree_deserialise_leaves(
-                path, eqx_offload.abstract_init(opt, {"w": jnp.ones((4, 5))}))
-        except eqx_offload.CheckpointError as error:
+            eqx_offload.checkpoint.tree_deserialise_leaves(
+                path, eqx_offload.checkpoint.abstract_init(opt, {"w": jnp.ones((4, 5))}))
+        except eqx_offload.errors.CheckpointError as error:
             assert "leaf .inner_state[0].mu['w']" in str(error)
         ```
     """
