@@ -11,12 +11,12 @@ import eqx_offload
 from eqx_offload._core.compat import marked
 from eqx_offload._jit.analysis import analyse
 from eqx_offload._jit.call import flatten_call, Signature
-from eqx_offload._jit.donation import _donation
+from eqx_offload._jit.donation import parse_donate
 from eqx_offload._jit.lint import foreign_donation, foreign_donation_unchecked
 
 
 def _key(*args: object) -> Signature:
-    return flatten_call(args, {}, _donation("none", None)).key
+    return flatten_call(args, {}, parse_donate("none", None)).key
 
 
 def test_signature_is_a_frozen_hashable_key() -> None:
