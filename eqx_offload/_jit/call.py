@@ -13,7 +13,6 @@ from typing import Any, NamedTuple, Optional
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.core import Tracer
 
 from .._core.errors import deleted_array_error, OffloadWarning
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
@@ -44,12 +43,6 @@ class Call:
     in_shardings: list[jax.sharding.Sharding]
     key: Signature  # what selects the executable
     shared: dict[int, jax.Array] = dataclasses.field(default_factory=dict)  # see `_unshare`
-
-
-def traced(flat: tuple[list[Any], Any]) -> bool:
-    """Whether a leaf of a flattened call is traced: the call is inside an enclosing
-    `jit`, `grad` or `vmap`."""
-    return any(isinstance(x, Tracer) for x in flat[0])
 
 
 def _argument_name(donate: Donation, i: int) -> Optional[str]:

@@ -4,11 +4,11 @@ host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
 One call goes one way, as one record (`call.Call`): flattened once
 (`call.flatten_call`: array leaves are traced, everything else is static), its
 `Signature` looked up in the cache (kept here, above `jax.jit`: the donation abort needs
-the shardings `jax.jit` is given), staged on a miss (`stage.lower_call`, shared by the
-call, `lower` and `lower_for`: trace the function once with the arguments' shardings,
-analyse the program with `analysis.analyse`, lower it with input *and* output shardings
-that carry memory kinds, so JAX pairs a donated input only with an output in the same
-memory; then `stage.compile_program`), and run (`stage.run`: the executable, the output
+the shardings `jax.jit` is given), compiled on a miss (`stage.compile_call`: its
+`lower_call`, shared with `lower` and `lower_for`, traces the function once with the
+arguments' shardings, analyses the program with `analysis.analyse`, and lowers it with
+input *and* output shardings that carry memory kinds, so JAX pairs a donated input only
+with an output in the same memory), and run (`stage.run`: the executable, the output
 rebuilt). The user's function runs once per compilation.
 """
 
@@ -18,12 +18,13 @@ from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
 import equinox as eqx
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .._core.errors import OptionError, SignatureError
 from .._core.types import Donate
-from .call import Call, flatten_call, Signature, traced, warn_changed_number
+from .call import Call, flatten_call, Signature, warn_changed_number
 from .donation import Donation, parse_donate
-from .stage import compile_program, Executable, export_call, lower_call, Program, run
+from .stage import compile_call, compile_program, Executable, export_call, lower_call, Program, run
 
 
 _P = ParamSpec("_P")
@@ -128,10 +129,10 @@ class _FilterJit(Generic[_P, _T]):
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = jtu.tree_flatten((args, kwargs))
-        if traced(flat):
-            # Called inside an enclosing `jit`, `grad` or `vmap` (the inner function of
-            # Optax's meta-learning example): a nested `jax.jit` call, as
-            # `eqx.filter_jit`'s, part of the enclosing program (which gives it its
+        if any(isinstance(x, Tracer) for x in flat[0]):
+            # A traced leaf: called inside an enclosing `jit`, `grad` or `vmap` (the
+            # inner function of Optax's meta-learning example): a nested `jax.jit` call,
+            # as `eqx.filter_jit`'s, part of the enclosing program (which gives it its
             # shardings and donation, if it has any).
             if self._nested is None:
                 self._nested = eqx.filter_jit(self._fun)
@@ -142,8 +143,8 @@ class _FilterJit(Generic[_P, _T]):
         if executable is None:
             if not self._warned and self._cache:
                 self._warned = warn_changed_number(self._cache, call, self._donate, self._name)
-            program = lower_call(self._fun, self._name, call, silence, self._compiler_options)
-            executable = compile_program(program, program.compiler_options, silence)
+            executable = compile_call(self._fun, self._name, call, silence,
+                                      self._compiler_options)
             self._cache[call.key] = executable
         return run(executable, call, silence)
 

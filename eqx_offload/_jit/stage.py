@@ -156,6 +156,14 @@ def compile_program(program: Program, compiler_options: dict[str, Any],
         return Executable(program.lowered.compile(compiler_options or None), program.output)
 
 
+def compile_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
+                 compiler_options: Optional[dict[str, Any]]) -> Executable:
+    """`lower_call` then `compile_program`, with the program's own options: a call's
+    executable, on a miss of `filter_jit`'s cache."""
+    program = lower_call(fun, name, call, silence, compiler_options)
+    return compile_program(program, program.compiler_options, silence)
+
+
 def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
                 platforms: Optional[Sequence[str]]) -> Any:
     """`jax.export.export` of `fun`'s program for `call`, memory kinds kept."""
