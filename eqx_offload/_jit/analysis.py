@@ -1,7 +1,7 @@
 """One pass over a step's traced program (`analyse`): what `filter_jit` must know about
 it before it compiles, read from the program itself.
 
-- the host-compute lint (`lint._check_no_host_compute`): nothing computes on a
+- the host-compute lint (`lint.check_no_host_compute`): nothing computes on a
   host-resident array;
 - the marked scopes (`compat.scopes`): whether the program streams, prefetches or
   fetches an `offloaded` state whole (the GPU's default options depend on it);
@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .._core.compat import scopes
 from .._core.jaxpr import is_var
-from .lint import _check_no_host_compute
+from .lint import check_no_host_compute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ def analyse(closed: Any, name: str,
     array (`CompositionError` naming `name`, and `weights()`, a host weight among the
     arguments, otherwise) and read what it marks and constrains."""
     jaxpr = closed.jaxpr
-    _check_no_host_compute(jaxpr, name, weights)
+    check_no_host_compute(jaxpr, name, weights)
     constraints = {
         eqn.outvars[0]: eqn.params["sharding"] for eqn in jaxpr.eqns
         if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")

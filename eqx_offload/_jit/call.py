@@ -1,6 +1,9 @@
-"""One call of a `filter_jit` function: its arguments, flattened once
-(`flatten_call`), the `Signature` that selects its executable, how to rebuild its
-result, and the warning for a Python number whose change compiles the function again."""
+"""One call of a `filter_jit` function, flattened once (`flatten_call`) into the record
+the rest of its path reads (`Call`): its array leaves and their shardings, what it
+donates (each donated leaf a buffer of its own), and the `Signature` that selects its
+executable. Also what a call's arguments alone can show: an array an earlier donating
+call consumed (`DonationError`), and a Python number whose change compiles the function
+again (a warning)."""
 
 import dataclasses
 import warnings
@@ -10,11 +13,10 @@ from typing import Any, NamedTuple, Optional
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.core import Tracer
 
-from .._core.errors import OffloadWarning
+from .._core.errors import deleted_array_error, OffloadWarning
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
-from .donation import _check_not_deleted, _Donation, _unshare
+from .donation import Donation
 
 
 class Signature(NamedTuple):
@@ -29,7 +31,7 @@ class Signature(NamedTuple):
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
     """The arguments of one call, flattened once."""
 
     all_leaves: list[Any]
@@ -43,15 +45,33 @@ class _Call:
     shared: dict[int, jax.Array] = dataclasses.field(default_factory=dict)  # see `_unshare`
 
 
-def traced(flat: tuple[list[Any], Any]) -> bool:
-    """Whether a leaf of a flattened call is traced: the call is inside an enclosing
-    `jit`, `grad` or `vmap`."""
-    return any(isinstance(x, Tracer) for x in flat[0])
+def _argument_name(donate: Donation, i: int) -> Optional[str]:
+    """The parameter that positional argument `i` binds to, if known."""
+    return donate.positional[i] if i < len(donate.positional) else donate.varargs
 
 
-def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donation,
-                  abstract: bool = False, name: str = "fun",
-                  flat: Optional[tuple[list[Any], Any]] = None) -> _Call:
+def _donated_leaves(donate: Donation, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    n_leaves: int) -> tuple[int, list[bool]]:
+    """Whether each leaf of `(args, kwargs)` is donated, and for a mode that donates the
+    first argument otherwise than the rest, that argument's leaf count (a part of the
+    key). By name, every argument's leaves are counted (only then: this runs at every
+    call), `args` then `kwargs` by sorted key, the order of `jax.tree.leaves`."""
+    if donate.names is None:
+        n_first = 0
+        if donate.first != donate.rest:
+            first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
+            n_first = first_def.num_leaves
+        return n_first, [donate.first if i < n_first else donate.rest for i in range(n_leaves)]
+    per_argument = ([_argument_name(donate, i) in donate.names for i in range(len(args))]
+                    + [k in donate.names for k in sorted(kwargs)])
+    arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return 0, [d for d, a in zip(per_argument, arguments, strict=True)
+               for _ in range(len(jtu.tree_leaves(a)))]
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation,
+                 abstract: bool = False, name: str = "fun",
+                 flat: Optional[tuple[list[Any], Any]] = None) -> Call:
     """The call's arguments, flattened once (or `flat`, their `jtu.tree_flatten`).
     With `abstract` (`gpu_plan`), a `jax.ShapeDtypeStruct` leaf stands for an array
     too: the step is traced and compiled for it, and nothing is allocated (a caller
@@ -59,20 +79,7 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donatio
     all_leaves, treedef = flat if flat is not None else jtu.tree_flatten((args, kwargs))
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
-    # Which argument each leaf is of matters only where the arguments are donated
-    # differently: for a mode, the first argument's leaves (`n_first`, a part of the
-    # key); by name, every argument's (counted only then: this runs at every call).
-    n_first = 0
-    if donate.names is None:
-        if donate.first != donate.rest:
-            first_def: Any = jtu.tree_structure(args[:1])  # `PyTreeDef` is untyped for mypy
-            n_first = first_def.num_leaves
-        flags = [donate.first if i < n_first else donate.rest for i in range(len(all_leaves))]
-    else:
-        arguments = list(args) + [kwargs[k] for k in sorted(kwargs)]
-        sizes: list[int] = [len(jtu.tree_leaves(a)) for a in arguments]
-        flags = [d for d, n in zip(donate.per_argument(args, kwargs), sizes, strict=True)
-                 for _ in range(n)]
+    n_first, flags = _donated_leaves(donate, args, kwargs, len(all_leaves))
     if not abstract:
         _check_not_deleted(all_leaves, args, kwargs, donate, name)
     leaves: list[Any] = []
@@ -99,35 +106,67 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: _Donatio
             for x, s in zip(leaves, shardings, strict=True)
         ),
     )
-    return _Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
-                 key, shared)
+    return Call(all_leaves, treedef, is_array, leaves, tuple(donated), retyped, shardings,
+                key, shared)
 
 
-@dataclasses.dataclass
-class _Output:
-    """How to rebuild a result: the flat output with `None` where the executable's
-    arrays go, in the order of `positions` (and whether the program streams an
-    offloaded state, which selects `default_compiler_options`)."""
+def _check_not_deleted(all_leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                       donate: Donation, name: str) -> None:
+    """A `DonationError` naming the argument and the leaf, where an array of the call
+    was deleted (an earlier call that donated it consumed it): JAX would only say
+    "Array has been deleted with shape=..."."""
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in all_leaves):
+        return
+    for path, x in jtu.tree_flatten_with_path((args, kwargs))[0]:
+        if not (isinstance(x, jax.Array) and x.is_deleted()):
+            continue
+        kind, key, rest = path[0], path[1], path[2:]
+        if getattr(kind, "idx", 0) == 0:  # args
+            i = getattr(key, "idx", 0)
+            parameter = _argument_name(donate, i)
+            where = f"args[{i}]" + (f" (`{parameter}`)" if parameter else "")
+        else:
+            where = f"`{getattr(key, 'key', key)}`"
+        leaf = jtu.keystr(tuple(rest)) or "(the argument itself)"
+        raise deleted_array_error(f"filter_jit({name})", where, leaf, f"{x.dtype}{list(x.shape)}")
 
-    treedef: Any
-    leaves: list[Any]
-    positions: list[int]
-    streamed: bool = False
-    prefetched: bool = False
-    whole: bool = False
 
-    def rebuild(self, arrays: Sequence[Any]) -> Any:
-        leaves = list(self.leaves)
-        for i, x in zip(self.positions, arrays, strict=True):
-            leaves[i] = x
-        return jtu.tree_unflatten(self.treedef, leaves)
+def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
+    """Give every donated leaf a buffer of its own: where one array stands at several
+    leaves (Equinox's `eqx.nn.State(model)` shares arrays with the model; a tied
+    embedding) and is donated at one of them, the other donated places get a copy
+    (`leaves` is changed in place). Donating one buffer twice is what JAX refuses
+    ("Attempt to donate the same buffer twice"); passing it donated once and undonated
+    elsewhere would let XLA overwrite what the other input still reads. The original
+    goes to the first donated place if every place is donated (so it is consumed, as
+    donation promises), else it stays where it is not donated (the caller keeps it).
+    Returns index -> original for the places that got a copy, which are consumed after
+    the call. The executable is the same whatever the sharing: one compilation."""
+    places: dict[int, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            places.setdefault(id(x), []).append(i)
+    donated_set = set(donated)
+    shared: dict[int, jax.Array] = {}
+    for where in places.values():
+        if len(where) < 2:
+            continue
+        donated_here = [i for i in where if i in donated_set]
+        if not donated_here:
+            continue
+        keep = donated_here[0] if len(donated_here) == len(where) else None
+        for i in donated_here:
+            if i != keep:
+                shared[i] = leaves[i]
+                leaves[i] = jax.device_put(leaves[i], leaves[i].sharding, may_alias=False)
+    return shared
 
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float, complex)) and not isinstance(x, bool)
 
 
-def _changed_number(cached: Any, call: _Call) -> Optional[tuple[int, Any, Any]]:
+def _changed_number(cached: Any, call: Call) -> Optional[tuple[int, Any, Any]]:
     """Where `call` differs from a configuration in `cached` (`Signature`s) only in the
     values of Python numbers (static here, traced by `jax.jit`): the index into
     `call.all_leaves` of the first, its old value and its new one."""
@@ -145,7 +184,7 @@ def _changed_number(cached: Any, call: _Call) -> Optional[tuple[int, Any, Any]]:
     return None
 
 
-def _warn_changed_number(cached: Any, call: _Call, donate: _Donation, name: str) -> bool:
+def warn_changed_number(cached: Any, call: Call, donate: Donation, name: str) -> bool:
     """Warn (and return `True`) where `call` compiles again only because a Python
     number changed: a Flax linen `TrainState`'s `step=0` compiles at every step."""
     found = _changed_number(cached, call)
@@ -155,7 +194,7 @@ def _warn_changed_number(cached: Any, call: _Call, donate: _Donation, name: str)
     arguments = jtu.tree_unflatten(call.treedef, call.all_leaves)
     path = jtu.tree_flatten_with_path(arguments)[0][i][0]
     if getattr(path[0], "idx", 0) == 0:
-        parameter = donate.argument_name(getattr(path[1], "idx", 0))
+        parameter = _argument_name(donate, getattr(path[1], "idx", 0))
         where = f"`{parameter}`" if parameter else f"args[{getattr(path[1], 'idx', 0)}]"
     else:
         where = f"`{getattr(path[1], 'key', path[1])}`"

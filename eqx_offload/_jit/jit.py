@@ -1,42 +1,34 @@
 """`filter_jit`: `eqx.filter_jit` with memory-kind-aware shardings, safe to donate
 host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
 
-One call: flatten the arguments once (`call.flatten_call`: array leaves are traced,
-everything else is static), look its `Signature` up in the cache (kept here, above
-`jax.jit`: the donation abort needs the shardings `jax.jit` is given), run the
-executable, rebuild the output. One compilation (`stage.stage`, shared by the call,
-`lower`, `lower_for` and `export`): trace the function once with the arguments'
-shardings, analyse the program (`analysis.analyse`: no computation on a host-resident
-array, its marked scopes, its output constraints), and compile a replay of that program
-with input *and* output shardings that carry memory kinds (so JAX pairs a donated input
-only with an output in the same memory). The user's function runs once per compilation.
+One call goes one way, as one record (`call.Call`): flattened once
+(`call.flatten_call`: array leaves are traced, everything else is static), its
+`Signature` looked up in the cache (kept here, above `jax.jit`: the donation abort needs
+the shardings `jax.jit` is given), compiled on a miss (`stage.compile_call`: its
+`lower_call`, shared with `lower` and `lower_for`, traces the function once with the
+arguments' shardings, analyses the program with `analysis.analyse`, and lowers it with
+input *and* output shardings that carry memory kinds, so JAX pairs a donated input only
+with an output in the same memory), and run (`stage.run`: the executable, the output
+rebuilt). The user's function runs once per compilation.
 """
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
 import equinox as eqx
-import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .._core.errors import OptionError, SignatureError
 from .._core.types import Donate
-from .call import _Call, _Output, _warn_changed_number, flatten_call, Signature, traced
-from .compiler_options import default_compiler_options
-from .donation import _donation, _Donation, _UNUSABLE_DONATION
-from .stage import run, stage
+from .call import Call, flatten_call, Signature, warn_changed_number
+from .donation import Donation, parse_donate
+from .stage import compile_call, compile_program, Executable, export_call, lower_call, Program, run
 
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-
-
-def _platform_of(call: _Call) -> str:
-    """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
-    devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
-    return str(devices[0].platform) if devices else jax.default_backend()
 
 
 class Compiled:
@@ -44,10 +36,9 @@ class Compiled:
     `filter_jit(f).lower(...).compile()`). Call it with arguments of the same structure,
     static values, shapes, dtypes and shardings as those it was lowered for."""
 
-    def __init__(self, executable: Any, output: _Output, key: Signature, donate: _Donation,
+    def __init__(self, executable: Executable, key: Signature, donate: Donation,
                  name: str) -> None:
         self._executable = executable
-        self._output = output
         self._key = key
         self._donate = donate
         self._name = name
@@ -62,19 +53,19 @@ class Compiled:
                 "arguments, or call the `filter_jit` function itself (it compiles once "
                 "per configuration)."
             )
-        return run(self._executable, self._output, call, self._donate.silence)
+        return run(self._executable, call, self._donate.silence)
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the executable (`jax.stages.Compiled.memory_analysis`)."""
-        return self._executable.memory_analysis()
+        return self._executable.compiled.memory_analysis()
 
     def cost_analysis(self) -> Any:
         """XLA's cost analysis of the executable (`jax.stages.Compiled.cost_analysis`)."""
-        return self._executable.cost_analysis()
+        return self._executable.compiled.cost_analysis()
 
     def as_text(self) -> Optional[str]:
         """The compiled program as text (`jax.stages.Compiled.as_text`)."""
-        text: Optional[str] = self._executable.as_text()
+        text: Optional[str] = self._executable.compiled.as_text()
         return text
 
 
@@ -86,12 +77,10 @@ class Lowered:
     the XLA options `.compile()` uses: `filter_jit`'s defaults for this program (see the
     "GPU plan" docs page) and the function's own `compiler_options`, which win."""
 
-    def __init__(self, lowered: Any, output: _Output, key: Signature, donate: _Donation, name: str,
-                 compiler_options: dict[str, Any], jaxpr: Any) -> None:
-        self._lowered = lowered
-        self.jaxpr = jaxpr
-        self.compiler_options = compiler_options
-        self._output = output
+    def __init__(self, program: Program, key: Signature, donate: Donation, name: str) -> None:
+        self._program = program
+        self.jaxpr = program.jaxpr
+        self.compiler_options = program.compiler_options
         self._key = key
         self._donate = donate
         self._name = name
@@ -101,37 +90,34 @@ class Lowered:
         GPU scheduler's settings; see the "Modes" docs page), added to
         `self.compiler_options` and winning over them."""
         options = {**self.compiler_options, **(compiler_options or {})}
-        with warnings.catch_warnings():
-            if self._donate.silence:
-                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            executable = self._lowered.compile(options or None)
-        return Compiled(executable, self._output, self._key, self._donate, self._name)
+        executable = compile_program(self._program, options, self._donate.silence)
+        return Compiled(executable, self._key, self._donate, self._name)
 
     def as_text(self) -> str:
         """The lowered program (StableHLO) as text."""
-        text: str = self._lowered.as_text()
+        text: str = self._program.lowered.as_text()
         return text
 
     def compiler_ir(self, dialect: str = "stablehlo") -> Any:
         """The lowered program as an MLIR module (`jax.stages.Lowered.compiler_ir`)."""
-        return self._lowered.compiler_ir(dialect)
+        return self._program.lowered.compiler_ir(dialect)
 
 
 class _FilterJit(Generic[_P, _T]):
     """What `filter_jit` returns: call it, or `.lower(...)` it."""
 
-    def __init__(self, fun: Callable[_P, _T], donate: _Donation,
+    def __init__(self, fun: Callable[_P, _T], donate: Donation,
                  compiler_options: Optional[dict[str, Any]]) -> None:
         self._fun = fun
         self._donate = donate
         self._compiler_options = compiler_options
         self._name = getattr(fun, "__qualname__", repr(fun))
-        self._cache: dict[Signature, Compiled] = {}
-        self._warned = False  # `_warn_changed_number`, once per function
+        self._cache: dict[Signature, Executable] = {}
+        self._warned = False  # `warn_changed_number`, once per function
         self._nested: Optional[Callable[..., Any]] = None  # see `__call__`
         functools.update_wrapper(self, fun)
 
-    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         # (The arguments reach `flatten_call` from here and from `_run`, where they are
         # typed as what they are, not as `_P.args`: pytype cannot record a call trace
         # with `ParamSpecArgs`.)
@@ -143,29 +129,31 @@ class _FilterJit(Generic[_P, _T]):
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = jtu.tree_flatten((args, kwargs))
-        if traced(flat):
-            # Called inside an enclosing `jit`, `grad` or `vmap` (the inner function of
-            # Optax's meta-learning example): a nested `jax.jit` call, as
-            # `eqx.filter_jit`'s, part of the enclosing program (which gives it its
+        if any(isinstance(x, Tracer) for x in flat[0]):
+            # A traced leaf: called inside an enclosing `jit`, `grad` or `vmap` (the
+            # inner function of Optax's meta-learning example): a nested `jax.jit` call,
+            # as `eqx.filter_jit`'s, part of the enclosing program (which gives it its
             # shardings and donation, if it has any).
             if self._nested is None:
                 self._nested = eqx.filter_jit(self._fun)
             return self._nested(*args, **kwargs)
         call = flatten_call(args, kwargs, self._donate, name=self._name, flat=flat)
-        compiled = self._cache.get(call.key)
-        if compiled is None:
+        silence = self._donate.silence
+        executable = self._cache.get(call.key)
+        if executable is None:
             if not self._warned and self._cache:
-                self._warned = _warn_changed_number(self._cache, call, self._donate, self._name)
-            compiled = self._lower_call(call).compile()
-            self._cache[call.key] = compiled
-        return run(compiled._executable, compiled._output, call, self._donate.silence)
+                self._warned = warn_changed_number(self._cache, call, self._donate, self._name)
+            executable = compile_call(self._fun, self._name, call, silence,
+                                      self._compiler_options)
+            self._cache[call.key] = executable
+        return run(executable, call, silence)
 
     def lower(self, *args: _P.args, **kwargs: _P.kwargs) -> Lowered:
         """Lowers the function for these arguments without running it (ahead-of-time
         compilation). `.compile()` on the result gives a callable `Compiled` with
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
         cache is not touched."""
-        return self._lower_call(self._flatten(args, kwargs))
+        return self._lower(self._flatten(args, kwargs))
 
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:
         """`jax.export.export` for this function, memory kinds kept: returns a callable
@@ -203,13 +191,7 @@ class _FilterJit(Generic[_P, _T]):
 
         def export(*args: Any, **kwargs: Any) -> Any:
             call = flatten_call(args, kwargs, self._donate, name=self._name)
-            with warnings.catch_warnings():
-                if self._donate.silence:
-                    warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-                jitted = stage(self._fun, self._name, call).jitted
-                specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                         for x, s in zip(call.leaves, call.in_shardings, strict=True)]
-                return jax.export.export(jitted, platforms=platforms)(*specs)
+            return export_call(self._fun, self._name, call, self._donate.silence, platforms)
 
         return export
 
@@ -233,18 +215,12 @@ class _FilterJit(Generic[_P, _T]):
         platform and this program, with the function's own.
         """
         call = flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
-        return self._lower_call(call, tuple(platforms))
+        return self._lower(call, tuple(platforms))
 
-    def _lower_call(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
-        with warnings.catch_warnings():
-            if self._donate.silence:
-                warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            staged = stage(self._fun, self._name, call)
-            lowered, output, jaxpr = staged.lower(call, platforms), staged.output, staged.jaxpr
-        platform = platforms[0] if platforms else _platform_of(call)
-        options = {**default_compiler_options(platform, output.streamed, output.prefetched,
-                                              output.whole), **(self._compiler_options or {})}
-        return Lowered(lowered, output, call.key, self._donate, self._name, options, jaxpr)
+    def _lower(self, call: Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
+        program = lower_call(self._fun, self._name, call, self._donate.silence,
+                             self._compiler_options, platforms)
+        return Lowered(program, call.key, self._donate, self._name)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # As a method: bind the instance like a function would.
@@ -360,7 +336,7 @@ def filter_jit(
         model, state = step(model, state, jnp.ones(4))
         ```
     """
-    donation = _donation(donate, fun)  # (checked here, also for the decorator form)
+    donation = parse_donate(donate, fun)  # (checked here, also for the decorator form)
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise OptionError(
             f"filter_jit(compiler_options={compiler_options!r}): compiler_options must be "

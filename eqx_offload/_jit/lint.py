@@ -2,9 +2,11 @@
 host-resident array), and the detection of an enclosing donating `jax.jit` (which
 `offloaded` refuses)."""
 
+import contextlib
+import contextvars
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import jax
@@ -56,17 +58,29 @@ _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
-# Off only for the upstream canary (tests/upstream/test_upstream_donation.py), which
-# shows what plain JAX does without it.
-CHECK_FOREIGN_DONATION = True
+_FOREIGN_DONATION_CHECKED = contextvars.ContextVar("foreign_donation_checked", default=True)
+
+
+@contextlib.contextmanager
+def foreign_donation_unchecked() -> Iterator[None]:
+    """Inside it, `foreign_donation` finds none, so `offloaded` lets a donating plain
+    `jax.jit` trace it: for the upstream canary alone
+    (`tests/upstream/test_upstream_donation.py`, through `tests/donation_harness.py`),
+    which shows what plain JAX does without the check. Restored on exit."""
+    token = _FOREIGN_DONATION_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _FOREIGN_DONATION_CHECKED.reset(token)
 
 
 def foreign_donation() -> Optional[str]:
     """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
     `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
     `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
-    has no public way to ask). `None` where none donates anything."""
-    if not CHECK_FOREIGN_DONATION or getattr(jax.config, "jax_debug_nans", False):
+    has no public way to ask). `None` where none donates anything, and inside
+    `foreign_donation_unchecked`."""
+    if not _FOREIGN_DONATION_CHECKED.get() or getattr(jax.config, "jax_debug_nans", False):
         # (JAX donates nothing under debug_nans)
         return None
     return enclosing_donating_jit()
@@ -130,8 +144,10 @@ def _explained(name: str, described: str, hint: str,
     return host_weights_error(f"filter_jit({name})", described, leaf)
 
 
-def _check_no_host_compute(jaxpr: Any, name: str,
-                           weights: Callable[[], Optional[str]] = lambda: None) -> None:
+def check_no_host_compute(jaxpr: Any, name: str,
+                          weights: Callable[[], Optional[str]] = lambda: None) -> None:
+    """A `CompositionError` where `jaxpr` computes on a host-resident array (naming the
+    operation, where it is, and `weights()`, a host weight among the arguments)."""
     found = _host_compute(jaxpr)
     if found is None:
         return

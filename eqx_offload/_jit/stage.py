@@ -1,12 +1,12 @@
-"""The one staging path of a `filter_jit` call (`stage`): trace the function once for
-the call's arguments, analyse the traced program (`analysis.analyse`), and give a
-`jax.jit` of a replay of it with memory-kind-aware input and output shardings (so JAX
-pairs a donated input only with an output in the same memory). Calling, `lower`,
-`lower_for` and `export` all start here; `run` runs an executable on a call."""
+"""A `filter_jit` call's program, from its `call.Call`: traced once for the call's
+arguments, analysed (`analysis.analyse`), lowered by a `jax.jit` given input *and*
+output shardings with memory kinds (so JAX pairs a donated input only with an output
+in the same memory) and JAX's trace of the first `jax.jit` (`lower_call`; `export_call` too);
+compiled (`compile_program`); run on a call, its result rebuilt (`run`)."""
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import equinox as eqx
@@ -17,35 +17,66 @@ from jax.extend.core import jaxpr_as_fun
 from .._core.leaves import path_parts
 from .._core.placement import output_shardings
 from .analysis import analyse
-from .call import _Call, _Output
-from .donation import _UNUSABLE_DONATION
+from .call import Call
+from .compiler_options import default_compiler_options
+from .donation import UNUSABLE_DONATION
 from .lint import host_weights_leaf, memory_space_error
 
 
+@dataclasses.dataclass
+class Output:
+    """How to rebuild a result: the flat output with `None` where the executable's
+    arrays go, in the order of `positions`."""
+
+    treedef: Any
+    leaves: list[Any]
+    positions: list[int]
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        leaves = list(self.leaves)
+        for i, x in zip(self.positions, arrays, strict=True):
+            leaves[i] = x
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
 @dataclasses.dataclass(frozen=True)
-class Staged:
-    """A call staged: the `jax.jit` of the replay, how to rebuild its result, and the
-    traced program (a closed jaxpr)."""
+class Program:
+    """A call's program, lowered: what `jit.Lowered` shows, and compiles."""
 
-    jitted: Any
-    output: _Output
-    jaxpr: Any
-
-    def lower(self, call: _Call, platforms: Optional[tuple[str, ...]] = None) -> Any:
-        """The replay lowered for `call` (for `platforms`, default the arguments' own:
-        `gpu_plan` lowers for `("cuda",)` with CPU arguments)."""
-        traced = self.jitted.trace(*call.leaves)
-        if platforms is None:
-            return traced.lower()
-        return traced.lower(lowering_platforms=platforms)
+    lowered: Any  # a `jax.stages.Lowered`
+    output: Output
+    jaxpr: Any  # the traced program (a closed jaxpr)
+    compiler_options: dict[str, Any]  # `filter_jit`'s defaults for it, then the function's
 
 
-def _flat_fun(fun: Callable[..., Any], call: _Call, outputs: list[Any]) -> Callable[..., Any]:
+@dataclasses.dataclass(frozen=True)
+class Executable:
+    """A call's program, compiled: what `run` runs."""
+
+    compiled: Any  # a `jax.stages.Compiled`
+    output: Output
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What tracing `fun` found: how to rebuild the result, the output paths, and (set
+    after the first trace) the traced program."""
+
+    output: Optional[Output] = None
+    out_paths: list[Any] = dataclasses.field(default_factory=list)
+    program: Any = None
+
+
+def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..., Any]:
     """`fun` on the call's array leaves alone (the static ones are `call`'s); records how
-    to rebuild the result and the output paths in `outputs` when traced."""
+    to rebuild the result and the output paths in `found` when traced. Traced again
+    where JAX's trace cache lacks the first trace (`export`'s specs drop weak types), it
+    replays the program of the first (`found.program`): `fun` runs once."""
     array_positions = [i for i, a in enumerate(call.is_array) if a]
 
     def flat_fun(*dynamic_leaves: Any) -> list[Any]:
+        if found.program is not None:
+            return list(jaxpr_as_fun(found.program)(*dynamic_leaves))
         full = list(call.all_leaves)
         for i, x in zip(array_positions, dynamic_leaves, strict=True):
             full[i] = x
@@ -53,59 +84,105 @@ def _flat_fun(fun: Callable[..., Any], call: _Call, outputs: list[Any]) -> Calla
         keyed_out, out_treedef = jtu.tree_flatten_with_path(fun(*args, **kwargs))
         positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
         out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
-        outputs[:] = [_Output(out_treedef, out_leaves, positions),
-                      [path_parts(keyed_out[i][0]) for i in positions]]
+        found.output = Output(out_treedef, out_leaves, positions)
+        found.out_paths = [path_parts(keyed_out[i][0]) for i in positions]
         return [keyed_out[i][1] for i in positions]
 
+    # JAX names the executable (and its compile events, `jax.monitoring`) after this.
+    flat_fun.__name__ = flat_fun.__qualname__ = getattr(fun, "__name__", "fun")
     return flat_fun
 
 
-def stage(fun: Callable[..., Any], name: str, call: _Call) -> Staged:
-    """Trace `fun` once for `call`, analyse the program, and stage a replay of it with
-    memory-kind-aware input and output shardings."""
-    outputs: list[Any] = []
+def _stage(fun: Callable[..., Any], name: str, call: Call) -> tuple[Any, Output, Any, Any]:
+    """Trace `fun` once for `call` and analyse the program: the `jax.jit` that lowers it
+    with memory-kind-aware shardings (its trace is JAX's cached first one), how to
+    rebuild the result, the closed jaxpr, and the `analysis.Analysis`."""
+    found = _Trace()
+    flat_fun = _flat_fun(fun, call, found)
     weights = lambda: host_weights_leaf(jtu.tree_unflatten(call.treedef, call.all_leaves))  # noqa: E731
     try:
-        traced = jax.jit(_flat_fun(fun, call, outputs),
-                         in_shardings=call.in_shardings).trace(*call.leaves)
+        closed = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves).jaxpr
     except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
         explained = memory_space_error(name, error, weights)
         if explained is None:
             raise
         raise explained from error
-    closed = traced.jaxpr
-    found = analyse(closed, name, weights)
-    output, out_paths = outputs
+    analysis = analyse(closed, name, weights)
+    found.program = closed
     # An argument's path without the leading args/kwargs index: `(0, ...)` is the
     # first positional argument, as `(0, ...)` is the first element of a tuple result.
-    array_positions = [i for i, a in enumerate(call.is_array) if a]
     keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
-    in_paths = [path_parts(keyed_in[i][0][1:]) for i in array_positions]
+    in_paths = [path_parts(keyed_in[i][0][1:]) for i, a in enumerate(call.is_array) if a]
     out_shardings = output_shardings(
-        closed.out_avals, out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
-        call.in_shardings, list(found.out_constraints),
+        closed.out_avals, found.out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
+        call.in_shardings, list(analysis.out_constraints),
     )
-    as_fun = jaxpr_as_fun(closed)  # (JAX's own evaluator: `jax.core.eval_jaxpr`)
-
-    def replay(*dynamic_leaves: Any) -> list[Any]:
-        return list(as_fun(*dynamic_leaves))
-
-    # JAX names the executable (and its compile events, `jax.monitoring`) after this.
-    replay.__name__ = replay.__qualname__ = getattr(fun, "__name__", "fun")
-    jitted = jax.jit(replay, in_shardings=call.in_shardings, out_shardings=out_shardings,
+    jitted = jax.jit(flat_fun, in_shardings=call.in_shardings, out_shardings=out_shardings,
                      donate_argnums=call.donated)
-    output.streamed, output.prefetched, output.whole = (
-        found.streamed, found.prefetched, found.whole)
-    return Staged(jitted, output, closed)
+    assert found.output is not None  # (set by the trace)
+    return jitted, found.output, closed, analysis
 
 
-def run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
+def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
+               compiler_options: Optional[dict[str, Any]],
+               platforms: Optional[tuple[str, ...]] = None) -> Program:
+    """`fun`'s program for `call`, lowered for `platforms` (default: the arguments' own;
+    `gpu_plan` lowers for `("cuda",)` with CPU arguments), with `filter_jit`'s default
+    XLA options for the first platform and this program, and `compiler_options`."""
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+        jitted, output, closed, found = _stage(fun, name, call)
+        traced = jitted.trace(*call.leaves)
+        lowered = traced.lower() if platforms is None else traced.lower(
+            lowering_platforms=platforms)
+    if platforms:
+        platform = platforms[0]
+    else:  # the platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default
+        devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
+        platform = str(devices[0].platform) if devices else jax.default_backend()
+    options = {**default_compiler_options(platform, found.streamed, found.prefetched,
+                                          found.whole), **(compiler_options or {})}
+    return Program(lowered, output, closed, options)
+
+
+def compile_program(program: Program, compiler_options: dict[str, Any],
+                    silence: bool) -> Executable:
+    """`program` compiled with the XLA `compiler_options` (usually its own, which
+    `jit.Lowered.compile` can add to)."""
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+        return Executable(program.lowered.compile(compiler_options or None), program.output)
+
+
+def compile_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
+                 compiler_options: Optional[dict[str, Any]]) -> Executable:
+    """`lower_call` then `compile_program`, with the program's own options: a call's
+    executable, on a miss of `filter_jit`'s cache."""
+    program = lower_call(fun, name, call, silence, compiler_options)
+    return compile_program(program, program.compiler_options, silence)
+
+
+def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
+                platforms: Optional[Sequence[str]]) -> Any:
+    """`jax.export.export` of `fun`'s program for `call`, memory kinds kept."""
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+        jitted = _stage(fun, name, call)[0]
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                 for x, s in zip(call.leaves, call.in_shardings, strict=True)]
+        return jax.export.export(jitted, platforms=platforms)(*specs)
+
+
+def run(executable: Executable, call: Call, silence: bool) -> Any:
     """Run a compiled executable on `call`'s array leaves and rebuild the result;
     consume what donation would have consumed (retyped and unshared copies)."""
     with warnings.catch_warnings():
         if silence:
-            warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-        flat_out = executable(*call.leaves)
+            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+        flat_out = executable.compiled(*call.leaves)
     for i, x in call.retyped.items():
         if i in call.donated:  # the copy was donated: consume the original as donation would
             x.delete()
@@ -113,4 +190,4 @@ def run(executable: Any, output: _Output, call: _Call, silence: bool) -> Any:
         if not x.is_deleted() and all(
                 x is not y for y in call.leaves):  # (kept where it was not donated)
             x.delete()
-    return output.rebuild(flat_out)
+    return executable.output.rebuild(flat_out)

@@ -1,6 +1,7 @@
 """`filter_jit`'s seams: the `Signature` that keys its cache and the one analysis pass."""
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,12 @@ import eqx_offload
 from eqx_offload._core.compat import marked
 from eqx_offload._jit.analysis import analyse
 from eqx_offload._jit.call import flatten_call, Signature
-from eqx_offload._jit.donation import _donation
+from eqx_offload._jit.donation import parse_donate
+from eqx_offload._jit.lint import foreign_donation, foreign_donation_unchecked
 
 
 def _key(*args: object) -> Signature:
-    return flatten_call(args, {}, _donation("none", None)).key
+    return flatten_call(args, {}, parse_donate("none", None)).key
 
 
 def test_signature_is_a_frozen_hashable_key() -> None:
@@ -46,3 +48,22 @@ def test_analysis_reads_scopes_and_constraints_and_lints() -> None:
     host = eqx_offload.to_host(jnp.ones(3))
     with pytest.raises(eqx_offload.errors.CompositionError, match="computes on host-resident"):
         analyse(jax.jit(lambda x: x + 1).trace(host).jaxpr, "host")
+
+
+def test_the_foreign_donation_switch_is_off_only_inside_it() -> None:
+    """`foreign_donation` names a donating `jax.jit` tracing it, except inside
+    `foreign_donation_unchecked` (the upstream canary's switch), which restores it."""
+    def found() -> Optional[str]:
+        seen: list[Optional[str]] = []
+
+        def donating(x: jax.Array) -> jax.Array:
+            seen.append(foreign_donation())
+            return x
+
+        jax.jit(donating, donate_argnums=0).trace(jnp.ones(3))
+        return seen[0]
+
+    assert found() == found.__qualname__ + ".<locals>.donating"
+    with foreign_donation_unchecked():
+        assert found() is None
+    assert found() is not None

@@ -343,6 +343,23 @@ def test_export_runs_bitwise_on_this_backend() -> None:
     assert {x.sharding.memory_kind for x in out if x.ndim} >= {"pinned_host"}
 
 
+def test_export_runs_the_step_once_and_keeps_weak_types() -> None:
+    """`export`'s specs drop a leaf's weak type, so JAX's trace cache lacks the staged
+    trace: the program traced first is replayed, not the step run again with a strongly
+    typed `lr` (which would make the result float32)."""
+    calls = []
+
+    def scale(x: jax.Array, lr: jax.Array) -> jax.Array:
+        calls.append(1)
+        return x * lr
+
+    x, lr = jnp.ones(3, jnp.bfloat16), jnp.asarray(0.5)
+    assert lr.weak_type
+    exported = eqx_offload.filter_jit(scale).export()(x, lr)
+    assert len(calls) == 1
+    assert [a.dtype for a in exported.out_avals] == [jnp.bfloat16]
+
+
 def test_export_of_plain_jit_with_specs_is_loud() -> None:
     """Specs from the arrays' shardings, `jax.jit`: no copies; `offloaded` names the fix."""
     params, state, step = _adam_setup()
