@@ -13,7 +13,7 @@ import jax
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
-from .._core.compat import enclosing_donating_jit, memory_space_mismatch
+from .._core.compat import enclosing_donating_jit, memory_space_mismatch, source_frames
 from .._core.errors import CompositionError, host_compute_error, host_weights_error
 from .._core.placement import memory_kind_of
 
@@ -88,10 +88,9 @@ def foreign_donation() -> Optional[str]:
 
 def _where_in_source(eqn: Any) -> str:
     """`" (at file:line in function)"` for the innermost frame outside JAX, or `""`."""
-    traceback = getattr(eqn.source_info, "traceback", None)
-    for frame in getattr(traceback, "frames", ()):
-        if not frame.file_name.startswith(_JAX_DIR):
-            return f" (at {frame.file_name}:{frame.line_num} in {frame.function_name})"
+    for file, line, function in source_frames(eqn):
+        if not file.startswith(_JAX_DIR):
+            return f" (at {file}:{line} in {function})"
     return ""
 
 

@@ -121,6 +121,15 @@ def enclosing_donating_jit() -> Optional[str]:
     return None
 
 
+def source_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """`(file, line, function)` of each frame of the Python traceback JAX recorded for a
+    traced equation, innermost first: `eqn.source_info.traceback.frames`, which JAX keeps
+    for its own error messages and offers no public accessor for
+    (`tests/upstream/test_upstream_source_frames.py` is the canary). Empty if absent."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    return [(f.file_name, f.line_num, f.function_name) for f in getattr(traceback, "frames", ())]
+
+
 def named_axes() -> tuple[Any, ...]:
     """The named axes of the trace in progress (`pmap`, `shard_map`,
     `vmap(axis_name=...)`): `jax.extend.core.unsafe_get_axis_names_DO_NOT_USE`, JAX's one
