@@ -203,7 +203,8 @@ class _FilterJit(Generic[_P, _T]):
             with warnings.catch_warnings():
                 if self._donate.silence:
                     warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-                jitted = stage(self._fun, self._name, call).jitted
+                target = tuple(platforms) if platforms else (jax.default_backend(),)
+                jitted = stage(self._fun, self._name, call, target).jitted
                 specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                          for x, s in zip(call.leaves, call.in_shardings, strict=True)]
                 return jax.export.export(jitted, platforms=platforms)(*specs)
@@ -236,7 +237,7 @@ class _FilterJit(Generic[_P, _T]):
         with warnings.catch_warnings():
             if self._donate.silence:
                 warnings.filterwarnings("ignore", message=_UNUSABLE_DONATION)
-            staged = stage(self._fun, self._name, call)
+            staged = stage(self._fun, self._name, call, platforms or (_platform_of(call),))
             lowered, output, jaxpr = staged.lower(call, platforms), staged.output, staged.jaxpr
         platform = platforms[0] if platforms else _platform_of(call)
         options = {**default_compiler_options(platform, output.streamed, output.prefetched,

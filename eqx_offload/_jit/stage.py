@@ -16,6 +16,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from .._core.leaves import path_parts
 from .._core.placement import output_shardings
+from .._core.target import lowering_for
 from .analysis import analyse
 from .call import _Call, _Output
 from .donation import _UNUSABLE_DONATION
@@ -60,14 +61,16 @@ def _flat_fun(fun: Callable[..., Any], call: _Call, outputs: list[Any]) -> Calla
     return flat_fun
 
 
-def stage(fun: Callable[..., Any], name: str, call: _Call) -> Staged:
-    """Trace `fun` once for `call`, analyse the program, and stage a replay of it with
-    memory-kind-aware input and output shardings."""
+def stage(fun: Callable[..., Any], name: str, call: _Call, platforms: tuple[str, ...]) -> Staged:
+    """Trace `fun` once for `call`, to be lowered for `platforms` (what `offloaded`'s
+    default update reads: `target.lowering_platforms`), analyse the program, and stage
+    a replay of it with memory-kind-aware input and output shardings."""
     outputs: list[Any] = []
     weights = lambda: host_weights_leaf(jtu.tree_unflatten(call.treedef, call.all_leaves))  # noqa: E731
     try:
-        traced = jax.jit(_flat_fun(fun, call, outputs),
-                         in_shardings=call.in_shardings).trace(*call.leaves)
+        with lowering_for(platforms):
+            traced = jax.jit(_flat_fun(fun, call, outputs),
+                             in_shardings=call.in_shardings).trace(*call.leaves)
     except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
         explained = memory_space_error(name, error, weights)
         if explained is None:
