@@ -2,9 +2,14 @@
 compute, without a chip: the step `offloaded(adamw)` over stacked `(layers, d, d)`,
 `(layers, d, ffn)` and `(layers, ffn, d)` float32 weights (a Llama block's seven
 matrices), compiled for a TPU v5e through libtpu's deviceless compile (`--target tpu`)
-or planned for a GPU (`--target h100`/`h200`, `eqx_offload.gpu_plan`). Prints, per
-direction, the copies, how many have a compute instruction scheduled between their
-start and their end, and the step's memory analysis.
+or planned for a GPU (`--target h100`/`h200`, `eqx_offload.gpu_plan`). Prints one JSON
+line: per direction, the copies, how many have a compute instruction scheduled between
+their start and their end (`under_compute`) and, for the TPU, how many are in flight
+with a copy the other way (`both_ways`); for the TPU the schedule's time if only the
+link cost time (`link_ms`: each direction a lane of 14 GB/s, compute free; against
+`link_ms_full_duplex`, the larger direction's bytes, and `link_ms_serial`, both
+directions' bytes one after the other); and the step's memory analysis.
+`--option NAME=VALUE` adds an XLA option to those `filter_jit` compiles with.
 
     JAX_PLATFORMS=cpu TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost \
         TPU_SKIP_MDS_QUERY=1 python bench/tpu/overlap.py --target tpu
@@ -16,8 +21,8 @@ A plan of XLA's schedule, not a measurement: how long each copy takes needs the 
 import argparse
 import dataclasses
 import json
-import re
 import os
+import re
 import time
 from typing import Any
 
@@ -196,10 +201,11 @@ def main() -> None:
         result = tpu_summary(text)
         memory = compiled.memory_analysis()
         result.update({"temp_bytes": memory.temp_size_in_bytes,
-                  "argument_bytes": memory.argument_size_in_bytes,
-                  "host_temp_bytes": memory.host_temp_size_in_bytes})
+                       "argument_bytes": memory.argument_size_in_bytes,
+                       "host_temp_bytes": memory.host_temp_size_in_bytes})
     else:
-        plan = eqx_offload.gpu_plan(step, *step_args, target=args.target)
+        plan = eqx_offload.gpu_plan(step, *step_args, target=args.target,
+                                    compiler_options=options or None)
         result = {"device_peak_bytes": plan.device_peak_bytes, "temp_bytes": plan.temp_bytes}
         result.update(summary(plan.copies))
     result.update(target=args.target, jax=jax.__version__, seconds=round(time.perf_counter() - start, 1),
