@@ -1,6 +1,7 @@
 """The XLA options `filter_jit` compiles a step with by default: none, except for a GPU
 when the step streams an offloaded state, prefetches layer weights, or brings the whole
-state to the device in one update."""
+state to the device in one update, and for a TPU when the step streams an offloaded
+state."""
 
 from typing import Any
 
@@ -25,6 +26,12 @@ GPU_PREFETCHED_OPTIONS: dict[str, Any] = {
 }
 """What `filter_jit` compiles with by default for a GPU when the step prefetches layer
 weights from host memory (`eqx_offload.scan_layers`) and streams no state."""
+
+TPU_STREAMED_OPTIONS: dict[str, Any] = {
+    "xla_tpu_host_transfer_overlap_limit": 1,
+}
+"""What `filter_jit` compiles with by default for a TPU when the step streams an
+offloaded state (see `default_compiler_options`)."""
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
@@ -66,8 +73,17 @@ def default_compiler_options(platform: str, streamed: bool,
         under a copy, so each leaf comes to the device near its update and leaves right
         after. It changes the estimates the scheduler orders by for the whole step.
 
+    - `xla_tpu_host_transfer_overlap_limit=1`, for a TPU when the step streams: how many
+        host<->device transfers XLA:TPU's scheduler keeps in flight. With libtpu's
+        default it starts a group's copies in one direction together (`mu` and `nu`)
+        and the other direction's after them, one direction at a time; with 1 it pairs
+        each copy to the device with one to host, so both directions of the link run at
+        once (the docs page "Streamed update" has the counts from XLA:TPU's schedule).
+
     What each option does to the plans of the benchmark's workloads: the "GPU plan"
     docs page."""
+    if platform.lower() == "tpu":
+        return dict(TPU_STREAMED_OPTIONS) if streamed else {}
     if platform.lower() not in _GPU_PLATFORMS:
         return {}
     if streamed:

@@ -16,6 +16,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from .._core.leaves import path_parts
 from .._core.placement import output_shardings
+from .._core.target import lowering_for
 from .analysis import analyse
 from .call import Call
 from .compiler_options import default_compiler_options
@@ -93,15 +94,19 @@ def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..
     return flat_fun
 
 
-def _stage(fun: Callable[..., Any], name: str, call: Call) -> tuple[Any, Output, Any, Any]:
-    """Trace `fun` once for `call` and analyse the program: the `jax.jit` that lowers it
-    with memory-kind-aware shardings (its trace is JAX's cached first one), how to
-    rebuild the result, the closed jaxpr, and the `analysis.Analysis`."""
+def _stage(fun: Callable[..., Any], name: str, call: Call,
+           platforms: tuple[str, ...]) -> tuple[Any, Output, Any, Any]:
+    """Trace `fun` once for `call`, to be lowered for `platforms` (what `offloaded`'s
+    default update reads: `target.lowering_platforms`), and analyse the program: the
+    `jax.jit` that lowers it with memory-kind-aware shardings (its trace is JAX's cached
+    first one), how to rebuild the result, the closed jaxpr, and the
+    `analysis.Analysis`."""
     found = _Trace()
     flat_fun = _flat_fun(fun, call, found)
     weights = lambda: host_weights_leaf(jtu.tree_unflatten(call.treedef, call.all_leaves))  # noqa: E731
     try:
-        closed = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves).jaxpr
+        with lowering_for(platforms):
+            closed = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves).jaxpr
     except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
         explained = memory_space_error(name, error, weights)
         if explained is None:
@@ -132,18 +137,20 @@ def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
     with warnings.catch_warnings():
         if silence:
             warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
-        jitted, output, closed, found = _stage(fun, name, call)
+        jitted, output, closed, found = _stage(fun, name, call, platforms or (_platform_of(call),))
         traced = jitted.trace(*call.leaves)
         lowered = traced.lower() if platforms is None else traced.lower(
             lowering_platforms=platforms)
-    if platforms:
-        platform = platforms[0]
-    else:  # the platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default
-        devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
-        platform = str(devices[0].platform) if devices else jax.default_backend()
+    platform = platforms[0] if platforms else _platform_of(call)
     options = {**default_compiler_options(platform, found.streamed, found.prefetched,
                                           found.whole), **(compiler_options or {})}
     return Program(lowered, output, closed, options)
+
+
+def _platform_of(call: Call) -> str:
+    """The platform of the call's devices (`"gpu"` for CUDA and ROCm), or JAX's default."""
+    devices: list[Any] = [d for s in call.in_shardings for d in s.device_set]
+    return str(devices[0].platform) if devices else jax.default_backend()
 
 
 def compile_program(program: Program, compiler_options: dict[str, Any],
@@ -170,7 +177,8 @@ def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
     with warnings.catch_warnings():
         if silence:
             warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
-        jitted = _stage(fun, name, call)[0]
+        target = tuple(platforms) if platforms else (jax.default_backend(),)
+        jitted = _stage(fun, name, call, target)[0]
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                  for x, s in zip(call.leaves, call.in_shardings, strict=True)]
         return jax.export.export(jitted, platforms=platforms)(*specs)

@@ -9,7 +9,8 @@ update then stores it (`Layout.store`). `leaves` are the inner state's flat leav
 `traced` says whether any argument is traced.
 
 - `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
-  accelerator where the update allows it, else `update_on_device`;
+  accelerator where the update allows it, else `update_on_device` (chosen before
+  tracing where `filter_jit` knows the platform, else by `platform_dependent`);
 - `update_on_device` (`group_bytes=None`): the whole state at once;
 - `streamed` (`group_bytes=N`): `stream.streamed_update`;
 - `host` (`compute="host"`): `host_compute.host_update`.
@@ -22,7 +23,7 @@ bitwise as `jax.jit(inner.update)`.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import equinox as eqx
 import jax
@@ -32,6 +33,7 @@ from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
 from .._core.move import place_like
 from .._core.placement import is_host
+from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
 from .host_compute import host_update
@@ -76,12 +78,24 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
     arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
+    on_cpu = _for_cpu()
+    if on_cpu is not None:
+        return unfenced(leaves, updates) if on_cpu else fenced(leaves, updates)
     chosen: list[Any] = jax.lax.platform_dependent([leaves[i] for i in arrays], updates,
                                                    cpu=unfenced, default=fenced)
     result = list(leaves)
     for i, x in zip(arrays, chosen):
         result[i] = x
     return result
+
+
+def _for_cpu() -> Optional[bool]:
+    """Whether the program being traced is lowered for the CPU alone (`True`), for
+    accelerators alone (`False`), or for both or for platforms unknown (`None`: the
+    program then decides with `jax.lax.platform_dependent`)."""
+    platforms = lowering_platforms()
+    on_cpu = {p == "cpu" for p in platforms or ()}
+    return on_cpu.pop() if len(on_cpu) == 1 else None
 
 
 def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
@@ -92,11 +106,14 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     RAM: streaming frees nothing and its barriers cost step time), the whole state at
     once.
 
-    Under `jit` the program holds both, and JAX lowers only the one for the platform it
-    lowers for (`jax.lax.platform_dependent`): a step traced on a CPU machine and
-    lowered for `cuda` (`gpu_plan`, `export`) streams. Tracing both costs trace time.
-    Both return the same types (`_as_returned`); any error but `NotStreamable` comes
-    through: none falls back to the whole state unseen."""
+    The branch is chosen before tracing where the platforms the program is lowered for
+    are known (`target.lowering_platforms`: under `eqx_offload.filter_jit`, its call,
+    `lower_for` and `export`): only the CPU, the whole state; no CPU, the streamed
+    update. Where they are not (under `jax.jit`, or for the CPU and an accelerator at
+    once) the program holds both, and JAX lowers only the one for the platform it
+    lowers for (`jax.lax.platform_dependent`): a step traced with `jax.jit` and lowered
+    for `cuda` streams. Every branch returns the same types (`_as_returned`); any error
+    but `NotStreamable` comes through: none falls back to the whole state unseen."""
     arguments = (inner, layout, traced, updates, leaves, params, extra_args)
     if not traced:
         return update_on_device(*arguments)
@@ -112,9 +129,15 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
             return dynamic
         return run
 
+    on_cpu = _for_cpu()
     try:
-        dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
-                                             default=branch(streamed))
+        if on_cpu is True:
+            dynamic = branch(update_on_device)()
+        elif on_cpu is False:
+            dynamic = branch(streamed)()
+        else:
+            dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
+                                                 default=branch(streamed))
     except NotStreamable:  # the documented mode of such an update: the whole state
         return update_on_device(*arguments)
     result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])

@@ -266,12 +266,16 @@ def _adam_setup(**options: Any) -> tuple[Any, Any, Any]:
     return params, opt.init(params), step
 
 
-def test_default_compiler_options_only_for_a_gpu_step_that_streams():
+def test_default_compiler_options_only_for_an_accelerator_step_that_streams():
     """GPU scheduler options for a streamed update, others for a whole host state in one
-    update (streamed wins); none on the CPU, whose program is unchanged."""
+    update (streamed wins); a TPU's for a streamed update alone; none on the CPU, whose
+    program is unchanged."""
     from eqx_offload._jit.compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
-                                               GPU_WHOLE_STATE_OPTIONS)
+                                               GPU_WHOLE_STATE_OPTIONS, TPU_STREAMED_OPTIONS)
 
+    assert default_compiler_options("tpu", True) == TPU_STREAMED_OPTIONS
+    assert default_compiler_options("tpu", False, whole=True) == {}
+    assert default_compiler_options("tpu", False, prefetched=True) == {}
     assert default_compiler_options("cpu", True) == {}
     assert default_compiler_options("cpu", False, whole=True) == {}
     assert default_compiler_options("cuda", False) == {}

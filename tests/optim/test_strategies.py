@@ -67,6 +67,45 @@ def test_weights_in_host_memory_keep_the_streamed_branch(make: Any) -> None:
         assert g.dtype == w.dtype and bool(jnp.all(g == w))
 
 
+def _platform_choices(jaxpr: Any) -> int:
+    """How many `jax.lax.platform_dependent` choices a traced program holds."""
+    return str(jaxpr).count("platform_index")
+
+
+@pytest.mark.parametrize("platforms, modes", [
+    ("call", {"whole"}),  # a call with arrays on the CPU: their devices' platform
+    (("cpu",), {"whole"}),
+    (("cuda",), {"streamed"}),
+    (("tpu",), {"streamed"}),
+    (("rocm", "cuda"), {"streamed"}),
+    (("cpu", "cuda"), {"whole", "streamed"}),  # both platforms: the program chooses
+])
+def test_filter_jit_traces_the_update_of_the_platform_it_lowers_for(
+        platforms: Any, modes: set[str]) -> None:
+    """Under `eqx_offload.filter_jit` the default's branch is chosen before tracing,
+    from the platforms the step is lowered for: the CPU alone traces the whole-state
+    update (the fence after the gradients too: no `platform_dependent` is left), an
+    accelerator the streamed one; for both, the program holds both."""
+    params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+    opt = eqx_offload.offloaded(optax.adamw(1e-3))
+    args = (params, opt.init(params), params)
+    step = eqx_offload.filter_jit(opt.update)
+    lowered = step.lower(*args) if platforms == "call" else step.lower_for(platforms, args, {})
+    assert scopes(lowered.jaxpr.jaxpr) == modes
+    assert (_platform_choices(lowered.jaxpr) > 0) == (len(modes) > 1)
+
+
+def test_a_trace_for_platforms_unknown_holds_both_updates() -> None:
+    """Under `jax.jit` (or `eqx.filter_jit`) the platform is not known while tracing:
+    the program holds both updates and JAX lowers the one for its platform."""
+    params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+    opt = eqx_offload.offloaded(optax.adamw(1e-3))
+    jaxpr = jax.make_jaxpr(opt.update)(params, opt.init(params), params)
+    assert scopes(jaxpr.jaxpr) == {"whole", "streamed"}
+    assert eqx.filter_jit(lambda *a: _modes(opt.update, *a))(
+        params, opt.init(params), params) == {"whole", "streamed"}
+
+
 def test_an_update_that_cannot_stream_updates_the_whole_state() -> None:
     """`apply_if_finite` couples all of its state: `group_bytes=N` refuses it with a
     `CompositionError`, and the default compiles the whole-state update alone (the
@@ -80,17 +119,23 @@ def test_an_update_that_cannot_stream_updates_the_whole_state() -> None:
         jax.jit(streamed.update)(params, streamed.init(params), params)
 
 
-def test_any_other_error_of_the_streamed_branch_comes_through(monkeypatch) -> None:
+@pytest.mark.parametrize("jit", ["jax.jit", "lower_for"])
+def test_any_other_error_of_the_streamed_branch_comes_through(monkeypatch, jit: str) -> None:
     """An error of the streamed branch that is not `NotStreamable` is raised, not
-    answered with the whole-state update."""
+    answered with the whole-state update: in the program for both platforms, and in
+    the one for an accelerator alone."""
     def broken(*args: Any) -> Any:
         raise TypeError("a bug in the streamed update")
 
     monkeypatch.setattr(strategies, "streamed", broken)
     params = {"w": jnp.ones((8, 8))}
     opt = eqx_offload.offloaded(optax.adam(1e-3))
+    args = (params, opt.init(params), params)
     with pytest.raises(TypeError, match="a bug in the streamed update"):
-        jax.jit(opt.update)(params, opt.init(params), params)
+        if jit == "jax.jit":
+            jax.jit(opt.update)(*args)
+        else:
+            eqx_offload.filter_jit(opt.update).lower_for(("cuda",), args, {})
 
 
 @pytest.mark.parametrize("group_bytes", ["auto", 0])
