@@ -260,115 +260,13 @@ class _Runner:
         vals.update(zip(to_host, store(self.options, [vals[key] for key in to_host],
                                              "pinned_host"), strict=True))
         for p in self.schedule.pieces[stage]:
-            host, updates = self.run_piece(j, p, computed)
+            host, updates = _run_piece(self, j, p, computed)
             to_host += host
             produced += updates
         if computed:
             self.latest[:] = computed
         self.fences.append(to_host if to_host or stage == 0 else produced)
         self.fetch_early(j + 1 + self.options.lookahead)
-
-    def run_piece(self, j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Run a split unit's equations on its rows; returns the keys of what goes to
-        host and of the updates, and appends the new rows of state (on the device) to
-        `computed`."""
-        local = self._piece_values(j, p)
-        to_host: list[Any] = []
-        updates: list[Any] = []
-        for k in self.schedule.sliced[p.root].outputs:
-            value = local[self.jaxpr.outvars[k]]
-            if k in self.into:
-                updates.append(self._write_update(k, p, local[self.into[k][0]]))
-            elif k in self.into_host:
-                updates.append(self._write_host_update(k, p, value))
-            elif k < self.n_updates:
-                updates.append(self._keep_update_rows(k, p, value))
-            else:
-                to_host.append(self._write_state_rows(j, k - self.n_updates, p, value, computed))
-        return to_host, updates
-
-    def _piece_values(self, j: int, p: _Piece) -> dict[Any, Any]:
-        """The values of a split unit's equations on piece `p`'s rows, by variable: its
-        rows of state (fetched by run `j`) and of what it reads that is computed
-        without the state, and what its equations make of them."""
-        unit = self.schedule.sliced[p.root]
-        a, b = p.rows
-        local = {self.state_invars[i]: self.vals[("read", j, p.root, p.index, i)] for i in unit.read}
-
-        def read(v: Any) -> Any:
-            if not is_var(v):
-                return v.val
-            if v not in local:  # computed without the state: gradients, parameters, scalars
-                k = self.source_of.get(p.root, {}).get(v)
-                x = self.env.read(v) if k is None else self.vals[("acc", k)]
-                local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
-            return local[v]
-
-        for eqn in unit.eqns:
-            local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
-        return local
-
-    def _write_update(self, k: int, p: _Piece, rows: Any) -> Any:
-        """Write piece `p`'s `rows` of update `k` into its gradient's buffer (`into`);
-        after the last piece, the update is the buffer with the trailing operations of
-        `_tails` applied. Returns the buffer's key."""
-        cut, tail = self.into[k]
-        key = ("acc", k)
-        # The barrier keeps the write in place, and out of `apply_updates`'s
-        # fusion (which would keep every piece's inputs until the last one).
-        self.vals[key] = optimization_barrier(
-            jax.lax.dynamic_update_slice_in_dim(self.vals[key], rows, p.rows[0], axis=0))
-        if p.last:
-            whole = {cut: self.vals[key]}
-            for eqn in tail:
-                args = [whole[v] if is_var(v) and v in whole else self.env.read(v)
-                        for v in eqn.invars]
-                whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
-            self.vals[("out", k)] = whole[self.jaxpr.outvars[k]]
-        return key
-
-    def _write_host_update(self, k: int, p: _Piece, rows: Any) -> Any:
-        """Send piece `p`'s `rows` of update `k` to host and write them into its
-        gradient's host buffer, in place (`into_host`); after the last piece, the update
-        is that buffer. Returns the buffer's key."""
-        key = ("acc", k)
-        (moved,) = move([rows], True, memory_kind_of(self.vals[key]), "memory_kind")
-        self.vals[key] = jax.lax.dynamic_update_slice_in_dim(self.vals[key], moved, p.rows[0],
-                                                             axis=0)
-        if p.last:
-            self.vals[("out", k)] = self.vals[key]
-        return key
-
-    def _keep_update_rows(self, k: int, p: _Piece, value: Any) -> Any:
-        """Keep piece `p`'s rows of update `k` (an update not written into a gradient's
-        buffer); after the last piece, the update is their concatenation. Returns the
-        rows' key."""
-        rows_key = ("upd", k, p.index)
-        self.vals[rows_key] = value
-        self.updates_of.setdefault(k, []).append(rows_key)
-        if p.last:
-            self.vals[("out", k)] = jax.numpy.concatenate(
-                [self.vals[u] for u in self.updates_of[k]], axis=0)
-        return rows_key
-
-    def _write_state_rows(self, j: int, i: int, p: _Piece, value: Any, computed: list[Any]) -> Any:
-        """Send piece `p`'s new rows of state leaf `i` (run `j`) to host, narrowed, and
-        write them into the leaf's host buffer, in place; appends them as computed (on
-        the device) to `computed`. Returns the buffer's key."""
-        (value,) = narrowed(self.options, [value])
-        computed.append(value)
-        (rows,) = store(self.options, [value], "pinned_host")
-        key = ("leaf", i)
-        ahead = [r for r in self.pending.pop(i, []) if r[1] > j]
-        if ahead:
-            # Pieces of this leaf fetched ahead read its buffer before this write
-            # lands in it (in place): they need no copy of the buffer.
-            buffer, reads = optimization_barrier(
-                (self.vals[key], [self.vals[r] for r in ahead]))
-            self.vals[key] = buffer
-            self.vals.update(zip(ahead, reads, strict=True))
-        self.vals[key] = jax.lax.dynamic_update_slice_in_dim(self.vals[key], rows, p.rows[0], axis=0)
-        return key
 
     def outputs(self) -> list[Any]:
         """The jaxpr's outputs: those the runs made, the host buffers of the split
@@ -385,6 +283,117 @@ class _Runner:
             else:
                 outputs.append(jnp.asarray(self.env.read(v), v.aval.dtype))
         return outputs
+
+
+# The pieces of a split unit (a stacked leaf's rows), run by `_Runner.run`.
+
+
+def _run_piece(runner: _Runner, j: int, p: _Piece, computed: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Run a split unit's equations on its rows; returns the keys of what goes to
+    host and of the updates, and appends the new rows of state (on the device) to
+    `computed`."""
+    local = _piece_values(runner, j, p)
+    to_host: list[Any] = []
+    updates: list[Any] = []
+    for k in runner.schedule.sliced[p.root].outputs:
+        value = local[runner.jaxpr.outvars[k]]
+        if k in runner.into:
+            updates.append(_write_update(runner, k, p, local[runner.into[k][0]]))
+        elif k in runner.into_host:
+            updates.append(_write_host_update(runner, k, p, value))
+        elif k < runner.n_updates:
+            updates.append(_keep_update_rows(runner, k, p, value))
+        else:
+            to_host.append(_write_state_rows(runner, j, k - runner.n_updates, p, value, computed))
+    return to_host, updates
+
+
+def _piece_values(runner: _Runner, j: int, p: _Piece) -> dict[Any, Any]:
+    """The values of a split unit's equations on piece `p`'s rows, by variable: its
+    rows of state (fetched by run `j`) and of what it reads that is computed
+    without the state, and what its equations make of them."""
+    unit = runner.schedule.sliced[p.root]
+    a, b = p.rows
+    local = {runner.state_invars[i]: runner.vals[("read", j, p.root, p.index, i)] for i in unit.read}
+
+    def read(v: Any) -> Any:
+        if not is_var(v):
+            return v.val
+        if v not in local:  # computed without the state: gradients, parameters, scalars
+            k = runner.source_of.get(p.root, {}).get(v)
+            x = runner.env.read(v) if k is None else runner.vals[("acc", k)]
+            local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
+        return local[v]
+
+    for eqn in unit.eqns:
+        local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+    return local
+
+
+def _write_update(runner: _Runner, k: int, p: _Piece, rows: Any) -> Any:
+    """Write piece `p`'s `rows` of update `k` into its gradient's buffer (`into`);
+    after the last piece, the update is the buffer with the trailing operations of
+    `_tails` applied. Returns the buffer's key."""
+    cut, tail = runner.into[k]
+    key = ("acc", k)
+    # The barrier keeps the write in place, and out of `apply_updates`'s
+    # fusion (which would keep every piece's inputs until the last one).
+    runner.vals[key] = optimization_barrier(
+        jax.lax.dynamic_update_slice_in_dim(runner.vals[key], rows, p.rows[0], axis=0))
+    if p.last:
+        whole = {cut: runner.vals[key]}
+        for eqn in tail:
+            args = [whole[v] if is_var(v) and v in whole else runner.env.read(v)
+                    for v in eqn.invars]
+            whole.update(zip(eqn.outvars, bind(eqn, args), strict=True))
+        runner.vals[("out", k)] = whole[runner.jaxpr.outvars[k]]
+    return key
+
+
+def _write_host_update(runner: _Runner, k: int, p: _Piece, rows: Any) -> Any:
+    """Send piece `p`'s `rows` of update `k` to host and write them into its
+    gradient's host buffer, in place (`into_host`); after the last piece, the update
+    is that buffer. Returns the buffer's key."""
+    key = ("acc", k)
+    (moved,) = move([rows], True, memory_kind_of(runner.vals[key]), "memory_kind")
+    runner.vals[key] = jax.lax.dynamic_update_slice_in_dim(runner.vals[key], moved, p.rows[0],
+                                                         axis=0)
+    if p.last:
+        runner.vals[("out", k)] = runner.vals[key]
+    return key
+
+
+def _keep_update_rows(runner: _Runner, k: int, p: _Piece, value: Any) -> Any:
+    """Keep piece `p`'s rows of update `k` (an update not written into a gradient's
+    buffer); after the last piece, the update is their concatenation. Returns the
+    rows' key."""
+    rows_key = ("upd", k, p.index)
+    runner.vals[rows_key] = value
+    runner.updates_of.setdefault(k, []).append(rows_key)
+    if p.last:
+        runner.vals[("out", k)] = jax.numpy.concatenate(
+            [runner.vals[u] for u in runner.updates_of[k]], axis=0)
+    return rows_key
+
+
+def _write_state_rows(runner: _Runner, j: int, i: int, p: _Piece, value: Any, computed: list[Any]) -> Any:
+    """Send piece `p`'s new rows of state leaf `i` (run `j`) to host, narrowed, and
+    write them into the leaf's host buffer, in place; appends them as computed (on
+    the device) to `computed`. Returns the buffer's key."""
+    (value,) = narrowed(runner.options, [value])
+    computed.append(value)
+    (rows,) = store(runner.options, [value], "pinned_host")
+    key = ("leaf", i)
+    ahead = [r for r in runner.pending.pop(i, []) if r[1] > j]
+    if ahead:
+        # Pieces of this leaf fetched ahead read its buffer before this write
+        # lands in it (in place): they need no copy of the buffer.
+        buffer, reads = optimization_barrier(
+            (runner.vals[key], [runner.vals[r] for r in ahead]))
+        runner.vals[key] = buffer
+        runner.vals.update(zip(ahead, reads, strict=True))
+    runner.vals[key] = jax.lax.dynamic_update_slice_in_dim(runner.vals[key], rows, p.rows[0], axis=0)
+    return key
 
 
 def _run(traced: TracedUpdate, schedule: _Schedule, options: Options,
