@@ -1,5 +1,6 @@
-"""Every module of the package at most 500 lines, every function's code (its docstring
-aside) at most 60: read with `ast`, so a long function shows by name."""
+"""Every module of the package at most 500 lines, every class at most 200 (docstrings
+included), every function's code (its docstring aside) at most 60: read with `ast`, so a
+long class or function shows by name."""
 
 import ast
 import pathlib
@@ -10,16 +11,22 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eqx_offload"
 MODULE_LINES = 500
 FUNCTION_LINES = 60
+CLASS_LINES = 200
 # Modules or functions over the limits, each with its reason (none now).
 EXCEPTIONS: dict[str, str] = {}
 
 
 def oversized(source: str, name: str) -> list[str]:
-    """`name` if `source` is over `MODULE_LINES`, and `name:function` for each function
-    whose code is over `FUNCTION_LINES` lines."""
+    """`name` if `source` is over `MODULE_LINES`, `name:class` for each class over
+    `CLASS_LINES` and `name:function` for each function whose code is over
+    `FUNCTION_LINES` lines."""
     found = [name] if len(source.splitlines()) > MODULE_LINES else []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, ast.ClassDef):
+            assert node.end_lineno is not None
+            if node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                found.append(f"{name}:{node.name}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             assert node.end_lineno is not None
             lines = node.end_lineno - node.lineno + 1
             first = node.body[0]
@@ -37,6 +44,9 @@ def test_measure_can_fail() -> None:
     assert oversized(f'def f():\n    """doc\n    more"""\n{body}', "m") == ["m:f"]
     assert oversized(f"def f():\n{body[:-len('    x59 = 59')-1]}", "m") == []
     assert oversized("x = 1\n" * (MODULE_LINES + 1), "m") == ["m"]
+    fields = "".join(f"    x{i} = {i}\n" for i in range(CLASS_LINES))
+    assert oversized(f"class C:\n{fields}", "m") == ["m:C"]
+    assert oversized(f"class C:\n{fields[:-len('    x199 = 199')-1]}", "m") == []
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")),
@@ -44,4 +54,5 @@ def test_measure_can_fail() -> None:
 def test_module_and_function_sizes(path: pathlib.Path) -> None:
     name = str(path.relative_to(PACKAGE))
     over = [n for n in oversized(path.read_text(), name) if n not in EXCEPTIONS]
-    assert not over, f"over {MODULE_LINES} lines a module or {FUNCTION_LINES} a function: {over}"
+    assert not over, (f"over {MODULE_LINES} lines a module, {CLASS_LINES} a class or "
+                      f"{FUNCTION_LINES} a function: {over}")
