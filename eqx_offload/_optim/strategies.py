@@ -23,7 +23,7 @@ bitwise as `jax.jit(inner.update)`.
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -42,7 +42,16 @@ from .options import Options
 from .stream import streamed_update
 
 
-Strategy = Callable[..., tuple[Any, Any]]
+@runtime_checkable
+class Strategy(Protocol):
+    """An update strategy: brings what it needs of the inner state (`leaves`, flat, in
+    `layout`) to the device, runs `inner.update` on `updates`, and returns `(updates,
+    new_inner_state)`, the new state not yet stored. `traced`: whether any argument is
+    traced."""
+
+    def __call__(self, inner: Any, layout: Layout, traced: bool, updates: Any,
+                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+        ...
 
 
 def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
@@ -184,14 +193,23 @@ def host(inner: Any, layout: Layout, traced: bool, updates: Any,
                        extra_args, layout.init_dtypes)
 
 
-def _compiled_when_eager(strategy: Strategy, compiled: Strategy, inner: Any,
-                         layout: Layout, traced: bool, updates: Any, leaves: list[Any],
-                         params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    if traced:
-        return strategy(inner, layout, traced, updates, leaves, params, extra_args)
-    # The state as a tree: `filter_jit` gives each output the sharding of the input
-    # whose path ends like its own.
-    return compiled(inner, layout, updates, layout.unflatten(leaves), params, extra_args)
+class _CompiledWhenEager:
+    """`strategy` in a trace; called eagerly, `strategy` compiled by `filter_jit` (the
+    streamed and host-compute updates are properties of one compiled program)."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.compiled = filter_jit(functools.partial(_on_tree, strategy))
+
+    def __call__(self, inner: Any, layout: Layout, traced: bool, updates: Any,
+                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+        if traced:
+            return self.strategy(inner, layout, traced, updates, leaves, params, extra_args)
+        # The state as a tree: `filter_jit` gives each output the sharding of the input
+        # whose path ends like its own.
+        result: tuple[Any, Any] = self.compiled(inner, layout, updates, layout.unflatten(leaves),
+                                                params, extra_args)
+        return result
 
 
 def _on_tree(strategy: Strategy, inner: Any, layout: Layout, updates: Any,
@@ -206,6 +224,4 @@ def choose(options: Options) -> Strategy:
         return auto_update
     if options.group_bytes is None and options.compute == "device":
         return update_on_device
-    strategy = host if options.compute == "host" else streamed
-    compiled = filter_jit(functools.partial(_on_tree, strategy))
-    return functools.partial(_compiled_when_eager, strategy, compiled)
+    return _CompiledWhenEager(host if options.compute == "host" else streamed)
