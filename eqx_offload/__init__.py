@@ -52,7 +52,7 @@ from ._models.params import (
     with_host_params as with_host_params,
 )
 from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
-from ._plan.plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan
+from ._plan.plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan, plan as plan
 from ._plan.targets import GPU_TARGETS as GPU_TARGETS, GpuTarget as GpuTarget
 from ._models.remat import (
     filter_remat as filter_remat,
@@ -144,6 +144,7 @@ __all__ = [
     "OffloadWarning",
     "OptionError",
     "pattern",
+    "plan",
     "PlanError",
     "PlannedCollective",
     "PlannedCopy",

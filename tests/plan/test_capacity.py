@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import gpu_plan_marks
 
 

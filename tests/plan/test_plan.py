@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import donated_step, gpu_plan_marks, Stacked
 
 

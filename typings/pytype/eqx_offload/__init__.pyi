@@ -81,6 +81,7 @@ __all__ = [
     "OffloadWarning",
     "OptionError",
     "pattern",
+    "plan",
     "PlanError",
     "PlannedCollective",
     "PlannedCopy",
@@ -206,98 +207,28 @@ def prefetch_options(
     device_bytes: Optional[int] = None, *, device_memory_size: Optional[int] = None
 ) -> dict[str, Any]: ...
 
-# The GPU plan.
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-    name: str
-    device_memory_size: int
-    core_count: int
-    memory_bandwidth: int
-    clock_rate_ghz: float
-    l2_cache_size: int
-    compute_capability: tuple[int, int]
-    pcie_bandwidth: int
-    bf16_flops: float = ...
-    tf32_flops: float = ...
-    fp32_flops: float = ...
-    host_link_bandwidth: float = ...
-    def with_memory(self, device_memory_size: int) -> GpuTarget: ...
-    def config_text(self) -> str: ...
+# The planner (its names live in `eqx_offload.planner`).
+from eqx_offload.planner import (
+    GPU_TARGETS as GPU_TARGETS,
+    GpuTarget as GpuTarget,
+    Plan,
+    plan as plan,
+    PlannedCollective as PlannedCollective,
+    PlannedCopy as PlannedCopy,
+    TpuTarget,
+)
 
-GPU_TARGETS: Mapping[str, GpuTarget]
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCopy:
-    direction: Literal["to_device", "to_host"]
-    nbytes: int
-    overlapped: bool
-    kernels: int
-    name: str
-    count: int = ...
-    conditional: bool = ...
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCollective:
-    kind: str
-    nbytes: int
-    count: int
-    name: str
-
-@dataclasses.dataclass(frozen=True)
-class GpuPlan:
-    target: str
-    device_memory_size: int
-    device_peak_bytes: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    host_bytes: int
-    host_limit_bytes: int
-    copies: tuple[PlannedCopy, ...]
-    compiler_options: Mapping[str, Any]
-    n_devices: int = ...
-    host_memory_bytes: Optional[int] = ...
-    collectives: tuple[PlannedCollective, ...] = ...
-    matmul_flops: Mapping[str, float] = ...
-    hbm_bytes: int = ...
-    gpu: Optional[GpuTarget] = ...
-    memory_fraction: float = ...
-    memory_fraction_source: str = ...
-    @property
-    def usable_device_bytes(self) -> int: ...
-    @property
-    def fits(self) -> bool: ...
-    @property
-    def host_total_bytes(self) -> int: ...
-    @property
-    def host_fits(self) -> bool: ...
-    def bytes_moved(self, direction: Literal["to_device", "to_host"]) -> int: ...
-    @property
-    def compute_floor_seconds(self) -> float: ...
-    @property
-    def transfer_floor_seconds(self) -> float: ...
-    @property
-    def floor_ratio(self) -> float: ...
-    def copies_to(self, direction: Literal["to_device", "to_host"]) -> tuple[PlannedCopy, ...]: ...
-    def overlapped_fraction(
-        self,
-        direction: Optional[Literal["to_device", "to_host"]] = None,
-        *,
-        by: Literal["count", "bytes"] = "count",
-    ) -> float: ...
-    def run_settings(self) -> list[str]: ...
-    def summary(self) -> str: ...
+GpuPlan = Plan
 
 def gpu_plan(
     fun: Callable[..., Any],
     *args: Any,
-    target: Union[str, GpuTarget] = "h200",
+    target: Union[str, GpuTarget, TpuTarget] = "h200",
     device_memory: Optional[int] = None,
     compiler_options: Optional[dict[str, Any]] = None,
     host_memory: Optional[int] = None,
     **kwargs: Any,
-) -> GpuPlan: ...
+) -> Plan: ...
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
