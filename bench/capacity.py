@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import eqx_offload
+from eqx_offload.planner import TPU_TARGETS
 
 from llama import Llama, llama_loss, LlamaShape
 
@@ -305,8 +306,8 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
     """Plan one step (see `training_step`) and say whether it fits."""
     start = time.perf_counter()
     n = 1 if mesh is None else mesh.devices.size
-    gpu = eqx_offload.GPU_TARGETS[target]
-    memory = gpu.device_memory_size if device_memory is None else device_memory
+    chip = {**eqx_offload.GPU_TARGETS, **TPU_TARGETS}[target]
+    memory = chip.device_memory_size if device_memory is None else device_memory
     step, args = training_step(shape, mode, mesh)
     device_args, host_args = argument_bytes(args)
     if device_args > memory or host_args > host_memory:
@@ -317,8 +318,8 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
                              host_memory, 0, False, 0, 0, {}, 0.0, 0.0, 0.0, None,
                              time.perf_counter() - start, from_arguments=True)
     try:
-        plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
-                                    host_memory=host_memory)
+        plan = eqx_offload.plan(step, *args, target=target, device_memory=device_memory,
+                                host_memory=host_memory)
     except eqx_offload.PlanError as error:
         return CapacityPoint(shape, mode.name, target, n, 0, memory, 0, host_memory, 0, False,
                              0, 0, {}, 0.0, 0.0, 0.0, str(error)[:500],

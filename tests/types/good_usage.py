@@ -183,7 +183,7 @@ if __name__ == "__main__":
 
 
 def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
-    """XLA's GPU plan of the step (type-checked here; run in tests/plan/test_plan.py)."""
+    """XLA's GPU and TPU plans of the step (type-checked here; run in tests/plan/)."""
     optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
 
     def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:
@@ -203,11 +203,14 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
         plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
             eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
             x, y, target=h100.with_memory(1 << 30))
+        on_tpu: eqx_offload.GpuPlan = eqx_offload.plan(  # (a TPU v5e, through libtpu)
+            eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
+            x, y, target="v5e")
     except eqx_offload.PlanError:
         return False
     copies: tuple[eqx_offload.PlannedCopy, ...] = plan.copies_to("to_device")
     collectives: tuple[eqx_offload.PlannedCollective, ...] = plan.collectives
-    return plan.fits and all(c.nbytes > 0 for c in copies) and not collectives
+    return plan.fits and on_tpu.fits and all(c.nbytes > 0 for c in copies) and not collectives
 
 
 class Block(eqx.Module):
