@@ -1,6 +1,6 @@
 """The host<->device copies and the collectives of a step, read from the text of XLA's
 scheduled HLO module: pure parsing, no JAX. `plan` builds its `Plan` from them; what
-they show for `offloaded` is in `docs/plan.md`.
+they show for `offloaded` is in `docs/gpu-plan.md`.
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ The numbers are XLA's *plan* for the target (its buffer assignment and its sched
 not a measurement: the device bytes are those XLA allocates for the executable, and a
 copy "overlaps compute" when XLA's schedule puts at least one kernel between the copy's
 start and its completion. How fast the copies actually are, and whether the runtime
-overlaps them as scheduled, only the chip can say (`docs/plan.md`).
+overlaps them as scheduled, only the chip can say (`docs/gpu-plan.md`).
 """
 
 import dataclasses
@@ -241,7 +241,7 @@ def plan(
     hidden?" from a laptop. **A plan, not a measurement**: the bytes are XLA's buffer
     assignment for that chip and the overlap is XLA's schedule; a copy's real duration
     and the step time need the chip itself. What the plans show, and how they compare
-    with measured steps: `docs/plan.md`.
+    with measured steps: `docs/gpu-plan.md`.
 
     **Arguments:**
 

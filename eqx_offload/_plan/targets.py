@@ -1,7 +1,7 @@
 """The chips `plan` compiles for: `GpuTarget` (the properties XLA's GPU compiler reads,
 and the peak rates the plan's floors use) and `GPU_TARGETS` by name; `TpuTarget` (the
 libtpu topology that describes the chip, and its rates) and `TPU_TARGETS` by name.
-See `docs/plan.md` for what the plans of these targets show.
+See `docs/gpu-plan.md` for what the plans of these targets show.
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ class GpuTarget:
     JAX's default precision, which lets cuBLAS use TF32 on these GPUs), `fp32_flops`
     (at `precision=HIGHEST`), all dense, per second; and `host_link_bandwidth`, bytes
     per second each way between host and device (PCIe 5.0 x16: 64 GB/s). How these
-    floors compare with a step measured on an H200: `docs/plan.md`.
+    floors compare with a step measured on an H200: `docs/gpu-plan.md`.
     """
 
     name: str

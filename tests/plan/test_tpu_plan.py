@@ -90,7 +90,7 @@ def test_master_weights_and_host_weights_keep_fp32_off_the_v5e() -> None:
     """Streamed master weights: the fp32 weights and both moments wait in host memory,
     the device holds the bf16 compute weights between steps, and the peak is below the
     plain step's (on a GPU by at least twice the fp32 weights, `test_models_plan.py`;
-    XLA:TPU plans less of a drop, docs/plan.md). Weights in host memory
+    XLA:TPU plans less of a drop, docs/gpu-plan.md). Weights in host memory
     (`host_weights`, `host_params`): the device holds none of them between steps (its
     peak, each layer's weights fetched where they are used, is not checked here)."""
     plain = _plan(_optax_step(ADAMW))
