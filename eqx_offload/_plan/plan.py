@@ -278,7 +278,7 @@ def plan(
     `jax-cuda12-plugin` at the installed JAX version and `nvidia-cuda-nvcc-cu12`; for a
     TPU, libtpu: `jax[tpu]` at the installed JAX version), an abstract argument has no
     sharding the plan can use, or XLA cannot compile the step for the target (on a TPU,
-    also a step that does not fit in its HBM: XLA:TPU refuses to compile it);
+    also a step whose temporaries alone exceed its HBM: XLA:TPU refuses to compile it);
     `OptionError` for a bad `target`, `device_memory` or `host_memory`.
 
     !!! Example
@@ -397,8 +397,8 @@ def _compile_tpu(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res
     except PlanError:
         raise
     except Exception as error:
-        fit = (" (the step does not fit in the chip's HBM: XLA:TPU compiles only steps "
-               "that do)" if "RESOURCE_EXHAUSTED" in str(error) else "")
+        fit = (" (the step does not fit in the chip's HBM: XLA:TPU refuses a step whose "
+               "temporaries exceed it)" if "RESOURCE_EXHAUSTED" in str(error) else "")
         raise PlanError(f"plan: XLA could not compile the step for {resolved.name}"
                         f"{fit}: {error}") from error
     return lowered, options, _Stats(compiled.memory_analysis(), compiled.as_text() or "")

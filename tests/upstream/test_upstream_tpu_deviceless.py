@@ -59,8 +59,8 @@ def test_the_persistent_cache_cannot_load_a_compile_only_executable() -> None:
 
 @pytest.mark.parametrize("target", sorted(TPU_TARGETS))
 def test_xla_tpu_refuses_a_step_above_the_hbm_it_makes_available(target: str) -> None:
-    """XLA:TPU compiles only programs that fit its HBM, and names what it makes
-    available: `TpuTarget.device_memory_size`."""
+    """XLA:TPU refuses a program whose temporaries exceed its HBM, and names what it
+    makes available: `TpuTarget.device_memory_size`."""
     chip = _chip(target)
     sharding = NamedSharding(Mesh([chip], ("x",)), P())
     rows = 2 * TPU_TARGETS[target].device_memory_size // (4 * 1024)
