@@ -8,7 +8,7 @@ without a GPU) and searches the size ladder (`llama.ladder()`: the published Lla
 shapes from 1B to 70B and depths between them) for the largest member whose step fits
 both the device's memory and the host memory given. Every device and host number is
 XLA's plan (its buffer assignment for the target), not a measurement; the floors are
-lower bounds computed from the plan (see `GpuPlan.compute_floor_seconds`), not
+lower bounds computed from the plan (see `Plan.compute_floor_seconds`), not
 predictions of the step time.
 """
 
@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import eqx_offload
+from eqx_offload.planner import TPU_TARGETS
 
 from llama import Llama, llama_loss, LlamaShape
 
@@ -205,13 +206,13 @@ class CapacityPoint:
     default); `fits` (device peak and host bytes both within their memories);
     `bytes_to_device`, `bytes_to_host` (per device, every execution of every copy);
     `collectives` (kind -> (count, bytes) per device); `compute_floor_s`,
-    `transfer_floor_s`, `floor_ratio` (lower bounds, see `GpuPlan`); `error` (XLA's,
+    `transfer_floor_s`, `floor_ratio` (lower bounds, see `Plan`); `error` (XLA's,
     where it could not compile); `plan_s` (seconds to trace and compile);
     `from_arguments` (not compiled: the step's arguments alone, the weights and the
     state, exceed the device's or the host's memory, so no plan of it can fit; the
     byte counts are then those of the arguments, lower bounds of the plan's);
     `run_settings` (the environment a run of the step needs beyond JAX's defaults,
-    `GpuPlan.run_settings()`: what `fits` assumes).
+    `Plan.run_settings()`: what `fits` assumes).
     """
 
     shape: LlamaShape
@@ -272,10 +273,10 @@ def over_limits(p: Any) -> list[str]:
     return reasons
 
 
-def plan_fits(plan: eqx_offload.GpuPlan, host_memory: int) -> bool:
+def plan_fits(plan: eqx_offload.planner.Plan, host_memory: int) -> bool:
     """Whether a planned step fits a run set up as `plan.run_settings()` says: its
     device peak within the device's memory (a memory fraction up to the whole device
-    is one setting away; `GpuPlan.fits` judges the fraction JAX allocates now), its
+    is one setting away; `Plan.fits` judges the fraction JAX allocates now), its
     host bytes within `host_memory` (the pinned pool is raised by the other)."""
     return (plan.device_peak_bytes <= plan.device_memory_size
             and plan.host_total_bytes <= host_memory)
@@ -305,8 +306,8 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
     """Plan one step (see `training_step`) and say whether it fits."""
     start = time.perf_counter()
     n = 1 if mesh is None else mesh.devices.size
-    gpu = eqx_offload.GPU_TARGETS[target]
-    memory = gpu.device_memory_size if device_memory is None else device_memory
+    chip = {**eqx_offload.planner.GPU_TARGETS, **TPU_TARGETS}[target]
+    memory = chip.device_memory_size if device_memory is None else device_memory
     step, args = training_step(shape, mode, mesh)
     device_args, host_args = argument_bytes(args)
     if device_args > memory or host_args > host_memory:
@@ -317,8 +318,8 @@ def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
                              host_memory, 0, False, 0, 0, {}, 0.0, 0.0, 0.0, None,
                              time.perf_counter() - start, from_arguments=True)
     try:
-        plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
-                                    host_memory=host_memory)
+        plan = eqx_offload.plan(step, *args, target=target, device_memory=device_memory,
+                                host_memory=host_memory)
     except eqx_offload.errors.PlanError as error:
         return CapacityPoint(shape, mode.name, target, n, 0, memory, 0, host_memory, 0, False,
                              0, 0, {}, 0.0, 0.0, 0.0, str(error)[:500],

@@ -207,13 +207,13 @@ class BatchPoint:
     devices); `device_peak_bytes` (per device), `device_memory_bytes`, `host_bytes`
     (all devices), `host_memory_bytes`, `fits`; `bytes_to_device`, `bytes_to_host`
     (per device, every execution of every copy); `compute_floor_s`,
-    `transfer_floor_s` (the plan's, see `GpuPlan`); `matmul_s` (the matrix-product
+    `transfer_floor_s` (the plan's, see `Plan`); `matmul_s` (the matrix-product
     flops alone at the GPU's peak rates: the part of the compute floor that grows with
     the micro-batches, exactly, as the flops are counted per scan iteration); `error`
     (XLA's, where it could not compile, or why it was not compiled); `plan_s`;
     `accumulate` (the dtype of the gradient sum), `accumulate_in` (where the sum is,
     and how: `accumulating_step`); `run_settings` (what a run of the step needs beyond
-    JAX's defaults: `GpuPlan.run_settings()`).
+    JAX's defaults: `Plan.run_settings()`).
     """
 
     shape: LlamaShape
@@ -248,7 +248,7 @@ def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
     memory: `accumulate_in`) for `target` and say whether it fits."""
     start = time.perf_counter()
     n = 1 if mesh is None else mesh.devices.size
-    memory = (eqx_offload.GPU_TARGETS[target].device_memory_size if device_memory is None
+    memory = (eqx_offload.planner.GPU_TARGETS[target].device_memory_size if device_memory is None
               else device_memory)
     tokens = micro_batches * shape.batch * shape.seq * n
     step, args = batch_step(shape, mode, micro_batches, mesh, jnp.dtype(accumulate),
@@ -280,8 +280,8 @@ def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
                  settings=plan.run_settings())
 
 
-def _matmul_seconds(plan: eqx_offload.GpuPlan) -> float:
-    gpu = plan.gpu or eqx_offload.GPU_TARGETS["h100"]
+def _matmul_seconds(plan: eqx_offload.planner.Plan) -> float:
+    gpu = plan.gpu or eqx_offload.planner.GPU_TARGETS["h100"]
     rates = {"bf16": gpu.bf16_flops, "tf32": gpu.tf32_flops, "fp32": gpu.fp32_flops}
     return sum(n / rates[kind] for kind, n in plan.matmul_flops.items())
 
@@ -378,7 +378,7 @@ def _sum_label(p: BatchPoint) -> str:
 
 def batch_point_from_record(record: dict[str, Any]) -> BatchPoint:
     """The `BatchPoint` of a `row_record`'s `"low"` or `"high"`; a point recorded
-    before its run settings were gets them as `GpuPlan.run_settings()` gives them with
+    before its run settings were gets them as `Plan.run_settings()` gives them with
     JAX's and XLA's defaults."""
     values: dict[str, Any] = dict(record, shape=LlamaShape(**record["shape"]))
     values["run_settings"] = tuple(record["run_settings"])

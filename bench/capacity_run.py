@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 import eqx_offload
+from eqx_offload.planner import TPU_TARGETS
 
 from capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
                        over_limits, PointCache, capacity, point_from_record, point_record,
@@ -40,7 +41,7 @@ def _unit(results: Sequence[Capacity]) -> tuple[str, int]:
 def capacity_table(results: Sequence[Capacity]) -> str:
     """A Markdown table of `capacity` results: per target and mode, the largest model
     that fits, what its step holds and moves, its floors (in GiB, or in MiB for a
-    table of small models) and the settings its run needs (`GpuPlan.run_settings()`,
+    table of small models) and the settings its run needs (`Plan.run_settings()`,
     the plan summary's "run with:" line)."""
     unit, size = _unit(results)
 
@@ -111,9 +112,10 @@ def _gpus(spec: str) -> list[tuple[str, int]]:
     gpus = []
     for token in (t.strip().lower() for t in spec.split(",") if t.strip()):
         name, _, count = token.partition("x")
-        if name not in eqx_offload.GPU_TARGETS or (count and not count.isdigit()):
-            raise SystemExit(f"capacity_run.py: unknown GPU {token!r} (h100, h200, "
-                             "or NAMExN for a node of N)")
+        if name not in {**eqx_offload.planner.GPU_TARGETS, **TPU_TARGETS} or (
+                count and not count.isdigit()):
+            raise SystemExit(f"capacity_run.py: unknown GPU or TPU {token!r} (h100, h200, "
+                             "v5e, v5p, v6e, or NAMExN for a node of N)")
         gpus.append((name, int(count or 1)))
     return gpus
 
@@ -135,12 +137,13 @@ def _start(done: Sequence[Capacity], mode: CapacityMode, target: str, n: int,
     """Where the search for `mode` on `target` starts: the answers so far of the modes
     in `mode.after` on the same GPUs, and of `mode` on as many GPUs with no more memory
     each (guesses that `largest_fitting` checks first, the largest first)."""
-    memory = eqx_offload.GPU_TARGETS[target].device_memory_size
+    chips = {**eqx_offload.planner.GPU_TARGETS, **TPU_TARGETS}
+    memory = chips[target].device_memory_size
     found = [shapes.index(r.largest.shape) for r in done
              if r.largest is not None and r.largest.shape in shapes and r.n_devices == n
              and ((r.target == target and r.mode.name in mode.after)
                   or (r.mode.name == mode.name
-                      and eqx_offload.GPU_TARGETS[r.target].device_memory_size <= memory))]
+                      and chips[r.target].device_memory_size <= memory))]
     return sorted(set(found), reverse=True)
 
 
@@ -229,8 +232,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                           help="plan within this much device memory (MiB) instead of the GPU's")
     capacity.add_argument("--gpus", default=None,
-                          help="comma-separated GPUs to size for: h100, h200, and NAMExN for a "
-                               "node of N (FSDP over the node; default h100,h200,h100x8, and "
+                          help="comma-separated GPUs or TPUs to size for: h100, h200, v5e, "
+                               "v5p, v6e, and NAMExN for a node of N (FSDP over the node; default h100,h200,h100x8, and "
                                "h100 with --quick)")
     capacity.add_argument("--host-memory", type=float, default=256, metavar="GB",
                           help="host memory per GPU, in GB (default 256)")

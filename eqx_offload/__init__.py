@@ -4,14 +4,15 @@ Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 `offloaded`, `filter_jit` (and `jit`, `nnx_jit`), `memory_report`; inside models:
 `scan_layers`, `host_weights`, `host_weights_optimizer`, `master_weights`, `filter_remat`.
 The rest is in submodules: `errors`, `checkpoint`, `remat` (the offloading policies),
-`stream` (the streamed update's plan and options), `memory`, `planner`, `types`.
+`stream` (the streamed update's plan and options), `memory`, `planner` (`plan`'s
+targets and results), `types`.
 """
 
 import importlib.metadata
 import typing
 
 from . import checkpoint as checkpoint, errors as errors, memory as memory, remat as remat
-from . import stream as stream, types as types
+from . import planner as planner, stream as stream, types as types
 from ._core.errors import OffloadError as OffloadError
 from ._core.move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
 from ._report import memory_report as memory_report
@@ -30,9 +31,7 @@ from ._models.remat import filter_remat as filter_remat
 from ._models.scan import scan_layers as scan_layers
 from ._optim.offloaded import offloaded as offloaded
 from ._optim.state import OffloadedState as OffloadedState
-from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
-from ._plan.plan import gpu_plan as gpu_plan, GpuPlan as GpuPlan
-from ._plan.targets import GPU_TARGETS as GPU_TARGETS, GpuTarget as GpuTarget
+from ._plan.plan import gpu_plan as gpu_plan, plan as plan
 from ._runtime import install_runtime_checks as install_runtime_checks
 
 
@@ -49,9 +48,6 @@ __all__ = [
     "filter_remat",
     "filter_shard",
     "gpu_plan",
-    "GPU_TARGETS",
-    "GpuPlan",
-    "GpuTarget",
     "host_weights",
     "host_weights_optimizer",
     "install_runtime_checks",
@@ -66,8 +62,7 @@ __all__ = [
     "OffloadedState",
     "OffloadError",
     "pattern",
-    "PlannedCollective",
-    "PlannedCopy",
+    "plan",
     "scan_layers",
     "to_device",
     "to_host",
@@ -76,10 +71,12 @@ __all__ = [
 # Where each name that left the top level lives now: an `AttributeError` names it. (Not
 # seen by the static checkers, for which a misspelt name stays an error.)
 _MOVED = {name: f"{module.__name__}.{name}"
-          for module in (checkpoint, errors, memory, remat, stream, types) for name in module.__all__
+          for module in (checkpoint, errors, memory, planner, remat, stream, types)
+          for name in module.__all__
           if name not in __all__}
 _MOVED.update(host_params="eqx_offload.host_weights_optimizer",
               HostParams="eqx_offload.types.HostWeightsOptimizer",
+              GpuPlan="eqx_offload.planner.Plan",
               with_host_params="eqx_offload.host_weights_optimizer")
 
 if not typing.TYPE_CHECKING:

@@ -86,8 +86,9 @@ install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package insta
     want=$(jax_version "$py")
     uvpip -e ".[dev]"
     uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12 "jax[tpu]==${want%% *}"
-    "$py" -c 'from eqx_offload._core.compat import deviceless; deviceless.check_available()'
+    "$py" -c 'from eqx_offload._plan import deviceless; deviceless.check_available()'
   fi
+  "$py" -c 'from eqx_offload._plan import tpu; tpu.check_available()'  # libtpu, both
   [ "$(jax_version "$py")" = "$want" ] || { echo "expected jax, jaxlib $want"; exit 1; }
   echo "$1: $("$py" -V), jax/jaxlib $want"
   "$py" -c 'import eqx_offload, eqx_offload.cli, jax, equinox, optax, flax.nnx, orbax.checkpoint, optimistix, hypothesis, pytest, xdist'

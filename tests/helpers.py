@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mp_worker import initial_values, SPECS
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from eqx_offload import OffloadedState
 from eqx_offload._core.leaves import path_to_str
 from jax.extend.core import jaxprs_in_params

@@ -78,8 +78,9 @@ class DonationError(OffloadError, RuntimeError):
 
 
 class PlanError(OffloadError, RuntimeError):
-    """`gpu_plan` cannot compile for the GPU: the compiler is missing (the `plan` extra)
-    or does not match the installed JAX, or the step cannot be planned."""
+    """`plan` cannot compile for the target: its compiler is missing (a GPU's: the `plan`
+    extra; a TPU's: libtpu) or does not match the installed JAX, the step cannot be
+    planned, or (on a TPU) it does not fit the chip's HBM."""
 
 
 # ----------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def prefetch_options(device_bytes: Optional[int] = None, *,
         compute).
     - `device_memory_size`: the device's memory in bytes that the percentage is taken
         of: default the first local device's memory limit (`memory_stats()`); pass a
-        target's (`eqx_offload.GPU_TARGETS["h200"].device_memory_size`) for `gpu_plan`.
+        target's (`eqx_offload.planner.GPU_TARGETS["h200"].device_memory_size`) for `gpu_plan`.
         The budget is rounded down to a whole percent of it (at least 1%).
 
     **Returns:**
@@ -111,7 +111,7 @@ def prefetch_options(device_bytes: Optional[int] = None, *,
             raise OptionError(
                 "prefetch_options(device_bytes=...): this device reports no memory limit "
                 f"({jax.local_devices()[0].platform}); pass device_memory_size=, e.g. "
-                "eqx_offload.GPU_TARGETS['h200'].device_memory_size for gpu_plan."
+                "eqx_offload.planner.GPU_TARGETS['h200'].device_memory_size for gpu_plan."
             )
     elif (isinstance(device_memory_size, bool) or not isinstance(device_memory_size, int)
           or device_memory_size <= 0):

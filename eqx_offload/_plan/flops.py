@@ -1,5 +1,5 @@
 """The matrix-product flops of a traced step, by the rate they run at, counted in its
-jaxpr with every loop iteration: the compute floor of a `GpuPlan` (`docs/gpu-plan.md`).
+jaxpr with every loop iteration: the compute floor of a `Plan` (`docs/gpu-plan.md`).
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """The host<->device copies and the collectives of a step, read from the text of XLA's
-scheduled HLO module: pure parsing, no JAX. `gpu_plan` builds its `GpuPlan` from them;
-what they show for `offloaded` is in `docs/gpu-plan.md`.
+scheduled HLO module: pure parsing, no JAX. `plan` builds its `Plan` from them; what
+they show for `offloaded` is in `docs/gpu-plan.md`.
 """
 
 import dataclasses
@@ -22,7 +22,7 @@ class PlannedCopy:
     layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
     in a branch of a conditional, so it runs only when that branch is taken: the
     applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
-    `GpuPlan.bytes_moved` count it as taken). A host computation's reads from and writes
+    `Plan.bytes_moved` count it as taken). A host computation's reads from and writes
     to device memory are copies too (`name` is its `custom-call-start`)."""
 
     direction: Direction
@@ -99,6 +99,20 @@ def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int
         moved = [m for m in operands if not _on_host(m) and m.group("dims")]
         return ("to_host", sum(map(_array_bytes, moved))) if moved else None
     if any(_on_host(m) for m in operands):
+        return "to_device", _array_bytes(destination)
+    return None
+
+
+def _host_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
+    """A `copy-start` between host and device memory: its direction and bytes. Its
+    shape is `(destination, source, context)`; a copy between two device memories (on a
+    TPU, XLA's prefetches into and out of its alternate memory, `S(1)`) is none."""
+    destination, source = (list(_ARRAY.finditer(rest[: op.start()])) + [None, None])[:2]
+    if destination is None:
+        return None
+    if _on_host(destination):
+        return "to_host", _array_bytes(destination)
+    if source is not None and _on_host(source):
         return "to_device", _array_bytes(destination)
     return None
 
@@ -273,12 +287,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         if op is None:
             continue
         opcode = op.group("op")
-        if opcode == "copy-start":
-            destination = _ARRAY.search(rest[: op.start()])
-            if destination is None:
-                continue
-            direction: Direction = "to_host" if _on_host(destination) else "to_device"
-            open_copies[match.group("name")] = (direction, _array_bytes(destination), kernels)
+        if opcode == "copy-start" and (moved := _host_copy(rest, op)) is not None:
+            open_copies[match.group("name")] = (*moved, kernels)
         elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
             open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)

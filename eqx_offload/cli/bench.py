@@ -358,7 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="skip the points and loss curves not started after this long "
                              "(they are listed in the results); every file is still written")
-    parser.add_argument("--plan", nargs="*", choices=sorted(eqx_offload.GPU_TARGETS),
+    parser.add_argument("--plan", nargs="*", choices=sorted(eqx_offload.planner.GPU_TARGETS),
                         metavar="GPU", default=None,
                         help="also record XLA's plan of every point for these GPUs "
                              "(eqx_offload.gpu_plan, compiled without a GPU: device peak, "

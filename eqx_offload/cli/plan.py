@@ -1,5 +1,5 @@
-"""`python -m eqx_offload plan`: XLA's plan of a training step for an NVIDIA GPU,
-compiled on this machine without one (`eqx_offload.gpu_plan`).
+"""`python -m eqx_offload plan`: XLA's plan of a training step for an NVIDIA GPU or a
+TPU, compiled on this machine without one (`eqx_offload.plan`).
 
 Plans the benchmark's models (an MLP or the transformer LM, at any size) in the modes
 of the benchmark's table, side by side with the step without offload, or a step of
@@ -11,7 +11,7 @@ Every number is XLA's plan (its buffer assignment and schedule for the target), 
 measurement. (The capacity search over Llama-style models that the GPU-plan page
 reports is a script of the repository, `python bench/capacity_run.py`, not a command.)
 Needs the `plan` extra (jax-cuda12-plugin at the installed JAX version,
-nvidia-cuda-nvcc-cu12)."""
+nvidia-cuda-nvcc-cu12) for a GPU, libtpu (`jax[tpu]` at that version) for a TPU."""
 
 import argparse
 import dataclasses
@@ -25,6 +25,7 @@ import equinox as eqx
 import optax
 
 import eqx_offload
+from eqx_offload.planner import TPU_TARGETS
 
 from .models import LMShape, lm_workload, make_mlp, make_step, mse_loss, OPTIMIZERS, regression_batches
 from .modes import MODES
@@ -52,13 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
                         help="plan your own step instead: FUNCTION() returns (step, args) or "
                              "(step, args, kwargs)")
-    parser.add_argument("--target", choices=sorted(eqx_offload.GPU_TARGETS), default="h200")
+    parser.add_argument("--target", choices=sorted({*eqx_offload.planner.GPU_TARGETS, *TPU_TARGETS}),
+                        default="h200", help="the GPU or TPU to plan for (default h200)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="MIB",
                         help="plan within this much device memory (MiB) instead of the GPU's")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
 
 
-def plan_record(plan: eqx_offload.GpuPlan) -> dict[str, Any]:
+def plan_record(plan: eqx_offload.planner.Plan) -> dict[str, Any]:
     """A plan as plain data (for JSON and the benchmark's tables)."""
     record: dict[str, Any] = {
         k: v for k, v in dataclasses.asdict(plan).items() if k not in ("copies", "compiler_options")}
@@ -74,13 +76,13 @@ def plan_record(plan: eqx_offload.GpuPlan) -> dict[str, Any]:
 
 
 def plan_step(name: str, optimizer: optax.GradientTransformation, model: Any, batch: Any,
-              loss: Any, **kwargs: Any) -> eqx_offload.GpuPlan:
+              loss: Any, **kwargs: Any) -> eqx_offload.planner.Plan:
     """The plan of the benchmark's step in mode `name` (`baseline`: no offload)."""
     mode = MODES[name]
     wrapped = optimizer if mode.options is None else eqx_offload.offloaded(optimizer, **mode.options)
     state = wrapped.init(eqx.filter(model, eqx.is_array))
     step = eqx_offload.filter_jit(make_step(wrapped, loss), donate="all")
-    return eqx_offload.gpu_plan(step, model, state, batch, **kwargs)
+    return eqx_offload.plan(step, model, state, batch, **kwargs)
 
 
 def _user_step(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
@@ -92,7 +94,7 @@ def _user_step(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     return step, tuple(args), dict(rest[0]) if rest else {}
 
 
-def _row(label: str, plan: eqx_offload.GpuPlan, baseline: Any) -> str:
+def _row(label: str, plan: eqx_offload.planner.Plan, baseline: Any) -> str:
     to_device, to_host = plan.copies_to("to_device"), plan.copies_to("to_host")
     ratio = "" if baseline is None else f"{plan.device_peak_bytes / baseline.device_peak_bytes:6.2f}x"
     return (f"| {label} | {plan.device_peak_bytes / MiB:.1f} | {ratio} | "
@@ -112,11 +114,11 @@ def run(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"target": args.target}
     if args.device_memory is not None:
         kwargs["device_memory"] = int(args.device_memory * MiB)
-    plans: dict[str, eqx_offload.GpuPlan] = {}
+    plans: dict[str, eqx_offload.planner.Plan] = {}
     try:
         if args.step is not None:
             step, step_args, step_kwargs = _user_step(args.step)
-            plans["your step"] = eqx_offload.gpu_plan(step, *step_args, **kwargs, **step_kwargs)
+            plans["your step"] = eqx_offload.plan(step, *step_args, **kwargs, **step_kwargs)
         else:
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]
             unknown = [m for m in modes if m not in MODES or m == "manual"]
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, plan in plans.items():
         print(_row(name, plan, baseline))
-    print("\nXLA's plan, compiled without a GPU: not a measurement.")
+    print("\nXLA's plan, compiled without the chip: not a measurement.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({name: plan_record(plan) for name, plan in plans.items()}, f, indent=1)

@@ -16,7 +16,7 @@ from jaxtyping import TypeCheckError
 
 import eqx_offload
 from eqx_offload._core import shape as _shape
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from eqx_offload._core import memory as _memory
 from eqx_offload import _report
 from eqx_offload.errors import MemoryKindError

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import gpu_plan_marks
 
 
@@ -64,7 +64,7 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
     with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
                                                     r"sharding.*restore_target"):
         eqx_offload.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
-    topology = _deviceless.topology(eqx_offload.GPU_TARGETS["h100"].config_text(), 1)
+    topology = _deviceless.topology(eqx_offload.planner.GPU_TARGETS["h100"].config_text(), 1)
     elsewhere = jax.sharding.SingleDeviceSharding(topology.devices[0])
     with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\].*not this process's"):
         eqx_offload.gpu_plan(step, model, state,

@@ -30,3 +30,17 @@ def test_host_call_reads_and_writes_device_memory_as_copies():
         ("h.start", "to_device"): (1024, 4, 1),  # the f32 result, written to the device
         ("c.start", "to_host"): (1024, 4, 0),  # and copied back
     }
+
+
+def test_only_copies_to_or_from_host_memory_count() -> None:
+    """A copy between device memories (XLA:TPU's prefetch into `S(1)`) is no transfer."""
+    hlo = """\
+ENTRY %main (x: f32[8,1024]) -> f32[8,1024] {
+  %a.start = (f32[8,1024]{1,0:T(8,128)S(1)}, f32[8,1024]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%x)
+  %a.done = f32[8,1024]{1,0:T(8,128)S(1)} copy-done(%a.start)
+  %b.start = (f32[8,1024]{1,0:T(8,128)}, f32[8,1024]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%h)
+  %b.done = f32[8,1024]{1,0:T(8,128)} copy-done(%b.start)
+}
+"""
+    assert [(c.name, c.direction, c.nbytes) for c in scheduled_copies(hlo)] == [
+        ("b.start", "to_device", 8 * 1024 * 4)]

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import donated_step, gpu_plan_marks, Stacked
 
 
@@ -104,7 +104,7 @@ def test_copies_are_read_from_the_schedule():
 
 def test_memory_budget_option_changes_the_plan():
     """`prefetch_options(device_bytes)` gives XLA's scheduler a budget the step fits in."""
-    gpu = eqx_offload.GPU_TARGETS["h200"].with_memory(600 * MiB)
+    gpu = eqx_offload.planner.GPU_TARGETS["h200"].with_memory(600 * MiB)
     budget = 240 * MiB
     options = eqx_offload.stream.prefetch_options(budget, device_memory_size=gpu.device_memory_size)
     assert options == {"xla_gpu_memory_limit_slop_factor": 40}
@@ -152,7 +152,7 @@ def test_plain_function_and_host_pool(monkeypatch):
 
 def test_targets_errors_and_the_memory_jax_allocates(monkeypatch):
     """`fits` judges the share of the GPU JAX allocates (or a `device_memory`), and says the fix."""
-    assert eqx_offload.GPU_TARGETS["h100"].device_memory_size < eqx_offload.GPU_TARGETS[
+    assert eqx_offload.planner.GPU_TARGETS["h100"].device_memory_size < eqx_offload.planner.GPU_TARGETS[
         "h200"].device_memory_size
     step, args = _step(optax.sgd(1e-3), Workload(8, 1, 2))
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)

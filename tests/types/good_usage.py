@@ -184,7 +184,7 @@ if __name__ == "__main__":
 
 
 def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
-    """XLA's GPU plan of the step (type-checked here; run in tests/plan/test_plan.py)."""
+    """XLA's GPU and TPU plans of the step (type-checked here; run in tests/plan/)."""
     optimizer = eqx_offload.offloaded(optax.adamw(1e-3))
 
     def step(model: Model, state: Any, x: jax.Array, y: jax.Array) -> tuple[Model, Any]:
@@ -192,7 +192,7 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
         updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), state
 
-    h100: eqx_offload.GpuTarget = eqx_offload.GPU_TARGETS["h100"]
+    h100: eqx_offload.planner.GpuTarget = eqx_offload.planner.GPU_TARGETS["h100"]
     # The same step planned from shapes: nothing of the model or the state allocated.
     abstract_model = eqx_offload.checkpoint.filter_eval_shape(lambda: model)
     # (`eqx.filter(..., eqx.is_array)` inside: a ShapeDtypeStruct is not an array.)
@@ -201,14 +201,17 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
 
     abstract_state = eqx_offload.checkpoint.filter_eval_shape(init, abstract_model)
     try:
-        plan: eqx_offload.GpuPlan = eqx_offload.gpu_plan(
+        plan: eqx_offload.planner.Plan = eqx_offload.gpu_plan(
             eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
             x, y, target=h100.with_memory(1 << 30))
+        on_tpu: eqx_offload.planner.Plan = eqx_offload.plan(  # (a TPU v5e, through libtpu)
+            eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
+            x, y, target="v5e")
     except eqx_offload.errors.PlanError:
         return False
-    copies: tuple[eqx_offload.PlannedCopy, ...] = plan.copies_to("to_device")
-    collectives: tuple[eqx_offload.PlannedCollective, ...] = plan.collectives
-    return plan.fits and all(c.nbytes > 0 for c in copies) and not collectives
+    copies: tuple[eqx_offload.planner.PlannedCopy, ...] = plan.copies_to("to_device")
+    collectives: tuple[eqx_offload.planner.PlannedCollective, ...] = plan.collectives
+    return plan.fits and on_tpu.fits and all(c.nbytes > 0 for c in copies) and not collectives
 
 
 class Block(eqx.Module):

@@ -1,8 +1,10 @@
-"""Canary: the private JAX and XLA calls `gpu_plan` makes (`_core/compat/deviceless.py`) and the
-facts its reading of the plan relies on: a compile-only CUDA topology without a GPU, whose
-devices have no memories; lowered for `cuda`, a `device_put` to `pinned_host` inside `jit`
+"""Canary: the private JAX and XLA calls `plan` makes for a GPU
+(`compat.compile_for_devices`, used by `_plan/deviceless.py`) and the facts its reading
+of the plan relies on: a compile-only CUDA topology without a GPU, whose devices have no
+memories; lowered for `cuda`, a `device_put` to `pinned_host` inside `jit`
 survives as a `copy-start`/`copy-done` pair (`S(5)`), and the memory stats count host
-arguments apart. If an upgrade breaks one, fix `_core/compat/deviceless.py` / `_plan/hlo.py`."""
+arguments apart. If an upgrade breaks one, fix `_core/compat/__init__.py`,
+`_plan/deviceless.py` or `_plan/hlo.py`."""
 
 import re
 
@@ -13,7 +15,7 @@ import optax
 import pytest
 
 import eqx_offload
-from eqx_offload._core.compat import deviceless as _deviceless
+from eqx_offload._plan import deviceless as _deviceless
 from helpers import gpu_plan_marks
 
 
@@ -21,7 +23,7 @@ pytestmark = gpu_plan_marks()
 
 
 def _gpu():
-    return _deviceless.topology(eqx_offload.GPU_TARGETS["h100"].config_text(), 1).devices[0]
+    return _deviceless.topology(eqx_offload.planner.GPU_TARGETS["h100"].config_text(), 1).devices[0]
 
 
 def test_compile_only_devices_have_no_memories():

@@ -7,7 +7,7 @@
 # Kept in step with the code by `mypy.stubtest` (scripts/gates.sh; with `__all__` it
 # also fails on a public name missing here). The submodules' stubs are beside this one.
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import (
     Any,
     Generic,
@@ -24,9 +24,11 @@ import jax
 import optax
 
 from eqx_offload import checkpoint as checkpoint, errors as errors, memory as memory
-from eqx_offload import remat as remat, stream as stream, types as types
+from eqx_offload import planner as planner, remat as remat, stream as stream
+from eqx_offload import types as types
 from eqx_offload.errors import OffloadError as OffloadError
 from eqx_offload.memory import memory_report as memory_report
+from eqx_offload.planner import GpuTarget, Plan, plan as plan, TpuTarget
 from eqx_offload.remat import filter_remat as filter_remat, Policy
 from eqx_offload.types import (Compute, Donate, Filter, HostMemoryKind, HostWeights,
                                HostWeightsOptimizer, Lowered, MasterWeights, Nested as Nested,
@@ -42,9 +44,6 @@ __all__ = [
     "filter_remat",
     "filter_shard",
     "gpu_plan",
-    "GPU_TARGETS",
-    "GpuPlan",
-    "GpuTarget",
     "host_weights",
     "host_weights_optimizer",
     "install_runtime_checks",
@@ -59,8 +58,7 @@ __all__ = [
     "OffloadedState",
     "OffloadError",
     "pattern",
-    "PlannedCollective",
-    "PlannedCopy",
+    "plan",
     "scan_layers",
     "to_device",
     "to_host",
@@ -128,98 +126,16 @@ def offloaded(
 ) -> _OffloadedTransformation: ...
 
 
-# The GPU plan.
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-    name: str
-    device_memory_size: int
-    core_count: int
-    memory_bandwidth: int
-    clock_rate_ghz: float
-    l2_cache_size: int
-    compute_capability: tuple[int, int]
-    pcie_bandwidth: int
-    bf16_flops: float = ...
-    tf32_flops: float = ...
-    fp32_flops: float = ...
-    host_link_bandwidth: float = ...
-    def with_memory(self, device_memory_size: int) -> GpuTarget: ...
-    def config_text(self) -> str: ...
-
-GPU_TARGETS: Mapping[str, GpuTarget]
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCopy:
-    direction: Literal["to_device", "to_host"]
-    nbytes: int
-    overlapped: bool
-    kernels: int
-    name: str
-    count: int = ...
-    conditional: bool = ...
-
-@dataclasses.dataclass(frozen=True)
-class PlannedCollective:
-    kind: str
-    nbytes: int
-    count: int
-    name: str
-
-@dataclasses.dataclass(frozen=True)
-class GpuPlan:
-    target: str
-    device_memory_size: int
-    device_peak_bytes: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    host_bytes: int
-    host_limit_bytes: int
-    copies: tuple[PlannedCopy, ...]
-    compiler_options: Mapping[str, Any]
-    n_devices: int = ...
-    host_memory_bytes: Optional[int] = ...
-    collectives: tuple[PlannedCollective, ...] = ...
-    matmul_flops: Mapping[str, float] = ...
-    hbm_bytes: int = ...
-    gpu: Optional[GpuTarget] = ...
-    memory_fraction: float = ...
-    memory_fraction_source: str = ...
-    @property
-    def usable_device_bytes(self) -> int: ...
-    @property
-    def fits(self) -> bool: ...
-    @property
-    def host_total_bytes(self) -> int: ...
-    @property
-    def host_fits(self) -> bool: ...
-    def bytes_moved(self, direction: Literal["to_device", "to_host"]) -> int: ...
-    @property
-    def compute_floor_seconds(self) -> float: ...
-    @property
-    def transfer_floor_seconds(self) -> float: ...
-    @property
-    def floor_ratio(self) -> float: ...
-    def copies_to(self, direction: Literal["to_device", "to_host"]) -> tuple[PlannedCopy, ...]: ...
-    def overlapped_fraction(
-        self,
-        direction: Optional[Literal["to_device", "to_host"]] = None,
-        *,
-        by: Literal["count", "bytes"] = "count",
-    ) -> float: ...
-    def run_settings(self) -> list[str]: ...
-    def summary(self) -> str: ...
-
+# The planner (its names live in `eqx_offload.planner`).
 def gpu_plan(
     fun: Callable[..., Any],
     *args: Any,
-    target: Union[str, GpuTarget] = "h200",
+    target: Union[str, GpuTarget, TpuTarget] = "h200",
     device_memory: Optional[int] = None,
     compiler_options: Optional[dict[str, Any]] = None,
     host_memory: Optional[int] = None,
     **kwargs: Any,
-) -> GpuPlan: ...
+) -> Plan: ...
 
 # jit. What `filter_jit` returns is generic in the function's type (a `TypeVar` bound to
 # `Callable`, not a `ParamSpec`): pytype then checks the arguments of each call through

@@ -1,5 +1,5 @@
-"""Compiling for an NVIDIA GPU without one: the private JAX and XLA calls that
-`gpu_plan` needs, in one place (tests/upstream/test_upstream_deviceless.py pins each).
+"""Compiling for an NVIDIA GPU without one, for `plan` (its one private JAX call,
+`compat.compile_for_devices`, is pinned by tests/upstream/test_upstream_deviceless.py).
 
 XLA's GPU compiler runs on any machine once `jax-cuda12-plugin` (at the installed JAX
 version) and a `ptxas` (the `nvidia-cuda-nvcc-cu12` wheel) are installed. A compile-only
@@ -13,15 +13,13 @@ platform, and the StableHLO module is compiled with the compile-only client (as 
 import collections
 import functools
 import hashlib
-import importlib
 import importlib.metadata
 import os
 from typing import Any
 
-import numpy as np
-
-from ..errors import PlanError
-from ..memory import host_pool_limit
+from .._core import compat
+from .._core.errors import PlanError
+from .._core.memory import host_pool_limit
 
 
 def _install_hint() -> str:
@@ -40,11 +38,11 @@ def check_available() -> None:
     try:
         plugin = importlib.metadata.version("jax-cuda12-plugin")
     except importlib.metadata.PackageNotFoundError:
-        raise PlanError("gpu_plan: jax-cuda12-plugin is not installed. " + _install_hint()) from None
+        raise PlanError("plan: jax-cuda12-plugin is not installed. " + _install_hint()) from None
     jax_version = importlib.metadata.version("jax")
     if plugin != jax_version:
         raise PlanError(
-            f"gpu_plan: jax-cuda12-plugin {plugin} does not match jax {jax_version}. "
+            f"plan: jax-cuda12-plugin {plugin} does not match jax {jax_version}. "
             + _install_hint()
         )
 
@@ -61,7 +59,7 @@ def topology(target_config: str, n_devices: int) -> Any:
             platform="cuda", target_config=target_config, topology=f"1x1x{n_devices}"
         )
     except Exception as error:  # the plugin's own failure, e.g. no ptxas
-        raise PlanError(f"gpu_plan: XLA could not describe the GPU ({error}). "
+        raise PlanError(f"plan: XLA could not describe the GPU ({error}). "
                         + _install_hint()) from error
 
 
@@ -116,22 +114,7 @@ def deviceless_options(compiler_options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compile(module: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:
-    # Private modules, imported by name (no checker has stubs for them).
-    compiler: Any = importlib.import_module("jax._src.compiler")
-    xc: Any = importlib.import_module("jax._src.lib").xla_client
-    # One replica of `len(devices)` partitions (SPMD, as `jax.jit` compiles a sharded
-    # step): the assignment is a (replicas, partitions) array.
-    assignment = np.empty((1, len(devices)), dtype=object)
-    assignment[0, :] = devices
-    options = compiler.get_compile_options(
-        num_replicas=1,
-        num_partitions=len(devices),
-        device_assignment=assignment,
-        env_options_overrides=deviceless_options(compiler_options),
-    )
-    return compiler.backend_compile_and_load(
-        devices[0].client, module, xc.DeviceList(tuple(devices)), options, []
-    )
+    return compat.compile_for_devices(module, devices, deviceless_options(compiler_options))
 
 
 def host_pool_limit_bytes() -> int:

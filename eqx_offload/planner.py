@@ -1,0 +1,26 @@
+"""The planner: XLA's plan of a training step for a GPU or a TPU, compiled on this
+machine without one (`plan`; docs: "The plan").
+
+`from eqx_offload.planner import plan, TPU_TARGETS`.
+"""
+
+from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
+from ._plan.plan import Plan as Plan, plan as plan
+from ._plan.targets import (
+    GPU_TARGETS as GPU_TARGETS,
+    GpuTarget as GpuTarget,
+    TPU_TARGETS as TPU_TARGETS,
+    TpuTarget as TpuTarget,
+)
+
+
+__all__ = [
+    "GPU_TARGETS",
+    "GpuTarget",
+    "Plan",
+    "plan",
+    "PlannedCollective",
+    "PlannedCopy",
+    "TPU_TARGETS",
+    "TpuTarget",
+]

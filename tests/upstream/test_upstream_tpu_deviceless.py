@@ -1,0 +1,84 @@
+"""Canary: what `plan` relies on, or works around, when libtpu compiles for a TPU without
+one (`eqx_offload/_plan/tpu.py`, `_plan/hlo.py`). If an upgrade changes one, revisit
+the code that names this file."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from eqx_offload._plan import tpu as _tpu
+from eqx_offload._plan.hlo import scheduled_copies
+from eqx_offload.planner import TPU_TARGETS
+
+
+def _chip(target: str = "v5e") -> jax.Device:
+    return _tpu.devices(TPU_TARGETS[target].topologies, 1)[0]
+
+
+def test_a_single_device_sharding_loses_its_memory_kind_in_the_trace() -> None:
+    """An abstract argument whose `SingleDeviceSharding` is in `pinned_host` traces as
+    device memory (no `<host>` in its type); over a one-device mesh it keeps host
+    memory. So `_tpu.on_chips` gives every argument a `NamedSharding`."""
+    chip = _chip()
+    single = SingleDeviceSharding(chip, memory_kind="pinned_host")
+    meshed = NamedSharding(Mesh([chip], ("x",)), P(), memory_kind="pinned_host")
+    avals = [jax.jit(lambda x: x).trace(jax.ShapeDtypeStruct((4,), jnp.float32, sharding=s))
+             .jaxpr.in_avals[0] for s in (single, meshed)]
+    assert [a.memory_space == jax.memory.Space.Host for a in avals] == [False, True]
+
+
+def test_the_persistent_cache_cannot_load_a_compile_only_executable() -> None:
+    """With JAX's persistent compilation cache on, the second compile of a module for a
+    compile-only chip reads the first's entry and fails (there is no client to load it
+    on): `_tpu.compile_for` compiles with the cache off."""
+    chip = _chip()
+    sharding = NamedSharding(Mesh([chip], ("x",)), P())
+    x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=sharding)
+    saved = {name: getattr(jax.config, name) for name in (
+        "jax_enable_compilation_cache", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes")}
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("no persistent cache directory (tests/conftest.py sets one)")
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        compilation_cache.reset_cache()
+        jax.jit(lambda x: jnp.sin(x) @ x).lower(x).compile()  # written
+        with pytest.raises(Exception, match="DeserializeLoadedExecutable"):
+            jax.jit(lambda x: jnp.sin(x) @ x).lower(x).compile()  # read back
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+@pytest.mark.parametrize("target", sorted(TPU_TARGETS))
+def test_xla_tpu_refuses_a_step_above_the_hbm_it_makes_available(target: str) -> None:
+    """XLA:TPU refuses a program whose temporaries exceed its HBM, and names what it
+    makes available: `TpuTarget.device_memory_size`."""
+    chip = _chip(target)
+    sharding = NamedSharding(Mesh([chip], ("x",)), P())
+    rows = 2 * TPU_TARGETS[target].device_memory_size // (4 * 1024)
+    x = jax.ShapeDtypeStruct((rows, 1024), jnp.float32, sharding=sharding)
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as error:
+        jax.jit(lambda x: jnp.sin(x) * jnp.cos(x).sum()).lower(x).compile()
+    (available,) = re.findall(r"exceeds available HBM \(([0-9.]+)G\)", str(error.value))
+    # (XLA rounds to 0.01 GiB; libtpu versions differ by as much on a v5p and a v6e.)
+    assert abs(float(available) - TPU_TARGETS[target].device_memory_size / 2**30) <= 0.015
+
+
+def test_xla_tpu_copies_into_its_own_alternate_memory() -> None:
+    """XLA:TPU writes `copy-start`s between device memories (prefetches into `S(1)`) in
+    a program without host memory: the plan counts only copies to or from `S(5)`."""
+    chip = _chip()
+    sharding = NamedSharding(Mesh([chip], ("x",)), P())
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=sharding)
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=sharding)
+    text = jax.jit(lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w)).lower(x, w).compile().as_text()
+    assert any("S(1)" in line for line in text.splitlines() if "copy-start(" in line)
+    assert scheduled_copies(text) == ()
