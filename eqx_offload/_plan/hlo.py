@@ -288,7 +288,8 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             continue
         opcode = op.group("op")
         if opcode == "copy-start" and (moved := _host_copy(rest, op)) is not None:
-            open_copies[match.group("name")] = (*moved, kernels)
+            copy_direction, copy_bytes = moved
+            open_copies[match.group("name")] = (copy_direction, copy_bytes, kernels)
         elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
             open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
