@@ -410,12 +410,12 @@ def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
     """0.001% of the GPU, no pinned pool: the row and its record print the summary's settings."""
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.00001")
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
-    plans, real = [], eqx_offload.gpu_plan
+    plans, real = [], eqx_offload.plan
 
     def recording(*args, **kwargs):
         plans.append(real(*args, **kwargs))
         return plans[-1]
-    monkeypatch.setattr(eqx_offload, "gpu_plan", recording)
+    monkeypatch.setattr(eqx_offload, "plan", recording)
     mode = capacity.MODES_BY_NAME["+master"]
     point = capacity.plan_point(capacity_run.QUICK_LADDER[0], mode, "h100")
     [plan] = plans

@@ -48,7 +48,7 @@ def _optax_step(opt: optax.GradientTransformation) -> tuple[Any, tuple[Any, ...]
 
 
 def _wrapped_step(wrapper: Any, model: Any) -> tuple[Any, tuple[Any, ...]]:
-    """A step of `master_weights(...)` or `host_params(...)` (`update` returns the model)."""
+    """A step of `master_weights(...)` or `host_weights_optimizer(...)` (`update` returns the model)."""
     if isinstance(wrapper, eqx_offload.types.MasterWeights):
         model, state = wrapper.init(model)
     else:
@@ -91,7 +91,7 @@ def test_master_weights_and_host_weights_keep_fp32_off_the_v5e() -> None:
     the device holds the bf16 compute weights between steps, and the peak is below the
     plain step's (on a GPU by at least twice the fp32 weights, `test_models_plan.py`;
     XLA:TPU plans less of a drop, docs/gpu-plan.md). Weights in host memory
-    (`host_weights`, `host_params`): the device holds none of them between steps (its
+    (`host_weights`, `host_weights_optimizer`): the device holds none of them between steps (its
     peak, each layer's weights fetched where they are used, is not checked here)."""
     plain = _plan(_optax_step(ADAMW))
     fp32 = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(_model(), eqx.is_array)))
@@ -105,7 +105,7 @@ def test_master_weights_and_host_weights_keep_fp32_off_the_v5e() -> None:
 
     model = eqx.tree_at(lambda m: m.layers, _model(),
                         replace_fn=lambda ls: tuple(map(eqx_offload.host_weights, ls)))
-    params_step, args = _wrapped_step(eqx_offload.host_params(ADAMW), model)
+    params_step, args = _wrapped_step(eqx_offload.host_weights_optimizer(ADAMW), model)
     params = plan(params_step, *args, target="v5e")
     # (Host bytes: the weights and the state, and host temporaries of the update.)
     assert params.host_bytes >= _host_bytes(args[:2]) >= 3 * fp32
