@@ -2,6 +2,7 @@
 one (`eqx_offload/_plan/tpu.py`, `_plan/hlo.py`). If an upgrade changes one, revisit
 the code that names this file."""
 
+import pathlib
 import re
 
 import jax
@@ -31,7 +32,8 @@ def test_a_single_device_sharding_loses_its_memory_kind_in_the_trace() -> None:
     assert [a.memory_space == jax.memory.Space.Host for a in avals] == [False, True]
 
 
-def test_the_persistent_cache_cannot_load_a_compile_only_executable() -> None:
+def test_the_persistent_cache_cannot_load_a_compile_only_executable(
+        tmp_path: pathlib.Path) -> None:
     """With JAX's persistent compilation cache on, the second compile of a module for a
     compile-only chip reads the first's entry and fails (there is no client to load it
     on): `_tpu.compile_for` compiles with the cache off."""
@@ -39,11 +41,11 @@ def test_the_persistent_cache_cannot_load_a_compile_only_executable() -> None:
     sharding = NamedSharding(Mesh([chip], ("x",)), P())
     x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=sharding)
     saved = {name: getattr(jax.config, name) for name in (
-        "jax_enable_compilation_cache", "jax_persistent_cache_min_compile_time_secs",
+        "jax_enable_compilation_cache", "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
         "jax_persistent_cache_min_entry_size_bytes")}
-    if not jax.config.jax_compilation_cache_dir:
-        pytest.skip("no persistent cache directory (tests/conftest.py sets one)")
     try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (a cache of its own)
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
