@@ -42,6 +42,15 @@ def path_to_str(path: KeyPath) -> str:
     return "/".join(path_parts(path))
 
 
+def call_argument(path: KeyPath) -> tuple[Union[int, str], str]:
+    """Of a key path into a call's `(args, kwargs)`: the positional argument's index or
+    the keyword argument's name, and the leaf's path inside that argument
+    (`jtu.keystr`, or `"(the argument itself)"`), as errors name them."""
+    kind, key, rest = path[0], path[1], tuple(path[2:])
+    argument: Union[int, str] = (getattr(key, "idx", 0) if getattr(kind, "idx", 0) == 0
+                                 else str(getattr(key, "key", key)))
+    return argument, jtu.keystr(rest) or "(the argument itself)"
+
 def shown(path: str) -> str:
     """A path string as errors print it (`<root>` for the root itself)."""
     return path or "<root>"

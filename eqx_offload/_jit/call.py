@@ -15,6 +15,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._core.errors import deleted_array_error, OffloadWarning
+from .._core.leaves import call_argument
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
 from .donation import Donation
 
@@ -120,14 +121,12 @@ def _check_not_deleted(all_leaves: list[Any], args: tuple[Any, ...], kwargs: dic
     for path, x in jtu.tree_flatten_with_path((args, kwargs))[0]:
         if not (isinstance(x, jax.Array) and x.is_deleted()):
             continue
-        kind, key, rest = path[0], path[1], path[2:]
-        if getattr(kind, "idx", 0) == 0:  # args
-            i = getattr(key, "idx", 0)
-            parameter = _argument_name(donate, i)
-            where = f"args[{i}]" + (f" (`{parameter}`)" if parameter else "")
+        argument, leaf = call_argument(path)
+        if isinstance(argument, int):
+            parameter = _argument_name(donate, argument)
+            where = f"args[{argument}]" + (f" (`{parameter}`)" if parameter else "")
         else:
-            where = f"`{getattr(key, 'key', key)}`"
-        leaf = jtu.keystr(tuple(rest)) or "(the argument itself)"
+            where = f"`{argument}`"
         raise deleted_array_error(f"filter_jit({name})", where, leaf, f"{x.dtype}{list(x.shape)}")
 
 
@@ -193,12 +192,9 @@ def warn_changed_number(cached: Any, call: Call, donate: Donation, name: str) ->
     i, old, new = found
     arguments = jtu.tree_unflatten(call.treedef, call.all_leaves)
     path = jtu.tree_flatten_with_path(arguments)[0][i][0]
-    if getattr(path[0], "idx", 0) == 0:
-        parameter = _argument_name(donate, getattr(path[1], "idx", 0))
-        where = f"`{parameter}`" if parameter else f"args[{getattr(path[1], 'idx', 0)}]"
-    else:
-        where = f"`{getattr(path[1], 'key', path[1])}`"
-    leaf = jtu.keystr(tuple(path[2:])) or "(the argument itself)"
+    argument, leaf = call_argument(path)
+    parameter = _argument_name(donate, argument) if isinstance(argument, int) else argument
+    where = f"`{parameter}`" if parameter else f"args[{argument}]"
     warnings.warn(
         f"filter_jit({name}): pass this number as an array (`jnp.asarray(...)`), or use "
         f"`eqx_offload.jit`, which traces Python numbers as `jax.jit` does: {where}, leaf "

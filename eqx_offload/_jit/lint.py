@@ -15,6 +15,7 @@ from jax.extend.core import jaxprs_in_params, Literal
 
 from .._core.compat import enclosing_donating_jit, memory_space_mismatch, source_frames
 from .._core.errors import CompositionError, host_compute_error, host_weights_error
+from .._core.leaves import call_argument
 from .._core.placement import memory_kind_of
 
 
@@ -128,10 +129,9 @@ def host_weights_leaf(arguments: Any) -> Optional[str]:
         names = [getattr(k, "name", None) for k in path if isinstance(k, jtu.GetAttrKey)]
         if names and "inner_state" not in names and memory_kind_of(x) in (
                 "pinned_host", "unpinned_host"):
-            first, rest = path[:2], path[2:]
-            where = (f"args[{getattr(first[1], 'idx', 0)}]" if getattr(first[0], "idx", 1) == 0
-                     else f"`{getattr(first[1], 'key', first[1])}`")
-            return f"{where}, leaf {jtu.keystr(tuple(rest)) or '(the argument itself)'}"
+            argument, leaf = call_argument(path)
+            where = f"args[{argument}]" if isinstance(argument, int) else f"`{argument}`"
+            return f"{where}, leaf {leaf}"
     return None
 
 
