@@ -4,9 +4,10 @@ output shardings with memory kinds (so JAX pairs a donated input only with an ou
 in the same memory) and JAX's trace of the first `jax.jit` (`lower_call`; `export_call` too);
 compiled (`compile_program`); run on a call, its result rebuilt (`run`)."""
 
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import equinox as eqx
@@ -67,6 +68,15 @@ class _Trace:
     out_paths: list[Any] = dataclasses.field(default_factory=list)
     program: Any = None
 
+
+@contextlib.contextmanager
+def _silenced(silence: bool) -> Iterator[None]:
+    """Within: JAX's warning about donated buffers it could not reuse is ignored if
+    `silence` (the `"all"` modes of `donate=`)."""
+    with warnings.catch_warnings():
+        if silence:
+            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+        yield
 
 def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..., Any]:
     """`fun` on the call's array leaves alone (the static ones are `call`'s); records how
@@ -134,9 +144,7 @@ def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
     """`fun`'s program for `call`, lowered for `platforms` (default: the arguments' own;
     `gpu_plan` lowers for `("cuda",)` with CPU arguments), with `filter_jit`'s default
     XLA options for the first platform and this program, and `compiler_options`."""
-    with warnings.catch_warnings():
-        if silence:
-            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+    with _silenced(silence):
         jitted, output, closed, found = _stage(fun, name, call, platforms or (_platform_of(call),))
         traced = jitted.trace(*call.leaves)
         lowered = traced.lower() if platforms is None else traced.lower(
@@ -157,9 +165,7 @@ def compile_program(program: Program, compiler_options: dict[str, Any],
                     silence: bool) -> Executable:
     """`program` compiled with the XLA `compiler_options` (usually its own, which
     `jit.Lowered.compile` can add to)."""
-    with warnings.catch_warnings():
-        if silence:
-            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+    with _silenced(silence):
         return Executable(program.lowered.compile(compiler_options or None), program.output)
 
 
@@ -174,9 +180,7 @@ def compile_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
 def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
                 platforms: Optional[Sequence[str]]) -> Any:
     """`jax.export.export` of `fun`'s program for `call`, memory kinds kept."""
-    with warnings.catch_warnings():
-        if silence:
-            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+    with _silenced(silence):
         target = tuple(platforms) if platforms else (jax.default_backend(),)
         jitted = _stage(fun, name, call, target)[0]
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
@@ -187,9 +191,7 @@ def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
 def run(executable: Executable, call: Call, silence: bool) -> Any:
     """Run a compiled executable on `call`'s array leaves and rebuild the result;
     consume what donation would have consumed (retyped and unshared copies)."""
-    with warnings.catch_warnings():
-        if silence:
-            warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
+    with _silenced(silence):
         flat_out = executable.compiled(*call.leaves)
     for i, x in call.retyped.items():
         if i in call.donated:  # the copy was donated: consume the original as donation would
