@@ -54,6 +54,11 @@ def optimizer_for(mode: Any, bf16_state: bool) -> tuple[Any, Any]:
             capacity._optimizer_update(opt))
 
 
+def mode_of(name: str) -> tuple[Any, bool]:
+    """`(capacity mode, bf16 state)` of a MODE argument."""
+    return capacity.MODES_BY_NAME[name.removesuffix("-bf16state")], name.endswith("-bf16state")
+
+
 def resident() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -63,8 +68,7 @@ def resident() -> int:
 
 
 def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -> dict[str, Any]:
-    bf16_state = name.endswith("-bf16state")
-    mode = capacity.MODES_BY_NAME[name.removesuffix("-bf16state")]
+    mode, bf16_state = mode_of(name)
     shape = shape_of(width, layers, seq, batch)
     record: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                               "seq": seq, "batch": batch, "backend": jax.default_backend()}
