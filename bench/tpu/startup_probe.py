@@ -13,6 +13,10 @@ Routes:
 - `device_put`: a device array copied to `pinned_host` COUNT times (each kept).
 - `unpinned`: as `fresh` in `unpinned_host`, then each array copied to the device.
 - `chunks`: COUNT * 16 arrays of MIB / 16 MiB each (many small leaves).
+- `threads`: COUNT arrays as `fresh`, each made by a thread of its own, all at once
+  (whether new pinned memory fills faster in parallel).
+- `numpy`: COUNT NumPy arrays of MIB MiB filled in ordinary memory: the kernel's own
+  rate for new pages, the floor under every route.
 
 Each prints one JSON line (appended to $OUT/startup.jsonl when OUT is set): the seconds
 of each array, GB/s, the process's resident memory and the host's available memory
@@ -107,6 +111,19 @@ def main(route: str, mib: int, count: int) -> dict:
             jax.block_until_ready(outs)
             times.append(time.perf_counter() - start)
             keep.extend(outs)
+    elif route == "threads":
+        import concurrent.futures
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            keep = list(pool.map(lambda i: make(jnp.float32(i)).block_until_ready(),
+                                 range(count)))
+        times.append((time.perf_counter() - start) / count)  # per array, all at once
+    elif route == "numpy":
+        import numpy as np
+        for i in range(count):
+            start = time.perf_counter()
+            keep.append(np.full((n,), i, np.float32))
+            times.append(time.perf_counter() - start)
     else:
         raise SystemExit(f"unknown route {route}")
     record["seconds"] = times
