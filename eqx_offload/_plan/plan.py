@@ -397,7 +397,8 @@ def _compile_tpu(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res
                "temporaries exceed it)" if "RESOURCE_EXHAUSTED" in str(error) else "")
         raise PlanError(f"plan: XLA could not compile the step for {resolved.name}"
                         f"{fit}: {error}") from error
-    return lowered, options, _Stats(compiled.memory_analysis(), compiled.as_text() or "")
+    return lowered, options, _Stats(compiled.get_compiled_memory_stats(), "\n".join(
+        m.to_string() for m in compiled.hlo_modules()))
 
 
 @dataclasses.dataclass(frozen=True)
