@@ -122,7 +122,7 @@ def test_a_copy_inside_a_loop_counts_once_per_trip() -> None:
         lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k))(keys))
 
     def forward(layers: Any, x: jax.Array) -> jax.Array:
-        return eqx_offload.scan_layers(layers, x, lambda l, h: jnp.tanh(jax.vmap(l)(h)),
+        return eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(jax.vmap(layer)(h)),
                                        prefetch=False)
 
     planned = plan(forward, layers, jnp.ones((8, d)), target="v5e")
