@@ -226,4 +226,8 @@ def _read_plan(executable: _Stats, jaxpr: Any, resolved: Target, options: dict[s
         chip=resolved,
         memory_fraction=fraction,
         memory_fraction_source=source,
+        host_argument_bytes=int(stats.host_argument_size_in_bytes),
+        host_output_bytes=int(stats.host_output_size_in_bytes),
+        host_alias_bytes=int(stats.host_alias_size_in_bytes),
+        host_temp_bytes=int(stats.host_temp_size_in_bytes),
     )

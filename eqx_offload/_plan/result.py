@@ -21,11 +21,22 @@ class Plan:
 
     - `target`: the chip's name; `device_memory_size`: the device memory XLA planned
         within (bytes; for a TPU, the HBM XLA:TPU lets a program use).
-    - `device_peak_bytes`: device memory the executable holds at its peak: arguments
-        + temporaries + outputs - outputs aliased to donated arguments.
+    - `device_peak_bytes`: the device memory XLA needs for the step: arguments +
+        temporaries + outputs - outputs aliased to donated arguments. The temporaries
+        are one reservation XLA sizes for its schedule (on a TPU, what XLA:TPU checks
+        against the HBM, `RESOURCE_EXHAUSTED`), not the bytes live at one instant. A
+        chip's `jax.Device.memory_stats()["peak_bytes_in_use"]` is another figure: the
+        arrays the runtime allocated (arguments, outputs, and any made before the
+        step), without the program's temporaries (measured on a v5e,
+        `docs/gpu-plan.md`).
     - `argument_bytes`, `output_bytes`, `alias_bytes`, `temp_bytes`: its parts (device).
     - `host_bytes`: host memory of its arguments, outputs and temporaries (less
-        aliasing), for one device; `host_limit_bytes`: on a GPU, the pinned host pool
+        aliasing), for one device; its parts `host_argument_bytes`,
+        `host_output_bytes`, `host_alias_bytes` (host outputs that reuse a donated
+        host argument's buffer), `host_temp_bytes`. Where every host output aliases its
+        donated input, `host_bytes` is the host arguments plus the host temporaries
+        (e.g. layer inputs kept for the backward pass); `unaliased_host_output_bytes`
+        says how many do not. `host_limit_bytes`: on a GPU, the pinned host pool
         of the process (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`), which the host bytes of
         all `n_devices` must fit in (`None` on a TPU, which has no such pool);
         `host_memory_bytes`: the host memory given to `plan(host_memory=...)` for
@@ -44,6 +55,9 @@ class Plan:
         copy's bytes.
     - `chip`: the `GpuTarget` or `TpuTarget` planned for (its rates give the floors).
     - `compiler_options`: the XLA options the step was compiled with.
+    - `predicted_step_seconds`: on a TPU, the step time the calibrated schedule model
+        predicts from this plan (`timing.predict_seconds`; `docs/gpu-plan.md` gives its
+        error against the chip); `None` for a GPU. A model, not a measurement.
     - `memory_fraction`: the share of `device_memory_size` a JAX process can allocate
         (on a GPU `XLA_CLIENT_MEM_FRACTION`, default 0.75, read when the plan is made;
         1.0 on a TPU, and for a `device_memory` given to `plan`, which is taken as what
@@ -69,6 +83,18 @@ class Plan:
     chip: Optional[Target] = None
     memory_fraction: float = 1.0
     memory_fraction_source: str = "the given device_memory"
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
+    predicted_step_seconds: Optional[float] = None
+
+    @property
+    def unaliased_host_output_bytes(self) -> int:
+        """Host outputs that do not reuse a donated host argument's buffer: each step
+        allocates them anew, and the device writes into new host memory slowly (0.47
+        GB/s on a v5e against 14 GB/s into a donated buffer, `docs/gpu-plan.md`)."""
+        return self.host_output_bytes - self.host_alias_bytes
 
     @property
     def gpu(self) -> Optional[GpuTarget]:

@@ -30,15 +30,19 @@ def summary_text(plan: Any) -> str:
     lines = [
         f"XLA's plan for {plan.target}{devices} (compiled without {compiler}; a plan, "
         "not a measurement)",
-        f"  device peak  {plan.device_peak_bytes / MiB:10.1f} MiB of "
+        f"  device peak  {plan.device_peak_bytes / MiB:10.1f} MiB (XLA's need) of "
         f"{plan.usable_device_bytes / MiB:.1f} MiB JAX allocates "
         f"({plan.memory_fraction:.0%} of {plan.device_memory_size / MiB:.1f} MiB: "
         f"{plan.memory_fraction_source}): {verdict}",
         f"    arguments {plan.argument_bytes / MiB:.1f} + temporaries "
         f"{plan.temp_bytes / MiB:.1f} + outputs {plan.output_bytes / MiB:.1f} "
-        f"- aliased {plan.alias_bytes / MiB:.1f} MiB",
+        f"- aliased {plan.alias_bytes / MiB:.1f} MiB (the temporaries are one "
+        "reservation for the schedule; a chip's peak_bytes_in_use leaves them out)",
         f"  host         {plan.host_total_bytes / MiB:10.1f} MiB{host_of}"
         + ("" if plan.host_fits else ": does NOT fit"),
+        f"    arguments {plan.host_argument_bytes / MiB:.1f} + temporaries "
+        f"{plan.host_temp_bytes / MiB:.1f} + outputs not aliased to donated inputs "
+        f"{plan.unaliased_host_output_bytes / MiB:.1f} MiB",
         f"  {count('to_device')}",
         f"  {count('to_host')}",
     ]
@@ -54,8 +58,26 @@ def summary_text(plan: Any) -> str:
             f"  floors (lower bounds, not predictions): compute "
             f"{plan.compute_floor_seconds * 1e3:.2f} ms, transfer "
             f"{plan.transfer_floor_seconds * 1e3:.2f} ms, ratio {plan.floor_ratio:.2f}")
+    lines.extend(_notes(plan))
     lines.append(f"  compiler options: {dict(plan.compiler_options) or 'XLA defaults'}")
     settings = plan.run_settings()
     if settings:
         lines.append("  run with: " + " ".join(settings))
     return "\n".join(lines)
+
+
+def _notes(plan: Any) -> list[str]:
+    """What a reader of the numbers above should know: host outputs written into new
+    buffers, the step time the calibrated model predicts."""
+    notes = []
+    if plan.unaliased_host_output_bytes:
+        notes.append(
+            f"  ! {plan.unaliased_host_output_bytes / MiB:.1f} MiB of host outputs are not "
+            "aliased to donated inputs: each step allocates them anew beside the inputs "
+            "(the host holds both) and writes them slowly (0.47 GB/s on a v5e). Donate "
+            "the arguments they replace: `filter_jit(donate=...)`.")
+    if plan.predicted_step_seconds is not None:
+        notes.append(
+            f"  predicted step {plan.predicted_step_seconds * 1e3:.1f} ms (the calibrated "
+            "schedule model, `docs/gpu-plan.md`: a model, not a measurement)")
+    return notes
