@@ -21,6 +21,7 @@ from .hlo import scheduled_collectives, scheduled_copies
 from .._core.memory import client_memory_fraction
 from .result import Plan
 from .targets import GpuTarget, resolve_target, Target, TpuTarget
+from .timing import predict_seconds
 
 
 def plan(
@@ -205,7 +206,7 @@ def _read_plan(executable: _Stats, jaxpr: Any, resolved: Target, options: dict[s
     copies = scheduled_copies(text)
     hbm = (stats.argument_size_in_bytes + stats.output_size_in_bytes
            + sum(c.nbytes * c.count for c in copies))
-    return Plan(
+    planned = Plan(
         target=resolved.name,
         device_memory_size=resolved.device_memory_size,
         device_peak_bytes=int(device_peak),
@@ -231,3 +232,4 @@ def _read_plan(executable: _Stats, jaxpr: Any, resolved: Target, options: dict[s
         host_alias_bytes=int(stats.host_alias_size_in_bytes),
         host_temp_bytes=int(stats.host_temp_size_in_bytes),
     )
+    return dataclasses.replace(planned, predicted_step_seconds=predict_seconds(planned))
