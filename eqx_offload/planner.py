@@ -5,7 +5,8 @@ machine without one (`plan`; docs: "The plan").
 """
 
 from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
-from ._plan.plan import Plan as Plan, plan as plan
+from ._plan.plan import plan as plan
+from ._plan.result import Plan as Plan
 from ._plan.targets import (
     GPU_TARGETS as GPU_TARGETS,
     GpuTarget as GpuTarget,

@@ -1,15 +1,30 @@
-"""The TPU plan of the benchmark's steps against what the chip recorded: plans the MLP
-of `bench/results/tpu-v5e-2026-12-05/bench.json` (AdamW, batch 512) for a v5e in each
-of its modes, from shapes on a machine without a TPU, and prints each field of XLA's
-memory analysis beside the chip's (the table of docs/gpu-plan.md, "On a TPU"):
+"""The TPU plan of the benchmark's steps against what the chip recorded.
 
-    JAX_PLATFORMS=cpu python bench/tpu/plan_vs_chip.py [bench.json]
+- The MLP of `bench/results/tpu-v5e-2026-12-05/bench.json` (AdamW, batch 512) in each
+  of its modes: each field of XLA's memory analysis beside the chip's (the table of
+  docs/gpu-plan.md, "On a TPU"):
+
+      JAX_PLATFORMS=cpu python bench/tpu/plan_vs_chip.py [bench.json]
+
+- The project's Llama (`bench/llama.py`, d=2048, seq 1024, batch 4) in the rows of
+  issue 56's table, measured on a v5e on 2026-12-06: the plan's bytes moved, device
+  peak and host bytes, and the step time the plan predicts (`Plan.predicted_step_seconds`)
+  beside the chip's. One row per process (a 24-layer plan takes minutes and ~3 GB):
+
+      JAX_PLATFORMS=cpu python bench/tpu/plan_vs_chip.py --llama ROW [--hlo FILE]
+
+  ROW is one of `LLAMA_ROWS`. Prints one JSON line.
+
+Every number of the plan is XLA:TPU's plan (compiled without a TPU), not a measurement.
 """
 
+import argparse
+import functools
 import json
 import pathlib
 import sys
-from typing import Any
+import time
+from typing import Any, Optional
 
 import equinox as eqx
 import jax
@@ -48,6 +63,91 @@ def plan_point(mode: str, width: int, depth: int, batch: int) -> eqx_offload.pla
     return eqx_offload.plan(step, model, state, (data, data), target="v5e")
 
 
+# The rows of issue 56's table (chip: TPU v5e, main 9b14360, JAX 0.10.2, 2026-12-06,
+# ../shared/tpu-results/2026-12-06/): (capacity mode, layers, bf16 state in host memory,
+# `group_bytes` of the state's `offloaded`, the chip's step in seconds).
+LLAMA_ROWS: dict[str, tuple[str, int, bool, Any, float]] = {
+    "plain-8": ("fp32", 8, False, "auto", 0.1754),
+    "state-8": ("state", 8, False, "auto", 0.5641),
+    "state-24": ("state", 24, False, "auto", 1.62),
+    "activations-8": ("+activations", 8, False, 0, 2.71),
+    "activations-20": ("+activations", 20, False, "auto", 6.56),
+    "activations-bf16state-20": ("+activations", 20, True, "auto", 5.71),
+}
+
+
+def llama_step(row: str) -> tuple[Any, tuple[Any, ...]]:
+    """The step of a row of `LLAMA_ROWS` (as `bench/tpu/capacity_chip.py` runs it) and
+    its abstract arguments."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import capacity  # (bench/)
+    from tpu.capacity_chip import shape_of
+
+    name, layers, bf16_state, group_bytes, _ = LLAMA_ROWS[row]
+    mode = capacity.MODES_BY_NAME[name]
+    shape = shape_of(2048, layers, 1024, 4)
+    adamw = optax.adamw(3e-4, weight_decay=0.1)
+    offload = functools.partial(eqx_offload.offloaded, group_bytes=group_bytes,
+                                host_dtype=jnp.bfloat16 if bf16_state else None)
+    if not mode.bf16:
+        update, model, state = capacity.training_update(shape, mode)
+        if mode.state_on_host:  # (`training_update` offloads with the defaults)
+            opt = offload(adamw)
+            state = eqx_offload.checkpoint.filter_eval_shape(
+                lambda m: opt.init(eqx.filter(m, eqx.is_array)), model)
+            update = capacity._optimizer_update(opt)
+        return capacity._one_step(update), (model, state, capacity.abstract_tokens(shape, None))
+
+    def make() -> Any:
+        model = capacity.Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
+        return capacity._blocks_to_host(model) if mode.params_on_host else model
+
+    model = eqx_offload.checkpoint.filter_eval_shape(make)
+    mw = eqx_offload.master_weights(adamw, offload=offload)
+    model, state = eqx_offload.checkpoint.filter_eval_shape(mw.init, model)
+    return (capacity._one_step(capacity._master_update(mw)),
+            (model, state, capacity.abstract_tokens(shape, None)))
+
+
+def llama_row(row: str, hlo: Optional[str] = None) -> dict[str, Any]:
+    """Plan a row of `LLAMA_ROWS` for a v5e: what it moves and holds, and the step time
+    the plan predicts beside the chip's."""
+    from eqx_offload._plan import tpu as _tpu
+
+    start = time.perf_counter()
+    step, args = llama_step(row)
+    compile_for = _tpu.compile_for
+
+    def keep_hlo(*a: Any, **k: Any) -> Any:
+        lowered, options, compiled = compile_for(*a, **k)
+        if hlo:
+            pathlib.Path(hlo).write_text("\n".join(m.to_string() for m in compiled.hlo_modules()))
+        return lowered, options, compiled
+
+    _tpu.compile_for = keep_hlo
+    try:
+        planned = eqx_offload.plan(step, *args, target="v5e")
+    finally:
+        _tpu.compile_for = compile_for
+    measured = LLAMA_ROWS[row][-1]
+    predicted = planned.predicted_step_seconds
+    return {"row": row, "measured_s": measured,
+            "predicted_s": None if predicted is None else round(predicted, 4),
+            "error": None if predicted is None else round(predicted / measured - 1, 3),
+            "to_device_GB": planned.bytes_moved("to_device") / 1e9,
+            "to_host_GB": planned.bytes_moved("to_host") / 1e9,
+            "device_peak_GB": planned.device_peak_bytes / 1e9,
+            "host_GB": planned.host_bytes / 1e9,
+            "host_argument_GB": planned.host_argument_bytes / 1e9,
+            "host_temp_GB": planned.host_temp_bytes / 1e9,
+            "unaliased_host_output_GB": planned.unaliased_host_output_bytes / 1e9,
+            "compute_floor_s": planned.compute_floor_seconds,
+            "transfer_floor_s": planned.transfer_floor_seconds,
+            "matmul_flops": dict(planned.matmul_flops),
+            "plan_s": round(time.perf_counter() - start, 1), "jax": jax.__version__,
+            "summary": planned.summary()}
+
+
 def main(path: str) -> None:
     recorded = json.loads(pathlib.Path(path).read_text())
     print(f"chip: {recorded['machine']['device_kind']}, JAX {recorded['machine']['jax_version']}, "
@@ -71,4 +171,12 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(RESULTS / "bench.json"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bench_json", nargs="?", default=str(RESULTS / "bench.json"))
+    parser.add_argument("--llama", choices=sorted(LLAMA_ROWS), help="plan this Llama row")
+    parser.add_argument("--hlo", help="(with --llama) write the scheduled HLO here")
+    options = parser.parse_args()
+    if options.llama:
+        print(json.dumps(llama_row(options.llama, options.hlo)), flush=True)
+    else:
+        main(options.bench_json)

@@ -1,1 +1,2 @@
-"""`gpu_plan`: compiling a step for an NVIDIA GPU without one, and reading what it holds."""
+"""The planner: compiling a step for a GPU or a TPU without one (`deviceless`, `tpu`),
+and reading what XLA's plan holds and moves (`hlo`, `loops`) into a `Plan` (`plan`)."""

@@ -7,6 +7,8 @@ import dataclasses
 import re
 from typing import Literal, Optional
 
+from .loops import COMPUTATION, computations, conditional_computations, run_counts
+
 
 Direction = Literal["to_device", "to_host"]
 
@@ -60,6 +62,9 @@ _NOT_COMPUTE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
     "copy-done", "after-all", "opt-barrier", "partition-id", "replica-id",
     "add-dependency", "iota", "broadcast", "reshape",
+    # XLA:TPU's asynchronous slices are DMAs, not kernels.
+    "slice-start", "slice-done", "dynamic-slice-start", "dynamic-slice-done",
+    "dynamic-update-slice-start", "dynamic-update-slice-done",
 })
 
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4}
@@ -84,11 +89,21 @@ def _device_bytes(shapes: str) -> int:
     return sum(_array_bytes(m) for m in _ARRAY.finditer(shapes) if not _on_host(m))
 
 
+# Asynchronous slices: XLA's GPU compiler writes them as a `fusion-start` of a
+# `dynamic-slice` or `dynamic-update-slice`, XLA:TPU as these instructions of their own.
+_SLICE_STARTS = frozenset({"fusion-start", "dynamic-slice-start",
+                           "dynamic-update-slice-start", "slice-start"})
+_DONES = frozenset({"copy-done", "fusion-done", "dynamic-slice-done",
+                    "dynamic-update-slice-done", "slice-done"})
+
+
 def _slice_copy(rest: str, op: "re.Match[str]") -> Optional[tuple[Direction, int]]:
-    """A `fusion-start` that copies rows between host and device memory (XLA's
-    asynchronous `dynamic-slice` from a host buffer, or `dynamic-update-slice` into
-    one: the streamed update's pieces of a stacked leaf): its direction and bytes."""
-    if "dynamic-slice" not in rest and "dynamic-update-slice" not in rest:
+    """An asynchronous slice that copies rows between host and device memory (a
+    `dynamic-slice` from a host buffer, or a `dynamic-update-slice` into one: the
+    streamed update's pieces of a stacked leaf, a layer's weights fetched in a loop):
+    its direction and bytes."""
+    if op.group("op") == "fusion-start" and (
+            "dynamic-slice" not in rest and "dynamic-update-slice" not in rest):
         return None
     arrays = list(_ARRAY.finditer(rest[: op.start()]))  # operands..., destination, context
     n_operands = len(_OPERAND.findall(rest[op.end(): rest.find(")", op.end())]))
@@ -148,94 +163,13 @@ def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, 
             for direction, nbytes in moved if nbytes]
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)")
-_WHILE_BODY = re.compile(r"\bbody=%(?P<body>[^\s,]+)")
-_CALLED = re.compile(r"\b(?:condition|calls|to_apply|body|branch_computations|"
-                     r"true_computation|false_computation|async_execution_thread)=\{?(?P<names>%[^\s,}]+(?:,\s*%[^\s,}]+)*)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>[0-9]+)"')
-
-
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    """The computations of an HLO module's text: name -> instruction lines."""
-    found: dict[str, list[str]] = {}
-    current: Optional[list[str]] = None
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            match = _COMPUTATION.match(line)
-            current = found.setdefault(match.group("name") if match else line, [])
-            continue
-        if current is not None:
-            current.append(line)
-    return found
-
-
-_BRANCHES = ("branch_computations", "true_computation", "false_computation")
-
-
-def _calls(hlo_text: str) -> dict[str, list[tuple[str, bool]]]:
-    """Per computation of an HLO module's text: the computations it calls, each with
-    whether it is a branch of a conditional."""
-    found: dict[str, list[tuple[str, bool]]] = {}
-    for name, lines in _computations(hlo_text).items():
-        for line in lines:
-            for match in _CALLED.finditer(line):
-                branch = match.group(0).startswith(_BRANCHES)
-                found.setdefault(name, []).extend(
-                    (callee.strip().lstrip("%"), branch)
-                    for callee in match.group("names").split(","))
-    return found
-
-
-def conditional_computations(hlo_text: str) -> frozenset[str]:
-    """The computations of an HLO module that run only when a conditional takes a
-    branch: its branches and everything they call."""
-    calls = _calls(hlo_text)
-    found: set[str] = set()
-    pending = [callee for callees in calls.values() for callee, branch in callees if branch]
-    while pending:
-        name = pending.pop()
-        if name not in found:
-            found.add(name)
-            pending.extend(callee for callee, _ in calls.get(name, []))
-    return frozenset(found)
-
-
-def run_counts(hlo_text: str) -> dict[str, int]:
-    """How many times a step runs each computation of its scheduled HLO: 1 for the
-    entry, the trip count of the loop (`known_trip_count`) times its caller's for a
-    loop body, the caller's for anything else it calls."""
-    computations = _computations(hlo_text)
-    called: dict[str, list[tuple[str, int]]] = {}
-    for name, lines in computations.items():
-        for line in lines:
-            body = _WHILE_BODY.search(line)
-            trips = _TRIP_COUNT.search(line)
-            for match in _CALLED.finditer(line):
-                for callee in match.group("names").split(","):
-                    callee = callee.strip().lstrip("%")
-                    times = int(trips.group("n")) if (
-                        body and trips and callee == body.group("body")) else 1
-                    called.setdefault(name, []).append((callee, times))
-    callers = {c for calls in called.values() for c, _ in calls}
-    counts: dict[str, int] = {}
-
-    def visit(name: str, times: int) -> None:
-        counts[name] = counts.get(name, 0) + times
-        for callee, trips in called.get(name, []):
-            visit(callee, times * trips)
-
-    for root in [n for n in computations if n not in callers]:
-        visit(root, 1)
-    return counts
-
-
 def scheduled_collectives(hlo_text: str) -> tuple[PlannedCollective, ...]:
     """Every collective between devices in a scheduled HLO module (its synchronous
     form or the start of its asynchronous form), with its result's bytes and how many
     times the step runs it."""
     counts = run_counts(hlo_text)
     found: list[PlannedCollective] = []
-    for computation, lines in _computations(hlo_text).items():
+    for computation, lines in computations(hlo_text).items():
         for line in lines:
             match = _INSTRUCTION.match(line)
             op = _OPCODE.search(match.group("rest")) if match else None
@@ -275,7 +209,7 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         if line.rstrip().endswith("{") and not line.startswith(" "):
             open_copies.clear()  # a new computation
             kernels = 0
-            computation = _COMPUTATION.match(line)
+            computation = COMPUTATION.match(line)
             runs = counts.get(computation.group("name"), 1) if computation else 1
             in_branch = computation is not None and computation.group("name") in conditional
             continue
@@ -290,7 +224,7 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         if opcode == "copy-start" and (moved := _host_copy(rest, op)) is not None:
             copy_direction, copy_bytes = moved
             open_copies[match.group("name")] = (copy_direction, copy_bytes, kernels)
-        elif opcode == "fusion-start" and (moved := _slice_copy(rest, op)) is not None:
+        elif opcode in _SLICE_STARTS and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
             open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
         elif opcode == "custom-call-start" and _HOST_CALL in rest:
@@ -301,7 +235,7 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         ) is not None:
             copies.extend(_host_call_copies(rest, op, started, kernels, runs, in_branch))
             kernels += 1
-        elif opcode in ("copy-done", "fusion-done") and (
+        elif opcode in _DONES and (
                 started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
         ) is not None:
             direction, nbytes, before = started

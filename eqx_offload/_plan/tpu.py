@@ -113,23 +113,21 @@ def on_chips(args: Any, chips: list[Any]) -> Any:
 def compile_for(jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any], chips: list[Any],
                 compiler_options: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
     """Lower the `filter_jit` call for `tpu` with its arguments on `chips` and compile
-    it: the lowering, the XLA options, the compiled step (`memory_analysis()`,
-    `as_text()`)."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
+    it: the lowering, the XLA options, XLA's executable (`get_compiled_memory_stats()`,
+    `hlo_modules()`).
+
+    The module is compiled by the topology's client directly (`compat.compile_for_devices`,
+    what `jax.jit`'s compile calls), not through `Lowered.compile`: that path consults
+    JAX's persistent compilation cache, whose entry for a compile-only executable cannot
+    be loaded back (there is no chip to load it on), so a second plan of the same step
+    would fail (`tests/upstream/test_upstream_tpu_deviceless.py`). Turning the cache off
+    around the compile would flip JAX's global configuration for every thread of the
+    process; this route touches none of it. The executable is the one `Lowered.compile`
+    makes (the same scheduled HLO and memory analysis, pinned by the same test file)."""
+    from .._core import compat
 
     moved_args, moved_kwargs = on_chips((args, kwargs), chips)
     lowered = jitted.lower_for(("tpu",), moved_args, moved_kwargs)
     options = {**lowered.compiler_options, **compiler_options}
-    # Without JAX's persistent compilation cache: a compile-only executable's entry
-    # cannot be read back (there is no client to load it on), so the second plan of
-    # the same step would fail (`tests/upstream/test_upstream_tpu_deviceless.py`). JAX
-    # decides whether to use the cache once, so it is reset around the compile.
-    cache = jax.config.values["jax_enable_compilation_cache"]
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        return lowered, options, lowered.compile(compiler_options)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
-        compilation_cache.reset_cache()
+    return lowered, options, compat.compile_for_devices(
+        lowered.compiler_ir("stablehlo"), chips, options)

@@ -112,6 +112,27 @@ def test_master_weights_and_host_weights_keep_fp32_off_the_v5e() -> None:
     assert params.argument_bytes < x.nbytes + fp32 // 10
 
 
+def test_a_copy_inside_a_loop_counts_once_per_trip() -> None:
+    """Stacked layers in host memory, run forward by `scan_layers` without prefetch:
+    XLA:TPU's loop fetches one layer per trip (an asynchronous `dynamic-slice-start`,
+    with no trip count written in the HLO), so the step moves the whole stack once."""
+    n, d = 6, 256
+    keys = jax.random.split(jax.random.key(0), n)
+    layers = eqx_offload.to_host(eqx.filter_vmap(
+        lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k))(keys))
+
+    def forward(layers: Any, x: jax.Array) -> jax.Array:
+        return eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(jax.vmap(layer)(h)),
+                                       prefetch=False)
+
+    planned = plan(forward, layers, jnp.ones((8, d)), target="v5e")
+    (fetch,) = planned.copies_to("to_device")
+    assert (fetch.count, fetch.nbytes) == (n, d * d * 4)
+    assert planned.bytes_moved("to_device") == _host_bytes(layers) == planned.host_bytes
+    assert planned.transfer_floor_seconds == pytest.approx(
+        n * d * d * 4 / TPU_TARGETS["v5e"].host_link_bandwidth)
+
+
 def test_target_by_name_or_object_and_what_the_plan_says() -> None:
     made = _optax_step(eqx_offload.offloaded(ADAMW))
     by_name, by_object = _plan(made, "v5e"), _plan(made, TPU_TARGETS["v5e"])

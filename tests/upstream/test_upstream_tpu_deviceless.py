@@ -4,6 +4,7 @@ the code that names this file."""
 
 import pathlib
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ def test_the_persistent_cache_cannot_load_a_compile_only_executable(
         tmp_path: pathlib.Path) -> None:
     """With JAX's persistent compilation cache on, the second compile of a module for a
     compile-only chip reads the first's entry and fails (there is no client to load it
-    on): `_tpu.compile_for` compiles with the cache off."""
+    on): `_tpu.compile_for` compiles through the topology's client, which never consults
+    the cache (`test_the_plan_compiles_what_jit_compiles_and_leaves_the_config_alone`)."""
     chip = _chip()
     sharding = NamedSharding(Mesh([chip], ("x",)), P())
     x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=sharding)
@@ -84,3 +86,54 @@ def test_xla_tpu_copies_into_its_own_alternate_memory() -> None:
     text = jax.jit(lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w)).lower(x, w).compile().as_text()
     assert any("S(1)" in line for line in text.splitlines() if "copy-start(" in line)
     assert scheduled_copies(text) == ()
+
+
+def _no_metadata(text: str) -> str:
+    return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def test_the_plan_compiles_what_jit_compiles_and_leaves_the_config_alone(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_tpu.compile_for` (the topology's client, `compat.compile_for_devices`) makes the
+    executable `Lowered.compile` makes: the same memory analysis and scheduled HLO
+    (`jax.jit` adds only its sharding-propagation flags to the module's header). With
+    the persistent cache on, a step plans twice, and JAX's configuration is never
+    updated."""
+    import eqx_offload
+
+    chip = _chip()
+    sharding = NamedSharding(Mesh([chip], ("x",)), P(), memory_kind="pinned_host")
+    x = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=sharding)
+    step = eqx_offload.filter_jit(lambda x: jax.device_put(
+        jnp.sin(jax.device_put(x, jax.memory.Space.Device)), jax.memory.Space.Host),
+        donate="all")
+    lowered, _, executable = _tpu.compile_for(step, (x,), {}, [chip], {})
+    with_jit = lowered.compile()
+    fields = ("argument_size_in_bytes", "temp_size_in_bytes", "output_size_in_bytes",
+              "alias_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes")
+    ours, jits = executable.get_compiled_memory_stats(), with_jit.memory_analysis()
+    assert [getattr(ours, f) for f in fields] == [getattr(jits, f) for f in fields]
+    body = [_no_metadata(t).split("\n", 1)[1] for t in (
+        executable.hlo_modules()[0].to_string(), with_jit.as_text())]
+    assert body[0] == body[1] and scheduled_copies(body[0])
+
+    saved = {name: getattr(jax.config, name) for name in (
+        "jax_enable_compilation_cache", "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs")}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (a cache of its own)
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        compilation_cache.reset_cache()
+        updates: list[Any] = []
+        monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+        on_cpu = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            Mesh(jax.devices()[:1], ("x",)), P(), memory_kind="pinned_host"))
+        first, second = (eqx_offload.plan(step, on_cpu, target="v5e") for _ in range(2))
+        assert first == second and updates == []
+    finally:
+        monkeypatch.undo()
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
