@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
+from .._core.compat import optimization_barrier
 from .._core.errors import OffloadError
 from .._core.move import put
 from .._core.placement import destination
@@ -172,8 +173,16 @@ def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
     """`store` of a whole inner state, the leaves `options.where` selects. (Kept for
     `offloaded`'s `init`; a tree, not flat leaves.)"""
     leaves, treedef = jtu.tree_flatten(tree)
+    specs = None
+    if options.quantized:
+        # `init`'s moments are constants (zeros): fenced, XLA quantises them when the
+        # program runs instead of folding the quantiser over every value as it compiles.
+        specs = specs_for(treedef, leaves)
+        leaves = [optimization_barrier(x) if s is not None and isinstance(x, jax.Array) else x
+                  for x, s in zip(leaves, specs, strict=True)]
     return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind,
-                                             leaf_mask(tree, options.where), treedef=treedef))
+                                             leaf_mask(tree, options.where), treedef=treedef,
+                                             specs=specs))
 
 
 def narrowed(options: Options, leaves: Sequence[Any],
