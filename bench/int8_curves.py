@@ -32,7 +32,7 @@ import optax
 import eqx_offload
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from llama import Llama, llama_loss, LlamaShape  # noqa: E402
+from llama import Llama, llama_loss, LlamaShape
 
 
 SHAPE = LlamaShape("char", width=128, layers=2, heads=4, kv_heads=4, ffn=384, vocab=256,

@@ -7,7 +7,7 @@ layout it has not seen is checked against what `inner.init` makes (`checks`)."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, cast, Optional
 
 import equinox as eqx
 import jax
@@ -118,7 +118,7 @@ def _as_computed(state: Any, abstract: Any) -> Any:
     Any other state as it is."""
     leaves, treedef = jtu.tree_flatten(state.inner_state)
     made, made_def = jtu.tree_flatten(abstract)
-    if treedef != made_def:
+    if cast(Any, treedef) != made_def:  # (PyTreeDef is typed without __eq__)
         return state
     specs = specs_for(made_def, made)
     leaves = [spec.spec if spec is not None and _is_packed(x, spec) else x
