@@ -138,7 +138,8 @@ def trace_update(
     state_dtypes: Optional[Sequence[Any]] = None,
 ) -> TracedUpdate:
     """Trace `inner.update` on these arguments' shapes to one flat jaxpr (with the state's
-    array leaves in `state_dtypes`, if given: the dtypes the update computes in)."""
+    array leaves in `state_dtypes`, if given: the dtypes the update computes in; a
+    `jax.ShapeDtypeStruct` where the shape changes too, as 8-bit state's does)."""
     dynamic, static = eqx.partition((updates, inner_state, params, extra_args), eqx.is_array)
     flat, in_treedef = jtu.tree_flatten(dynamic)
     state_offset = len(jtu.tree_leaves(dynamic[0]))
@@ -153,6 +154,8 @@ def trace_update(
     specs = [_spec(x) for x in flat]
     for i, dtype in enumerate(state_dtypes or ()):
         spec = specs[state_offset + i]
+        if isinstance(dtype, jax.ShapeDtypeStruct):
+            spec, dtype = dtype, dtype.dtype
         specs[state_offset + i] = jax.ShapeDtypeStruct(spec.shape, dtype, weak_type=spec.weak_type)
     closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*specs)
     if any(_inlinable(e) for e in closed.jaxpr.eqns):

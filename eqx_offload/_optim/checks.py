@@ -43,9 +43,12 @@ def check_state_not_deleted(leaves: list[Any], state: Any) -> None:
 
 
 def check_new_state(inner: Any, state: Any, updates: Any, params: Any,
-                    extra_args: dict[str, Any]) -> list[Any]:
+                    extra_args: dict[str, Any],
+                    view: Optional[Callable[[Any, Any], Any]] = None) -> list[Any]:
     """Refuse a state only on a real mismatch; a state this optimizer made, by `init`
-    or by `update`, is never refused. Returns the dtype `inner.init` gives each leaf.
+    or by `update`, is never refused. Returns the leaves `inner.init` makes (abstract).
+    `view(state, abstract)`: the state as checked (8-bit state: its leaves as the
+    update sees them).
 
     Where the state has the structure and shapes of what `inner.init` makes for these
     params (or, without them, these updates), it is accepted. At the first difference
@@ -60,12 +63,14 @@ def check_new_state(inner: Any, state: Any, updates: Any, params: Any,
     like = eqx.filter(updates if params is None else params, eqx.is_array)
     # `filter_eval_shape`: a state may hold non-arrays (strings, Python scalars).
     abstract = eqx.filter_eval_shape(inner.init, like)
+    if view is not None:
+        state = view(state, abstract)
     try:
         check_state(state, abstract)
     except StateError as difference:
         _accept_or_raise(inner, state, difference, (updates, state.inner_state, params, extra_args),
                          (like, abstract))
-    return [getattr(x, "dtype", None) for x in jtu.tree_leaves(abstract)]
+    return jtu.tree_leaves(abstract)
 
 
 def _accept_or_raise(inner: Any, state: Any, difference: StateError,

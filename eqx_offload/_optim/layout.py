@@ -7,7 +7,7 @@ layout it has not seen is checked against what `inner.init` makes (`checks`)."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, cast, Optional
 
 import equinox as eqx
 import jax
@@ -16,12 +16,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
+from .._core.compat import optimization_barrier
 from .._core.errors import OffloadError
 from .._core.move import put
 from .._core.placement import destination
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .options import Options
+from .quantize import CODE_DTYPE, dequantize, packed_size, quantize, Quantized, specs_for
 
 
 class Cache:
@@ -43,7 +45,9 @@ class Layout:
     options: Options
     treedef: Any  # of the inner state
     mask: tuple[bool, ...]  # per leaf: kept in host memory between steps
-    init_dtypes: tuple[Any, ...]  # per leaf: `inner.init`'s dtype (`host_dtype` only)
+    # per leaf: `inner.init`'s dtype (`host_dtype` only; 8-bit: a `Quantized` where the
+    # leaf is kept quantised)
+    init_dtypes: tuple[Any, ...]
     targets: dict[tuple[Any, Optional[str]], Any]  # the `Cache`'s
 
     def unflatten(self, leaves: Sequence[Any]) -> Any:
@@ -60,11 +64,12 @@ class Layout:
         (`memory_kind`, default the option's)."""
         leaves, treedef = jtu.tree_flatten(tree)
         mask: Sequence[bool] = self.mask
+        specs: Optional[Sequence[Any]] = self.init_dtypes
         if treedef != self.treedef:  # a state that `update` grows (optax's `monitor`)
-            mask = leaf_mask(tree, self.options.where)
+            mask, specs = leaf_mask(tree, self.options.where), None
         return jtu.tree_unflatten(treedef, store(
             self.options, leaves, memory_kind or self.options.memory_kind, mask,
-            treedef=treedef, targets=self.targets))
+            treedef=treedef, targets=self.targets, specs=specs))
 
 
 def layout_for(
@@ -85,11 +90,16 @@ def layout_for(
     except (TypeError, ValueError):  # static data that cannot be hashed or compared
         layout, key = None, None
     if layout is None:
-        init_dtypes = check_new_state(inner, state, updates, params, extra_args)
+        made = check_new_state(inner, state, updates, params, extra_args,
+                               _as_computed if options.quantized else None)
         mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
                      else mask_of(state.inner_state))
+        init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
         if options.host_dtype is None or len(init_dtypes) != len(leaves):
             init_dtypes = [None] * len(leaves)
+        elif options.quantized:
+            init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
+                                                        strict=True)]
         layout = Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
         if key is not None:
             if len(cache.layouts) >= 256:
@@ -100,6 +110,25 @@ def layout_for(
 
 def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
     return tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
+
+
+def _as_computed(state: Any, abstract: Any) -> Any:
+    """An 8-bit state as the update computes on it, for `check_new_state`: each packed
+    leaf where `inner.init` makes a leaf that is kept quantised, as that leaf (abstract).
+    Any other state as it is."""
+    leaves, treedef = jtu.tree_flatten(state.inner_state)
+    made, made_def = jtu.tree_flatten(abstract)
+    if cast(Any, treedef) != made_def:  # (PyTreeDef is typed without __eq__)
+        return state
+    specs = specs_for(made_def, made)
+    leaves = [spec.spec if spec is not None and _is_packed(x, spec) else x
+              for x, spec in zip(leaves, specs, strict=True)]
+    return state._replace(inner_state=jtu.tree_unflatten(treedef, leaves))
+
+
+def _is_packed(leaf: Any, spec: Quantized) -> bool:
+    return (getattr(leaf, "dtype", None) == CODE_DTYPE
+            and tuple(getattr(leaf, "shape", ())) == (*spec.shape[:-1], packed_size(spec.shape[-1])))
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,13 +151,21 @@ def fetch(options: Options, leaves: Sequence[Any], init_dtypes: Optional[Sequenc
 
 def store(options: Options, leaves: Sequence[Any], memory_kind: Optional[str],
           mask: Optional[Sequence[bool]] = None, argument: str = "memory_kind",
-          treedef: Any = None, targets: Optional[dict[Any, Any]] = None) -> list[Any]:
+          treedef: Any = None, targets: Optional[dict[Any, Any]] = None,
+          specs: Optional[Sequence[Any]] = None) -> list[Any]:
     """The leaves `mask` selects (default all) narrowed to `host_dtype`, then to
     `memory_kind` (`None`: the device), in one `put`; errors name `argument` and the
-    path in `treedef`; `targets` caches destinations per (sharding, memory kind)."""
+    path in `treedef`; `targets` caches destinations per (sharding, memory kind).
+    8-bit state: the leaves `specs` (the layout's `init_dtypes`, or else decided from
+    the paths in `treedef`) keeps quantised are quantised; with neither, the leaves are
+    taken as `narrowed` already."""
     if options.host_dtype is not None:
-        leaves = [_narrow(options, x) if mask is None or m else x
-                  for x, m in zip(leaves, mask or [True] * len(leaves), strict=True)]
+        if options.quantized and specs is None:
+            specs = (specs_for(treedef, list(leaves)) if treedef is not None
+                     else [None] * len(leaves))
+        leaves = [_narrow(options, x, s) if mask is None or m else x
+                  for x, m, s in zip(leaves, mask or [True] * len(leaves),
+                                     specs or [None] * len(leaves), strict=True)]
     return _put(leaves, mask, memory_kind, argument, treedef, targets)
 
 
@@ -136,14 +173,27 @@ def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
     """`store` of a whole inner state, the leaves `options.where` selects. (Kept for
     `offloaded`'s `init`; a tree, not flat leaves.)"""
     leaves, treedef = jtu.tree_flatten(tree)
+    specs = None
+    if options.quantized:
+        # `init`'s moments are constants (zeros): fenced, XLA quantises them when the
+        # program runs instead of folding the quantiser over every value as it compiles.
+        specs = specs_for(treedef, leaves)
+        leaves = [optimization_barrier(x) if s is not None and isinstance(x, jax.Array) else x
+                  for x, s in zip(leaves, specs, strict=True)]
     return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind,
-                                             leaf_mask(tree, options.where), treedef=treedef))
+                                             leaf_mask(tree, options.where), treedef=treedef,
+                                             specs=specs))
 
 
-def narrowed(options: Options, leaves: Sequence[Any]) -> list[Any]:
+def narrowed(options: Options, leaves: Sequence[Any],
+             specs: Optional[Sequence[Any]] = None) -> list[Any]:
     """State leaves narrowed to `options.host_dtype` where that is narrower, on the
-    device: what `store` sends to host (narrowing twice changes nothing)."""
-    return [_narrow(options, x) for x in leaves]
+    device: what `store` sends to host (narrowing twice changes nothing). 8-bit state:
+    `specs` (each leaf's entry of the layout's `init_dtypes`) says which are quantised."""
+    if options.quantized and specs is None:
+        raise AssertionError("8-bit state is narrowed with each leaf's spec")
+    return [_narrow(options, x, s) for x, s in zip(leaves, specs or [None] * len(leaves),
+                                                   strict=True)]
 
 
 def _put(leaves: Sequence[Any], mask: Optional[Sequence[bool]], memory_kind: Optional[str],
@@ -180,8 +230,13 @@ def _destination(leaf: Any, memory_kind: Optional[str], argument: str, treedef: 
 
 def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
     """The dtype `fetch` gives a leaf of `dtype` whose `inner.init` dtype is
-    `init_dtype`."""
+    `init_dtype`; for a quantised leaf, its `jax.ShapeDtypeStruct` (its shape changes
+    too)."""
+    if isinstance(init_dtype, Quantized):
+        return init_dtype.spec if dtype == CODE_DTYPE else dtype
     host_dtype = options.host_dtype
+    if options.quantized:
+        return dtype
     if (
         host_dtype is None
         or init_dtype is None
@@ -194,13 +249,21 @@ def widened_dtype(options: Options, dtype: Any, init_dtype: Any) -> Any:
 
 
 def _widen(options: Options, leaf: Any, init_dtype: Any) -> Any:
+    if isinstance(init_dtype, Quantized):
+        return dequantize(leaf, init_dtype) if leaf.dtype == CODE_DTYPE else leaf
     dtype = widened_dtype(options, getattr(leaf, "dtype", None), init_dtype)
     return leaf if dtype == getattr(leaf, "dtype", None) else leaf.astype(dtype)
 
 
-def _narrow(options: Options, leaf: Any) -> Any:
-    """`leaf` in `host_dtype` if it is a real floating array wider than that."""
+def _narrow(options: Options, leaf: Any, spec: Any = None) -> Any:
+    """`leaf` in `host_dtype` if it is a real floating array wider than that; 8-bit
+    state: `leaf` quantised if `spec` is a `Quantized` (a floating array)."""
     host_dtype = options.host_dtype
+    if options.quantized:
+        if (isinstance(spec, Quantized) and isinstance(leaf, jax.Array)
+                and jnp.issubdtype(leaf.dtype, jnp.floating)):
+            return quantize(leaf, spec.signed)
+        return leaf
     if (
         host_dtype is None
         or not isinstance(leaf, jax.Array)

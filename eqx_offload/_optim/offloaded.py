@@ -67,7 +67,8 @@ def offloaded(
     - `compute`: `"device"` (default), or `"host"` to run `inner.update` on the host
         CPU: the state never comes to the device (docs: "Host-compute mode").
     - `host_dtype`: keep floating state in host memory in this narrower dtype (e.g.
-        `jnp.bfloat16`), halving the bytes that cross. Not bitwise (docs: "Modes").
+        `jnp.bfloat16`), halving the bytes that cross; or `jnp.int8`: Adam's moments
+        8-bit block-wise quantised, a quarter of the bytes. Not bitwise (docs: "Modes").
     - `accumulator`: for an `optax.MultiSteps`, where its accumulated gradients live
         between mini-steps: `"device"` (default), or `"host"`: each mini-step sends its
         gradients to host once and the host CPU adds them there (docs: "Gradient

@@ -26,7 +26,12 @@ class Options:
     group_bytes: Union[int, str, None]  # None: not streamed; "auto": streamed where it can be
     lookahead: int  # streamed: groups brought to the device ahead of the one updated
     compute: str
-    host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host
+    host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host; uint8: 8-bit
+
+    @property
+    def quantized(self) -> bool:
+        """Whether Adam's moments are kept 8-bit block-wise quantised (`quantize`)."""
+        return self.host_dtype is not None and self.host_dtype == np.uint8
 
 
 def normalise(
@@ -88,16 +93,21 @@ def _check_group_bytes(group_bytes: Any, compute: object) -> None:
 
 
 def _host_dtype(host_dtype: object, compute: object) -> np.dtype:
-    """`host_dtype` as a floating NumPy dtype, with `compute="device"`."""
+    """`host_dtype` as a floating NumPy dtype, or `uint8` for 8-bit block-wise
+    quantised moments (given as `jnp.int8`, `jnp.uint8` or their names), with
+    `compute="device"`."""
     dtype: Optional[np.dtype]
     try:
         dtype = np.dtype(host_dtype)  # type: ignore[call-overload]  # checked just below
     except TypeError:
         dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is not None and dtype in (np.int8, np.uint8):
+        dtype = np.dtype(np.uint8)  # the codes' dtype (`quantize`)
+    elif dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise OptionError(
             f"offloaded(host_dtype={host_dtype!r}): host_dtype must be a floating "
-            "dtype such as jnp.bfloat16 (or None to keep each leaf's dtype)."
+            "dtype such as jnp.bfloat16, jnp.int8 for 8-bit block-wise quantised "
+            "moments, or None to keep each leaf's dtype."
         )
     if compute == "host":
         raise OptionError(

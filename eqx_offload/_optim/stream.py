@@ -255,7 +255,8 @@ class _Runner:
         to_host = [key for key in produced if key[1] in self.schedule.host_outputs]
         # (as they go to host: a barrier on anything XLA would not materialise anyway,
         # such as the float32 state that host_dtype narrows, changes its fusions)
-        computed = narrowed(self.options, [vals[key] for key in to_host])
+        computed = narrowed(self.options, [vals[key] for key in to_host],
+                            [self.dtype_of[self.state_invars[k - self.n_updates]] for _, k in to_host])
         vals.update(zip(to_host, computed, strict=True))
         vals.update(zip(to_host, store(self.options, [vals[key] for key in to_host],
                                              "pinned_host"), strict=True))
@@ -380,7 +381,7 @@ def _write_state_rows(runner: _Runner, j: int, i: int, p: _Piece, value: Any, co
     """Send piece `p`'s new rows of state leaf `i` (run `j`) to host, narrowed, and
     write them into the leaf's host buffer, in place; appends them as computed (on
     the device) to `computed`. Returns the buffer's key."""
-    (value,) = narrowed(runner.options, [value])
+    (value,) = narrowed(runner.options, [value], [runner.dtype_of[runner.state_invars[i]]])
     computed.append(value)
     (rows,) = store(runner.options, [value], "pinned_host")
     key = ("leaf", i)

@@ -105,7 +105,7 @@ def test_multi_steps_passes_extra_args(every_k: int) -> None:
         ({"group_bytes": 0, "compute": "host"}, "exclude each other"),
         ({"lookahead": -1}, "lookahead must be an int >= 0"),
         ({"lookahead": 1.0}, "lookahead must be an int >= 0"),
-        ({"host_dtype": "int8"}, "host_dtype must be a floating dtype"),
+        ({"host_dtype": "int32"}, "host_dtype must be a floating dtype"),
         ({"host_dtype": "not a dtype"}, "host_dtype must be a floating dtype"),
         ({"host_dtype": "bfloat16", "compute": "host"}, "nothing to narrow"),
 ])
