@@ -36,10 +36,10 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
-from .host_compute import host_update
+from .._stream.host import host_update
 from .layout import fetch, Layout
 from .options import Options
-from .stream import streamed_update
+from .._stream.stream import streamed_update
 
 
 @runtime_checkable

@@ -24,7 +24,7 @@ import jax.extend.core as jex
 import jax.extend.source_info_util as source_info_util
 import jax.tree_util as jtu
 
-from .leaves import path_to_str
+from .._core.leaves import path_to_str
 
 
 Rule = Callable[[Any, list[Any]], list[Any]]

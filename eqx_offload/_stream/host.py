@@ -15,10 +15,10 @@ import numpy as np
 
 from .._core.compat import host_compute, JAXPR_TYPES
 from .._core.errors import CompositionError, see
-from .._core.jaxpr import bind, evaluate, is_var, trace_update, where_made
 from .._core.move import move
 from .._core.where import leaf_mask
-from .options import Options
+from .._optim.options import Options
+from .jaxpr import bind, evaluate, is_var, trace_update, where_made
 
 
 def _is_program(x: Any) -> bool:

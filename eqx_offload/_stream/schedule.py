@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 from .._core.errors import NotStreamable
-from .._core.jaxpr import is_var, TracedUpdate, where_made
 from .._core.leaves import nbytes
 from .._core.placement import is_host
+from .jaxpr import is_var, TracedUpdate, where_made
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,11 +67,11 @@ import numpy as np
 from .._core.compat import optimization_barrier
 from .._core.errors import NotStreamable
 from .._core.inner import as_transformation
-from .._core.jaxpr import bind, Env, is_var, trace_update, TracedUpdate
 from .._core.move import move
 from .._core.placement import is_host, memory_kind_of
-from .layout import fetch, narrowed, store, widened_dtype
-from .options import Options
+from .._optim.layout import fetch, narrowed, store, widened_dtype
+from .._optim.options import Options
+from .jaxpr import bind, Env, is_var, trace_update, TracedUpdate
 from .schedule import _converts_only, _Piece, _Schedule, _schedule, StreamPlan
 
 
