@@ -12,8 +12,8 @@ update then stores it (`Layout.store`). `leaves` are the inner state's flat leav
   accelerator where the update allows it, else `update_on_device` (chosen before
   tracing where `filter_jit` knows the platform, else by `platform_dependent`);
 - `update_on_device` (`group_bytes=None`): the whole state at once;
-- `streamed` (`group_bytes=N`): `stream.streamed_update`;
-- `host` (`compute="host"`): `host_compute.host_update`.
+- `streamed` (`group_bytes=N`): the engine's `streamed_update` (`_stream/update`);
+- `host` (`compute="host"`): the engine's `host_update`.
 
 Called eagerly, the default and `group_bytes=None` run op by op, bitwise as
 `inner.update` called eagerly. The streamed and host-compute updates are properties of
@@ -22,7 +22,7 @@ bitwise as `jax.jit(inner.update)`.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import equinox as eqx
@@ -36,10 +36,9 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
-from .._stream.host import host_update
-from .layout import fetch, Layout
+from .._stream.update import host_update, streamed_update, Transfers
+from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
-from .._stream.stream import streamed_update
 
 
 @runtime_checkable
@@ -179,18 +178,40 @@ def _as_stored(layout: Layout, state: Any) -> Any:
 
 def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
              leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    """`stream.streamed_update`; the `filter_jit` being traced compiles with the
-    scheduler options that let its copies overlap compute on a GPU."""
+    """The engine's `streamed_update`, moving state as `layout` does; the `filter_jit`
+    being traced compiles with the scheduler options that let its copies overlap
+    compute on a GPU."""
+    options = layout.options
+    assert options.group_bytes is not None
     with marked("streamed"):  # (read by `filter_jit`: `compat.scopes`)
-        return streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
-                               params, extra_args, layout.init_dtypes)
+        return streamed_update(inner, updates, layout.unflatten(leaves), params, extra_args,
+                               transfers=_transfers(options), group_bytes=options.group_bytes,
+                               init_dtypes=layout.init_dtypes)
+
+
+def _transfers(options: Options) -> Transfers:
+    """How the engine moves state under these options: `layout`'s transfers, with
+    `host_dtype` (the engine orders the crossings; `layout` makes them)."""
+    def fetch_leaves(leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
+        return fetch(options, leaves, init_dtypes)
+
+    def narrow(leaves: Sequence[Any]) -> list[Any]:
+        return narrowed(options, leaves)
+
+    def store_leaves(leaves: Sequence[Any]) -> list[Any]:
+        return store(options, leaves, "pinned_host")
+
+    def computes_in(dtype: Any, init_dtype: Any) -> Any:
+        return widened_dtype(options, dtype, init_dtype)
+
+    return Transfers(fetch_leaves, narrow, store_leaves, computes_in, options.lookahead)
 
 
 def host(inner: Any, layout: Layout, traced: bool, updates: Any,
          leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    """`host_compute.host_update`: `inner.update` on the host CPU."""
-    return host_update(inner, layout.options, updates, layout.unflatten(leaves), params,
-                       extra_args, layout.init_dtypes)
+    """The engine's `host_update`: `inner.update` on the host CPU."""
+    return host_update(inner, updates, layout.unflatten(leaves), params, extra_args,
+                       where=layout.options.where)
 
 
 class _CompiledWhenEager:

@@ -1,30 +1,23 @@
-"""Tracing an update to one flat jaxpr, and the one jaxpr evaluator.
+"""The one jaxpr evaluator.
 
 `evaluate` runs a jaxpr's equations in order; what differs between its users lives in a
 *rule*, a function from an equation and its input values to its output values (as in
 Equinox's `finalise_eval_jaxpr`):
 
-- `bind` (the default): evaluate the equation as `jax.core.eval_jaxpr` does. `filter_jit`
-  replays a traced step with it, so the user's function runs once per compilation.
+- `bind` (the default): evaluate the equation as `jax.core.eval_jaxpr` does.
 - `inline`: also evaluate nested `jit`s that have no placement of their own, equation by
   equation, so an analysis sees through them (`jnp.where` is one).
-- the host-compute rule in `host_compute`.
+- `host.on_host`: an equation traced for device memory, on host operands.
 
-The streamed update runs equations stage by stage with `run` on one `Env`.
+The streamed update runs equations stage by stage with `Env.run` on one `Env`.
 """
 
-import dataclasses
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
-import equinox as eqx
 import jax
 import jax.extend.core as jex
 import jax.extend.source_info_util as source_info_util
-import jax.tree_util as jtu
-
-from .._core.leaves import path_to_str
 
 
 Rule = Callable[[Any, list[Any]], list[Any]]
@@ -79,7 +72,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rule: Rule 
     return env.read_all(jaxpr.outvars)
 
 
-def _inlinable(eqn: Any) -> bool:
+def inlinable(eqn: Any) -> bool:
     """A nested `jit` with no placement of its own: XLA inlines it anyway."""
     if eqn.primitive.name not in ("jit", "pjit") or "jaxpr" not in eqn.params:
         return False
@@ -95,82 +88,10 @@ def _inlinable(eqn: Any) -> bool:
 
 def inline(eqn: Any, invals: list[Any]) -> list[Any]:
     """The rule that evaluates inlinable nested `jit`s equation by equation."""
-    if _inlinable(eqn):
+    if inlinable(eqn):
         closed = eqn.params["jaxpr"]
         return evaluate(closed.jaxpr, closed.consts, invals, inline)
     return bind(eqn, invals)
-
-
-@dataclasses.dataclass
-class TracedUpdate:
-    """`inner.update(updates, state, params, **extra_args)` as one flat jaxpr.
-
-    The jaxpr's inputs are the array leaves of `(updates, state, params, extra_args)` in
-    that order; its outputs the array leaves of `(new_updates, new_state)`."""
-
-    jaxpr: Any  # jax.extend.core.Jaxpr, with nested placement-free jits inlined
-    consts: list[Any]
-    flat_args: list[Any]
-    state_paths: list[str]  # paths of the state's array leaves, in flat order
-    state_offset: int  # index of the first state leaf in `flat_args`
-    n_updates_out: int
-    out_treedef: Any
-    out_static: Any
-
-    @property
-    def state_slice(self) -> slice:
-        return slice(self.state_offset, self.state_offset + len(self.state_paths))
-
-    def rebuild(self, flat_out: Sequence[Any]) -> tuple[Any, Any]:
-        """`(updates, state)` from the jaxpr's flat outputs."""
-        dyn_updates, dyn_state = jtu.tree_unflatten(self.out_treedef, list(flat_out))
-        updates, state = eqx.combine((dyn_updates, dyn_state), self.out_static)
-        return updates, state
-
-
-def _spec(leaf: Any) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(leaf)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def trace_update(
-    inner: Any, updates: Any, inner_state: Any, params: Any, extra_args: dict[str, Any],
-    state_dtypes: Optional[Sequence[Any]] = None,
-) -> TracedUpdate:
-    """Trace `inner.update` on these arguments' shapes to one flat jaxpr (with the state's
-    array leaves in `state_dtypes`, if given: the dtypes the update computes in)."""
-    dynamic, static = eqx.partition((updates, inner_state, params, extra_args), eqx.is_array)
-    flat, in_treedef = jtu.tree_flatten(dynamic)
-    state_offset = len(jtu.tree_leaves(dynamic[0]))
-    out_static: list[Any] = []
-
-    def run(*leaves: Any) -> Any:
-        u, s, p, e = eqx.combine(jtu.tree_unflatten(in_treedef, leaves), static)
-        dyn_out, static_out = eqx.partition(inner.update(u, s, p, **e), eqx.is_array)
-        out_static[:] = [static_out]
-        return dyn_out
-
-    specs = [_spec(x) for x in flat]
-    for i, dtype in enumerate(state_dtypes or ()):
-        spec = specs[state_offset + i]
-        specs[state_offset + i] = jax.ShapeDtypeStruct(spec.shape, dtype, weak_type=spec.weak_type)
-    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(*specs)
-    if any(_inlinable(e) for e in closed.jaxpr.eqns):
-        closed = jax.make_jaxpr(functools.partial(_evaluate_inlined, closed))(*specs)
-    return TracedUpdate(
-        jaxpr=closed.jaxpr,
-        consts=list(closed.consts),
-        flat_args=flat,
-        state_paths=[path_to_str(p) for p, _ in jtu.tree_flatten_with_path(dynamic[1])[0]],
-        state_offset=state_offset,
-        n_updates_out=len(jtu.tree_leaves(out_shape[0])),
-        out_treedef=jtu.tree_structure(out_shape),
-        out_static=out_static[0],
-    )
-
-
-def _evaluate_inlined(closed: Any, *args: Any) -> list[Any]:
-    return evaluate(closed.jaxpr, closed.consts, args, inline)
 
 
 def where_made(eqn: Any) -> str:
