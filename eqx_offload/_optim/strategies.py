@@ -9,8 +9,9 @@ update then stores it (`Layout.store`). `leaves` are the inner state's flat leav
 `traced` says whether any argument is traced.
 
 - `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
-  accelerator where the update allows it, else `update_on_device` (chosen before
-  tracing where `filter_jit` knows the platform, else by `platform_dependent`);
+  accelerator where the update allows it, else `update_on_device` (chosen by
+  `by_platform`: before tracing where `filter_jit` knows the platform, else by
+  `platform_dependent`);
 - `update_on_device` (`group_bytes=None`): the whole state at once;
 - `streamed` (`group_bytes=N`): the engine's `streamed_update` (`_stream/update`);
 - `host` (`compute="host"`): the engine's `host_update`.
@@ -23,7 +24,7 @@ bitwise as `jax.jit(inner.update)`.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -86,24 +87,28 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
     arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
-    on_cpu = _for_cpu()
-    if on_cpu is not None:
-        return unfenced(leaves, updates) if on_cpu else fenced(leaves, updates)
-    chosen: list[Any] = jax.lax.platform_dependent([leaves[i] for i in arrays], updates,
-                                                   cpu=unfenced, default=fenced)
+    chosen: list[Any] = by_platform(unfenced, fenced, [leaves[i] for i in arrays], updates)
     result = list(leaves)
-    for i, x in zip(arrays, chosen):
+    for i, x in zip(arrays, chosen, strict=True):
         result[i] = x
     return result
 
 
-def _for_cpu() -> Optional[bool]:
-    """Whether the program being traced is lowered for the CPU alone (`True`), for
-    accelerators alone (`False`), or for both or for platforms unknown (`None`: the
-    program then decides with `jax.lax.platform_dependent`)."""
-    platforms = lowering_platforms()
-    on_cpu = {p == "cpu" for p in platforms or ()}
-    return on_cpu.pop() if len(on_cpu) == 1 else None
+def by_platform(cpu: Callable[..., Any], accelerator: Callable[..., Any], *args: Any) -> Any:
+    """`cpu(*args)` where the program being traced is lowered for the CPU alone,
+    `accelerator(*args)` where it is lowered for accelerators alone, the other branch
+    not traced (`target.lowering_platforms`: known under `eqx_offload.filter_jit`, its
+    call, `lower_for` and `export`); where the platforms are several or unknown (under
+    `jax.jit`), both in one `jax.lax.platform_dependent`, and JAX lowers the one for
+    the platform it lowers for. The one chooser of the default's branches: the whole
+    state's fence (`_after_gradients`), `auto_update`, and the applying mini-step of
+    `offloaded(MultiSteps(...))`."""
+    on_cpu = {p == "cpu" for p in lowering_platforms() or ()}
+    if on_cpu == {True}:
+        return cpu(*args)
+    if on_cpu == {False}:
+        return accelerator(*args)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
 def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
@@ -137,15 +142,8 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
             return dynamic
         return run
 
-    on_cpu = _for_cpu()
     try:
-        if on_cpu is True:
-            dynamic = branch(update_on_device)()
-        elif on_cpu is False:
-            dynamic = branch(streamed)()
-        else:
-            dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
-                                                 default=branch(streamed))
+        dynamic = by_platform(branch(update_on_device), branch(streamed))
     except NotStreamable:  # the documented mode of such an update: the whole state
         return update_on_device(*arguments)
     result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
