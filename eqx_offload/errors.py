@@ -11,6 +11,7 @@ from ._core.errors import (
     MemoryKindError as MemoryKindError,
     NotATransformationError as NotATransformationError,
     OffloadError as OffloadError,
+    OffloadWarning as OffloadWarning,
     OptionError as OptionError,
     PlanError as PlanError,
     SignatureError as SignatureError,
@@ -19,7 +20,6 @@ from ._core.errors import (
     TreeError as TreeError,
     WhereError as WhereError,
 )
-from ._optim.state import OffloadWarning as OffloadWarning
 
 
 __all__ = [

@@ -127,7 +127,7 @@ newest() {
 # (test_programs, test_ports), the streamed update's (test_stream) and the LLVM-level
 # canary. The bitwise matrix (test_equivalence) marks its heavy cases slow, as the saving
 # and soak checks (test_checkpoint) do; its common optimizers and hypothesis tests stay.
-FAST_IGNORE=(jit/test_programs.py optim/test_ports.py optim/test_stream.py
+FAST_IGNORE=(jit/test_programs.py optim/test_ports.py stream/test_stream.py
              upstream/test_upstream_llvm_level.py)
 fast() {
   if ! in_env .venv python -c 'import eqx_offload, xdist' 2>/dev/null; then

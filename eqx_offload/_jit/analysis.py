@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
 
+from jax.extend.core import Literal
+
 from .._core.compat import scopes
-from .._core.jaxpr import is_var
 from .lint import check_no_host_compute
 
 
@@ -44,5 +45,5 @@ def analyse(closed: Any, name: str,
         streamed="streamed" in kinds,
         prefetched="prefetched" in kinds,
         whole="whole" in kinds,
-        out_constraints=tuple(constraints.get(v) if is_var(v) else None for v in jaxpr.outvars),
+        out_constraints=tuple(None if isinstance(v, Literal) else constraints.get(v) for v in jaxpr.outvars),
     )

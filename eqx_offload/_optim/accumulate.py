@@ -35,7 +35,7 @@ from .checks import check_is_offloaded, check_trace
 from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
-from .strategies import streamed
+from .strategies import by_platform, streamed
 
 
 Accumulator = Literal["device", "host"]
@@ -203,7 +203,9 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
     """The applying mini-step: `inner.update` on the accumulated gradients, with its
     state brought to the device and sent back to host as the default `offloaded`
     update does: streamed in groups when compiled for an accelerator (where the update
-    allows it), else the whole state at once (`_whole`)."""
+    allows it), else the whole state at once (`_whole`), chosen by
+    `strategies.by_platform` (the other branch is not traced where the platforms are
+    known)."""
     acc_grads = _add(step.parts, _fetch(step, state.acc_grads, step.acc), updates,
                      state.mini_step)
     grads = optax.tree.cast_like(acc_grads, updates)
@@ -221,11 +223,13 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
             raise NotStreamable("the update changes its state's dtypes")
         return final, new_state  # its host leaves are in host memory again
 
-    try:  # JAX lowers the branch of the platform it lowers for (as `auto_update`)
-        result: tuple[Any, Any] = lax.platform_dependent(
-            cpu=lambda: _whole(step, grads, state.inner_opt_state, emit), default=stream)
-    except NotStreamable:  # an update that couples all of its state: the whole state
+    def whole() -> tuple[Any, Any]:
         return _whole(step, grads, state.inner_opt_state, emit)
+
+    try:  # the branch of the platforms the program is lowered for, as `auto_update`'s
+        result: tuple[Any, Any] = by_platform(whole, stream)
+    except NotStreamable:  # an update that couples all of its state: the whole state
+        return whole()
     return result
 
 

@@ -16,12 +16,12 @@ from jax.core import Tracer
 
 from .._core.compat import named_axes
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
-                            none_leaf_error, StateError)
+                            none_leaf_error, OffloadWarning, StateError)
 from .._core.leaves import is_none, path_to_str
 from .._core.placement import is_host, memory_kind_of
 from .._core.where import structure_divergence
 from .._jit.lint import foreign_donation
-from .state import OffloadedState, OffloadWarning
+from .state import OffloadedState
 
 
 def check_not_deleted(params: Any, function: str, argument: str = "params") -> None:

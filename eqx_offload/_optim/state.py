@@ -5,7 +5,6 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._core.errors import OffloadWarning as OffloadWarning  # (re-exported: its old home)
 from .._core.move import move
 from .._core.placement import memory_kind_of
 

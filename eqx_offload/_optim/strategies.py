@@ -9,11 +9,12 @@ update then stores it (`Layout.store`). `leaves` are the inner state's flat leav
 `traced` says whether any argument is traced.
 
 - `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
-  accelerator where the update allows it, else `update_on_device` (chosen before
-  tracing where `filter_jit` knows the platform, else by `platform_dependent`);
+  accelerator where the update allows it, else `update_on_device` (chosen by
+  `by_platform`: before tracing where `filter_jit` knows the platform, else by
+  `platform_dependent`);
 - `update_on_device` (`group_bytes=None`): the whole state at once;
-- `streamed` (`group_bytes=N`): `stream.streamed_update`;
-- `host` (`compute="host"`): `host_compute.host_update`.
+- `streamed` (`group_bytes=N`): the engine's `streamed_update` (`_stream/update`);
+- `host` (`compute="host"`): the engine's `host_update`.
 
 Called eagerly, the default and `group_bytes=None` run op by op, bitwise as
 `inner.update` called eagerly. The streamed and host-compute updates are properties of
@@ -22,8 +23,8 @@ bitwise as `jax.jit(inner.update)`.
 """
 
 import functools
-from collections.abc import Callable
-from typing import Any, Optional, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -36,10 +37,9 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
-from .host_compute import host_update
-from .layout import fetch, Layout
+from .._stream.update import host_update, streamed_update, Transfers
+from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
-from .stream import streamed_update
 
 
 @runtime_checkable
@@ -87,24 +87,28 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
     arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
-    on_cpu = _for_cpu()
-    if on_cpu is not None:
-        return unfenced(leaves, updates) if on_cpu else fenced(leaves, updates)
-    chosen: list[Any] = jax.lax.platform_dependent([leaves[i] for i in arrays], updates,
-                                                   cpu=unfenced, default=fenced)
+    chosen: list[Any] = by_platform(unfenced, fenced, [leaves[i] for i in arrays], updates)
     result = list(leaves)
-    for i, x in zip(arrays, chosen):
+    for i, x in zip(arrays, chosen, strict=True):
         result[i] = x
     return result
 
 
-def _for_cpu() -> Optional[bool]:
-    """Whether the program being traced is lowered for the CPU alone (`True`), for
-    accelerators alone (`False`), or for both or for platforms unknown (`None`: the
-    program then decides with `jax.lax.platform_dependent`)."""
-    platforms = lowering_platforms()
-    on_cpu = {p == "cpu" for p in platforms or ()}
-    return on_cpu.pop() if len(on_cpu) == 1 else None
+def by_platform(cpu: Callable[..., Any], accelerator: Callable[..., Any], *args: Any) -> Any:
+    """`cpu(*args)` where the program being traced is lowered for the CPU alone,
+    `accelerator(*args)` where it is lowered for accelerators alone, the other branch
+    not traced (`target.lowering_platforms`: known under `eqx_offload.filter_jit`, its
+    call, `lower_for` and `export`); where the platforms are several or unknown (under
+    `jax.jit`), both in one `jax.lax.platform_dependent`, and JAX lowers the one for
+    the platform it lowers for. The one chooser of the default's branches: the whole
+    state's fence (`_after_gradients`), `auto_update`, and the applying mini-step of
+    `offloaded(MultiSteps(...))`."""
+    on_cpu = {p == "cpu" for p in lowering_platforms() or ()}
+    if on_cpu == {True}:
+        return cpu(*args)
+    if on_cpu == {False}:
+        return accelerator(*args)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
 def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
@@ -138,15 +142,8 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
             return dynamic
         return run
 
-    on_cpu = _for_cpu()
     try:
-        if on_cpu is True:
-            dynamic = branch(update_on_device)()
-        elif on_cpu is False:
-            dynamic = branch(streamed)()
-        else:
-            dynamic = jax.lax.platform_dependent(cpu=branch(update_on_device),
-                                                 default=branch(streamed))
+        dynamic = by_platform(branch(update_on_device), branch(streamed))
     except NotStreamable:  # the documented mode of such an update: the whole state
         return update_on_device(*arguments)
     result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
@@ -179,18 +176,40 @@ def _as_stored(layout: Layout, state: Any) -> Any:
 
 def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
              leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    """`stream.streamed_update`; the `filter_jit` being traced compiles with the
-    scheduler options that let its copies overlap compute on a GPU."""
+    """The engine's `streamed_update`, moving state as `layout` does; the `filter_jit`
+    being traced compiles with the scheduler options that let its copies overlap
+    compute on a GPU."""
+    options = layout.options
+    assert options.group_bytes is not None
     with marked("streamed"):  # (read by `filter_jit`: `compat.scopes`)
-        return streamed_update(inner, layout.options, updates, layout.unflatten(leaves),
-                               params, extra_args, layout.init_dtypes)
+        return streamed_update(inner, updates, layout.unflatten(leaves), params, extra_args,
+                               transfers=_transfers(options), group_bytes=options.group_bytes,
+                               init_dtypes=layout.init_dtypes)
+
+
+def _transfers(options: Options) -> Transfers:
+    """How the engine moves state under these options: `layout`'s transfers, with
+    `host_dtype` (the engine orders the crossings; `layout` makes them)."""
+    def fetch_leaves(leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
+        return fetch(options, leaves, init_dtypes)
+
+    def narrow(leaves: Sequence[Any], init_dtypes: Sequence[Any]) -> list[Any]:
+        return narrowed(options, leaves, init_dtypes)
+
+    def store_leaves(leaves: Sequence[Any]) -> list[Any]:
+        return store(options, leaves, "pinned_host")
+
+    def computes_in(dtype: Any, init_dtype: Any) -> Any:
+        return widened_dtype(options, dtype, init_dtype)
+
+    return Transfers(fetch_leaves, narrow, store_leaves, computes_in, options.lookahead)
 
 
 def host(inner: Any, layout: Layout, traced: bool, updates: Any,
          leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    """`host_compute.host_update`: `inner.update` on the host CPU."""
-    return host_update(inner, layout.options, updates, layout.unflatten(leaves), params,
-                       extra_args, layout.init_dtypes)
+    """The engine's `host_update`: `inner.update` on the host CPU."""
+    return host_update(inner, updates, layout.unflatten(leaves), params, extra_args,
+                       where=layout.options.where)
 
 
 class _CompiledWhenEager:

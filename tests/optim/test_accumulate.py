@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import eqx_offload
+from eqx_offload._core.compat import scopes
 from helpers import (assert_multi_steps_updates, assert_tree_equal, donated_step, gpu_plan_marks,
                      walk_eqns)
 
@@ -274,3 +275,21 @@ def test_plan_applying_branch_is_streamed():
     assert plans["auto"].device_peak_bytes < plans[None].device_peak_bytes
     for direction in ("to_device", "to_host"):
         assert plans["auto"].bytes_moved(direction) == plans[None].bytes_moved(direction)
+
+
+@pytest.mark.parametrize("platforms, streamed, choices", [
+    (("cpu",), False, False),  # the whole state alone: no streamed branch traced
+    (("tpu",), True, False),  # the streamed branch alone
+    (("cpu", "cuda"), True, True),  # both platforms: the program chooses
+])
+def test_applying_step_traces_the_branch_of_the_platforms_it_lowers_for(
+        platforms: Any, streamed: bool, choices: bool) -> None:
+    """The applying mini-step chooses its branch as the default update does
+    (`strategies.by_platform`): before tracing where `filter_jit` knows the platforms,
+    so neither branch is traced to be dropped; for several, both in the program."""
+    params = _params()
+    opt = eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2))
+    args = (params, opt.init(params), params)
+    lowered = eqx_offload.filter_jit(opt.update).lower_for(platforms, args, {})
+    assert ("streamed" in scopes(lowered.jaxpr.jaxpr)) == streamed
+    assert ("platform_index" in str(lowered.jaxpr)) == choices

@@ -1,4 +1,4 @@
-"""The streamed update (`_optim/stream.py`) and the host-compute update: the programs they lower
+"""The streamed update (`_stream/stream.py`) and the host-compute update: the programs they lower
 to (for a GPU, without one), the default's choice of streaming, stacked leaves streamed by
 rows, and state copies to the device that wait for nothing."""
 

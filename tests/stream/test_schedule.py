@@ -1,4 +1,4 @@
-"""The streamed update's analysis (`_optim/schedule.py`), on traced programs only: the groups
+"""The streamed update's analysis (`_stream/schedule.py`), on traced programs only: the groups
 it plans and the updates it refuses to stream, naming the coupling."""
 
 from typing import Any

@@ -1,11 +1,12 @@
-"""The host-compute update: `offloaded(..., compute="host")`.
+"""The host-compute update: `offloaded(..., compute="host")`, the jaxpr of `inner.update`
+evaluated with a rule of its own (`on_host`).
 
 `inner.update` runs on the host CPU under `compute_on(..., compute_type="device_host")`
 (`compat.host_compute`): the state never reaches the device; gradients (and
 parameters, if the transformation reads them) go to host and the updates come back.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -15,10 +16,10 @@ import numpy as np
 
 from .._core.compat import host_compute, JAXPR_TYPES
 from .._core.errors import CompositionError, see
-from .._core.jaxpr import bind, evaluate, is_var, trace_update, where_made
 from .._core.move import move
 from .._core.where import leaf_mask
-from .options import Options
+from .jaxpr import bind, evaluate, is_var, where_made
+from .trace import trace_update
 
 
 def _is_program(x: Any) -> bool:
@@ -66,10 +67,10 @@ def on_host(eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 def host_update(
-    inner: Any, options: Options, updates: Any, inner_state: Any, params: Any,
-    extra_args: dict[str, Any], init_dtypes: Sequence[Any],
+    inner: Any, updates: Any, inner_state: Any, params: Any, extra_args: dict[str, Any], *,
+    where: Any,
 ) -> tuple[Any, Any]:
-    """The update strategy of `compute="host"`. Returns the updates in device memory and
+    """The host-compute update (`compute="host"`): `inner.update` on the host CPU. Returns the updates in device memory and
     the new inner state with the leaves `where` selects in (pinned) host memory and the
     others in device memory."""
     traced = trace_update(inner, updates, inner_state, params, extra_args)
@@ -88,7 +89,7 @@ def host_update(
     # Where each output goes: updates to the device, state leaves that `where` selects to
     # host, the others (step counters) to the device.
     selected = [m for x, m in zip(jtu.tree_leaves(inner_state),
-                                  leaf_mask(inner_state, options.where), strict=True)
+                                  leaf_mask(inner_state, where), strict=True)
                 if eqx.is_array(x)]
     device, host = jax.memory.Space.Device, jax.memory.Space.Host
     spaces = [device] * traced.n_updates_out + [host if m else device for m in selected]
