@@ -89,8 +89,9 @@ def scan_layers(
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not
         compile for XLA's GPU target: see `docs/models.md`).
     - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
-        computes (default `True`; used when some leaf is in host memory and `policy`
-        is `None`). `False`: fetch each layer in its own iteration.
+        computes (default `True`; used when some leaf is in host memory, `policy` is
+        `None` and there is more than one layer). `False`: fetch each layer in its own
+        iteration.
     - `accumulate`: a running gradient sum of the layers (the structure of
         `eqx.filter(layers, eqx.is_array)`, each leaf of its layer leaf's shape and
         dtype, on the device), or `None`. Given, the gradient that differentiating
@@ -135,7 +136,7 @@ def scan_layers(
         acc = _check_accumulate(dynamic, accumulate, policy)
         fused: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
         return fused
-    if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
+    if prefetch and policy is None and _has_a_next_layer(dynamic):
         with marked("prefetched"):  # filter_jit's GPU default: the copy limit
             prefetched: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll)
         return prefetched
@@ -157,6 +158,15 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _has_a_next_layer(dynamic: Any) -> bool:
+    """Whether the prefetch has anything to do: some leaf in host memory, and more than
+    one layer. (One layer has no next one; prefetching it anyway would make both passes
+    loops of one step, which XLA inlines and fuses otherwise than the plain scan's, so
+    the result would not be bitwise that of `prefetch=False`.)"""
+    leaves = jtu.tree_leaves(dynamic)
+    return any(is_host(a) for a in leaves) and leaves[0].shape[0] > 1
 
 
 def _packed_vector(a: Any) -> bool:
