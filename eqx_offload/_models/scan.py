@@ -203,8 +203,14 @@ def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -
             for a, b in zip(leaves, jtu.tree_leaves(acc), strict=True)):
         raise OptionError(fix + "pass a sum of the structure of eqx.filter(layers, "
                           "eqx.is_array), each leaf of its layer leaf's shape and dtype.")
+    if any(is_host(a) for a in leaves):
+        raise OptionError(
+            "Sum the gradients of layers in host memory in the step instead: "
+            "`total + eqx_offload.to_device(g)` in the micro-batch scan's carry "
+            "(docs/models.md, `accumulate`).\n" + fix + "a gradient JAX returns "
+            "for a weight in host memory is in host memory, so it cannot be the sum on "
+            "the device; pass accumulate=None, or keep `layers` on the device.")
     if any(not eqx.is_inexact_array(a) or is_host(a) for a in leaves + jtu.tree_leaves(acc)):
         raise OptionError(fix + "every leaf of `layers` and of the sum must be an inexact "
-                          "array on the device (a sum of host weights' gradients: "
-                          "add them yourself).")
+                          "array on the device.")
     return jtu.tree_leaves(acc)

@@ -279,7 +279,7 @@ def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
     acc = _sum_of(layers)
     cases = [
         ({"policy": eqx_offload.remat.offload_names("x")}, layers, acc, "policy=None"),
-        ({}, eqx_offload.to_host(layers), acc, "on the device"),
+        ({}, eqx_offload.to_host(layers), acc, "^Sum the gradients of layers in host memory"),
         ({}, layers, eqx_offload.to_host(acc), "on the device"),
         ({}, layers, acc.weight, "structure"),
         ({}, layers, jax.tree.map(lambda a: a.astype(jnp.bfloat16), acc), "dtype"),
