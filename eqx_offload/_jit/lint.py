@@ -129,18 +129,34 @@ def host_weights_leaf(arguments: Any) -> Optional[str]:
     `to_host`, which a step cannot compute on as it is."""
     for path, x in jtu.tree_flatten_with_path(arguments)[0]:
         if memory_kind_of(x) in ("pinned_host", "unpinned_host"):
-            found = weight_leaf(path)
+            found = weight_leaf(path, arguments)
             if found is not None:
                 return found
     return None
 
 
-def weight_leaf(path: Any) -> Optional[str]:
+def _in_a_state(path: Any, arguments: Any) -> bool:
+    """Whether `path` into `arguments` passes through a `NamedTuple` (an Optax state,
+    such as a `ScheduleFreeState` read without its `OffloadedState`)."""
+    node = arguments
+    for key in path:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return True
+        try:
+            node = (node[key.idx] if isinstance(key, jtu.SequenceKey) else
+                    node[key.key] if isinstance(key, jtu.DictKey) else
+                    getattr(node, key.name) if isinstance(key, jtu.GetAttrKey) else None)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return False
+    return False
+
+
+def weight_leaf(path: Any, arguments: Any) -> Optional[str]:
     """The argument and path of a host-memory leaf at `path` (into a call's `(args,
-    kwargs)`) if it is a field of a module outside an optimizer state: `"args[0], leaf
-    .blocks.weight"`; else `None`."""
+    kwargs)`, `arguments`) if it is a field of a module outside an optimizer state:
+    `"args[0], leaf .blocks.weight"`; else `None`."""
     names = [getattr(k, "name", None) for k in path if isinstance(k, jtu.GetAttrKey)]
-    if not names or "inner_state" in names:
+    if not names or "inner_state" in names or _in_a_state(path, arguments):
         return None
     argument, leaf = call_argument(path)
     where = f"args[{argument}]" if isinstance(argument, int) else f"`{argument}`"

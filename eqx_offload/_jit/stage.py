@@ -147,9 +147,10 @@ def _argument_of(call: Call, found: _Trace) -> Callable[[Any], Optional[str]]:
         index = next((i for i, x in enumerate(found.inputs) if x is tracer), None)
         if index is None:
             return None
-        keyed = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
+        arguments = jtu.tree_unflatten(call.treedef, call.all_leaves)
+        keyed = jtu.tree_flatten_with_path(arguments)[0]
         positions = [i for i, a in enumerate(call.is_array) if a]
-        return weight_leaf(keyed[positions[index]][0])
+        return weight_leaf(keyed[positions[index]][0], arguments)
     return argument_of
 
 
