@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
-from .._core.errors import OptionError
+from .._core.errors import CompositionError, OptionError, see
 from .._core.placement import is_host
 from .params import fetch
 from .prefetch import prefetched_scan
@@ -131,6 +131,7 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    _check_stacked(dynamic)
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)
@@ -158,6 +159,25 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _check_stacked(dynamic: Any) -> None:
+    """A `CompositionError` where the array leaves of the layers do not share a leading
+    axis (a module that is not a stack of layers; JAX would say "scan got values with
+    different leading axis sizes")."""
+    keyed = jtu.tree_flatten_with_path(dynamic)[0]
+    first: dict[Optional[int], str] = {}  # each leading size, and the first leaf with it
+    for path, a in keyed:
+        first.setdefault(a.shape[0] if a.ndim else None, jtu.keystr(path) or "<root>")
+    if keyed and len(first) == 1 and None not in first:
+        return
+    shown = ", ".join(f"{p} has {n if n is not None else 'none'}" for n, p in
+                      list(first.items())[:3])
+    raise CompositionError(
+        "Stack the layers first: `eqx.filter_vmap(make_layer)(jax.random.split(key, L))` "
+        "builds one module whose array leaves have a leading axis of length L.\n"
+        "scan_layers(layers): the array leaves do not share a leading axis (the layer "
+        f"index): {shown or 'no array leaves'}.\n" + see("not-a-stack-of-layers"))
 
 
 def _has_a_next_layer(dynamic: Any) -> bool:

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_equal, count_compiles, hex_bits as bits, memory_kinds, walk_eqns
+from helpers import assert_tree_equal, count_compiles, hex_bits as bits, memory_kinds, unchecked
+from helpers import walk_eqns
 
 import eqx_offload
 
@@ -211,3 +212,12 @@ def test_abstract_init_of_host_weights_and_master_weights_resumes_bitwise(
     restored = eqx_offload.checkpoint.tree_deserialise_leaves(tmp_path / "state.eqx", like)
     assert kinds(restored) == kinds(state)
     assert bits(step(model, restored)) == bits(step(model, state))
+
+
+@pytest.mark.parametrize("make", [eqx_offload.host_weights_optimizer, eqx_offload.master_weights])
+def test_an_optimizer_factory_is_named_with_the_fix(make: Any) -> None:
+    """`optax.adamw` itself, not called: the fix first, as `offloaded` says it (it was
+    `AttributeError: 'function' object has no attribute 'init'` at `init`)."""
+    with pytest.raises(eqx_offload.errors.NotATransformationError,
+                       match=r"^If it is an optimizer factory such as `optax.adamw`, call it"):
+        unchecked(make)(optax.adamw)

@@ -338,3 +338,12 @@ def test_scan_layers_transformer_blocks_under_vmap_are_bitwise(depth: int) -> No
     jaxpr = eqx.filter_make_jaxpr(lambda b: eqx.filter_grad(loss)(b, eqx_offload.scan_layers))(
         eqx_offload.to_host(blocks))[0]
     assert any(_carries_a_device_layer(e, (32, 32)) for e in _scans(jaxpr)) == (depth > 1)
+
+
+def test_scan_layers_on_a_module_that_is_not_stacked_names_filter_vmap() -> None:
+    with pytest.raises(eqx_offload.errors.CompositionError) as caught:
+        eqx_offload.scan_layers(eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0)), jnp.ones(4))
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("Stack the layers first: `eqx.filter_vmap(make_layer)")
+    assert ".layers[0].weight has 8, .layers[2].weight has 3" in lines[1]
+    assert len(lines) == 3 and lines[2].endswith("#not-a-stack-of-layers.")
