@@ -8,7 +8,9 @@ The rest is in submodules: `errors`, `checkpoint`, `remat` (the offloading polic
 targets and results), `types`.
 """
 
+import dis
 import importlib.metadata
+import sys
 import typing
 
 from . import checkpoint as checkpoint, errors as errors, memory as memory, remat as remat
@@ -79,9 +81,30 @@ _MOVED.update(host_params="eqx_offload.host_weights_optimizer",
               GpuPlan="eqx_offload.planner.Plan",
               with_host_params="eqx_offload.host_weights_optimizer")
 
+def _importing_from() -> bool:
+    """Whether `__getattr__` runs for a `from eqx_offload import name` (the caller's
+    instruction is `IMPORT_FROM`): Python replaces an `AttributeError` raised there by
+    its bare "cannot import name", so the message must travel as an `ImportError`. The
+    caller is the first frame outside this file and the type checker that may wrap
+    `__getattr__` (jaxtyping's import hook, through beartype)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_globals.get("__name__", "").startswith(
+                                     ("beartype", "jaxtyping"))
+                                 or frame.f_code.co_filename.startswith("<@beartype")):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
+
+
 if not typing.TYPE_CHECKING:
     def __getattr__(name: str) -> object:
         if name in _MOVED:
-            raise AttributeError(f"Use {_MOVED[name]}: eqx_offload.{name} moved there "
-                                 "(https://eqx-offload.readthedocs.io/en/latest/changelog/).")
+            message = (f"Use {_MOVED[name]}: eqx_offload.{name} moved there "
+                       "(https://eqx-offload.readthedocs.io/en/latest/changelog/).")
+            if _importing_from():
+                raise ImportError(message, name="eqx_offload")
+            raise AttributeError(message)
         raise AttributeError(f"module 'eqx_offload' has no attribute {name!r}")

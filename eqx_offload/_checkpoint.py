@@ -8,7 +8,7 @@ device memory. The helpers here say where each leaf goes before it is read.
 """
 
 from collections.abc import Callable
-from typing import Any, BinaryIO, Optional, TypeVar
+from typing import Any, BinaryIO, Optional, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -23,6 +23,8 @@ from ._core.memory import check_devices_offer, check_host_kind, check_tree_fits_
 from ._core.placement import typed_sharding
 from ._core.shape import abstract_state, filter_eval_shape as filter_eval_shape, is_abstract, is_arraylike
 from ._core.types import HostMemoryKind, Where
+from ._models.master import MasterWeights
+from ._models.params import HostWeightsOptimizer
 from ._core.where import leaf_mask
 
 
@@ -170,7 +172,10 @@ def restore_target(
     return target
 
 
-def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
+def abstract_init(
+    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any]],
+    params: Any,
+) -> Any:
     """The state `optimizer.init(params)` would return, without making it.
 
     Every array leaf is a `jax.ShapeDtypeStruct` carrying the sharding and memory kind the
@@ -182,9 +187,13 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
     **Arguments:**
 
     - `optimizer`: an optax transformation, typically `eqx_offload.offloaded(...)` with
-        `memory_kind="pinned_host"` (the only host memory reachable while tracing).
+        `memory_kind="pinned_host"` (the only host memory reachable while tracing), or
+        what `eqx_offload.host_weights_optimizer` or `eqx_offload.master_weights`
+        returns (the state their `init` gives: of `master_weights`, the second element).
     - `params`: the parameters, as arrays or as `jax.ShapeDtypeStruct`s with shardings
-        (so that neither the model nor the state needs to exist before the restore).
+        (so that neither the model nor the state needs to exist before the restore);
+        for `host_weights_optimizer` and `master_weights`, the model (its compute
+        model, for `master_weights`).
 
     **Returns:**
 
@@ -204,7 +213,12 @@ def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any:
         assert target.inner_state[0].count.sharding.memory_kind == "device"
         ```
     """
-    target = abstract_state(as_transformation(optimizer, "abstract_init(optimizer=...)"), params)
+    if isinstance(optimizer, (HostWeightsOptimizer, MasterWeights)):
+        # Their state is their transformation's, of the model's array leaves.
+        target = abstract_state(optimizer.transformation, eqx.filter(params, is_arraylike))
+    else:
+        target = abstract_state(as_transformation(optimizer, "abstract_init(optimizer=...)"),
+                                params)
     check_tree_fits_host_pool(jtu.tree_leaves(target, is_leaf=is_abstract), "abstract_init(...)")
     return target
 

@@ -29,8 +29,13 @@ def test_the_top_level_is_small_and_every_submodule_is_documented() -> None:
     ("OptionError", "eqx_offload.errors.OptionError"),
     ("GPU_TARGETS", "eqx_offload.planner.GPU_TARGETS"),
     ("host_params", "eqx_offload.host_weights_optimizer"),
+    ("restore_target", "eqx_offload.checkpoint.restore_target"),
 ])
 def test_an_old_name_says_where_it_went(old: str, new: str) -> None:
     with pytest.raises(AttributeError, match=f"Use {new}: eqx_offload.{old} moved there"):
         getattr(eqx_offload, old)
-    assert not hasattr(eqx_offload, "no_such_name")
+    assert not hasattr(eqx_offload, "no_such_name") and not hasattr(eqx_offload, old)
+    # `from eqx_offload import old`: Python would replace the AttributeError by its bare
+    # "cannot import name"; the message comes through as an ImportError.
+    with pytest.raises(ImportError, match=f"^Use {new}: eqx_offload.{old} moved there"):
+        exec(f"from eqx_offload import {old}", {})  # noqa: S102 (the statement itself)

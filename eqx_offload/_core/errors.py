@@ -265,5 +265,19 @@ def host_weights_error(function: str, described: str, leaf: str) -> CompositionE
     )
 
 
+def host_value_error(function: str, described: str, name: str) -> CompositionError:
+    """A step that computes on a value it made in host memory (`name`: the variable
+    that holds it, or `""`), such as the gradient of a weight moved with `to_host`."""
+    value = f"`{name}`" if name else "the value"
+    call = f"eqx_offload.to_device({name or 'x'})"
+    return CompositionError(
+        f"Bring {value} to the device before computing on it: `{call}` (the gradient of a "
+        "weight in host memory is in host memory too: sum micro-batch gradients as "
+        f"`acc + eqx_offload.to_device(g)`).\n{function}: {described} computes on "
+        f"{value}, made in the step in host memory (not an argument of the step).\n"
+        + see("host-resident-arrays")
+    )
+
+
 def _name(obj: object) -> str:
     return str(getattr(obj, "__name__", None) or type(obj).__name__)

@@ -20,6 +20,11 @@ from .._core.placement import input_shardings, is_mistyped_host, retype_host
 from .donation import Donation
 
 
+FUN = "<fun>"
+"""The keyword under which `filter_jit` passes the arrays of the function it wraps (an
+Equinox module as the function) to its own trace, as arguments rather than constants."""
+
+
 class Signature(NamedTuple):
     """What selects a `filter_jit` executable (its cache key): a frozen, hashable record
     of one call's configuration."""
@@ -76,11 +81,16 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation
     """The call's arguments, flattened once (or `flat`, their `jtu.tree_flatten`).
     With `abstract` (`gpu_plan`), a `jax.ShapeDtypeStruct` leaf stands for an array
     too: the step is traced and compiled for it, and nothing is allocated (a caller
-    checks it has a sharding)."""
+    checks it has a sharding). The leaves of keyword argument `FUN` (the jitted
+    function's own arrays, `filter_jit(model)`) are traced and never donated."""
     all_leaves, treedef = flat if flat is not None else jtu.tree_flatten((args, kwargs))
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
     n_first, flags = _donated_leaves(donate, args, kwargs, len(all_leaves))
+    if FUN in kwargs:  # (the first keyword argument: "<" sorts before any identifier)
+        start = len(jtu.tree_leaves(args))
+        for i in range(start, start + len(jtu.tree_leaves(kwargs[FUN]))):
+            flags[i] = False
     if not abstract:
         _check_not_deleted(all_leaves, args, kwargs, donate, name)
     leaves: list[Any] = []

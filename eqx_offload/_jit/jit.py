@@ -22,7 +22,7 @@ from jax.core import Tracer
 
 from .._core.errors import OptionError, SignatureError
 from .._core.types import Donate
-from .call import Call, flatten_call, Signature, warn_changed_number
+from .call import Call, flatten_call, FUN, Signature, warn_changed_number
 from .donation import Donation, parse_donate
 from .stage import compile_call, compile_program, Executable, export_call, lower_call, Program, run
 
@@ -37,13 +37,16 @@ class Compiled:
     static values, shapes, dtypes and shardings as those it was lowered for."""
 
     def __init__(self, executable: Executable, key: Signature, donate: Donation,
-                 name: str) -> None:
+                 name: str, fun_arrays: Any = None) -> None:
         self._executable = executable
         self._key = key
         self._donate = donate
         self._name = name
+        self._fun_arrays = fun_arrays  # the function's own arrays, passed as `FUN`
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fun_arrays is not None:
+            kwargs = {**kwargs, FUN: self._fun_arrays}
         call = flatten_call(args, kwargs, self._donate, name=self._name)
         if call.key != self._key:
             raise SignatureError(
@@ -77,8 +80,10 @@ class Lowered:
     the XLA options `.compile()` uses: `filter_jit`'s defaults for this program (see the
     "GPU plan" docs page) and the function's own `compiler_options`, which win."""
 
-    def __init__(self, program: Program, key: Signature, donate: Donation, name: str) -> None:
+    def __init__(self, program: Program, key: Signature, donate: Donation, name: str,
+                 fun_arrays: Any = None) -> None:
         self._program = program
+        self._fun_arrays = fun_arrays
         self.jaxpr = program.jaxpr
         self.compiler_options = program.compiler_options
         self._key = key
@@ -91,7 +96,7 @@ class Lowered:
         `self.compiler_options` and winning over them."""
         options = {**self.compiler_options, **(compiler_options or {})}
         executable = compile_program(self._program, options, self._donate.silence)
-        return Compiled(executable, self._key, self._donate, self._name)
+        return Compiled(executable, self._key, self._donate, self._name, self._fun_arrays)
 
     def as_text(self) -> str:
         """The lowered program (StableHLO) as text."""
@@ -109,6 +114,12 @@ class _FilterJit(Generic[_P, _T]):
     def __init__(self, fun: Callable[_P, _T], donate: Donation,
                  compiler_options: Optional[dict[str, Any]]) -> None:
         self._fun = fun
+        # The function's own arrays (`filter_jit(model)`) are traced, as Equinox's
+        # `filter_jit` traces them, not baked into the program as constants: passed as
+        # the keyword argument `FUN`, never donated.
+        arrays, self._fun_static = eqx.partition(fun, eqx.is_array)
+        self._fun_arrays = arrays if jtu.tree_leaves(arrays) else None
+        self._traced: Callable[..., Any] = fun if self._fun_arrays is None else self._combined
         self._donate = donate
         self._compiler_options = compiler_options
         self._name = getattr(fun, "__qualname__", repr(fun))
@@ -117,11 +128,20 @@ class _FilterJit(Generic[_P, _T]):
         self._nested: Optional[Callable[..., Any]] = None  # see `__call__`
         functools.update_wrapper(self, fun)
 
+    def _combined(self, *args: Any, **kwargs: Any) -> Any:
+        """The function, rebuilt from its traced arrays (keyword `FUN`), called."""
+        fun = eqx.combine(kwargs.pop(FUN), self._fun_static)
+        return fun(*args, **kwargs)
+
+    def _with_fun(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs`, with the function's own arrays under `FUN` where it has any."""
+        return kwargs if self._fun_arrays is None else {**kwargs, FUN: self._fun_arrays}
+
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         # (The arguments reach `flatten_call` from here and from `_run`, where they are
         # typed as what they are, not as `_P.args`: pytype cannot record a call trace
         # with `ParamSpecArgs`.)
-        return flatten_call(args, kwargs, self._donate, name=self._name)
+        return flatten_call(args, self._with_fun(kwargs), self._donate, name=self._name)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         out: _T = self._run(args, kwargs)
@@ -137,13 +157,16 @@ class _FilterJit(Generic[_P, _T]):
             if self._nested is None:
                 self._nested = eqx.filter_jit(self._fun)
             return self._nested(*args, **kwargs)
+        if self._fun_arrays is not None:
+            kwargs = self._with_fun(kwargs)
+            flat = jtu.tree_flatten((args, kwargs))
         call = flatten_call(args, kwargs, self._donate, name=self._name, flat=flat)
         silence = self._donate.silence
         executable = self._cache.get(call.key)
         if executable is None:
             if not self._warned and self._cache:
                 self._warned = warn_changed_number(self._cache, call, self._donate, self._name)
-            executable = compile_call(self._fun, self._name, call, silence,
+            executable = compile_call(self._traced, self._name, call, silence,
                                       self._compiler_options)
             self._cache[call.key] = executable
         return run(executable, call, silence)
@@ -190,8 +213,8 @@ class _FilterJit(Generic[_P, _T]):
         """
 
         def export(*args: Any, **kwargs: Any) -> Any:
-            call = flatten_call(args, kwargs, self._donate, name=self._name)
-            return export_call(self._fun, self._name, call, self._donate.silence, platforms)
+            call = flatten_call(args, self._with_fun(kwargs), self._donate, name=self._name)
+            return export_call(self._traced, self._name, call, self._donate.silence, platforms)
 
         return export
 
@@ -214,13 +237,14 @@ class _FilterJit(Generic[_P, _T]):
         A `Lowered`; its `compiler_options` are `filter_jit`'s defaults for the first
         platform and this program, with the function's own.
         """
-        call = flatten_call(args, kwargs, self._donate, abstract=True, name=self._name)
+        call = flatten_call(args, self._with_fun(kwargs), self._donate, abstract=True,
+                            name=self._name)
         return self._lower(call, tuple(platforms))
 
     def _lower(self, call: Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
-        program = lower_call(self._fun, self._name, call, self._donate.silence,
+        program = lower_call(self._traced, self._name, call, self._donate.silence,
                              self._compiler_options, platforms)
-        return Lowered(program, call.key, self._donate, self._name)
+        return Lowered(program, call.key, self._donate, self._name, self._fun_arrays)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         # As a method: bind the instance like a function would.
@@ -267,6 +291,10 @@ def filter_jit(
     model's arrays) is donated once: the other places get a copy for that call, so the
     call runs where `eqx.filter_jit` fails ("Attempt to donate the same buffer twice"),
     and the executable is the same whatever is shared.
+
+    A module as the function (`filter_jit(model)`, a bound method, an `eqx.Partial`):
+    its arrays are traced, as `eqx.filter_jit` traces them, not copied into the program
+    as constants, and never donated.
 
     Called inside another `jit`, `jax.grad` or `jax.vmap` (traced arguments, as the inner
     function of Optax's meta-learning example), it is a nested `eqx.filter_jit` call,

@@ -14,9 +14,11 @@ import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
 from .._core.compat import enclosing_donating_jit, memory_space_mismatch, source_frames
-from .._core.errors import CompositionError, host_compute_error, host_weights_error
+from .._core.errors import CompositionError, host_compute_error, host_value_error
+from .._core.errors import host_weights_error
 from .._core.leaves import call_argument
 from .._core.placement import memory_kind_of
+from .provenance import host_operand
 
 
 # Primitives that may hold or pass along host-resident values without computing on them:
@@ -126,13 +128,39 @@ def host_weights_leaf(arguments: Any) -> Optional[str]:
     optimizer state (an `OffloadedState`'s `inner_state`): a model's weight moved with
     `to_host`, which a step cannot compute on as it is."""
     for path, x in jtu.tree_flatten_with_path(arguments)[0]:
-        names = [getattr(k, "name", None) for k in path if isinstance(k, jtu.GetAttrKey)]
-        if names and "inner_state" not in names and memory_kind_of(x) in (
-                "pinned_host", "unpinned_host"):
-            argument, leaf = call_argument(path)
-            where = f"args[{argument}]" if isinstance(argument, int) else f"`{argument}`"
-            return f"{where}, leaf {leaf}"
+        if memory_kind_of(x) in ("pinned_host", "unpinned_host"):
+            found = weight_leaf(path, arguments)
+            if found is not None:
+                return found
     return None
+
+
+def _in_a_state(path: Any, arguments: Any) -> bool:
+    """Whether `path` into `arguments` passes through a `NamedTuple` (an Optax state,
+    such as a `ScheduleFreeState` read without its `OffloadedState`)."""
+    node = arguments
+    for key in path:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return True
+        try:
+            node = (node[key.idx] if isinstance(key, jtu.SequenceKey) else
+                    node[key.key] if isinstance(key, jtu.DictKey) else
+                    getattr(node, key.name) if isinstance(key, jtu.GetAttrKey) else None)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return False
+    return False
+
+
+def weight_leaf(path: Any, arguments: Any) -> Optional[str]:
+    """The argument and path of a host-memory leaf at `path` (into a call's `(args,
+    kwargs)`, `arguments`) if it is a field of a module outside an optimizer state:
+    `"args[0], leaf .blocks.weight"`; else `None`."""
+    names = [getattr(k, "name", None) for k in path if isinstance(k, jtu.GetAttrKey)]
+    if not names or "inner_state" in names or _in_a_state(path, arguments):
+        return None
+    argument, leaf = call_argument(path)
+    where = f"args[{argument}]" if isinstance(argument, int) else f"`{argument}`"
+    return f"{where}, leaf {leaf}"
 
 
 def _explained(name: str, described: str, hint: str,
@@ -154,21 +182,34 @@ def check_no_host_compute(jaxpr: Any, name: str,
     raise _explained(name, described, _HINTS.get(primitive, _GENERIC_HINT), weights)
 
 
+def _user_frame(frame: Any) -> bool:
+    return not frame.f_code.co_filename.startswith((_JAX_DIR, _PACKAGE_DIR))
+
+
 def memory_space_error(name: str, error: BaseException,
                        weights: Callable[[], Optional[str]] = lambda: None,
+                       argument_of: Callable[[Any], Optional[str]] = lambda _: None,
                        ) -> Optional[CompositionError]:
     """The `CompositionError` for JAX's refusal to trace an operation on a host-resident
     and a device array (`compat.memory_space_mismatch`), naming where in the source it
-    is (and `weights()`, a host weight among the arguments: `host_weights_leaf`); `None`
-    for any other error, which the caller lets through."""
+    is and the host operand (`provenance.host_operand`; `argument_of(tracer)`: the
+    step's argument a tracer is): a value the step made (a host weight's gradient), an
+    argument, or else `weights()`, a host weight among the arguments
+    (`host_weights_leaf`); `None` for any other error, which the caller lets through."""
     primitive = memory_space_mismatch(error)
     if primitive is None:
         return None
     source = ""
     for frame, line in traceback.walk_tb(error.__traceback__):
-        path = frame.f_code.co_filename
-        if not path.startswith((_JAX_DIR, _PACKAGE_DIR)):
-            source = f" (at {path}:{line} in {frame.f_code.co_name})"  # the innermost
+        if _user_frame(frame):
+            source = f" (at {frame.f_code.co_filename}:{line} in {frame.f_code.co_name})"
     operands = str(error).split("Got one operand with type: ", 1)[-1].replace(
         " and another operand with type: ", " with ")
-    return _explained(name, f"`{primitive}` on {operands}{source}", _GENERIC_HINT, weights)
+    described = f"`{primitive}` on {operands}{source}"
+    host_type = next((t for t in operands.split(" with ") if "<host>" in t), "")
+    operand = host_operand(error, host_type, _user_frame, argument_of)
+    if operand is not None and operand.made:
+        return host_value_error(f"filter_jit({name})", described, operand.name)
+    if operand is not None and operand.argument is not None:
+        return host_weights_error(f"filter_jit({name})", described, operand.argument)
+    return _explained(name, described, _GENERIC_HINT, weights)

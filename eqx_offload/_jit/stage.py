@@ -22,7 +22,7 @@ from .analysis import analyse
 from .call import Call
 from .compiler_options import default_compiler_options
 from .donation import UNUSABLE_DONATION
-from .lint import host_weights_leaf, memory_space_error
+from .lint import host_weights_leaf, memory_space_error, weight_leaf
 
 
 @dataclasses.dataclass
@@ -67,6 +67,7 @@ class _Trace:
     output: Optional[Output] = None
     out_paths: list[Any] = dataclasses.field(default_factory=list)
     program: Any = None
+    inputs: tuple[Any, ...] = ()  # the traced array leaves (for `_argument_of`)
 
 
 @contextlib.contextmanager
@@ -88,6 +89,7 @@ def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..
     def flat_fun(*dynamic_leaves: Any) -> list[Any]:
         if found.program is not None:
             return list(jaxpr_as_fun(found.program)(*dynamic_leaves))
+        found.inputs = dynamic_leaves
         full = list(call.all_leaves)
         for i, x in zip(array_positions, dynamic_leaves, strict=True):
             full[i] = x
@@ -118,7 +120,7 @@ def _stage(fun: Callable[..., Any], name: str, call: Call,
         with lowering_for(platforms):
             closed = jax.jit(flat_fun, in_shardings=call.in_shardings).trace(*call.leaves).jaxpr
     except ValueError as error:  # JAX's "memory_space of all inputs ... must be the same"
-        explained = memory_space_error(name, error, weights)
+        explained = memory_space_error(name, error, weights, _argument_of(call, found))
         if explained is None:
             raise
         raise explained from error
@@ -136,6 +138,20 @@ def _stage(fun: Callable[..., Any], name: str, call: Call,
                      donate_argnums=call.donated)
     assert found.output is not None  # (set by the trace)
     return jitted, found.output, closed, analysis
+
+
+def _argument_of(call: Call, found: _Trace) -> Callable[[Any], Optional[str]]:
+    """For a traced value: the argument and path of the host weight it is, if it is one
+    of the traced array leaves (`lint.weight_leaf`), else `None`."""
+    def argument_of(tracer: Any) -> Optional[str]:
+        index = next((i for i, x in enumerate(found.inputs) if x is tracer), None)
+        if index is None:
+            return None
+        arguments = jtu.tree_unflatten(call.treedef, call.all_leaves)
+        keyed = jtu.tree_flatten_with_path(arguments)[0]
+        positions = [i for i, a in enumerate(call.is_array) if a]
+        return weight_leaf(keyed[positions[index]][0], arguments)
+    return argument_of
 
 
 def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,

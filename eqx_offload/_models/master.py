@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 import optax
 
 from .._core.errors import OptionError, StateError
+from .._core.inner import as_transformation
 from .._core.leaves import is_none
 from .._core.move import place_like
 from .._optim.offloaded import offloaded
@@ -227,8 +228,8 @@ def master_weights(
         raise OptionError(f"master_weights(offload={offload!r}): pass a function from a "
                           "transformation to a transformation (e.g. eqx_offload.offloaded), "
                           "or None.")
-    transformation = _master_transformation(optax.with_extra_args_support(inner),
-                                            jnp.dtype(master_dtype))
+    transformation = _master_transformation(
+        as_transformation(inner, "master_weights(inner=...)"), jnp.dtype(master_dtype))
     if offload is not None:
         transformation = optax.with_extra_args_support(offload(transformation))
     return MasterWeights(transformation, jnp.dtype(compute_dtype))

@@ -21,6 +21,7 @@ import jax.tree_util as jtu
 import optax
 
 from .._core.errors import OptionError
+from .._core.inner import as_transformation
 from .._core.leaves import is_none, is_traced
 from .._core.move import move, put, to_host
 from .._core.placement import destination, is_host, memory_kind_of
@@ -332,7 +333,7 @@ def host_weights_optimizer(
         raise OptionError(f"host_weights_optimizer(offload={offload!r}): pass a function from a "
                           "transformation to a transformation (e.g. eqx_offload.offloaded), "
                           "or None.")
-    transformation = _fetching(inner)
+    transformation = _fetching(as_transformation(inner, "host_weights_optimizer(inner=...)"))
     if offload is not None:
         transformation = optax.with_extra_args_support(offload(transformation))
     return HostWeightsOptimizer(transformation)

@@ -7,22 +7,19 @@ recomputes each layer). What the prefetch frees and how its copies overlap on a 
 on the models docs page (`docs/models.md`, "Stacked layers").
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
-from .._core.errors import CompositionError, OptionError
-from .._core.leaves import is_none
-from .._core.move import to_host
+from .._core.errors import CompositionError, OptionError, see
 from .._core.placement import is_host
 from .params import fetch
+from .prefetch import prefetched_scan
 from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
 
 
@@ -92,8 +89,9 @@ def scan_layers(
     - `unroll`: as `jax.lax.scan` (with weights in host memory, `unroll=2` does not
         compile for XLA's GPU target: see `docs/models.md`).
     - `prefetch`: bring layer `i + 1`'s host weights to the device while layer `i`
-        computes (default `True`; used when some leaf is in host memory and `policy`
-        is `None`). `False`: fetch each layer in its own iteration.
+        computes (default `True`; used when some leaf is in host memory, `policy` is
+        `None` and there is more than one layer). `False`: fetch each layer in its own
+        iteration.
     - `accumulate`: a running gradient sum of the layers (the structure of
         `eqx.filter(layers, eqx.is_array)`, each leaf of its layer leaf's shape and
         dtype, on the device), or `None`. Given, the gradient that differentiating
@@ -133,14 +131,15 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    _check_stacked(dynamic)
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)
-        fused: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
+        fused: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
         return fused
-    if prefetch and policy is None and any(is_host(a) for a in jtu.tree_leaves(dynamic)):
+    if prefetch and policy is None and _has_a_next_layer(dynamic):
         with marked("prefetched"):  # filter_jit's GPU default: the copy limit
-            prefetched: _C = _prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+            prefetched: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll)
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)
@@ -160,6 +159,34 @@ def scan_layers(
     out, _ = jax.lax.scan(body, x, dynamic, unroll=unroll)
     result: _C = out
     return result
+
+
+def _check_stacked(dynamic: Any) -> None:
+    """A `CompositionError` where the array leaves of the layers do not share a leading
+    axis (a module that is not a stack of layers; JAX would say "scan got values with
+    different leading axis sizes")."""
+    keyed = jtu.tree_flatten_with_path(dynamic)[0]
+    first: dict[Optional[int], str] = {}  # each leading size, and the first leaf with it
+    for path, a in keyed:
+        first.setdefault(a.shape[0] if a.ndim else None, jtu.keystr(path) or "<root>")
+    if keyed and len(first) == 1 and None not in first:
+        return
+    shown = ", ".join(f"{p} has {n if n is not None else 'none'}" for n, p in
+                      list(first.items())[:3])
+    raise CompositionError(
+        "Stack the layers first: `eqx.filter_vmap(make_layer)(jax.random.split(key, L))` "
+        "builds one module whose array leaves have a leading axis of length L.\n"
+        "scan_layers(layers): the array leaves do not share a leading axis (the layer "
+        f"index): {shown or 'no array leaves'}.\n" + see("not-a-stack-of-layers"))
+
+
+def _has_a_next_layer(dynamic: Any) -> bool:
+    """Whether the prefetch has anything to do: some leaf in host memory, and more than
+    one layer. (One layer has no next one; prefetching it anyway would make both passes
+    loops of one step, which XLA inlines and fuses otherwise than the plain scan's, so
+    the result would not be bitwise that of `prefetch=False`.)"""
+    leaves = jtu.tree_leaves(dynamic)
+    return any(is_host(a) for a in leaves) and leaves[0].shape[0] > 1
 
 
 def _packed_vector(a: Any) -> bool:
@@ -196,304 +223,14 @@ def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -
             for a, b in zip(leaves, jtu.tree_leaves(acc), strict=True)):
         raise OptionError(fix + "pass a sum of the structure of eqx.filter(layers, "
                           "eqx.is_array), each leaf of its layer leaf's shape and dtype.")
+    if any(is_host(a) for a in leaves):
+        raise OptionError(
+            "Sum the gradients of layers in host memory in the step instead: "
+            "`total + eqx_offload.to_device(g)` in the micro-batch scan's carry "
+            "(docs/models.md, `accumulate`).\n" + fix + "a gradient JAX returns "
+            "for a weight in host memory is in host memory, so it cannot be the sum on "
+            "the device; pass accumulate=None, or keep `layers` on the device.")
     if any(not eqx.is_inexact_array(a) or is_host(a) for a in leaves + jtu.tree_leaves(acc)):
         raise OptionError(fix + "every leaf of `layers` and of the sum must be an inexact "
-                          "array on the device (a sum of host weights' gradients: "
-                          "add them yourself).")
+                          "array on the device.")
     return jtu.tree_leaves(acc)
-
-
-# ----------------------------------------------------------------------------------------
-# The prefetched layer scan
-#
-# Iteration `i` computes layer `i` with weights fetched by iteration `i - 1` (carried
-# across the loop as device arrays) while it fetches layer `i + 1`'s, so the copy has
-# the previous layer's compute to hide under. The backward pass, a reverse scan written
-# out by a custom VJP, does the same downwards; a custom VJP because JAX's own transpose
-# of such a scan would keep every iteration's carried device weights as residuals (`L`
-# layers on the device). The index is clamped, so the last iteration of each pass
-# fetches a layer again rather than branching: the forward pass's is the last layer,
-# which the backward pass starts with (a residual; why not a fetch of its own: "Why
-# the prefetch once raised the peak" in `docs/models.md`).
-
-
-def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
-    """Layer `i`'s slice of each stacked host leaf, moved to the device (sliced in host
-    memory, squeezed on the device: only the slice touches host memory)."""
-    slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
-              for a in host_leaves]
-    return [a[0] for a in fetch(slices)]
-
-
-def _offload_input(h: Any) -> Any:
-    """A layer's input moved to host memory for the backward pass, but for leaves that
-    are `packed_vector`s: the scan would write each layer's row of them into one host
-    array, which XLA:TPU cannot (they are small; they stay on the device)."""
-    def one(a: Any) -> Any:
-        return a if packed_vector(a) else to_host(a)
-    return jtu.tree_map(one, h)
-
-
-def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
-    fetched_it, device_it = iter(fetched), iter(device_slices)
-    return [next(fetched_it) if h else next(device_it) for h in on_host]
-
-
-def _zero_if_inexact(a: Any) -> Any:
-    return jnp.zeros_like(a) if eqx.is_inexact_array(a) else None
-
-
-def _zeros_like_inexact(tree: Any) -> Any:
-    return jtu.tree_map(_zero_if_inexact, tree)
-
-
-def _axis(batched: Optional[bool]) -> Optional[int]:
-    return 0 if batched else None
-
-
-def _axes(batched: Any) -> Any:
-    return jtu.tree_map(_axis, batched)
-
-
-def _broadcast(tree: Any, batched: Any, size: int) -> Any:
-    def one(a: Any, b: bool) -> Any:
-        return a if b else jnp.broadcast_to(a, (size, *a.shape))
-    return jtu.tree_map(one, tree, batched)
-
-
-def _all(tree: Any, value: bool) -> Any:
-    """`tree` with every leaf replaced by `value` (a vmap rule's batched flags)."""
-    def constant(_: Any) -> bool:
-        return value
-    return jtu.tree_map(constant, tree)
-
-
-def _add_unless_none(u: Any, v: Any) -> Any:
-    return None if u is None else u + v
-
-
-def _flag_unless_none(c: Any, b: Optional[bool]) -> Optional[bool]:
-    return None if c is None else b
-
-
-def _cotangent(g: Any, a: Any) -> Any:
-    """A symbolic zero cotangent (`None`) of an inexact output, made concrete."""
-    return jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g
-
-
-def _check_unbatched(batched_leaves: list[bool]) -> None:
-    if any(batched_leaves):
-        raise CompositionError(
-            "scan_layers(prefetch=True): `jax.vmap` maps over the stacked layers "
-            "themselves (an ensemble) with weights in host memory; the prefetch would "
-            "slice and stack them across the batch in host memory. Pass prefetch=False, "
-            "or vmap over the inputs only.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _LayerScan:
-    """The two passes of one prefetched `scan_layers` call, over the flat stacked
-    leaves of the layers (`leaves`, in `jax.tree.leaves` order), the input `x` of the
-    first layer and the consts of the layer's computation (`consts`: what `call`
-    closes over, made explicit by `eqx.filter_closure_convert`).
-
-    **Fields:** `on_host` (per stacked leaf: whether it is in host memory, and so
-    prefetched), `length` (the number of layers), `converted` (the closure-converted
-    layer computation less its consts: `eqx.combine(consts, converted)(layer_leaves,
-    h)` runs one layer), `offload_input` and `unroll` (as `scan_layers`)."""
-
-    on_host: list[bool]
-    length: int
-    converted: Any
-    offload_input: bool
-    unroll: int
-
-    def apply(self, layer: list[Any], h: Any, consts: Any, batched: Any) -> Any:
-        """One layer; under `vmap` (`batched`: which consts are batched; `h` is), the
-        layer is vmapped over the batch inside, its weights not."""
-        def one(h: Any, consts: Any) -> Any:
-            return eqx.combine(consts, self.converted)(layer, h)
-        if batched is None:
-            return one(h, consts)
-        return jax.vmap(one, in_axes=(0, _axes(batched)))(h, consts)
-
-    def split(self, leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        """`leaves` (one per stacked leaf) as those of host leaves and the others."""
-        return ([a for a, h in zip(leaves, self.on_host, strict=True) if h],
-                [a for a, h in zip(leaves, self.on_host, strict=True) if not h])
-
-    def forward(self, leaves: list[Any], x: Any, consts: Any, save: bool, batched: Any) -> Any:
-        """The forward scan: layer `i` computes with the weights the iteration before
-        fetched while it fetches layer `i + 1`'s. Returns the last layer's output, with
-        `save` also the residuals of `backward`: each layer's input (in host memory with
-        `offload_input`) and the last layer's weights on the device."""
-        host_leaves, device_leaves = self.split(leaves)
-
-        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
-            h, current = carry
-            i, device_slices = xs
-            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
-            saved = (_offload_input(h) if self.offload_input else h) if save else None
-            y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
-            return (y, following), saved
-
-        first = _fetch_layer(host_leaves, 0)
-        (out, last), inputs = jax.lax.scan(
-            body, (x, first), (jnp.arange(self.length), device_leaves), unroll=self.unroll)
-        # The last iteration fetched the last layer again (the clamped index): the
-        # backward pass starts with it, rather than fetching it outside its loop.
-        return (out, (inputs, last)) if save else out
-
-    def backward(self, leaves: list[Any], consts: Any, residuals: Any, g: Any, batched: Any,
-                 acc: Optional[list[Any]] = None) -> Any:
-        """The backward scan, from the last layer down: layer `i`'s VJP computes with the
-        weights the iteration before fetched while it fetches layer `i - 1`'s; the
-        gradients of host leaves go to host. With `acc` (every leaf on the device), each
-        layer's gradient is added into its slice of `acc`, carried: the leaves'
-        cotangents are then `acc` plus the gradient. Returns the cotangents of `(leaves,
-        x, consts)` (`None` for consts that are not inexact arrays)."""
-        host_leaves, device_leaves = self.split(leaves)
-        inputs, last = residuals
-        diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
-
-        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
-            g, current, g_consts, acc = carry
-            i, device_slices, h = xs
-            preceding = _fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
-            if self.offload_input:
-                h = fetch(h)
-
-            def f(layer: list[Any], h: Any, diff: Any) -> Any:
-                return self.apply(layer, h, eqx.combine(diff, nondiff), batched)
-
-            _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, self.on_host), h, diff)
-            g_layer, g_h, g_c = vjp(g)
-            g_host, g_device = self.split(g_layer)
-            g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=is_none)
-            if acc is not None:  # every leaf on the device: the sum, no stacked output
-                acc = [_add_at(a, i, d) for a, d in zip(acc, g_device, strict=True)]
-                g_device = list[Any]()
-            return (g_h, preceding, g_consts, acc), (to_host(g_host), g_device)
-
-        zeros = _zeros_like_inexact(diff)
-        (g_x, _, g_consts, acc), (g_host, g_device) = jax.lax.scan(
-            body, (g, last, zeros, acc), (jnp.arange(self.length), device_leaves, inputs),
-            reverse=True, unroll=self.unroll)
-        return (_merge(g_host, g_device, self.on_host) if acc is None else acc), g_x, g_consts
-
-
-def _add_at(acc: jax.Array, i: Any, grad: jax.Array) -> jax.Array:
-    """`acc` with `grad` added into its slice `i` (in place, for XLA)."""
-    total = jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) + grad
-    added: jax.Array = jax.lax.dynamic_update_index_in_dim(acc, total, i, 0)
-    return added
-
-
-# Under `vmap` (the Equinox idiom: `jax.vmap(model)(x)`) a custom VJP would be batched
-# whole, its backward pass computing every example's weight gradients; these rules
-# batch the layer inside instead, so each weight gradient is one sum, as JAX's own
-# transpose of a vmapped layer gives it. Batched weights (an ensemble of stacks) are
-# refused: their slices and gradients would need the batch axis moved in host memory.
-
-
-def _forward_pass(scan: _LayerScan, save: bool) -> Any:
-    """The forward pass as a `custom_vmap` function of `(leaves, x, consts)`: `out`, or
-    with `save` `(out, (inputs, last))` (each layer's input and the last layer's
-    weights on the device, for the backward pass; unbatched under `vmap`, the batch
-    axis inside)."""
-    @jax.custom_batching.custom_vmap
-    def run(leaves: list[Any], x: Any, consts: Any) -> Any:
-        return scan.forward(leaves, x, consts, save, None)
-
-    @run.def_vmap
-    def _(size: int, in_batched: Any, leaves: list[Any], x: Any, consts: Any) -> Any:
-        batched_leaves, batched_x, batched_consts = in_batched
-        _check_unbatched(batched_leaves)
-        result = scan.forward(leaves, _broadcast(x, batched_x, size), consts, save,
-                              batched_consts)
-        if not save:
-            return result, _all(result, True)
-        out, residuals = result
-        return result, (_all(out, True), _all(residuals, False))
-
-    return run
-
-
-def _backward_pass(scan: _LayerScan) -> Any:
-    """The backward pass as a `custom_vmap` function of `(leaves, consts, residuals, g,
-    acc)`: the cotangents of `(leaves, x, consts)` (of the leaves, `acc` plus the
-    gradient, unless `acc` is `None`); under `vmap`, the batch axis inside (the weight
-    gradients unbatched, summed over it)."""
-    @jax.custom_batching.custom_vmap
-    def backward_batched(leaves: list[Any], consts: Any, residuals: Any, g: Any,
-                         acc: Optional[list[Any]]) -> Any:
-        if any(i.ndim == c.ndim + 2
-               for i, c in zip(jtu.tree_leaves(residuals[0]), jtu.tree_leaves(g))):
-            # The layer inputs of the batched forward rule (`[L, batch, ...]`, marked
-            # unbatched: the batch axis is not in front). The backward pass is then
-            # batched too and only its rule below computes; `custom_vmap` still traces
-            # this function once for one example's types, which are these.
-            return _zeros_like_inexact((leaves, g, consts))
-        return scan.backward(leaves, consts, residuals, g, None, acc)
-
-    @backward_batched.def_vmap
-    def _(size: int, in_batched: Any, leaves: list[Any], consts: Any, residuals: Any,
-          g: Any, acc: Optional[list[Any]]) -> Any:
-        batched_leaves, batched_consts, batched_residuals, batched_g, batched_acc = in_batched
-        _check_unbatched(batched_leaves + (batched_acc or []))
-        if any(jtu.tree_leaves(batched_residuals)):  # vmapped twice: a second batch axis
-            raise CompositionError(
-                "scan_layers(prefetch=True): the backward pass is batched over two axes "
-                "(`jax.vmap` around `jax.vmap` around the scan); pass prefetch=False.")
-        g_leaves, g_x, g_consts = scan.backward(leaves, consts, residuals,
-                                                _broadcast(g, batched_g, size), batched_consts,
-                                                acc)
-        flags = (_all(g_leaves, False), _all(g_x, True),
-                 jtu.tree_map(_flag_unless_none, g_consts, batched_consts, is_leaf=is_none))
-        return (g_leaves, g_x, g_consts), flags
-
-    return backward_batched
-
-
-def _prefetched_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
-                     offload_input: bool, unroll: int, acc: Optional[list[Any]] = None) -> Any:
-    """`scan_layers` with the next layer's host leaves prefetched in both passes: the
-    passes of a `_LayerScan`, tied together by a custom VJP (with `acc`, the leaves'
-    cotangent is `acc` plus the gradient; `acc` is not differentiated)."""
-    leaves, treedef = jtu.tree_flatten(dynamic)
-
-    def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
-        return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
-
-    # `call` may close over traced values (a mask, a differentiated scale): make them
-    # explicit, so that the custom VJP differentiates them too.
-    example = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in leaves]
-    converted = eqx.filter_closure_convert(layer_call, example, x)
-    consts, conv_static = eqx.partition(converted, eqx.is_array)
-    layer_scan = _LayerScan([is_host(a) for a in leaves], leaves[0].shape[0], conv_static,
-                            offload_input, unroll)
-    forward_only, forward_saving = _forward_pass(layer_scan, False), _forward_pass(layer_scan, True)
-    backward_batched = _backward_pass(layer_scan)
-
-    @eqx.filter_custom_vjp
-    def scan(vjp_arg: Any, acc: Optional[list[Any]]) -> Any:
-        return forward_only(*vjp_arg)
-
-    def scan_fwd(perturbed: Any, vjp_arg: Any, acc: Optional[list[Any]]) -> Any:
-        del perturbed, acc
-        return forward_saving(*vjp_arg)
-
-    def scan_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any,
-                 acc: Optional[list[Any]]) -> Any:
-        del perturbed
-        leaves, x, consts = vjp_arg
-        g = jtu.tree_map(_cotangent, g, x, is_leaf=is_none)
-        g_leaves, g_x, g_consts = backward_batched(leaves, consts, residuals, g, acc)
-        return g_leaves, g_x, g_consts
-
-    rules: Any = scan  # (Equinox's `def_fwd`/`def_bwd` are untyped)
-    rules.def_fwd(scan_fwd)
-    rules.def_bwd(scan_bwd)
-
-    out: Any = scan((leaves, x, consts), acc)
-    return out

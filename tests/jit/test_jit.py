@@ -219,6 +219,32 @@ def test_computing_on_host_model_weights_names_host_weights_and_the_leaf() -> No
         eqx_offload.filter_jit(lambda s: s.inner_state[0].mu["w"] * 2)(state)
 
 
+def test_computing_on_a_host_weights_gradient_names_it_and_to_device() -> None:
+    """A micro-batch sum that adds a host weight's gradient (in host memory) as it is:
+    the error names the variable and `to_device`, not the weight it came from; the same
+    sum with `to_device` runs, bitwise the sum of device gradients."""
+    model = eqx_offload.to_host(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    xs = jnp.arange(12.0).reshape(4, 3)
+
+    def summed(model: Any, bring: Any) -> Any:
+        def micro(acc: Any, x: jax.Array) -> Any:
+            grads = eqx.filter_grad(lambda m: jnp.sum(eqx_offload.to_device(m)(x) ** 2))(model)
+            return jax.tree.map(lambda a, g: a + bring(g), acc, grads), None
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), eqx.filter(model, eqx.is_array))
+        return jax.lax.scan(micro, zeros, xs)[0]
+
+    with pytest.raises(eqx_offload.errors.CompositionError) as caught:
+        eqx_offload.filter_jit(summed)(model, lambda g: g)
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 3 and lines[0].startswith(
+        "Bring `g` to the device before computing on it: `eqx_offload.to_device(g)`")
+    assert "computes on `g`, made in the step" in lines[1] and ".weight" not in lines[1]
+    got = eqx_offload.filter_jit(summed)(model, eqx_offload.to_device)
+    want = eqx_offload.filter_jit(summed)(eqx_offload.to_device(model), lambda g: g)
+    assert_tree_equal(got, want)
+    assert set(kind_list(got)) == {"device"}
+
+
 def test_host_compute_under_compute_on_is_allowed():
     """The function form of `compute_on` (`compute_on2` in JAX 0.10)."""
     to_host = jax.memory.Space.Host

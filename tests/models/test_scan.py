@@ -40,10 +40,10 @@ def _scans(jaxpr: Any) -> list[Any]:
     return [e for e in walk_eqns(jaxpr) if e.primitive.name == "scan"]
 
 
-def _carries_a_device_layer(scan: Any) -> bool:
+def _carries_a_device_layer(scan: Any, shape: tuple[int, ...] = (D, D)) -> bool:
     """Whether a scan's body takes and returns one layer's weight in device memory."""
     body = scan.params["jaxpr"].jaxpr
-    return all(any(v.aval.shape == (D, D) and v.aval.memory_space == DEVICE for v in vs)
+    return all(any(v.aval.shape == shape and v.aval.memory_space == DEVICE for v in vs)
                for vs in (body.invars, body.outvars))
 
 
@@ -279,7 +279,7 @@ def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
     acc = _sum_of(layers)
     cases = [
         ({"policy": eqx_offload.remat.offload_names("x")}, layers, acc, "policy=None"),
-        ({}, eqx_offload.to_host(layers), acc, "on the device"),
+        ({}, eqx_offload.to_host(layers), acc, "^Sum the gradients of layers in host memory"),
         ({}, layers, eqx_offload.to_host(acc), "on the device"),
         ({}, layers, acc.weight, "structure"),
         ({}, layers, jax.tree.map(lambda a: a.astype(jnp.bfloat16), acc), "dtype"),
@@ -296,3 +296,54 @@ def test_scan_layers_accumulate_refuses_what_it_cannot_sum() -> None:
 
     with pytest.raises(eqx_offload.errors.CompositionError, match="ensemble"):
         jax.grad(loss)(ensemble)
+
+
+class _Block(eqx.Module):
+    """A transformer block as models write it: LayerNorm, masked attention, MLP."""
+
+    ln1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(32), eqx.nn.LayerNorm(32)
+        self.attention = eqx.nn.MultiheadAttention(4, 32, key=k1)
+        self.mlp = eqx.nn.MLP(32, 32, 128, 1, activation=jax.nn.gelu, key=k2)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attention(h, h, h, mask=mask)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_scan_layers_transformer_blocks_under_vmap_are_bitwise(depth: int) -> None:
+    """Stacked transformer blocks in host memory, per-example `vmap`: bitwise the
+    rematted scan. One layer has nothing to prefetch; prefetching it anyway made XLA
+    inline both one-step loops and fuse them otherwise than the plain scan's."""
+    blocks = eqx.filter_vmap(_Block)(jax.random.split(jax.random.key(0), depth))
+    mask = jnp.tril(jnp.ones((16, 16), bool))
+    xs = jax.random.normal(jax.random.key(1), (4, 16, 32))
+
+    def loss(blocks: Any, scan: Any) -> jax.Array:
+        ys = jax.vmap(lambda x: scan(blocks, x, lambda b, h: b(h, mask)))(xs)
+        return jnp.mean(jnp.tanh(ys))
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    got = grad(eqx_offload.to_host(blocks), eqx_offload.scan_layers)
+    assert bits(got) == bits(grad(blocks, plain_scan))
+    assert set(memory_kinds(got).values()) == {"pinned_host"}
+    jaxpr = eqx.filter_make_jaxpr(lambda b: eqx.filter_grad(loss)(b, eqx_offload.scan_layers))(
+        eqx_offload.to_host(blocks))[0]
+    assert any(_carries_a_device_layer(e, (32, 32)) for e in _scans(jaxpr)) == (depth > 1)
+
+
+def test_scan_layers_on_a_module_that_is_not_stacked_names_filter_vmap() -> None:
+    with pytest.raises(eqx_offload.errors.CompositionError) as caught:
+        eqx_offload.scan_layers(eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0)), jnp.ones(4))
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("Stack the layers first: `eqx.filter_vmap(make_layer)")
+    assert ".layers[0].weight has 8, .layers[2].weight has 3" in lines[1]
+    assert len(lines) == 3 and lines[2].endswith("#not-a-stack-of-layers.")

@@ -1,11 +1,11 @@
 # eqx_offload.checkpoint, for pytype users: see __init__.pyi.
 
 from collections.abc import Callable
-from typing import Any, BinaryIO, Optional, TypeVar
+from typing import Any, BinaryIO, Optional, TypeVar, Union
 
 import optax
 
-from eqx_offload.types import HostMemoryKind, Where
+from eqx_offload.types import HostMemoryKind, HostWeightsOptimizer, MasterWeights, Where
 
 _T = TypeVar("_T")
 
@@ -15,7 +15,10 @@ def host_shardings(
 def restore_target(
     tree: _T, where: Where = False, *, memory_kind: HostMemoryKind = "pinned_host"
 ) -> _T: ...
-def abstract_init(optimizer: optax.GradientTransformation, params: Any) -> Any: ...
+def abstract_init(
+    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any]],
+    params: Any,
+) -> Any: ...
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any: ...
 def tree_deserialise_leaves(
     path_or_file: Any,
