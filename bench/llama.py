@@ -206,8 +206,9 @@ class Llama(eqx.Module):
                  dtype: Optional[Any] = None) -> None:
         ke, kb, ku = jax.random.split(key, 3)
         self.embed = eqx.nn.Embedding(shape.vocab, shape.width, key=ke)
-        self.blocks = eqx.filter_vmap(functools.partial(DecoderBlock, shape))(
-            jax.random.split(kb, shape.layers))
+        # (`eqx.filter_vmap`, which `eqx_offload.filter_make` can run a layer at a time)
+        self.blocks = eqx_offload.stack_layers(functools.partial(DecoderBlock, shape),
+                                               jax.random.split(kb, shape.layers))
         self.norm = RMSNormed(eqx.nn.RMSNorm(shape.width, use_bias=False))
         self.unembed = eqx.nn.Linear(shape.width, shape.vocab, use_bias=False, key=ku)
         self.rope = eqx.nn.RotaryPositionalEmbedding(shape.head_dim, theta=500000.0)

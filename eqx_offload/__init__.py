@@ -23,6 +23,7 @@ from ._core.where import min_bytes as min_bytes, min_ndim as min_ndim, pattern a
 from ._jit.jax_jit import jit as jit
 from ._jit.jit import filter_jit as filter_jit
 from ._jit.nnx_jit import nnx_jit as nnx_jit
+from ._models.make import filter_make as filter_make, stack_layers as stack_layers
 from ._models.master import master_weights as master_weights
 from ._models.params import (
     apply_updates as apply_updates,
@@ -47,6 +48,7 @@ except importlib.metadata.PackageNotFoundError:  # a source tree on `PYTHONPATH`
 __all__ = [
     "apply_updates",
     "filter_jit",
+    "filter_make",
     "filter_remat",
     "filter_shard",
     "gpu_plan",
@@ -66,6 +68,7 @@ __all__ = [
     "pattern",
     "plan",
     "scan_layers",
+    "stack_layers",
     "to_device",
     "to_host",
 ]

@@ -1,5 +1,6 @@
 """The planner: XLA's plan of a training step for a GPU or a TPU, compiled on this
-machine without one (`plan`; docs: "The plan").
+machine without one (`plan`; docs: "The plan"), and of the start-up that makes the
+model and its state (`plan_startup`).
 
 `from eqx_offload.planner import plan, TPU_TARGETS`.
 """
@@ -7,6 +8,11 @@ machine without one (`plan`; docs: "The plan").
 from ._plan.hlo import PlannedCollective as PlannedCollective, PlannedCopy as PlannedCopy
 from ._plan.plan import plan as plan
 from ._plan.result import Plan as Plan
+from ._plan.startup import (
+    plan_startup as plan_startup,
+    RUNTIME_HOST_BYTES as RUNTIME_HOST_BYTES,
+    StartupPlan as StartupPlan,
+)
 from ._plan.targets import (
     GPU_TARGETS as GPU_TARGETS,
     GpuTarget as GpuTarget,
@@ -22,6 +28,9 @@ __all__ = [
     "plan",
     "PlannedCollective",
     "PlannedCopy",
+    "plan_startup",
+    "RUNTIME_HOST_BYTES",
+    "StartupPlan",
     "TPU_TARGETS",
     "TpuTarget",
 ]

@@ -21,9 +21,10 @@ import optax
 
 from .._core.errors import OptionError, StateError
 from .._core.inner import as_transformation
-from .._core.leaves import is_none
+from .._core.leaves import is_none, is_traced
 from .._core.move import place_like
 from .._optim.offloaded import offloaded
+from .make import filter_make
 from .params import fetch_each
 
 
@@ -66,6 +67,10 @@ def _round(param: Any, master: Any) -> Any:
 
 def _cast(tree: Any, dtype: Any) -> Any:
     return jtu.tree_map(functools.partial(_cast_leaf, dtype), tree)
+
+
+def _compute_like(params: Any, dtype: Any) -> Any:
+    return place_like(_cast(fetch_each(params), dtype), params)
 
 
 def _masters(params: Any, dtype: Any) -> Any:
@@ -132,7 +137,11 @@ class MasterWeights(Generic[_M]):
         params = eqx.filter(model, eqx.is_array)
         state = self.transformation.init(params)
         # Cast on the device; a leaf in host memory goes back there in the compute dtype.
-        compute = place_like(_cast(fetch_each(params), self.compute_dtype), params)
+        # Eagerly, `filter_make`'s programs cast a group of leaves at a time, written
+        # straight into their memory (never the whole model on the device at once).
+        cast_like = functools.partial(_compute_like, dtype=self.compute_dtype)
+        compute = (cast_like(params) if any(map(is_traced, jtu.tree_leaves(params)))
+                   else filter_make(cast_like, params))
         return eqx.combine(compute, eqx.filter(model, eqx.is_array, inverse=True)), state
 
     def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]:

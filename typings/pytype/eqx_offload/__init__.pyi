@@ -41,6 +41,7 @@ __version__: str
 __all__ = [
     "apply_updates",
     "filter_jit",
+    "filter_make",
     "filter_remat",
     "filter_shard",
     "gpu_plan",
@@ -60,6 +61,7 @@ __all__ = [
     "pattern",
     "plan",
     "scan_layers",
+    "stack_layers",
     "to_device",
     "to_host",
 ]
@@ -228,6 +230,9 @@ def host_weights_optimizer(
 ) -> HostWeightsOptimizer[Any]: ...
 
 
+def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = ...,
+                **kwargs: Any) -> _T: ...
+def stack_layers(make_layer: Callable[[Any], _T], keys: Any) -> _T: ...
 def master_weights(
     inner: optax.GradientTransformation,
     *,

@@ -11,6 +11,9 @@ __all__ = [
     "plan",
     "PlannedCollective",
     "PlannedCopy",
+    "plan_startup",
+    "RUNTIME_HOST_BYTES",
+    "StartupPlan",
     "TPU_TARGETS",
     "TpuTarget",
 ]
@@ -131,3 +134,28 @@ def plan(
     host_memory: Optional[int] = None,
     **kwargs: Any,
 ) -> Plan: ...
+
+RUNTIME_HOST_BYTES: dict[str, int]
+
+@dataclasses.dataclass(frozen=True)
+class StartupPlan:
+    programs: tuple[tuple[str, int, Plan], ...]
+    device_peak_bytes: int
+    device_memory_bytes: int
+    host_array_bytes: int
+    host_peak_bytes: int
+    runtime_host_bytes: int
+    host_memory_bytes: Optional[int]
+    @property
+    def fits(self) -> bool: ...
+    def summary(self) -> str: ...
+
+def plan_startup(
+    fun: Callable[..., Any],
+    *args: Any,
+    target: Union[str, GpuTarget, TpuTarget],
+    host_memory: Optional[int] = None,
+    runtime_host_memory: Optional[int] = None,
+    group_bytes: int = ...,
+    **kwargs: Any,
+) -> StartupPlan: ...

@@ -1,0 +1,324 @@
+"""Start-up where each array lives: `filter_make` makes a model (and its optimizer state)
+with every array leaf created directly in the memory it lives in, and `stack_layers`
+builds stacked layers so that `filter_make` can make them a layer at a time.
+
+The route (what `filter_make` runs, and what `eqx_offload.planner.plan_startup` plans):
+
+1. `fun` is evaluated abstractly (`filter_eval_shape`): every leaf's shape, dtype and
+   memory kind. Evaluated again with each `stack_layers` making one layer, the leaves
+   whose leading axis shrinks to 1 are the stacked ones.
+2. The other leaves are made in groups (`group_bytes`), one `filter_jit` program per
+   group that computes only them (XLA drops the rest of `fun`) and writes each output
+   straight into its memory kind.
+3. The stacked leaves are allocated once in their memory (zeros made by the host's CPU
+   for those in host memory, so they never pass through the device), then one program,
+   compiled once, makes layer `i` of every stacked leaf on the device and writes it into
+   the donated buffers, for `i` in `0 .. L - 1`.
+
+So the device holds at most one group, or one layer of every stacked leaf, at a time,
+and no array has two host copies.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .._core.compat import host_compute
+from .._core.errors import OptionError, TreeError
+from .._core.shape import filter_eval_shape, is_abstract, is_arraylike
+from .._jit.jit import filter_jit
+
+
+_T = TypeVar("_T")
+_M = TypeVar("_M")
+_HOST = jax.memory.Space.Host
+_LAYER: contextvars.ContextVar[Optional[jax.Array]] = contextvars.ContextVar(
+    "eqx_offload_layer", default=None)
+_DOCS = "https://eqx-offload.readthedocs.io/en/latest/models/#start-up"
+
+
+def stack_layers(make_layer: Callable[[Any], _M], keys: Any) -> _M:
+    """Stacked layers, `eqx.filter_vmap(make_layer)(keys)`, that `filter_make` can make
+    one layer at a time.
+
+    Outside `filter_make` it is exactly `eqx.filter_vmap(make_layer)(keys)`: every array
+    leaf of the result has a leading axis of `L`, the length of `keys`, as
+    `scan_layers` runs it. Inside `filter_make`, each program makes one layer
+    (`make_layer` of one key, still through `eqx.filter_vmap`, so its values are bitwise
+    those of the stack's row), so the device never holds the whole stack.
+
+    **Arguments:**
+
+    - `make_layer`: makes one layer from one row of `keys` (e.g. one PRNG key).
+    - `keys`: a pytree whose array leaves share a leading axis of `L` (e.g.
+        `jax.random.split(key, L)`).
+
+    **Returns:**
+
+    The stacked layers.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_offload
+
+        blocks = eqx_offload.stack_layers(lambda k: eqx.nn.Linear(8, 8, key=k),
+                                          jax.random.split(jax.random.key(0), 4))
+        assert blocks.weight.shape == (4, 8, 8)
+        ```
+    """
+    layer = _LAYER.get()
+    if layer is not None:
+        keys = jtu.tree_map(lambda k: jax.lax.dynamic_slice_in_dim(k, layer, 1), keys)
+    return eqx.filter_vmap(make_layer)(keys)
+
+
+@contextlib.contextmanager
+def _one_layer(layer: jax.Array) -> Iterator[None]:
+    token = _LAYER.set(layer)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def _flat_call(fun: Callable[..., Any], indices: Sequence[int], layer: Optional[jax.Array],
+               args: Any, kwargs: Any) -> list[Any]:
+    """The leaves of `fun(*args, **kwargs)` at `indices` (with `layer`: each
+    `stack_layers` making that one layer)."""
+    if layer is None:
+        out = fun(*args, **kwargs)
+    else:
+        with _one_layer(layer):
+            out = fun(*args, **kwargs)
+    leaves = jtu.tree_leaves(out)
+    return [leaves[i] for i in indices]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the start-up route (`filter_make` runs them in order; the start-up
+    plan compiles each for its target).
+
+    **Fields:** `what` (for a person); `fun` (a `filter_jit` function); `kind`:
+    `"whole"` (makes `indices` whole), `"buffers"` (allocates the stacked leaves at
+    `indices`) or `"layers"` (writes layer `i` of each, `layers` times); `indices`
+    (leaves of the result); `layers` (how many times it runs).
+    """
+
+    what: str
+    fun: Any
+    kind: str
+    indices: tuple[int, ...]
+    layers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What `filter_make` will run for `fun(*args, **kwargs)`: the abstract result
+    (`jax.ShapeDtypeStruct` leaves with shardings and memory kinds) and the programs."""
+
+    abstract: Any
+    programs: tuple[Program, ...]
+    dynamic: Any  # the array leaves of `(args, kwargs)`
+    static: Any
+
+    @property
+    def leaves(self) -> list[Any]:
+        return jtu.tree_leaves(self.abstract, is_leaf=is_abstract)
+
+
+def _nbytes(x: Any) -> int:
+    return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
+def _stacked(full: Sequence[Any], one: Sequence[Any]) -> dict[int, int]:
+    """Leaf index -> layers, for the leaves whose leading axis is 1 when each
+    `stack_layers` makes one layer; a `TreeError` for any other change of shape."""
+    found = {}
+    for i, (a, b) in enumerate(zip(full, one, strict=True)):
+        if not is_abstract(a) or a.shape == b.shape:
+            continue
+        if not (a.ndim == b.ndim >= 1 and b.shape[0] == 1 and a.shape[1:] == b.shape[1:]):
+            raise TreeError(
+                f"filter_make: make every stacked leaf with `eqx_offload.stack_layers` "
+                f"alone: leaf {i} is {a.shape} for the whole stack but {b.shape} for one "
+                f"layer (only the leading axis may change).\nSee {_DOCS}.")
+        found[i] = a.shape[0]
+    return found
+
+
+def _groups(indices: Sequence[int], leaves: Sequence[Any], group_bytes: int) -> list[list[int]]:
+    groups: list[list[int]] = []
+    size = 0
+    for i in indices:
+        n = _nbytes(leaves[i])
+        if not groups or size + n > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+          group_bytes: int = 256 << 20) -> Route:
+    """The start-up route of `fun(*args, **kwargs)` (see the module's docstring).
+    Traces `fun` twice, compiles nothing."""
+    if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+        raise OptionError(f"filter_make(group_bytes={group_bytes!r}): pass an int >= 0 "
+                          f"(bytes of the leaves one program makes).\nSee {_DOCS}.")
+    dynamic, static = eqx.partition((args, kwargs), is_arraylike, is_leaf=is_abstract)
+    abstract = filter_eval_shape(fun, *args, **kwargs)
+    full = jtu.tree_leaves(abstract, is_leaf=is_abstract)
+    one = jtu.tree_leaves(filter_eval_shape(_layered(fun), jnp.int32(0), *args, **kwargs),
+                          is_leaf=is_abstract)
+    stacked = _stacked(full, one)
+    # A stacked vector of a type under 32 bits (a bf16 norm scale) is made whole: a TPU
+    # cannot write one row of it into host memory ("On a TPU" in docs/models.md).
+    by_layer = {i: n for i, n in stacked.items() if full[i].ndim >= 3 or (
+        full[i].ndim == 2 and jnp.dtype(full[i].dtype).itemsize >= 4)}
+    whole = [i for i, x in enumerate(full) if is_abstract(x) and i not in by_layer]
+    programs = [Program(f"leaves {g}", _whole_program(fun, static, g), "whole", tuple(g))
+                for g in _groups(whole, full, group_bytes)]
+    for n in sorted(set(by_layer.values())):
+        indices = tuple(i for i, m in by_layer.items() if m == n)
+        programs.append(Program(f"buffers of {len(indices)} stacked leaves",
+                                _buffers_program([full[i] for i in indices]), "buffers", indices))
+        programs.append(Program(f"{n} layers of {len(indices)} stacked leaves",
+                                _layers_program(fun, static, indices), "layers", indices, n))
+    return Route(abstract, tuple(programs), dynamic, static)
+
+
+def _layered(fun: Callable[..., _T]) -> Callable[..., _T]:
+    def one_layer(layer: jax.Array, *args: Any, **kwargs: Any) -> _T:
+        with _one_layer(layer):
+            return fun(*args, **kwargs)
+    return one_layer
+
+
+def _whole_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]) -> Any:
+    def whole(layer: jax.Array, dynamic: Any) -> list[Any]:
+        del layer  # (an argument for every program: it names the device to plan on)
+        args, kwargs = eqx.combine(dynamic, static)
+        return _flat_call(fun, indices, None, args, kwargs)
+    return filter_jit(whole)
+
+
+def _on_host(x: Any) -> bool:
+    return getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host")
+
+
+def _zeros(x: Any) -> jax.Array:
+    return jnp.zeros(x.shape, x.dtype)
+
+
+def _buffers_program(leaves: Sequence[Any]) -> Any:
+    """Zeros of each leaf's shape in its memory: those in host memory made by the
+    host's CPU (`compute_on("device_host")`), so no byte of them is on the device."""
+    host = [_on_host(x) for x in leaves]
+
+    def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
+        del layer, dynamic
+        on_host = [x for x, h in zip(leaves, host, strict=True) if h]
+        made = iter(host_compute(lambda: [_zeros(x) for x in on_host],
+                                 compute_type="device_host",
+                                 out_memory_spaces=[_HOST] * len(on_host))()
+                    if on_host else [])
+        return [next(made) if h else _zeros(x) for x, h in zip(leaves, host, strict=True)]
+    return filter_jit(buffers)
+
+
+def _layers_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]) -> Any:
+    def write(buffers: list[Any], layer: jax.Array, dynamic: Any) -> list[Any]:
+        args, kwargs = eqx.combine(dynamic, static)
+        rows = _flat_call(fun, indices, layer, args, kwargs)
+        return [jax.lax.dynamic_update_slice_in_dim(b, r, layer, 0)
+                for b, r in zip(buffers, rows, strict=True)]
+    return filter_jit(write, donate=("buffers",))
+
+
+def run(made: Route) -> Any:
+    """Run the programs of a route: the result of `fun`, each leaf made where it lives."""
+    leaves = list(made.leaves)
+    zero = jnp.int32(0)
+    for program in made.programs:
+        if program.kind == "whole":
+            outs = program.fun(zero, made.dynamic)
+        elif program.kind == "buffers":
+            outs = program.fun(zero, made.dynamic)
+            buffers = outs
+            continue
+        else:
+            for i in range(program.layers):
+                buffers = program.fun(buffers, jnp.int32(i), made.dynamic)
+            outs = buffers
+        for i, x in zip(program.indices, outs, strict=True):
+            leaves[i] = x
+    return jtu.tree_unflatten(jtu.tree_structure(made.abstract, is_leaf=is_abstract), leaves)
+
+
+def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20,
+                **kwargs: Any) -> _T:
+    """`fun(*args, **kwargs)`, every array leaf of the result made directly in the memory
+    it lives in: the sibling of `eqx.filter_eval_shape` that allocates.
+
+    Make a large model, and its optimizer state, without ever holding the whole model
+    on the device or two host copies of one array: `fun` builds the model (its stacked
+    layers with `eqx_offload.stack_layers`), moves what lives in host memory there
+    (`eqx_offload.to_host`) and may `init` any wrapper (`master_weights`, `offloaded`,
+    `host_weights_optimizer`). Only the leaves of the result are made: an fp32 model
+    that `master_weights(...).init` turns into bf16 weights and fp32 master weights is
+    never made itself. Each group of leaves (at most `group_bytes`) is computed on the
+    device by a program of its own and written straight into its memory kind; stacked
+    leaves are allocated once where they live (zeros in host memory made by the host's
+    CPU) and written a layer at a time. The values are bitwise those of
+    `fun(*args, **kwargs)` called as it is. What the route holds on the device, planned
+    for a TPU or GPU: `eqx_offload.planner.plan_startup`.
+
+    **Arguments:**
+
+    - `fun`: a pure function returning any pytree (a model, `(model, state)`).
+    - `*args`, `**kwargs`: its arguments (arrays are traced, the rest static).
+    - `group_bytes`: the bytes of the unstacked leaves one program makes (default
+        256 MiB): the device holds about this much, and what computing it needs.
+
+    **Returns:**
+
+    `fun(*args, **kwargs)`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import optax
+        import eqx_offload
+
+        def start(key):
+            kb, kh = jax.random.split(key)
+            model = {"blocks": eqx_offload.stack_layers(
+                         lambda k: eqx.nn.Linear(64, 64, key=k), jax.random.split(kb, 8)),
+                     "head": eqx.nn.Linear(64, 1, key=kh)}
+            model["blocks"] = eqx_offload.to_host(model["blocks"])
+            mw = eqx_offload.master_weights(optax.adamw(1e-3))
+            return mw.init(model)
+
+        model, state = eqx_offload.filter_make(start, jax.random.key(0))
+        assert model["blocks"].weight.sharding.memory_kind == "pinned_host"
+        master = state.inner_state.master["blocks"].weight
+        assert master.sharding.memory_kind == "pinned_host"
+        ```
+    """
+    result: _T = run(route(fun, args, kwargs, group_bytes=group_bytes))
+    return result
