@@ -35,7 +35,7 @@ from .checks import check_is_offloaded, check_trace
 from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
-from .strategies import by_platform, streamed
+from .strategies import by_platform, Call, streamed
 
 
 Accumulator = Literal["device", "host"]
@@ -217,8 +217,8 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
     old = jtu.tree_leaves(state.inner_opt_state)
 
     def stream() -> tuple[Any, Any]:
-        final, new_state = streamed(step.parts.opt, layout, True, grads, old, step.params,
-                                    step.extra_args)
+        final, new_state = streamed(Call(step.parts.opt, layout, True), grads,
+                                    state.inner_opt_state, step.params, **step.extra_args)
         if [x.dtype for x in jtu.tree_leaves(new_state)] != [x.dtype for x in old]:
             raise NotStreamable("the update changes its state's dtypes")
         return final, new_state  # its host leaves are in host memory again

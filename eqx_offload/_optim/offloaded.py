@@ -28,7 +28,7 @@ from .checks import (
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
 from .state import OffloadedState
-from .strategies import choose, Strategy
+from .strategies import Call, choose, Strategy
 
 
 def offloaded(
@@ -169,5 +169,6 @@ def _update(
         i = first_on_device(leaves, layout.mask)
         if i is not None:
             cache.warned = warn_on_device(layout.treedef, leaves, i, options.memory_kind)
-    updates, new_state = strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    updates, new_state = strategy(Call(inner, layout, traced), updates, state.inner_state, params,
+                                  **extra_args)
     return updates, OffloadedState(layout.store(new_state))
