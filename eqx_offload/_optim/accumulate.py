@@ -25,7 +25,7 @@ import optax
 from jax import lax
 
 from .._core.shape import check_init_fits_host_pool
-from .._core.compat import host_compute, multi_steps_parts, MultiStepsParts
+from .._core.compat import boundary, host_compute, multi_steps_parts, MultiStepsParts
 from .._core.errors import NotStreamable, OptionError
 from .._core.leaves import is_traced
 from .._core.move import move
@@ -135,7 +135,8 @@ def offloaded_multi_steps(
             new_state = layout.store(new_state)  # under `jit` only pinned_host is reachable
         return new_updates, OffloadedState(new_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Errors leave these with the package's frames hidden (`compat.boundary`).
+    return optax.GradientTransformationExtraArgs(boundary(init_fn), boundary(update_fn))
 
 
 class _Step(NamedTuple):

@@ -16,6 +16,7 @@ from jax.core import Tracer
 from .accumulate import (
     Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
 )
+from .._core.compat import boundary
 from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
@@ -126,7 +127,8 @@ def offloaded(
     ) -> tuple[optax.Updates, OffloadedState]:
         return _update(inner, options, strategy, cache, updates, state, params, extra_args)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Errors leave these with the package's frames hidden (`compat.boundary`).
+    return optax.GradientTransformationExtraArgs(boundary(init_fn), boundary(update_fn))
 
 
 def _init_to_host(inner: optax.GradientTransformationExtraArgs, options: Options,
