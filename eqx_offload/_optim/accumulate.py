@@ -25,7 +25,7 @@ import optax
 from jax import lax
 
 from .._core.shape import check_init_fits_host_pool
-from .._core.compat import host_compute, multi_steps_parts, MultiStepsParts
+from .._core.compat import boundary, host_compute, multi_steps_parts, MultiStepsParts
 from .._core.errors import NotStreamable, OptionError
 from .._core.leaves import is_traced
 from .._core.move import move
@@ -35,7 +35,7 @@ from .checks import check_is_offloaded, check_trace
 from .layout import Cache, fetch, Layout, layout_for, store
 from .options import Options
 from .state import OffloadedState
-from .strategies import by_platform, streamed
+from .strategies import by_platform, Call, streamed
 
 
 Accumulator = Literal["device", "host"]
@@ -135,7 +135,8 @@ def offloaded_multi_steps(
             new_state = layout.store(new_state)  # under `jit` only pinned_host is reachable
         return new_updates, OffloadedState(new_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Errors leave these with the package's frames hidden (`compat.boundary`).
+    return optax.GradientTransformationExtraArgs(boundary(init_fn), boundary(update_fn))
 
 
 class _Step(NamedTuple):
@@ -217,8 +218,8 @@ def _apply(step: _Step, updates: Any, state: optax.MultiStepsState,
     old = jtu.tree_leaves(state.inner_opt_state)
 
     def stream() -> tuple[Any, Any]:
-        final, new_state = streamed(step.parts.opt, layout, True, grads, old, step.params,
-                                    step.extra_args)
+        final, new_state = streamed(Call(step.parts.opt, layout, True), grads,
+                                    state.inner_opt_state, step.params, **step.extra_args)
         if [x.dtype for x in jtu.tree_leaves(new_state)] != [x.dtype for x in old]:
             raise NotStreamable("the update changes its state's dtypes")
         return final, new_state  # its host leaves are in host memory again

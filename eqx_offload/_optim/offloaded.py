@@ -16,6 +16,7 @@ from jax.core import Tracer
 from .accumulate import (
     Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
 )
+from .._core.compat import boundary
 from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
@@ -28,7 +29,7 @@ from .checks import (
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
 from .state import OffloadedState
-from .strategies import choose, Strategy
+from .strategies import Call, choose, Strategy
 
 
 def offloaded(
@@ -127,7 +128,8 @@ def offloaded(
     ) -> tuple[optax.Updates, OffloadedState]:
         return _update(inner, options, strategy, cache, updates, state, params, extra_args)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Errors leave these with the package's frames hidden (`compat.boundary`).
+    return optax.GradientTransformationExtraArgs(boundary(init_fn), boundary(update_fn))
 
 
 def _init_to_host(inner: optax.GradientTransformationExtraArgs, options: Options,
@@ -170,5 +172,6 @@ def _update(
         i = first_on_device(leaves, layout.mask)
         if i is not None:
             cache.warned = warn_on_device(layout.treedef, leaves, i, options.memory_kind)
-    updates, new_state = strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    updates, new_state = strategy(Call(inner, layout, traced), updates, state.inner_state, params,
+                                  **extra_args)
     return updates, OffloadedState(layout.store(new_state))

@@ -1,12 +1,14 @@
-"""The update strategies of `offloaded`, behind one signature:
+"""The update strategies of `offloaded`, behind one signature in Optax's shape:
 
-    strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    strategy(call, updates, state, params=None, **extra_args)
         -> (updates, new_inner_state)
 
-Each brings the state it needs to the device (`Layout.fetch`, or `layout.fetch`
+`updates`, `params` and `**extra_args` are `update`'s own; `state` is the inner state as
+stored (host leaves included); `call` (a `Call`) holds the facts of the call: the inner
+transformation, the state's layout and whether any argument is traced. Each strategy
+brings the state it needs to the device (`Layout.fetch`, or the engine's transfers
 group by group), runs `inner.update`, and returns the new inner state; `offloaded`'s
-update then stores it (`Layout.store`). `leaves` are the inner state's flat leaves;
-`traced` says whether any argument is traced.
+update then stores it (`Layout.store`).
 
 - `auto_update` (default, `group_bytes="auto"`): streamed under `jit` for an
   accelerator where the update allows it, else `update_on_device` (chosen by
@@ -24,7 +26,7 @@ bitwise as `jax.jit(inner.update)`.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -42,34 +44,51 @@ from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
 
 
+class Call(NamedTuple):
+    """The facts of one `update` call that a strategy works under (not its inputs).
+
+    **Fields:**
+
+    - `inner`: the inner transformation.
+    - `layout`: the inner state's layout (which leaves live in host memory, how they
+        cross).
+    - `traced`: whether any argument of the call is traced.
+    """
+
+    inner: Any
+    layout: Layout
+    traced: bool
+
+
 @runtime_checkable
 class Strategy(Protocol):
-    """An update strategy: brings what it needs of the inner state (`leaves`, flat, in
-    `layout`) to the device, runs `inner.update` on `updates`, and returns `(updates,
-    new_inner_state)`, the new state not yet stored. `traced`: whether any argument is
-    traced."""
+    """An update strategy: brings what it needs of the inner state `state` (laid out
+    as `call.layout` says) to the device, runs `call.inner.update` on `updates`, and
+    returns `(updates, new_inner_state)`, the new state not yet stored. Optax's
+    `update(updates, state, params=None, **extra_args)` with the call's facts first."""
 
-    def __call__(self, inner: Any, layout: Layout, traced: bool, updates: Any,
-                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    def __call__(self, call: Call, updates: Any, state: Any, params: Any = None, /,
+                 **extra_args: Any) -> tuple[Any, Any]:
         ...
 
 
-def update_on_device(inner: Any, layout: Layout, traced: bool, updates: Any,
-                     leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def update_on_device(call: Call, updates: Any, state: Any, params: Any = None, /,
+                     **extra_args: Any) -> tuple[Any, Any]:
     """The whole state to the device, then `inner.update`, in one program with no
     ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
     memory makes the step compile with `compiler_options.GPU_WHOLE_STATE_OPTIONS`, so
     that XLA's scheduler does not start every copy before the forward pass. No barrier orders the
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
-    if traced and any(is_host(x) for x in leaves):
+    layout, leaves = call.layout, jtu.tree_leaves(state)
+    if call.traced and any(is_host(x) for x in leaves):
         with marked("whole"):  # (read by `filter_jit`: `compat.scopes`)
             leaves = _after_gradients(leaves, updates)
             fetched = layout.fetch(leaves)
     else:
         fetched = layout.fetch(leaves)
-    state = layout.unflatten(fetched)
-    result: tuple[Any, Any] = inner.update(updates, state, params, **extra_args)
+    result: tuple[Any, Any] = call.inner.update(updates, layout.unflatten(fetched), params,
+                                                **extra_args)
     return result
 
 
@@ -111,8 +130,8 @@ def by_platform(cpu: Callable[..., Any], accelerator: Callable[..., Any], *args:
     return jax.lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
-def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
-                leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def auto_update(call: Call, updates: Any, state: Any, params: Any = None, /,
+                **extra_args: Any) -> tuple[Any, Any]:
     """For an accelerator, `streamed` with an automatic group size, or the whole state
     where the update cannot be streamed (`NotStreamable`: it couples all of the state,
     e.g. `apply_if_finite`, or has side effects). Eagerly, or for the CPU backend (one
@@ -127,16 +146,15 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     lowers for (`jax.lax.platform_dependent`): a step traced with `jax.jit` and lowered
     for `cuda` streams. Every branch returns the same types (`_as_returned`); any error
     but `NotStreamable` comes through: none falls back to the whole state unseen."""
-    arguments = (inner, layout, traced, updates, leaves, params, extra_args)
-    if not traced:
-        return update_on_device(*arguments)
+    if not call.traced:
+        return update_on_device(call, updates, state, params, **extra_args)
     statics: list[Any] = []  # each branch's non-array leaves (a branch returns arrays)
 
     def branch(strategy: Strategy) -> Callable[[], Any]:
         def run() -> Any:
-            new_updates, new_state = strategy(*arguments)
+            new_updates, new_state = strategy(call, updates, state, params, **extra_args)
             dynamic, static = eqx.partition(
-                (_as_returned(new_updates, updates), _as_stored(layout, new_state)),
+                (_as_returned(new_updates, updates), _as_stored(call.layout, new_state)),
                 eqx.is_array)
             statics.append(static)
             return dynamic
@@ -145,7 +163,7 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     try:
         dynamic = by_platform(branch(update_on_device), branch(streamed))
     except NotStreamable:  # the documented mode of such an update: the whole state
-        return update_on_device(*arguments)
+        return update_on_device(call, updates, state, params, **extra_args)
     result: tuple[Any, Any] = eqx.combine(dynamic, statics[0])
     return result
 
@@ -174,17 +192,17 @@ def _as_stored(layout: Layout, state: Any) -> Any:
                                              treedef=treedef, targets=layout.targets))
 
 
-def streamed(inner: Any, layout: Layout, traced: bool, updates: Any,
-             leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def streamed(call: Call, updates: Any, state: Any, params: Any = None, /,
+             **extra_args: Any) -> tuple[Any, Any]:
     """The engine's `streamed_update`, moving state as `layout` does; the `filter_jit`
     being traced compiles with the scheduler options that let its copies overlap
     compute on a GPU."""
-    options = layout.options
+    options = call.layout.options
     assert options.group_bytes is not None
     with marked("streamed"):  # (read by `filter_jit`: `compat.scopes`)
-        return streamed_update(inner, updates, layout.unflatten(leaves), params, extra_args,
+        return streamed_update(call.inner, updates, state, params, extra_args,
                                transfers=_transfers(options), group_bytes=options.group_bytes,
-                               init_dtypes=layout.init_dtypes)
+                               init_dtypes=call.layout.init_dtypes)
 
 
 def _transfers(options: Options) -> Transfers:
@@ -205,11 +223,11 @@ def _transfers(options: Options) -> Transfers:
     return Transfers(fetch_leaves, narrow, store_leaves, computes_in, options.lookahead)
 
 
-def host(inner: Any, layout: Layout, traced: bool, updates: Any,
-         leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def host(call: Call, updates: Any, state: Any, params: Any = None, /,
+         **extra_args: Any) -> tuple[Any, Any]:
     """The engine's `host_update`: `inner.update` on the host CPU."""
-    return host_update(inner, updates, layout.unflatten(leaves), params, extra_args,
-                       where=layout.options.where)
+    return host_update(call.inner, updates, state, params, extra_args,
+                       where=call.layout.options.where)
 
 
 class _CompiledWhenEager:
@@ -218,23 +236,22 @@ class _CompiledWhenEager:
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
-        self.compiled = filter_jit(functools.partial(_on_tree, strategy))
+        self.compiled = filter_jit(functools.partial(_traced, strategy))
 
-    def __call__(self, inner: Any, layout: Layout, traced: bool, updates: Any,
-                 leaves: list[Any], params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-        if traced:
-            return self.strategy(inner, layout, traced, updates, leaves, params, extra_args)
+    def __call__(self, call: Call, updates: Any, state: Any, params: Any = None, /,
+                 **extra_args: Any) -> tuple[Any, Any]:
+        if call.traced:
+            return self.strategy(call, updates, state, params, **extra_args)
         # The state as a tree: `filter_jit` gives each output the sharding of the input
         # whose path ends like its own.
-        result: tuple[Any, Any] = self.compiled(inner, layout, updates, layout.unflatten(leaves),
+        result: tuple[Any, Any] = self.compiled(call.inner, call.layout, updates, state,
                                                 params, extra_args)
         return result
 
 
-def _on_tree(strategy: Strategy, inner: Any, layout: Layout, updates: Any,
-             inner_state: Any, params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
-    return strategy(inner, layout, True, updates, jtu.tree_leaves(inner_state), params,
-                    extra_args)
+def _traced(strategy: Strategy, inner: Any, layout: Layout, updates: Any, state: Any,
+            params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+    return strategy(Call(inner, layout, True), updates, state, params, **extra_args)
 
 
 def choose(options: Options) -> Strategy:

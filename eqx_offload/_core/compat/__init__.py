@@ -9,11 +9,12 @@ import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypeVar
 
 import jax
 import jax.extend.core as _jex
 import jax.tree_util as _jtu
+from jax._src import traceback_util as _traceback_util
 from jax.experimental import compute_on as _compute_on
 import numpy as _np
 
@@ -63,6 +64,30 @@ def optimization_barrier(tree: Any) -> Any:
     leaves, treedef = _jtu.tree_flatten(tree)
     return _jtu.tree_unflatten(treedef, _barrier(*leaves))
 
+
+
+# Tracebacks. Equinox leaves its files out of the tracebacks JAX filters
+# (`register_exclusion`, file by file) and marks its drivers `__tracebackhide__`; this
+# package registers its folder, so that a user's mistake shows the user's line and the
+# message, not the library's frames between them. JAX has no public way to register a
+# folder or to make a function a filtering boundary: `jax._src.traceback_util`'s
+# `register_exclusion` and `api_boundary` (JAX 0.10 to 0.12; the canary is
+# `tests/upstream/test_upstream_tracebacks.py`).
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def hide_frames(path: str) -> None:
+    """Leave the frames of the files under `path` out of the tracebacks JAX filters."""
+    _traceback_util.register_exclusion(path)
+
+
+def boundary(fun: _F) -> _F:
+    """`fun`, whose errors leave it with the frames that `hide_frames` hides (and JAX's
+    own) out of their traceback, as an error leaving `jax.jit` does."""
+    return _traceback_util.api_boundary(fun)
+
+
+hide_frames(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MARKER_PREFIX = "eqx_offload."
 """The prefix of the `jax.named_scope`s that mark what `filter_jit` compiles for."""
