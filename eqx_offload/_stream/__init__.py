@@ -1,0 +1,1 @@
+"""The engine of the streamed and fused updates: what runs inside a step."""
