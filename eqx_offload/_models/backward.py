@@ -25,7 +25,7 @@ from .._core.placement import is_host
 from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
 )
-from .._stream.backward import Hook, hooked, update_scan
+from .._stream.backward import Hook, hooked, one_layer, update_scan
 from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
@@ -261,7 +261,8 @@ def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block
     zeros = [jnp.zeros_like(a) for a in first]
     state = jtu.tree_unflatten(plan.state_def,
                                _merge([s[:1] for s in channel], shared, plan.stacked))
-    _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
+    with one_layer():
+        _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     return [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
 
 

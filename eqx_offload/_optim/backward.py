@@ -13,7 +13,7 @@ the jaxpr of the update of the whole tree (`_stream.separable`).
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +22,7 @@ import optax
 
 from .._core.errors import CompositionError, docs_link
 from .._stream import separable
+from .._stream.backward import one_layer
 from .._stream.separable import BLOCK, Mark, REST, SHARED
 
 
@@ -62,32 +63,48 @@ def _abstract(tree: Any, change: Any) -> Any:
     return jtu.tree_map(one, tree)
 
 
-def _longer(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (shape[0] + 1,) + shape[1:] if shape else shape
+def _resized(shape: tuple[int, ...], length: int) -> tuple[int, ...]:
+    return (length,) + shape[1:] if shape else shape
 
 
-def _changed(transformation: Any, params: Any, which: Sequence[bool]) -> list[bool]:
-    """Per leaf of `transformation.init(params)`: whether its shape changes when the
-    leading axis of the parameters `which` selects grows by one."""
+def _changed(transformation: Any, params: Any, which: Sequence[bool],
+             length: Callable[[int], int], strict: bool = True) -> list[bool]:
+    """Per leaf of `transformation.init(params)`: whether its shape changes, in its
+    leading axis alone, when the leading axis `n` of the parameters `which` selects
+    becomes `length(n)`. A state whose structure or other axes change: refused
+    (`strict`), or every leaf unchanged."""
     leaves, treedef = jtu.tree_flatten(params)
     base = jax.eval_shape(transformation.init, _abstract(params, tuple))
-    grown = jax.eval_shape(transformation.init, jtu.tree_unflatten(treedef, [
-        jax.ShapeDtypeStruct(_longer(a.shape) if w else a.shape, a.dtype)
+    other = jax.eval_shape(transformation.init, jtu.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(_resized(a.shape, length(a.shape[0])) if w else a.shape,
+                             a.dtype)
         for a, w in zip(leaves, which, strict=True)]))
     base_leaves, base_def = jtu.tree_flatten(base)
-    grown_leaves, grown_def = jtu.tree_flatten(grown)
-    if base_def != grown_def:
-        raise _refusal("its state's structure depends on the number of layers")
+    other_leaves, other_def = jtu.tree_flatten(other)
     changed = []
-    for a, b in zip(base_leaves, grown_leaves, strict=True):
-        if a.shape == b.shape:
-            changed.append(False)
-        elif a.shape and b.shape == _longer(a.shape):
-            changed.append(True)
+    why = "its state's structure depends on the number of layers"
+    if base_def == other_def:
+        for a, b in zip(base_leaves, other_leaves, strict=True):
+            if a.shape == b.shape:
+                changed.append(False)
+            elif a.shape and b.shape == _resized(a.shape, b.shape[0]):
+                changed.append(True)
+            else:
+                why = (f"a state leaf of shape {a.shape} changes otherwise than in its "
+                       "leading axis with the number of layers (e.g. Adafactor factors "
+                       "a (layers, width) leaf across its layers)")
+                break
         else:
-            raise _refusal(f"a state leaf of shape {a.shape} changes otherwise than in "
-                           "its leading axis with the number of layers")
-    return changed
+            return changed
+    if strict:
+        raise _refusal(why)
+    return [False] * len(base_leaves)
+
+
+def _one_layer(n: int) -> int:
+    """The length the state of one layer is compared at: 1 (a layer's slice), or 2 for
+    a stack of 1."""
+    return 1 if n > 1 else 2
 
 
 def per_layer(transformation: Any, layers: Any) -> list[bool]:
@@ -95,7 +112,7 @@ def per_layer(transformation: Any, layers: Any) -> list[bool]:
     stacked per layer (sliced with its layers) rather than shared (a step count).
     A stacked leaf that is not floating cannot come back as a gradient: refused."""
     leaves = jtu.tree_leaves(layers)
-    stacked = _changed(transformation, layers, [True] * len(leaves))
+    stacked = _changed(transformation, layers, [True] * len(leaves), _one_layer)
     state = jax.eval_shape(transformation.init, _abstract(layers, tuple))
     for s, m in zip(jtu.tree_leaves(state), stacked, strict=True):
         if m and not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
@@ -109,17 +126,19 @@ def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool])
     """Raises a `CompositionError` naming the fix unless, in `transformation.update`
     of the whole tree, each update and state leaf of the stacked layers depends only on
     the layers' leaves, layer `i` on layer `i` alone, and every other leaf on no
-    stacked layer (`_stream.separable`)."""
-    stacked = _changed(transformation, params, in_layers)
+    stacked layer (`_stream.separable`). The update is traced on the state `init`
+    makes, inside the same function: each state leaf depends on what the update
+    computes it from (the gradient, the parameters), and keeps its memory kind."""
+    stacked = _changed(transformation, params, in_layers, _one_layer)
     rest_dims = [not m and len(a.shape) > 0 for a, m in
                  zip(jtu.tree_leaves(params), in_layers, strict=True)]
-    rest = _changed(transformation, params, rest_dims) if any(rest_dims) else None
+    rest = (_changed(transformation, params, rest_dims, lambda n: n + 1, strict=False)
+            if any(rest_dims) else None)
     abstract = _abstract(params, tuple)
-    state = jax.eval_shape(transformation.init, abstract)
-    try:
+    try:  # (the state made inside, so that it has its memory kinds)
         jaxpr, shapes = jax.make_jaxpr(
-            functools.partial(_update, transformation), return_shape=True)(
-                abstract, state, abstract)
+            functools.partial(_init_update, transformation), return_shape=True)(
+                abstract, abstract)
     except Exception as e:  # what the update cannot do on abstract values: as is
         raise _refusal(f"its update could not be traced on the whole tree ({e})") from e
     marks_p = [Mark(frozenset({BLOCK}), 0) if m else Mark(frozenset({REST}))
@@ -128,19 +147,20 @@ def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool])
                Mark(frozenset({REST})) if rest is not None and r else SHARED
                for m, r in zip(stacked, rest or stacked, strict=True)]
     out_updates, out_state = shapes
-    if jtu.tree_structure(out_state) != jtu.tree_structure(state):
+    if len(jtu.tree_leaves(out_state)) != len(marks_s):
         raise _refusal("its update changes its state's structure")
-    expected = [Mark(m.groups) for m in marks_p] + [Mark(m.groups) for m in marks_s]
     if len(jtu.tree_leaves(out_updates)) != len(marks_p):
         raise _refusal("its updates are not one per parameter")
+    expected = [Mark(m.groups) for m in marks_p] + [Mark(m.groups) for m in marks_s]
     try:
-        separable.check(jaxpr, marks_p + marks_s + marks_p, expected)
+        separable.check(jaxpr, marks_p + marks_p, expected)
     except separable.Mixes as e:
         raise _refusal(str(e)) from None
 
 
-def _update(transformation: Any, grads: Any, state: Any, params: Any) -> Any:
-    return transformation.update(grads, state, params)
+def _init_update(transformation: Any, grads: Any, params: Any) -> Any:
+    with one_layer():  # as the layers are updated (`offloaded`: no streamed update)
+        return transformation.update(grads, transformation.init(params), params)
 
 
 def check_not_accumulating(state: Any) -> None:

@@ -36,6 +36,7 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
+from .._stream.backward import in_one_layer
 from .host_compute import host_update
 from .layout import fetch, Layout
 from .options import Options
@@ -124,7 +125,7 @@ def auto_update(inner: Any, layout: Layout, traced: bool, updates: Any,
     for `cuda` streams. Every branch returns the same types (`_as_returned`); any error
     but `NotStreamable` comes through: none falls back to the whole state unseen."""
     arguments = (inner, layout, traced, updates, leaves, params, extra_args)
-    if not traced:
+    if not traced or in_one_layer():  # (one layer inside the backward pass: whole)
         return update_on_device(*arguments)
     statics: list[Any] = []  # each branch's non-array leaves (a branch returns arrays)
 

@@ -84,6 +84,27 @@ def hook_for(leaves: list[Any]) -> Optional[Hook]:
     return None
 
 
+_ONE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "eqx_offload_one_layer", default=False)
+
+
+@contextlib.contextmanager
+def one_layer() -> Iterator[None]:
+    """Within the block, `offloaded`'s default (`group_bytes="auto"`) updates its whole
+    state at once rather than streaming it in groups: it updates one layer of the
+    update inside the backward pass, which the layer scan already streams."""
+    token = _ONE_LAYER.set(True)
+    try:
+        yield
+    finally:
+        _ONE_LAYER.reset(token)
+
+
+def in_one_layer() -> bool:
+    """Whether an update is traced for one layer inside the backward pass."""
+    return _ONE_LAYER.get()
+
+
 def fetch(tree: Any) -> Any:
     return move(tree, True, None, "to_device")
 
@@ -189,8 +210,8 @@ class UpdateScan:
         layer `i`'s VJP (while layer `i - 1`'s host weights come to the device), the
         update of layer `i + 1` (with the gradient the iteration before made: it runs
         beside the VJP), and the write of layer `i + 2`'s new weights and state into
-        the stacked arrays (the loop's carry). The last layer's VJP runs before the
-        loop, the last two stages after it. Returns `(new weights, cotangent of x,
+        the stacked arrays (the loop's carry). The last two stages of the first layer
+        run after the loop. Returns `(new weights, cotangent of x,
         cotangents of consts, new state)`.
 
         The stages are apart so that each update is its own computation on whole
@@ -228,7 +249,8 @@ class UpdateScan:
 
         def update(todo: Any) -> Any:
             i, g_layer, layer, state_slices = todo
-            new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
+            with one_layer():
+                new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
             new_layer = [to_host(w) if h else w
                          for w, h in zip(new_layer, self.on_host, strict=True)]
             return i, new_layer, new_state
@@ -242,19 +264,17 @@ class UpdateScan:
             g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=is_none)
             return (g_h, preceding, g_consts, weights, state, todo, done), None
 
-        h_top = jtu.tree_map(lambda a: a[top], inputs)
-        todo, g, g_c, current = layer_vjp(top, g, last, weights, state, h_top)
-        g_consts = jtu.tree_map(_add_unless_none, _zeros_like_inexact(diff), g_c,
-                                is_leaf=is_none)
-        if self.length == 1:
-            weights, state = _written(weights, state, update(todo))
-            return weights, g, g_consts, state
-        # The first iteration's `done`: the last layer unchanged (overwritten later).
+        # The first iteration's stages 2 and 3 have nothing to do: they update the last
+        # layer with zeros and write it unchanged; the real update of the last layer is
+        # written over that one later. (Running the last layer's VJP before the loop
+        # instead would compile it apart from the others, with other roundings.)
+        pieces = [jnp.zeros((1,) + a.shape[1:], a.dtype) for a in leaves]
+        todo = (top, pieces, pieces, [_slice(s, top) for s in state])
         done = (top, [_slice(a, top) for a in weights], [_slice(s, top) for s in state])
-        below = jtu.tree_map(lambda a: a[:top], inputs)
+        g_consts = _zeros_like_inexact(diff)
         (g_x, _, g_consts, weights, state, todo, done), _ = jax.lax.scan(
-            body, (g, current, g_consts, weights, list(state), todo, done),
-            (jnp.arange(top), below), reverse=True, unroll=self.unroll)
+            body, (g, last, g_consts, weights, list(state), todo, done),
+            (jnp.arange(self.length), inputs), reverse=True, unroll=self.unroll)
         weights, state = _written(weights, state, done)
         weights, state = _written(weights, state, update(todo))
         return weights, g_x, g_consts, state

@@ -115,12 +115,12 @@ def _rule(eqn: Any, ins: list[Mark]) -> list[Mark]:
         if len(sub.invars) != len(ins):
             raise Mixes("a call whose jaxpr takes other arguments")
         return _walk(sub, ins)
+    if name in ("device_put", "optimization_barrier"):  # one output per operand
+        return [Mark(m.groups, m.axis) for m in ins]
     if name in _ELEMENTWISE:
         out_rank = len(eqn.outvars[0].aval.shape)
         if any(len(s) not in (0, out_rank) for s in shapes) or len(set(axes)) != 1:
             raise Mixes("operands of different shapes")
-        if name == "device_put" or name == "optimization_barrier":
-            return [Mark(m.groups, m.axis) for m in ins]
         return [Mark(groups, axes[0]) for _ in eqn.outvars]
     if len(eqn.invars) == 1 or name in _REDUCTIONS or name == "dot_general":
         return [Mark(groups, _unary_axis(eqn, name, ins, shapes))]
