@@ -120,7 +120,9 @@ class BackwardUpdate(Generic[_M]):
         new_model: _M = eqx.combine(new_params, static)
         return new_model, BackwardState(state_layers, state_rest)
 
-    def step(self, loss: Callable[..., Any], model: _M, state: BackwardState, *args: Any,
+    def step(self, loss: Callable[..., Any], model: _M,
+             state: Any,  # a `BackwardState`: checked below, with a better message
+             *args: Any,
              accumulated: Optional[Any] = None, **kwargs: Any) -> tuple[Any, _M, BackwardState]:
         """One training step: `loss(model, *args, **kwargs)` differentiated, the stacked
         layers updated inside its backward pass, the other parameters after it.
