@@ -251,9 +251,7 @@ class UpdateScan:
             i, g_layer, layer, state_slices = todo
             with one_layer():
                 new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
-            new_layer = [to_host(w) if h else w
-                         for w, h in zip(new_layer, self.on_host, strict=True)]
-            return i, new_layer, new_state
+            return i, new_layer, fetch(new_state)
 
         def body(carry: Any, xs: Any) -> tuple[Any, None]:
             g, current, g_consts, weights, state, todo, done = carry
@@ -270,7 +268,7 @@ class UpdateScan:
         # instead would compile it apart from the others, with other roundings.)
         pieces = [jnp.zeros((1,) + a.shape[1:], a.dtype) for a in leaves]
         todo = (top, pieces, pieces, [_slice(s, top) for s in state])
-        done = (top, [_slice(a, top) for a in weights], [_slice(s, top) for s in state])
+        done = (top, fetch([_slice(a, top) for a in weights]), fetch([_slice(s, top) for s in state]))
         g_consts = _zeros_like_inexact(diff)
         (g_x, _, g_consts, weights, state, todo, done), _ = jax.lax.scan(
             body, (g, last, g_consts, weights, list(state), todo, done),
@@ -284,8 +282,8 @@ def _written(weights: list[Any], state: list[Any], done: Any) -> tuple[list[Any]
     """`weights` and `state` with the layer `done` holds (`(i, layer, state slice)`,
     each leaf with a leading axis of 1) written at `i`."""
     i, layer, slices = done
-    return ([_write(a, i, w) for a, w in zip(weights, layer, strict=True)],
-            [_write(a, i, s) for a, s in zip(state, slices, strict=True)])
+    return ([_write(a, i, to_host(w) if is_host(a) else w) for a, w in zip(weights, layer, strict=True)],
+            [_write(a, i, to_host(s) if is_host(a) else s) for a, s in zip(state, slices, strict=True)])
 
 
 def _forward_pass(scan: UpdateScan, save: bool) -> Any:
