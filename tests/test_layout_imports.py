@@ -11,7 +11,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eqx_offload"
 # Lowest first. The top level (""): `__init__`, `_runtime`, `_stubs`. The command line
 # (`cli` and `__main__`) is on the public API only (tests/cli/test_cli.py).
-LAYERS = ["_core", "_jit", "_optim", "_models", "_plan", "", "cli"]
+LAYERS = ["_core", "_jit", "_stream", "_optim", "_models", "_plan", "", "cli"]
 
 
 def _layer(parts: tuple[str, ...]) -> str:

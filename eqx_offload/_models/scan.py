@@ -22,7 +22,7 @@ from .._core.errors import CompositionError, OptionError
 from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host
-from .._stream.backward import hook_for
+from .._stream.backward import fetch_layer as _fetch_layer, hook_for, merge as _merge
 from .backward import scan_hooked
 from .params import fetch
 from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
@@ -223,14 +223,6 @@ def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -
 # the prefetch once raised the peak" in `docs/models.md`).
 
 
-def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
-    """Layer `i`'s slice of each stacked host leaf, moved to the device (sliced in host
-    memory, squeezed on the device: only the slice touches host memory)."""
-    slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
-              for a in host_leaves]
-    return [a[0] for a in fetch(slices)]
-
-
 def _offload_input(h: Any) -> Any:
     """A layer's input moved to host memory for the backward pass, but for leaves that
     are `packed_vector`s: the scan would write each layer's row of them into one host
@@ -238,11 +230,6 @@ def _offload_input(h: Any) -> Any:
     def one(a: Any) -> Any:
         return a if packed_vector(a) else to_host(a)
     return jtu.tree_map(one, h)
-
-
-def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
-    fetched_it, device_it = iter(fetched), iter(device_slices)
-    return [next(fetched_it) if h else next(device_it) for h in on_host]
 
 
 def _zero_if_inexact(a: Any) -> Any:

@@ -109,9 +109,9 @@ def fetch(tree: Any) -> Any:
     return move(tree, True, None, "to_device")
 
 
-def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
+def fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
     """Layer `i`'s slice of each stacked host leaf, moved to the device (sliced in host
-    memory, squeezed on the device)."""
+    memory, squeezed on the device: only the slice touches host memory)."""
     slices = [_slice(a, i) for a in host_leaves]
     return [a[0] for a in fetch(slices)]
 
@@ -125,7 +125,8 @@ def _write(a: Any, i: Any, piece: Any) -> Any:
     return jax.lax.dynamic_update_slice(a, piece, (i,) + (0,) * (a.ndim - 1))
 
 
-def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
+def merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
+    """One layer's leaves in order: the fetched host ones and the device ones."""
     fetched_it, device_it = iter(fetched), iter(device_slices)
     return [next(fetched_it) if h else next(device_it) for h in on_host]
 
@@ -192,14 +193,14 @@ class UpdateScan:
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             h, current = carry
             i, device_slices = xs
-            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
+            following = fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
             saved = None
             if save:
                 saved = self.save_input(h) if self.save_input is not None else h
-            y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
+            y = self.apply(merge(current, device_slices, self.on_host), h, consts, batched)
             return (y, following), saved
 
-        first = _fetch_layer(host_leaves, 0)
+        first = fetch_layer(host_leaves, 0)
         (out, last), inputs = jax.lax.scan(
             body, (x, first), (jnp.arange(self.length), device_leaves), unroll=self.unroll)
         return (out, (inputs, last)) if save else out
@@ -228,10 +229,10 @@ class UpdateScan:
             """Layer `i`'s gradient and the update's inputs, the cotangents of its
             input and consts, and layer `i - 1`'s fetched host weights."""
             host_weights, device_weights = self.split(weights)
-            preceding = _fetch_layer(host_weights, jnp.maximum(i - 1, 0))
+            preceding = fetch_layer(host_weights, jnp.maximum(i - 1, 0))
             device_slices = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
                              for a in device_weights]
-            layer = _merge(current, device_slices, self.on_host)
+            layer = merge(current, device_slices, self.on_host)
             if self.save_input is not None:
                 h = fetch(h)
 
