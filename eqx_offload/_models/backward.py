@@ -45,7 +45,6 @@ class _Plan:
     stacked: tuple[bool, ...]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class BackwardUpdate(Generic[_M]):
     """What `update_in_backward` returns: `init(model) -> (model, state)` and
     `step(loss, model, state, *args) -> (loss value, model, state)`.
@@ -53,9 +52,10 @@ class BackwardUpdate(Generic[_M]):
     **Fields:** `optimizer` (as given) and `layers` (the function selecting the stacked
     layers of a model)."""
 
-    optimizer: Any
-    layers: Callable[[Any], Any]
-    _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, repr=False)
+    def __init__(self, optimizer: Any, layers: Callable[[Any], Any]) -> None:
+        self.optimizer = optimizer
+        self.layers = layers
+        self._plans: dict[Any, _Plan] = {}  # by the model's structure, shapes and layers
 
     @property
     def _transformation(self) -> optax.GradientTransformationExtraArgs:
@@ -174,6 +174,8 @@ class BackwardUpdate(Generic[_M]):
                     f"{hook.calls} times on those layers.\nSee {DOCS}.")
             return value
 
+        _check_layers_only_scanned(jax.make_jaxpr(differentiated)(rest, block, channel),
+                                   len(jtu.tree_leaves(rest)), len(block))
         value, vjp = eqx.filter_vjp(differentiated, rest, block, channel)
         g_rest, new_block, new_channel = vjp(jnp.ones_like(value))
         if acc is not None:
@@ -189,6 +191,52 @@ class BackwardUpdate(Generic[_M]):
         new_params = _merge(new_block, jtu.tree_leaves(new_rest), plan.in_layers)
         new_model: _M = eqx.combine(jtu.tree_unflatten(plan.treedef, new_params), static)
         return value, new_model, BackwardState(state_layers, state_rest)
+
+
+_PASSING = frozenset({"device_put", "pjit", "jit", "closed_call", "custom_jvp_call"})
+
+
+def _check_layers_only_scanned(jaxpr: Any, n_rest: int, n_block: int) -> None:
+    """Refuses a loss that uses the stacked layers (`jaxpr`'s inputs after the first
+    `n_rest`) otherwise than through the hooked scan: their "gradient" is the new
+    weights, to which any other use's gradient would be added."""
+    block = set(jaxpr.jaxpr.invars[n_rest:n_rest + n_block])
+    where = _other_use(jaxpr.jaxpr, block)
+    if where is not None:
+        raise CompositionError(
+            "Use the stacked layers only through `scan_layers` in the loss (read a "
+            "copy elsewhere: `jax.lax.stop_gradient(model.blocks)`).\n"
+            f"update_in_backward(...).step: the loss also uses them in `{where}`.\n"
+            f"See {DOCS}.")
+
+
+def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
+    """The first primitive but the update scan's custom VJP that reads a variable of
+    `block` (or a move of one), looking into nested calls; `None` if none."""
+    block = set(block)
+    for eqn in jaxpr.eqns:
+        reads = [i for i, v in enumerate(eqn.invars) if not _literal(v) and v in block]
+        if not reads:
+            continue
+        name = eqn.primitive.name
+        if name.startswith("custom_vjp_call"):
+            continue
+        if name == "device_put":
+            block.update(eqn.outvars[i] for i in reads)
+            continue
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if name in _PASSING and sub is not None:
+            inner = getattr(sub, "jaxpr", sub)
+            found = _other_use(inner, {inner.invars[i] for i in reads})
+            if found is not None:
+                return found
+            continue
+        return name
+    return None
+
+
+def _literal(v: Any) -> bool:
+    return type(v).__name__ == "Literal"
 
 
 def _merge(chosen: list[Any], others: list[Any], mask: tuple[bool, ...]) -> list[Any]:

@@ -270,6 +270,17 @@ def test_refuses_a_loss_without_the_scan() -> None:
         fused.step(no_scan, model, state, batch(0))
 
 
+def test_refuses_a_loss_that_uses_the_layers_elsewhere() -> None:
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+
+    def also(model: Model, x: jax.Array) -> jax.Array:
+        return loss(model, x) + jnp.sum(model.blocks.scale)
+
+    with pytest.raises(CompositionError, match="only through `scan_layers`"):
+        fused.step(also, model, state, batch(0))
+
+
 def test_refuses_bad_arguments() -> None:
     fused = eqx_offload.update_in_backward(optax.adam(1e-2),
                                            layers=lambda m: (m.embed, m.head.weight))
