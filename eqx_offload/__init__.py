@@ -2,7 +2,8 @@
 
 Pure-function combinators for JAX, Equinox and Optax: `to_host`, `to_device`,
 `offloaded`, `filter_jit` (and `jit`, `nnx_jit`), `memory_report`; inside models:
-`scan_layers`, `host_weights`, `host_weights_optimizer`, `master_weights`, `filter_remat`.
+`scan_layers`, `host_weights`, `host_weights_optimizer`, `master_weights`, `filter_remat`,
+`update_in_backward`.
 The rest is in submodules: `errors`, `checkpoint`, `remat` (the offloading policies),
 `stream` (the streamed update's plan and options), `memory`, `planner` (`plan`'s
 targets and results), `types`.
@@ -23,6 +24,7 @@ from ._core.where import min_bytes as min_bytes, min_ndim as min_ndim, pattern a
 from ._jit.jax_jit import jit as jit
 from ._jit.jit import filter_jit as filter_jit
 from ._jit.nnx_jit import nnx_jit as nnx_jit
+from ._models.backward import update_in_backward as update_in_backward
 from ._models.make import filter_make as filter_make, stack_layers as stack_layers
 from ._models.master import master_weights as master_weights
 from ._models.params import (
@@ -71,6 +73,7 @@ __all__ = [
     "stack_layers",
     "to_device",
     "to_host",
+    "update_in_backward",
 ]
 
 # Where each name that left the top level lives now: an `AttributeError` names it. (Not

@@ -11,12 +11,16 @@ from ._core.types import (
 )
 from ._core.where import Filter as Filter
 from ._jit.jit import Compiled as Compiled, Lowered as Lowered
+from ._models.backward import BackwardUpdate as BackwardUpdate
 from ._models.master import MasterState as MasterState, MasterWeights as MasterWeights
 from ._models.params import HostWeights as HostWeights, HostWeightsOptimizer as HostWeightsOptimizer
+from ._optim.backward import BackwardState as BackwardState
 from ._optim.options import Compute as Compute
 
 
 __all__ = [
+    "BackwardState",
+    "BackwardUpdate",
     "Compiled",
     "Compute",
     "Donate",

@@ -17,6 +17,7 @@ from .._core.errors import CompositionError
 from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host
+from .._stream.backward import fetch_layer, merge
 from .params import fetch
 from .remat import packed_vector
 
@@ -35,26 +36,13 @@ from .remat import packed_vector
 # the prefetch once raised the peak" in `docs/models.md`).
 
 
-def _fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:
-    """Layer `i`'s slice of each stacked host leaf, moved to the device (sliced in host
-    memory, squeezed on the device: only the slice touches host memory)."""
-    slices = [jax.lax.dynamic_slice(a, (i,) + (0,) * (a.ndim - 1), (1,) + a.shape[1:])
-              for a in host_leaves]
-    return [a[0] for a in fetch(slices)]
-
-
-def _offload_input(h: Any) -> Any:
+def offload_input(h: Any) -> Any:
     """A layer's input moved to host memory for the backward pass, but for leaves that
     are `packed_vector`s: the scan would write each layer's row of them into one host
     array, which XLA:TPU cannot (they are small; they stay on the device)."""
     def one(a: Any) -> Any:
         return a if packed_vector(a) else to_host(a)
     return jtu.tree_map(one, h)
-
-
-def _merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> list[Any]:
-    fetched_it, device_it = iter(fetched), iter(device_slices)
-    return [next(fetched_it) if h else next(device_it) for h in on_host]
 
 
 def _zero_if_inexact(a: Any) -> Any:
@@ -150,12 +138,12 @@ class _LayerScan:
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             h, current = carry
             i, device_slices = xs
-            following = _fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
-            saved = (_offload_input(h) if self.offload_input else h) if save else None
-            y = self.apply(_merge(current, device_slices, self.on_host), h, consts, batched)
+            following = fetch_layer(host_leaves, jnp.minimum(i + 1, self.length - 1))
+            saved = (offload_input(h) if self.offload_input else h) if save else None
+            y = self.apply(merge(current, device_slices, self.on_host), h, consts, batched)
             return (y, following), saved
 
-        first = _fetch_layer(host_leaves, 0)
+        first = fetch_layer(host_leaves, 0)
         (out, last), inputs = jax.lax.scan(
             body, (x, first), (jnp.arange(self.length), device_leaves), unroll=self.unroll)
         # The last iteration fetched the last layer again (the clamped index): the
@@ -177,14 +165,14 @@ class _LayerScan:
         def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             g, current, g_consts, acc = carry
             i, device_slices, h = xs
-            preceding = _fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
+            preceding = fetch_layer(host_leaves, jnp.maximum(i - 1, 0))
             if self.offload_input:
                 h = fetch(h)
 
             def f(layer: list[Any], h: Any, diff: Any) -> Any:
                 return self.apply(layer, h, eqx.combine(diff, nondiff), batched)
 
-            _, vjp = eqx.filter_vjp(f, _merge(current, device_slices, self.on_host), h, diff)
+            _, vjp = eqx.filter_vjp(f, merge(current, device_slices, self.on_host), h, diff)
             g_layer, g_h, g_c = vjp(g)
             g_host, g_device = self.split(g_layer)
             g_consts = jtu.tree_map(_add_unless_none, g_consts, g_c, is_leaf=is_none)
@@ -197,7 +185,7 @@ class _LayerScan:
         (g_x, _, g_consts, acc), (g_host, g_device) = jax.lax.scan(
             body, (g, last, zeros, acc), (jnp.arange(self.length), device_leaves, inputs),
             reverse=True, unroll=self.unroll)
-        return (_merge(g_host, g_device, self.on_host) if acc is None else acc), g_x, g_consts
+        return (merge(g_host, g_device, self.on_host) if acc is None else acc), g_x, g_consts
 
 
 def _add_at(acc: jax.Array, i: Any, grad: jax.Array) -> jax.Array:

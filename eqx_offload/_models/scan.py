@@ -18,8 +18,10 @@ from jax.ad_checkpoint import checkpoint_name
 from .._core.compat import marked
 from .._core.errors import CompositionError, OptionError, see
 from .._core.placement import is_host
+from .._stream.backward import hook_for
+from .backward import scan_hooked
 from .params import fetch
-from .prefetch import prefetched_scan
+from .prefetch import offload_input as _offload_input, prefetched_scan
 from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
 
 
@@ -132,6 +134,10 @@ def scan_layers(
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
     _check_stacked(dynamic)
+    hook = hook_for(jtu.tree_leaves(dynamic))
+    if hook is not None:  # inside `update_in_backward(...).step`, on the layers it updates
+        return scan_hooked(hook, _fetch_packed_vectors(dynamic), static, x, call, policy,
+                           offload_input, unroll, accumulate, _offload_input)
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)

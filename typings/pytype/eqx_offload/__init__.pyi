@@ -30,7 +30,7 @@ from eqx_offload.errors import OffloadError as OffloadError
 from eqx_offload.memory import memory_report as memory_report
 from eqx_offload.planner import GpuTarget, Plan, plan as plan, TpuTarget
 from eqx_offload.remat import filter_remat as filter_remat, Policy
-from eqx_offload.types import (Compute, Donate, Filter, HostMemoryKind, HostWeights,
+from eqx_offload.types import (BackwardUpdate, Compute, Donate, Filter, HostMemoryKind, HostWeights,
                                HostWeightsOptimizer, Lowered, MasterWeights, Nested as Nested,
                                Where)
 
@@ -64,6 +64,7 @@ __all__ = [
     "stack_layers",
     "to_device",
     "to_host",
+    "update_in_backward",
 ]
 
 # `where` filters.
@@ -242,3 +243,6 @@ def master_weights(
         Callable[[optax.GradientTransformation], optax.GradientTransformation]
     ] = ...,
 ) -> MasterWeights[Any]: ...
+
+
+def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> BackwardUpdate[Any]: ...

@@ -58,6 +58,18 @@ class HostWeightsOptimizer(Generic[_M]):
     def init(self, model: Any) -> Any: ...
     def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]: ...
 
+class BackwardState(NamedTuple):
+    layers: Any
+    rest: Any
+
+class BackwardUpdate(Generic[_M]):
+    optimizer: Any
+    layers: Callable[[Any], Any]
+    def __init__(self, optimizer: Any, layers: Callable[[Any], Any]) -> None: ...
+    def init(self, model: _M) -> tuple[_M, BackwardState]: ...
+    def step(self, loss: Callable[..., Any], model: _M, state: Any, *args: Any,
+             accumulated: Optional[Any] = ..., **kwargs: Any) -> tuple[Any, _M, BackwardState]: ...
+
 class MasterState(NamedTuple):
     master: Any
     inner_state: Any
@@ -70,6 +82,8 @@ class MasterWeights(Generic[_M]):
     def update(self, grads: Any, state: Any, model: _M, **extra_args: Any) -> tuple[_M, Any]: ...
 
 __all__ = [
+    "BackwardState",
+    "BackwardUpdate",
     "Compiled",
     "Compute",
     "Donate",

@@ -1,0 +1,296 @@
+"""`update_in_backward`: the stacked layers updated inside the backward pass are bitwise
+the normal step (grad, then update, then apply) for optimizers that treat each
+parameter and layer apart, with state in host memory, master weights, weights in host
+memory and a bf16 host state; where everything lives; donation; and the refusals of
+what it cannot do exactly."""
+
+import functools
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import assert_tree_equal, memory_kinds, unchecked, walk_eqns
+
+import eqx_offload
+from eqx_offload.errors import CompositionError, OptionError, StateError
+
+
+WIDTH, LAYERS, BATCH = 8, 3, 2
+
+
+class Block(eqx.Module):
+    """A residual layer with a matrix, a bias and a norm-like scale vector."""
+
+    linear: eqx.nn.Linear
+    scale: jax.Array
+
+    def __init__(self, key: jax.Array) -> None:
+        self.linear = eqx.nn.Linear(WIDTH, WIDTH, key=key)
+        self.scale = jnp.ones(WIDTH) + 0.1 * jax.random.normal(key, (WIDTH,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(self.linear(x * self.scale))
+
+
+class Model(eqx.Module):
+    """An embedding, stacked blocks run by `scan_layers`, and a head."""
+
+    embed: jax.Array
+    blocks: Block
+    head: eqx.nn.Linear
+    offload_input: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x: jax.Array, accumulate: Optional[Any] = None) -> jax.Array:
+        h = eqx_offload.scan_layers(self.blocks, x * self.embed,
+                                    offload_input=self.offload_input, accumulate=accumulate)
+        return self.head(h)
+
+
+def make_model(offload_input: bool = False, host_blocks: bool = False) -> Model:
+    ke, kb, kh = jax.random.split(jax.random.key(0), 3)
+    model = Model(1.0 + 0.1 * jax.random.normal(ke, (WIDTH,)),
+                  eqx.filter_vmap(Block)(jax.random.split(kb, LAYERS)),
+                  eqx.nn.Linear(WIDTH, 1, key=kh), offload_input)
+    if host_blocks:
+        model = eqx.tree_at(lambda m: m.blocks, model, replace_fn=eqx_offload.to_host)
+    return model
+
+
+def loss(model: Model, x: jax.Array) -> jax.Array:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def batch(step: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(100 + step), (BATCH, WIDTH))
+
+
+def _is_matrix(tree: Any) -> Any:
+    return jax.tree.map(lambda p: p.ndim >= 2, tree)
+
+
+ADAFACTOR = optax.adafactor(1e-2, min_dim_size_to_factor=4, clipping_threshold=None,
+                            multiply_by_parameter_scale=False)
+OPTIMIZERS = {
+    "adam": optax.adam(1e-2),
+    "adamw-mask": optax.adamw(1e-2, weight_decay=0.1, mask=_is_matrix),
+    "lion": optax.lion(1e-3, weight_decay=0.01),
+    "sgd-momentum": optax.sgd(1e-2, momentum=0.9),
+    "adafactor-factored": ADAFACTOR,
+}
+
+
+def _normal_step(optimizer: Any, host_blocks: bool) -> Any:
+    """The normal step: the whole gradient, then the update, then `apply_updates`."""
+    apply = eqx_offload.apply_updates if host_blocks else eqx.apply_updates
+
+    @eqx_offload.filter_jit
+    def step(model: Model, state: Any, x: jax.Array) -> Any:
+        value, grads = eqx.filter_value_and_grad(loss)(model, x)
+        if isinstance(optimizer, (eqx_offload.types.MasterWeights,
+                                  eqx_offload.types.HostWeightsOptimizer)):
+            model, state = optimizer.update(grads, state, model)
+            return value, model, state
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return value, apply(model, updates), state
+
+    return step
+
+
+def _init_normal(optimizer: Any, model: Model) -> tuple[Model, Any]:
+    if isinstance(optimizer, eqx_offload.types.MasterWeights):
+        return optimizer.init(model)
+    if isinstance(optimizer, eqx_offload.types.HostWeightsOptimizer):
+        return model, optimizer.init(model)
+    return model, optimizer.init(eqx.filter(model, eqx.is_array))
+
+
+def _run_both(optimizer: Any, steps: int = 3, **model_options: Any) -> tuple[Any, Any]:
+    """Both steps for `steps` batches from one model: `((model, state), (model,
+    state))`, the fused state's halves combined into the normal state's tree."""
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused.init(make_model(**model_options))
+    normal_model, normal_state = _init_normal(optimizer, make_model(**model_options))
+    step = eqx_offload.filter_jit(functools.partial(fused.step, loss))
+    normal = _normal_step(optimizer, model_options.get("host_blocks", False))
+    for i in range(steps):
+        value, model, state = step(model, state, batch(i))
+        normal_value, normal_model, normal_state = normal(normal_model, normal_state, batch(i))
+        assert_tree_equal(value, normal_value)
+    return ((model, eqx.combine(state.layers, state.rest)), (normal_model, normal_state))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offloaded"])
+def test_bitwise_the_normal_step(name: str, offload: bool) -> None:
+    optimizer = OPTIMIZERS[name]
+    if offload:
+        optimizer = eqx_offload.offloaded(optimizer)
+    fused, normal = _run_both(optimizer)
+    assert_tree_equal(fused, normal)
+
+
+def test_state_in_host_memory_stays_there() -> None:
+    """Every state leaf `offloaded` keeps in host memory is there after the step, the
+    layers' stacked moments included; the model's leaves stay on the device."""
+    fused, normal = _run_both(eqx_offload.offloaded(optax.adamw(1e-2)), steps=1)
+    assert memory_kinds(fused[1]) == memory_kinds(normal[1])
+    assert fused[1].inner_state[0].mu.blocks.linear.weight.sharding.memory_kind == "pinned_host"
+    assert set(memory_kinds(fused[0]).values()) == {"device"}
+
+
+def test_bf16_host_state() -> None:
+    optimizer = eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.bfloat16)
+    fused, normal = _run_both(optimizer)
+    assert fused[1].inner_state[0].nu.blocks.linear.weight.dtype == jnp.bfloat16
+    assert_tree_equal(fused, normal)
+
+
+def test_master_weights() -> None:
+    fused, normal = _run_both(eqx_offload.master_weights(optax.adamw(1e-2)))
+    assert fused[0].blocks.linear.weight.dtype == jnp.bfloat16
+    master = fused[1].inner_state.master.blocks.linear.weight
+    assert master.dtype == jnp.float32 and master.sharding.memory_kind == "pinned_host"
+    assert_tree_equal(fused, normal)
+
+
+@pytest.mark.parametrize("offload", [None, eqx_offload.offloaded],
+                         ids=["device-state", "offloaded"])
+def test_weights_in_host_memory(offload: Any) -> None:
+    optimizer = eqx_offload.host_weights_optimizer(optax.adam(1e-2), offload=offload)
+    fused, normal = _run_both(optimizer, host_blocks=True)
+    assert fused[0].blocks.linear.weight.sharding.memory_kind == "pinned_host"
+    assert fused[0].blocks.scale.sharding.memory_kind == "pinned_host"
+    assert_tree_equal(fused, normal)
+
+
+def test_offload_input() -> None:
+    fused, normal = _run_both(eqx_offload.offloaded(optax.adam(1e-2)), offload_input=True)
+    assert_tree_equal(fused, normal)
+
+
+def test_accumulated_micro_batches() -> None:
+    """The sum of earlier micro-batches' gradients (the layers' made by
+    `scan_layers(accumulate=...)`) plus the last one's: the normal step on the sum."""
+    optimizer = eqx_offload.offloaded(optax.adam(1e-2))
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+    normal_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    first = eqx_offload.filter_jit(eqx.filter_grad(loss))(model, batch(0))
+
+    @eqx_offload.filter_jit
+    def normal(model: Model, state: Any, acc: Any, x: jax.Array) -> Any:
+        grads = jax.tree.map(jnp.add, acc, eqx.filter_grad(loss)(model, x))
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    step = eqx_offload.filter_jit(functools.partial(fused.step, loss))
+    _, new_model, new_state = step(model, state, batch(1), accumulated=first)
+    normal_model, normal_state = normal(model, normal_state, first, batch(1))
+    assert_tree_equal((new_model, eqx.combine(new_state.layers, new_state.rest)),
+                      (normal_model, normal_state))
+
+
+def test_donated_step() -> None:
+    """Under `filter_jit(donate="all")` the model and state passed in are consumed, and
+    the step gives the same as without donation."""
+    optimizer = eqx_offload.offloaded(optax.adam(1e-2))
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+    plain = eqx_offload.filter_jit(functools.partial(fused.step, loss))(model, state, batch(0))
+    donating = eqx_offload.filter_jit(functools.partial(fused.step, loss), donate="all")
+    donated = donating(model, state, batch(0))
+    assert_tree_equal(plain, donated)
+    assert model.blocks.linear.weight.is_deleted()
+    assert state.layers.inner_state[0].mu.blocks.linear.weight.is_deleted()
+
+
+def test_the_layers_gradient_is_never_whole() -> None:
+    """No arithmetic in the step makes a value of a stacked layer's shape: the
+    layers' gradient and update exist one layer at a time (the values of that shape
+    are the weights and moments, written in place). The normal step's jaxpr has them."""
+    optimizer = optax.adam(1e-2)
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+    stacked = (LAYERS, WIDTH, WIDTH)
+    moves = {"dynamic_update_slice", "scan", "while", "custom_vjp_call", "pjit", "jit",
+             "closed_call", "copy", "copy_p", "device_put", "custom_vmap_call"}
+
+    def computing(f: Any, *args: Any) -> set[str]:
+        jaxpr = jax.make_jaxpr(f)(*args)
+        return {eqn.primitive.name for eqn in walk_eqns(jaxpr) for v in eqn.outvars
+                if getattr(v.aval, "shape", None) == stacked} - moves
+
+    normal_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def normal(model: Model, state: Any, x: jax.Array) -> Any:
+        grads = eqx.filter_grad(loss)(model, x)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    assert computing(lambda m, s, x: fused.step(loss, m, s, x), model, state, batch(0)) == set()
+    assert {"add", "mul"} <= computing(normal, model, normal_state, batch(0))
+
+
+def _error(optimizer: Any) -> str:
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    with pytest.raises(CompositionError) as info:
+        fused.init(make_model())
+    return str(info.value)
+
+
+@pytest.mark.parametrize("optimizer, named", [
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "reduce_sum"),
+    (optax.adafactor(1e-2, min_dim_size_to_factor=4), "reduce_sum"),
+    (optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(1e-2)), "reduce_sum"),
+], ids=["clip_by_global_norm", "adafactor-clipping", "clip_by_block_rms"])
+def test_refuses_an_update_that_needs_every_gradient(optimizer: Any, named: str) -> None:
+    message = _error(optimizer)
+    assert message.startswith("Use the normal step")
+    assert named in message and "models/#the-update-inside-the-backward-pass" in message
+    assert len(message.splitlines()) <= 4
+
+
+def test_refuses_multi_steps() -> None:
+    with pytest.raises(CompositionError, match="accumulated="):
+        eqx_offload.update_in_backward(optax.MultiSteps(optax.adam(1e-2), 2),
+                                       layers=lambda m: m.blocks)
+
+
+def test_refuses_a_loss_without_the_scan() -> None:
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+
+    def no_scan(model: Model, x: jax.Array) -> jax.Array:
+        return jnp.sum(model.head(x[0]))
+
+    with pytest.raises(CompositionError, match="Run `eqx_offload.scan_layers` once"):
+        fused.step(no_scan, model, state, batch(0))
+
+
+def test_refuses_a_loss_that_uses_the_layers_elsewhere() -> None:
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+
+    def also(model: Model, x: jax.Array) -> jax.Array:
+        return loss(model, x) + jnp.sum(model.blocks.scale)
+
+    with pytest.raises(CompositionError, match="only through `scan_layers`"):
+        fused.step(also, model, state, batch(0))
+
+
+def test_refuses_bad_arguments() -> None:
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2),
+                                           layers=lambda m: (m.embed, m.head.weight))
+    with pytest.raises(OptionError, match="select stacked layers"):
+        fused.init(make_model())
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: None)
+    with pytest.raises(OptionError, match="selected no array leaf"):
+        fused.init(make_model())
+    with pytest.raises(OptionError, match="pass a function"):
+        unchecked(eqx_offload.update_in_backward)(optax.adam(1e-2), layers="blocks")
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
+    with pytest.raises(StateError):
+        fused.step(loss, make_model(), optax.adam(1e-2).init(make_model()), batch(0))
