@@ -1,0 +1,55 @@
+"""The update inside the backward pass on a TPU v5e, planned without one: the `state`
+step (AdamW state in host memory) of a Llama-style decoder (bench/llama.py) compiles for
+a v5e with `eqx_offload.update_in_backward`, and at width 256 (4 layers) its device peak
+is below the normal step's. (Not at every size: at width 512 XLA:TPU plans it above the
+normal step's, 794 MB against 576 MB on 2026-12-06; `docs/models.md` has the figures.)"""
+
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+from helpers import TPU_ENV
+from isolated import call_isolated
+
+import eqx_offload
+
+
+pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
+
+BENCH = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
+PACKAGE = str(pathlib.Path(eqx_offload.__file__).resolve().parents[1])
+# Small enough to compile in a minute (the layers' gradient: 4 layers of 0.8M fp32
+# parameters, 13 MB).
+WIDTH, LAYERS, SEQ, BATCH = 256, 4, 128, 2
+
+
+def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
+    """(In a child, with `TPU_ENV`.) The v5e plan of the normal and the fused step:
+    `{name: [device peak, host bytes, stored state bytes]}`."""
+    sys.path.insert(0, BENCH)
+    from backward_plan import shape_of, steps
+
+    import jax
+
+    found = {}
+    for name, (step, args) in steps(shape_of(width, layers, seq, batch)).items():
+        plan = eqx_offload.plan(step, *args, target="v5e")
+        stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1])
+                     if x.sharding.memory_kind == "pinned_host")
+        found[name] = [plan.device_peak_bytes, plan.host_total_bytes, stored]
+    return found
+
+
+def test_the_fused_step_plans_below_the_normal_step(tpu: Any) -> None:
+    found = call_isolated(plan_both, WIDTH, LAYERS, SEQ, BATCH,
+                          env={**TPU_ENV, "PYTHONPATH": PACKAGE})
+    (normal_peak, normal_host, normal_stored) = found["normal"]
+    (fused_peak, fused_host, fused_stored) = found["in_backward"]
+    ffn = (8 * WIDTH // 3 + 255) // 256 * 256
+    gradient = LAYERS * (4 * WIDTH * WIDTH + 3 * WIDTH * ffn + 2 * WIDTH) * 4
+    assert fused_peak <= normal_peak - gradient, (fused_peak, normal_peak, gradient)
+    # The same state in host memory (the two halves hold the same leaves, and each has a
+    # step count), and every host output of the normal step aliases its input.
+    assert fused_stored == normal_stored
+    assert normal_host == normal_stored
