@@ -13,6 +13,7 @@ import dis
 import importlib.metadata
 import sys
 import typing
+from types import FrameType as _FrameType
 
 from . import checkpoint as checkpoint, errors as errors, memory as memory, remat as remat
 from . import planner as planner, stream as stream, types as types
@@ -93,7 +94,7 @@ def _importing_from() -> bool:
     its bare "cannot import name", so the message must travel as an `ImportError`. The
     caller is the first frame outside this file and the type checker that may wrap
     `__getattr__` (jaxtyping's import hook, through beartype)."""
-    frame = sys._getframe(1)
+    frame: typing.Optional[_FrameType] = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename == __file__
                                  or frame.f_globals.get("__name__", "").startswith(
                                      ("beartype", "jaxtyping"))

@@ -121,6 +121,27 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation
                 key, shared)
 
 
+def over_one_device_meshes(tree: Any) -> Any:
+    """`tree` with each `jax.ShapeDtypeStruct` whose sharding is a
+    `SingleDeviceSharding` given the same device and memory kind as a `NamedSharding`
+    over a one-device mesh: lowered for a TPU without one, libtpu's compile-only device
+    types an argument of a `SingleDeviceSharding` in `pinned_host` as device memory,
+    and over a mesh it keeps its memory kind (`plan` does the same:
+    `tests/upstream/test_upstream_tpu_deviceless.py` pins it)."""
+    def one(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(x, jax.ShapeDtypeStruct) or not isinstance(
+                sharding, jax.sharding.SingleDeviceSharding):
+            return x
+        (device,) = sharding.device_set
+        meshed = jax.sharding.NamedSharding(
+            jax.sharding.Mesh([device], ("_",)), jax.sharding.PartitionSpec(),
+            memory_kind=sharding.memory_kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=meshed,
+                                    weak_type=x.weak_type)
+    return jtu.tree_map(one, tree)
+
+
 def _check_not_deleted(all_leaves: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                        donate: Donation, name: str) -> None:
     """A `DonationError` naming the argument and the leaf, where an array of the call

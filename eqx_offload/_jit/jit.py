@@ -22,7 +22,8 @@ from jax.core import Tracer
 
 from .._core.errors import OptionError, SignatureError
 from .._core.types import Donate
-from .call import Call, flatten_call, FUN, Signature, warn_changed_number
+from .call import Call, flatten_call, FUN, over_one_device_meshes, Signature
+from .call import warn_changed_number
 from .donation import Donation, parse_donate
 from .stage import compile_call, compile_program, Executable, export_call, lower_call, Program, run
 
@@ -224,8 +225,11 @@ class _FilterJit(Generic[_P, _T]):
         public hook that `gpu_plan` lowers through (`("cuda",)` with arguments on this
         machine's CPU). A `jax.ShapeDtypeStruct` with a sharding stands for an array:
         nothing is allocated, and the step is traced and lowered as for arrays of that
-        shape, dtype and sharding (memory kind included). The function's call cache is
-        not touched.
+        shape, dtype and sharding (memory kind included). For `("tpu",)`, a
+        `SingleDeviceSharding` is taken as the same device's `NamedSharding` over a
+        one-device mesh (libtpu's compile-only device would type a `pinned_host`
+        argument of a `SingleDeviceSharding` as device memory), as `plan` does. The
+        function's call cache is not touched.
 
         **Arguments:**
 
@@ -237,6 +241,8 @@ class _FilterJit(Generic[_P, _T]):
         A `Lowered`; its `compiler_options` are `filter_jit`'s defaults for the first
         platform and this program, with the function's own.
         """
+        if "tpu" in platforms:
+            args, kwargs = over_one_device_meshes((args, kwargs))
         call = flatten_call(args, self._with_fun(kwargs), self._donate, abstract=True,
                             name=self._name)
         return self._lower(call, tuple(platforms))

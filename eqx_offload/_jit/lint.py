@@ -143,9 +143,14 @@ def _in_a_state(path: Any, arguments: Any) -> bool:
         if isinstance(node, tuple) and hasattr(node, "_fields"):
             return True
         try:
-            node = (node[key.idx] if isinstance(key, jtu.SequenceKey) else
-                    node[key.key] if isinstance(key, jtu.DictKey) else
-                    getattr(node, key.name) if isinstance(key, jtu.GetAttrKey) else None)
+            if isinstance(key, jtu.SequenceKey):
+                node = node[key.idx]
+            elif isinstance(key, jtu.DictKey):
+                node = node[key.key]
+            elif isinstance(key, jtu.GetAttrKey):
+                node = getattr(node, key.name)
+            else:
+                return False
         except (AttributeError, IndexError, KeyError, TypeError):
             return False
     return False

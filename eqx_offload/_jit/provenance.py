@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import jax
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 
 _DEPTH = 64  # nested traces followed outwards, at most
@@ -39,7 +40,7 @@ class HostOperand:
 
 
 def _is_host_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer) and getattr(
+    return isinstance(x, Tracer) and getattr(
         getattr(x, "aval", None), "memory_space", None) == jax.memory.Space.Host
 
 

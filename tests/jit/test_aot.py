@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
 from donation_harness import mlp_setup, mlp_step
-from helpers import assert_tree_equal, count_compiles, unchecked
+from helpers import assert_tree_equal, count_compiles, unchecked, v5e
 
 import eqx_offload
 
@@ -100,3 +100,24 @@ def test_methods() -> None:
             return x * self.factor
 
     assert_tree_equal(Scaler(2.0)(jnp.ones(3)), jnp.full(3, 2.0))
+
+
+def test_lower_for_tpu_keeps_a_single_device_pinned_host_argument_in_host_memory() -> None:
+    """`lower_for(("tpu",), ...)` on libtpu's compile-only chip: an argument of a
+    `SingleDeviceSharding` in `pinned_host` is lowered in host memory (over a one-device
+    mesh, as `plan` does), so a step with weights in host memory compiles with them
+    there; without the mesh it was typed as device memory."""
+    chip = v5e()
+    host = jax.sharding.SingleDeviceSharding(chip, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(chip, memory_kind="device")
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=host)
+    x = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=device)
+
+    def forward(w: jax.Array, x: jax.Array) -> jax.Array:
+        return eqx_offload.to_device(w) @ x
+
+    lowered = eqx_offload.filter_jit(forward).lower_for(("tpu",), (w, x), {})
+    assert [a.memory_space for a in lowered.jaxpr.in_avals] == [
+        jax.memory.Space.Host, jax.memory.Space.Device]
+    compiled = lowered.compile()
+    assert compiled.memory_analysis().host_argument_size_in_bytes == 256 * 256 * 4

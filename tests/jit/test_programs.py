@@ -10,7 +10,8 @@ import optax
 import pytest
 from helpers import assert_same_run, assert_tree_equal, unwrap
 from isolated import call_isolated
-from ports import dcgan_example, meta_learning, mnist, nnx as nnx_port, nnx_mnist, solver, vit
+from ports import dcgan_example, meta_learning, mnist, nnx as nnx_port, nnx_mnist, schedule_free
+from ports import solver, stacked_lm, vit
 from ports.common import batches, expected_placement
 
 import eqx_offload
@@ -29,6 +30,16 @@ PROGRAMS: dict[str, Any] = {
         run.extra[1] == [True] * nnx_port.STEPS and list(run.placements[-1].values()).count(
             "pinned_host") == 2 * len(jax.tree.leaves(run.model)))),
     "optimistix": (lambda port: solver.train(port), lambda run: int(run.extra) == solver.MAX_STEPS),
+    # Micro-batches summed in the step with the blocks' weights (and, bf16, their fp32
+    # master weights) in host memory: bitwise the blocks on the device.
+    "micro-batches-host-blocks": (lambda port: stacked_lm.train(port), lambda run: (
+        run.model.blocks.mlp.layers[0].weight.sharding.memory_kind == "pinned_host")),
+    "micro-batches-bf16-master": (lambda port: stacked_lm.train_bf16(port), lambda run: (
+        run.model.blocks.attention.query_proj.weight.dtype == jnp.bfloat16
+        and run.model.blocks.attention.query_proj.weight.sharding.memory_kind == "pinned_host")),
+    # A function of its own reads the state (schedule-free evaluation); the model as
+    # the jitted function.
+    "schedule-free": (lambda port: schedule_free.train(port), None),
 }
 
 
