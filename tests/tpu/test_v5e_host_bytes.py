@@ -1,6 +1,6 @@
 """Every host output aliases its donated input, in every documented mode, in the v5e
 plan: the host holds what the mode stores and nothing twice (issues 56 and 58). The
-steps are `test_v5e.STEPS` (a small Llama-style decoder), planned with
+steps are `v5e_steps.STEPS` (a small Llama-style decoder), planned with
 `eqx_offload.plan(..., target="v5e")` and `donate="all"`."""
 
 from typing import Any
@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import eqx_offload
-from test_v5e import SHAPE, STEPS  # (beside this file)
+from v5e_steps import SHAPE, STEPS  # (beside this file)
 
 
 pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
