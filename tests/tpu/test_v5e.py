@@ -6,6 +6,7 @@ arguments whose shardings are on the topology's device (their memory kinds kept)
 
 import json
 import pathlib
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -16,7 +17,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import eqx_offload
 from helpers import TPU_ENV
 from isolated import run_isolated
-from v5e_steps import OTHER_MODELS, STEPS
+
+
+# (The child of `analyses` imports this file with tests/ alone on its path.)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from v5e_steps import OTHER_MODELS, STEPS  # (beside this file)
 
 
 pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
