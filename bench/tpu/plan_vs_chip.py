@@ -65,14 +65,17 @@ def plan_point(mode: str, width: int, depth: int, batch: int) -> eqx_offload.pla
 
 # The rows of issue 56's table (chip: TPU v5e, main 9b14360, JAX 0.10.2, 2026-12-06,
 # ../shared/tpu-results/2026-12-06/): (capacity mode, layers, bf16 state in host memory,
-# `group_bytes` of the state's `offloaded`, the chip's step in seconds).
-LLAMA_ROWS: dict[str, tuple[str, int, bool, Any, float]] = {
+# `group_bytes` of the state's `offloaded`, the chip's step in seconds, `None` for a row
+# not yet measured: `bench/tpu/capacity_chip.py MODE 2048 LAYERS` measures it).
+LLAMA_ROWS: dict[str, tuple[str, int, bool, Any, Optional[float]]] = {
     "plain-8": ("fp32", 8, False, "auto", 0.1754),
     "state-8": ("state", 8, False, "auto", 0.5641),
     "state-24": ("state", 24, False, "auto", 1.62),
     "activations-8": ("+activations", 8, False, 0, 2.71),
     "activations-20": ("+activations", 20, False, "auto", 6.56),
     "activations-bf16state-20": ("+activations", 20, True, "auto", 5.71),
+    "state-16": ("state", 16, False, "auto", None),
+    "activations-bf16state-12": ("+activations", 12, True, "auto", None),
 }
 
 
@@ -133,7 +136,8 @@ def llama_row(row: str, hlo: Optional[str] = None) -> dict[str, Any]:
     predicted = planned.predicted_step_seconds
     return {"row": row, "measured_s": measured,
             "predicted_s": None if predicted is None else round(predicted, 4),
-            "error": None if predicted is None else round(predicted / measured - 1, 3),
+            "error": None if predicted is None or measured is None else round(
+                predicted / measured - 1, 3),
             "to_device_GB": planned.bytes_moved("to_device") / 1e9,
             "to_host_GB": planned.bytes_moved("to_host") / 1e9,
             "device_peak_GB": planned.device_peak_bytes / 1e9,

@@ -67,9 +67,14 @@ def summary_text(plan: Any) -> str:
 
 
 def _notes(plan: Any) -> list[str]:
-    """What a reader of the numbers above should know: host outputs written into new
-    buffers, the step time the calibrated model predicts."""
+    """What a reader of the numbers above should know: temporaries XLA:TPU kept on the
+    chip, host outputs written into new buffers, the predicted step time."""
     notes = []
+    if isinstance(plan.chip, TpuTarget) and plan.temp_bytes == 0:
+        notes.append(
+            "  (no temporaries in HBM: XLA:TPU keeps a small step's in its on-chip memory, "
+            "which no figure here counts; a step that copies from host memory needs HBM "
+            "buffers for them, so its peak can be a multiple of this one's)")
     if plan.unaliased_host_output_bytes:
         notes.append(
             f"  ! {plan.unaliased_host_output_bytes / MiB:.1f} MiB of host outputs are not "

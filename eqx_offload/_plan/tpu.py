@@ -1,8 +1,9 @@
 """Compiling for a TPU without one, for `plan`: libtpu describes a chip's topology
 (`jax.experimental.topologies.get_topology_desc(platform="tpu", ...)`), whose
 compile-only devices have the chip's memories (`device`, `pinned_host`,
-`unpinned_host`), so the step is lowered with shardings on them and compiled by
-`jax.jit`'s own path. Public JAX only.
+`unpinned_host`), so the step is lowered with shardings on them and compiled by the
+topology's client (`compile_for`: what `jax.jit`'s compile calls, without its
+persistent cache; the one private call is `compat.compile_for_devices`).
 """
 
 import functools

@@ -1,6 +1,6 @@
 """Every host output aliases its donated input, in every documented mode, in the v5e
 plan: the host holds what the mode stores and nothing twice (issues 56 and 58). The
-steps are `test_v5e.STEPS` (a small Llama-style decoder), planned with
+steps are `v5e_steps.STEPS` (a small Llama-style decoder), planned with
 `eqx_offload.plan(..., target="v5e")` and `donate="all"`."""
 
 from typing import Any
@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import eqx_offload
-from test_v5e import SHAPE, STEPS  # (beside this file)
+from v5e_steps import SHAPE, STEPS  # (beside this file)
 
 
 pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
@@ -63,3 +63,17 @@ def test_without_donation_the_plan_says_the_host_holds_twice() -> None:
     assert planned.unaliased_host_output_bytes == stored
     assert planned.host_bytes == 2 * stored
     assert "are not aliased to donated inputs" in planned.summary()
+
+
+def test_a_small_plain_step_keeps_its_temporaries_on_the_chip() -> None:
+    """The small decoder's plain step plans no HBM temporaries (XLA:TPU keeps them in its
+    on-chip memory), the offloaded step plans some for its copies: its device peak is
+    a multiple of the plain step's, and the plain plan's summary says why."""
+    plain_step, plain_args = STEPS["plain"]()
+    state_step, state_args = STEPS["state"]()
+    plain, state = (eqx_offload.plan(eqx_offload.filter_jit(step, donate="all"), *args,
+                                     target="v5e")
+                    for step, args in ((plain_step, plain_args), (state_step, state_args)))
+    assert plain.temp_bytes == 0 < state.temp_bytes
+    assert state.device_peak_bytes > plain.device_peak_bytes
+    assert "on-chip memory" in plain.summary() and "on-chip memory" not in state.summary()
