@@ -33,6 +33,7 @@ import jax.tree_util as jtu
 
 from .._core.compat import host_compute
 from .._core.errors import OptionError, TreeError
+from .._core.leaves import nbytes
 from .._core.shape import filter_eval_shape, is_abstract, is_arraylike
 from .._jit.jit import filter_jit
 
@@ -79,8 +80,13 @@ def stack_layers(make_layer: Callable[[Any], _M], keys: Any) -> _M:
     """
     layer = _LAYER.get()
     if layer is not None:
-        keys = jtu.tree_map(lambda k: jax.lax.dynamic_slice_in_dim(k, layer, 1), keys)
-    return eqx.filter_vmap(make_layer)(keys)
+        keys = jtu.tree_map(functools.partial(_row, layer), keys)
+    stacked: _M = eqx.filter_vmap(make_layer)(keys)
+    return stacked
+
+
+def _row(layer: jax.Array, x: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, layer, 1)
 
 
 @contextlib.contextmanager
@@ -138,10 +144,6 @@ class Route:
         return jtu.tree_leaves(self.abstract, is_leaf=is_abstract)
 
 
-def _nbytes(x: Any) -> int:
-    return int(x.size) * jnp.dtype(x.dtype).itemsize
-
-
 def _stacked(full: Sequence[Any], one: Sequence[Any]) -> dict[int, int]:
     """Leaf index -> layers, for the leaves whose leading axis is 1 when each
     `stack_layers` makes one layer; a `TreeError` for any other change of shape."""
@@ -162,7 +164,7 @@ def _groups(indices: Sequence[int], leaves: Sequence[Any], group_bytes: int) -> 
     groups: list[list[int]] = []
     size = 0
     for i in indices:
-        n = _nbytes(leaves[i])
+        n = nbytes(leaves[i])
         if not groups or size + n > group_bytes:
             groups.append([])
             size = 0
@@ -187,7 +189,7 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     # A stacked vector of a type under 32 bits (a bf16 norm scale) is made whole: a TPU
     # cannot write one row of it into host memory ("On a TPU" in docs/models.md).
     by_layer = {i: n for i, n in stacked.items() if full[i].ndim >= 3 or (
-        full[i].ndim == 2 and jnp.dtype(full[i].dtype).itemsize >= 4)}
+        full[i].ndim == 2 and full[i].dtype.itemsize >= 4)}
     whole = [i for i, x in enumerate(full) if is_abstract(x) and i not in by_layer]
     programs = [Program(f"leaves {g}", _whole_program(fun, static, g), "whole", tuple(g))
                 for g in _groups(whole, full, group_bytes)]
@@ -252,17 +254,18 @@ def run(made: Route) -> Any:
     """Run the programs of a route: the result of `fun`, each leaf made where it lives."""
     leaves = list(made.leaves)
     zero = jnp.int32(0)
+    buffers: list[Any] = []
     for program in made.programs:
+        if program.kind == "buffers":  # (the layers' program, next, writes into them)
+            buffers = program.fun(zero, made.dynamic)
+            continue
         if program.kind == "whole":
             outs = program.fun(zero, made.dynamic)
-        elif program.kind == "buffers":
-            outs = program.fun(zero, made.dynamic)
-            buffers = outs
-            continue
         else:
             for i in range(program.layers):
                 buffers = program.fun(buffers, jnp.int32(i), made.dynamic)
             outs = buffers
+            buffers = []
         for i, x in zip(program.indices, outs, strict=True):
             leaves[i] = x
     return jtu.tree_unflatten(jtu.tree_structure(made.abstract, is_leaf=is_abstract), leaves)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 from .._core.errors import OptionError
+from .._core.leaves import nbytes
 from .._models.make import Program, route
 from .plan import plan
 from .result import Plan
@@ -78,11 +79,6 @@ class StartupPlan:
         lines += [f"    {what} (x{runs}): device peak {p.device_peak_bytes / MiB:.1f} MiB"
                   for what, runs, p in self.programs]
         return "\n".join(lines)
-
-
-def _nbytes(x: Any) -> int:
-    import jax.numpy as jnp
-    return int(x.size) * jnp.dtype(x.dtype).itemsize
 
 
 def _kind(x: Any) -> str:
@@ -154,15 +150,16 @@ def plan_startup(
     leaves = made.leaves
     layer = jax.ShapeDtypeStruct((), jax.numpy.int32,
                                  sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    planned, device_made, host_made = [], 0, 0
+    planned: list[tuple[str, int, Plan]] = []
+    device_made = host_made = 0
     device_peak = host_peak = 0
     memory = 0
     for program in made.programs:
         p = _plan_program(program, leaves, layer, made.dynamic, target)
         memory = p.usable_device_bytes
         mine = [leaves[i] for i in program.indices]
-        own_device = sum(_nbytes(x) for x in mine if _kind(x) == "device")
-        own_host = sum(_nbytes(x) for x in mine if _kind(x) != "device")
+        own_device = sum(nbytes(x) for x in mine if _kind(x) == "device")
+        own_host = sum(nbytes(x) for x in mine if _kind(x) != "device")
         # A layers program's buffers are its (donated) arguments, made by the one before.
         before_device = device_made - (own_device if program.kind == "layers" else 0)
         before_host = host_made - (own_host if program.kind == "layers" else 0)
@@ -172,7 +169,7 @@ def plan_startup(
             device_made += own_device
             host_made += own_host
         planned.append((program.what, program.layers, p))
-    host_arrays = sum(_nbytes(x) for x in leaves
+    host_arrays = sum(nbytes(x) for x in leaves
                       if hasattr(x, "sharding") and _kind(x) != "device")
     return StartupPlan(tuple(planned), device_peak, memory, host_arrays,
                        max(host_peak, host_arrays), runtime_host_memory, host_memory)
