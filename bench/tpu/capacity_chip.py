@@ -1,15 +1,19 @@
 """One row of the capacity table on a chip: a Llama-style decoder (`bench/llama.py`) in
-one mode of `bench/capacity.py`, trained for a number of steps on one batch of random
-tokens. One process per run (the device's peak cannot be reset within one):
+one mode, made where each array lives (`eqx_offload.filter_make`) and trained for a
+number of steps on one batch of random tokens. One process per run (the device's peak
+cannot be reset within one):
 
     python bench/tpu/capacity_chip.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH]
 
-MODE is a capacity mode (`fp32`, `bf16`, `state`, `+master`, `+params`, `+activations`)
-or `+activations-bf16state` (`+activations` with the state narrowed to bf16 in host
-memory). The decoder has Llama's proportions at WIDTH (heads of 128, SwiGLU of 8/3 x
-WIDTH rounded to 256, a 32k vocabulary). Prints one JSON line (appended to
-$OUT/capacity.jsonl when OUT is set): the parameters, the seconds to make the model, to
-init and of each step, the losses, the device's peak, and the process's resident memory.
+MODE is a capacity mode of `bench/capacity.py` (`fp32`, `bf16`, `state`, `+master`,
+`+params`, `+activations`), optionally with the state narrowed in host memory
+(`-bf16state`, or `-int8state`: block-wise 8-bit moments) and with the stacked blocks
+updated inside the backward pass (`-backward`: `eqx_offload.update_in_backward`), in
+that order (`state-int8state-backward`). The decoder has Llama's proportions at WIDTH
+(heads of 128, SwiGLU of 8/3 x WIDTH rounded to 256, a 32k vocabulary). Prints one JSON
+line (appended to $OUT/capacity.jsonl when OUT is set): the parameters, the seconds of
+the start-up (model and state together) and of each step, the losses, the bytes stored
+by memory kind, the device's peak, and the process's resident memory.
 """
 
 import functools
@@ -18,7 +22,8 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import equinox as eqx
 import jax
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import capacity  # (bench/, beside this folder)
 import eqx_offload
 from llama import Llama, llama_loss, LlamaShape
+from startup import bytes_by_kind
 
 
 def shape_of(width: int, layers: int, seq: int, batch: int) -> LlamaShape:
@@ -38,25 +44,65 @@ def shape_of(width: int, layers: int, seq: int, batch: int) -> LlamaShape:
                       seq=seq, batch=batch)
 
 
-def optimizer_for(mode: Any, bf16_state: bool) -> tuple[Any, Any]:
-    """`(init, update)`: `init(model) -> (model, state)`, `update(model, state, grads)`."""
+HOST_DTYPES = {"-bf16state": jnp.bfloat16, "-int8state": jnp.int8}
+
+
+def mode_of(name: str) -> tuple[capacity.CapacityMode, Optional[Any], bool]:
+    """`(capacity mode, the state's host_dtype, update in the backward pass)` of MODE."""
+    base = name.removesuffix("-backward")
+    backward = base != name
+    for suffix, dtype in HOST_DTYPES.items():
+        if base.endswith(suffix):
+            return capacity.MODES_BY_NAME[base.removesuffix(suffix)], dtype, backward
+    return capacity.MODES_BY_NAME[base], None, backward
+
+
+def optimizer_of(mode: capacity.CapacityMode, host_dtype: Optional[Any]) -> Any:
+    """The AdamW of `mode`: plain, `offloaded`, `master_weights` or
+    `host_weights_optimizer`."""
     adamw = optax.adamw(3e-4, weight_decay=0.1)
-    offload = (functools.partial(eqx_offload.offloaded, host_dtype=jnp.bfloat16)
-               if bf16_state else eqx_offload.offloaded)
+    offload = functools.partial(eqx_offload.offloaded, host_dtype=host_dtype)
     if mode.bf16:
-        mw = eqx_offload.master_weights(adamw, offload=offload if mode.master_on_host else None)
-        return mw.init, capacity._master_update(mw)
+        return eqx_offload.master_weights(adamw, offload=offload if mode.master_on_host else None)
     if mode.params_on_host:
-        hp = eqx_offload.host_weights_optimizer(adamw, offload=offload if mode.state_on_host else None)
-        return (lambda m: (m, hp.init(m))), capacity._master_update(hp)
-    opt = offload(adamw) if mode.state_on_host else adamw
-    return ((lambda m: (m, opt.init(eqx.filter(m, eqx.is_array)))),
-            capacity._optimizer_update(opt))
+        return eqx_offload.host_weights_optimizer(
+            adamw, offload=offload if mode.state_on_host else None)
+    return offload(adamw) if mode.state_on_host else adamw
 
 
-def mode_of(name: str) -> tuple[Any, bool]:
-    """`(capacity mode, bf16 state)` of a MODE argument."""
-    return capacity.MODES_BY_NAME[name.removesuffix("-bf16state")], name.endswith("-bf16state")
+def trainer(shape: LlamaShape, name: str) -> tuple[Callable[[jax.Array], Any], Callable[..., Any]]:
+    """`(start, grad_step)`: `start(key) -> (model, state)` (for `filter_make`) and
+    `grad_step(model, state, tokens, accumulated) -> (model, state, loss)`, one update
+    from the gradient of `tokens` plus `accumulated` (a gradient sum, or `None`)."""
+    mode, host_dtype, backward = mode_of(name)
+    opt = optimizer_of(mode, host_dtype)
+
+    def model_of(key: jax.Array) -> Llama:
+        model = Llama(shape, key, offload_input=mode.activations_on_host)
+        return capacity._blocks_to_host(model) if mode.params_on_host else model
+
+    if backward:
+        fused = eqx_offload.update_in_backward(opt, layers=lambda m: m.blocks)
+
+        def grad_step(model: Any, state: Any, tokens: jax.Array, acc: Any) -> Any:
+            loss, model, state = fused.step(llama_loss, model, state, tokens, accumulated=acc)
+            return model, state, loss
+        return (lambda key: fused.init(model_of(key))), grad_step
+
+    if mode.bf16 or mode.params_on_host:
+        update = capacity._master_update(opt)
+        init: Callable[[Any], Any] = (opt.init if mode.bf16 else lambda m: (m, opt.init(m)))
+    else:
+        update = capacity._optimizer_update(opt)
+        init = lambda m: (m, opt.init(eqx.filter(m, eqx.is_array)))  # noqa: E731
+
+    def normal_step(model: Any, state: Any, tokens: jax.Array, acc: Any) -> Any:
+        loss, grads = eqx.filter_value_and_grad(llama_loss)(model, tokens)
+        if acc is not None:
+            grads = jax.tree.map(lambda a, g: a + eqx_offload.to_device(g), acc, grads)
+        model, state = update(model, state, grads)
+        return model, state, loss
+    return (lambda key: init(model_of(key))), normal_step
 
 
 def resident() -> int:
@@ -67,43 +113,48 @@ def resident() -> int:
     return 0
 
 
+def start(shape: LlamaShape, name: str, record: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The model and state of MODE made where each array lives; records the start-up's
+    seconds and the bytes by memory kind. Returns `(model, state, grad_step)`."""
+    make, grad_step = trainer(shape, name)
+    began = time.perf_counter()
+    model, state = eqx_offload.filter_make(make, jax.random.key(0))
+    jax.block_until_ready((model, state))
+    record["startup_s"] = time.perf_counter() - began
+    record["stored"] = bytes_by_kind((model, state))
+    record["resident_after_startup"] = resident()
+    return model, state, grad_step
+
+
 def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -> dict[str, Any]:
-    mode, bf16_state = mode_of(name)
     shape = shape_of(width, layers, seq, batch)
     record: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                               "seq": seq, "batch": batch, "backend": jax.default_backend()}
-    start = time.perf_counter()
-    model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
-    if mode.params_on_host:
-        model = capacity._blocks_to_host(model)
-    jax.block_until_ready(model)
-    record["model_s"] = time.perf_counter() - start
-    init, update = optimizer_for(mode, bf16_state)
-    start = time.perf_counter()
-    model, state = init(model)
-    jax.block_until_ready((model, state))
-    record["init_s"] = time.perf_counter() - start
-    record["resident_after_init"] = resident()
-
-    @eqx_offload.filter_jit(donate=("model", "state"))
-    def step(model: Any, state: Any, tokens: jax.Array) -> Any:
-        loss, grads = eqx.filter_value_and_grad(llama_loss)(model, tokens)
-        model, state = update(model, state, grads)
-        return model, state, loss
-
+    model, state, grad_step = start(shape, name, record)
+    step = eqx_offload.filter_jit(donate=("model", "state"))(
+        lambda model, state, tokens: grad_step(model, state, tokens, None))
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, shape.vocab)
     losses, times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        began = time.perf_counter()
         model, state, loss = step(model, state, tokens)
         losses.append(float(loss))
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - began)
     stats = jax.devices()[0].memory_stats() or {}
     record.update(losses=losses, step_s=times, device_peak=stats.get("peak_bytes_in_use"),
-                  device_limit=stats.get("bytes_limit"),
+                  device_limit=stats.get("bytes_limit"), resident=resident(),
                   resident_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   falls=losses[-1] < losses[0])
     return record
+
+
+def emit(result: dict[str, Any], file: str) -> None:
+    """Print `result` as one JSON line, and append it to $OUT/`file` when OUT is set."""
+    line = json.dumps(result)
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], file), "a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":
@@ -114,8 +165,4 @@ if __name__ == "__main__":
     except Exception as error:  # noqa: BLE001 - a row that does not fit, reported as JSON
         result = {"mode": args[0], "width": numbers[0], "layers": numbers[1],
                   "error": f"{type(error).__name__}: {str(error)[:600]}"}
-    line = json.dumps(result)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "capacity.jsonl"), "a") as f:
-            f.write(line + "\n")
+    emit(result, "capacity.jsonl")

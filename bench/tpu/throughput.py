@@ -3,14 +3,13 @@ project's Llama (`bench/llama.py`) at sequence 1024, batch 4 (4,096 tokens a
 micro-batch), `MICRO` micro-batches per optimizer step summed in a `jax.lax.scan` inside
 the step (the accumulation MaxText and Levanter use) and one update. One process per row:
 
-    python bench/tpu/throughput.py MODE WIDTH LAYERS MICRO [STEPS]
+    python bench/tpu/throughput.py MODE WIDTH LAYERS MICRO [STEPS] [SEQ] [BATCH]
 
 MODE is one of `bench/tpu/capacity_chip.py`'s modes. Prints one JSON line (appended to
 $OUT/throughput.jsonl when OUT is set): the step's seconds (the first, with its compile,
 apart), tokens per second from the median of the rest, the losses and the device's peak.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -23,40 +22,36 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import capacity  # (bench/)
 import capacity_chip  # (bench/tpu/, beside this file)
 import eqx_offload
-from llama import Llama, llama_loss
+from llama import llama_loss
 
 
-def main(name: str, width: int, layers: int, micro: int, steps: int) -> dict[str, Any]:
-    mode, bf16_state = capacity_chip.mode_of(name)
-    shape = capacity_chip.shape_of(width, layers, 1024, 4)
+def main(name: str, width: int, layers: int, micro: int, steps: int, seq: int,
+         batch: int) -> dict[str, Any]:
+    shape = capacity_chip.shape_of(width, layers, seq, batch)
     record: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
-                              "micro_batches": micro, "tokens_per_step": micro * 4 * 1024}
-    model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
-    if mode.params_on_host:
-        model = capacity._blocks_to_host(model)
-    init, update = capacity_chip.optimizer_for(mode, bf16_state)
-    model, state = init(model)
+                              "micro_batches": micro, "tokens_per_step": micro * batch * seq}
+    model, state, grad_step = capacity_chip.start(shape, name, record)
 
     @eqx_offload.filter_jit(donate=("model", "state"))
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
+        # The first `micro - 1` micro-batches' gradients summed in a scan's carry, the
+        # last one's added by the update step (inside the backward pass with `-backward`).
         def one(acc: Any, t: jax.Array) -> Any:
             loss, grads = eqx.filter_value_and_grad(llama_loss)(model, t)
-            return jax.tree.map(jnp.add, acc, grads), loss
+            # (a gradient of weights in host memory is in host memory: summed on the device)
+            return jax.tree.map(lambda a, g: a + eqx_offload.to_device(g), acc, grads), loss
 
-        if micro == 1:
-            loss, grads = eqx.filter_value_and_grad(llama_loss)(model, tokens[0])
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_array))
-            grads, losses = jax.lax.scan(one, zeros, tokens)
-            grads = jax.tree.map(lambda g: g / micro, grads)
-            loss = losses.mean()
-        model, state = update(model, state, grads)
-        return model, state, loss
+        acc, losses = None, jnp.zeros((0,))
+        if micro > 1:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype),
+                                 eqx.filter(model, eqx.is_array))
+            acc, losses = jax.lax.scan(one, zeros, tokens[:-1])
+        model, state, loss = grad_step(model, state, tokens[-1], acc)
+        return model, state, (losses.sum() + loss) / micro
 
-    tokens = jax.random.randint(jax.random.key(1), (micro, 4, 1024 + 1), 0, shape.vocab)
+    tokens = jax.random.randint(jax.random.key(1), (micro, batch, seq + 1), 0, shape.vocab)
     losses, times = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -73,14 +68,10 @@ def main(name: str, width: int, layers: int, micro: int, steps: int) -> dict[str
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    numbers = [int(a) for a in args[1:]] + [4][len(args) - 4:]
+    numbers = [int(a) for a in args[1:]] + [4, 1024, 4][len(args) - 4:]
     try:
         result = main(args[0], *numbers)
     except Exception as error:  # noqa: BLE001 - a row that does not run, reported as JSON
         result = {"mode": args[0], "width": numbers[0], "layers": numbers[1],
                   "micro_batches": numbers[2], "error": f"{type(error).__name__}: {str(error)[:600]}"}
-    line = json.dumps(result)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "throughput.jsonl"), "a") as f:
-            f.write(line + "\n")
+    capacity_chip.emit(result, "throughput.jsonl")
