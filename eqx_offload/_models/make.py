@@ -144,14 +144,19 @@ class Route:
         return jtu.tree_leaves(self.abstract, is_leaf=is_abstract)
 
 
-def _stacked(full: Sequence[Any], one: Sequence[Any]) -> dict[int, int]:
+def _stacked(full: Sequence[Any], one: Sequence[Any], group_bytes: int) -> dict[int, int]:
     """Leaf index -> layers, for the leaves whose leading axis is 1 when each
-    `stack_layers` makes one layer; a `TreeError` for any other change of shape."""
+    `stack_layers` makes one layer. A leaf whose shape changes otherwise is made whole,
+    if it is at most `group_bytes` (a leaf derived from a stack, such as 8-bit state's
+    codes of small stacked leaves, which are kept quantised only where the whole stack
+    is large enough); a `TreeError` for a larger one."""
     found = {}
     for i, (a, b) in enumerate(zip(full, one, strict=True)):
         if not is_abstract(a) or a.shape == b.shape:
             continue
         if not (a.ndim == b.ndim >= 1 and b.shape[0] == 1 and a.shape[1:] == b.shape[1:]):
+            if nbytes(a) <= group_bytes:
+                continue
             raise TreeError(
                 f"filter_make: make every stacked leaf with `eqx_offload.stack_layers` "
                 f"alone: leaf {i} is {a.shape} for the whole stack but {b.shape} for one "
@@ -185,7 +190,7 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     full = jtu.tree_leaves(abstract, is_leaf=is_abstract)
     one = jtu.tree_leaves(filter_eval_shape(_layered(fun), jnp.int32(0), *args, **kwargs),
                           is_leaf=is_abstract)
-    stacked = _stacked(full, one)
+    stacked = _stacked(full, one, group_bytes)
     # A stacked vector of a type under 32 bits (a bf16 norm scale) is made whole: a TPU
     # cannot write one row of it into host memory ("On a TPU" in docs/models.md).
     by_layer = {i: n for i, n in stacked.items() if full[i].ndim >= 3 or (

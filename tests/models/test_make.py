@@ -56,11 +56,17 @@ def _state(key: jax.Array) -> Any:  # fp32 weights on the device, state on host
     return model, eqx_offload.offloaded(ADAMW).init(eqx.filter(model, eqx.is_array))
 
 
+def _state_int8(key: jax.Array) -> Any:  # 8-bit moments: a layer's small leaves stay fp32
+    model = _llama(key, False)
+    opt = eqx_offload.offloaded(ADAMW, host_dtype=jnp.int8)
+    return model, opt.init(eqx.filter(model, eqx.is_array))
+
+
 def _model_only(key: jax.Array) -> Any:
     return _llama(key, True)
 
 
-MODES = [_master, _master_on_device_blocks, _host_weights, _state, _model_only]
+MODES = [_master, _master_on_device_blocks, _host_weights, _state, _state_int8, _model_only]
 
 
 @pytest.mark.parametrize("start", MODES, ids=lambda f: f.__name__)
@@ -121,14 +127,17 @@ def test_a_stack_not_made_by_stack_layers_is_made_whole() -> None:
                       start(jax.random.key(0)))
 
 
-def test_a_leaf_that_changes_shape_otherwise_is_an_error() -> None:
+def test_a_leaf_that_changes_shape_otherwise_is_made_whole_or_refused() -> None:
     def start(key: jax.Array) -> Any:
         blocks = eqx_offload.stack_layers(lambda k: jax.random.normal(k, (4,)),
                                           jax.random.split(key, 3))
         return blocks.reshape(-1)  # (12,) whole, (4,) for one layer
 
+    # Up to `group_bytes`, such a leaf (8-bit state's codes of a small stack) is made
+    # whole; a larger one is an error.
+    assert_tree_equal(eqx_offload.filter_make(start, jax.random.key(0)), start(jax.random.key(0)))
     with pytest.raises(eqx_offload.errors.TreeError, match="stack_layers"):
-        eqx_offload.filter_make(start, jax.random.key(0))
+        eqx_offload.filter_make(start, jax.random.key(0), group_bytes=32)
 
 
 def test_group_bytes_is_checked() -> None:
