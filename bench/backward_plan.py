@@ -4,9 +4,10 @@ the normal step against the update inside the backward pass
 (`eqx_offload.update_in_backward`): XLA:TPU's device peak, compiled deviceless (libtpu),
 nothing allocated. A plan, not a measurement.
 
-    python bench/backward_plan.py [LAYERS ...]   (default: 8 40; d=2048, seq 1024, batch 4)
+    python bench/backward_plan.py [LAYERS ...] [normal|in_backward]
+    (default: 8 40 layers, both steps; d=2048, seq 1024, batch 4)
 
-Prints one JSON line per step.
+Prints one JSON line per step (its error where XLA:TPU finds it does not fit).
 """
 
 import functools
@@ -56,12 +57,20 @@ def steps(shape: LlamaShape) -> dict[str, tuple[Any, tuple[Any, ...]]]:
             "in_backward": (in_backward, (fused_model, fused_state, tokens))}
 
 
-def main(layers: list[int]) -> None:
+def main(layers: list[int], only: str = "") -> None:
     for n in layers:
         shape = shape_of(2048, n, 1024, 4)
         for name, (step, args) in steps(shape).items():
+            if only and name != only:
+                continue
             start = time.perf_counter()
-            plan = eqx_offload.plan(step, *args, target="v5e")
+            try:
+                plan = eqx_offload.plan(step, *args, target="v5e")
+            except eqx_offload.errors.PlanError as error:  # (a step that does not fit)
+                print(json.dumps({"step": name, "shape": shape.name, "params": shape.params,
+                                  "error": str(error)[:400], "jax": jax.__version__}),
+                      flush=True)
+                continue
             print(json.dumps({
                 "step": name, "shape": shape.name, "params": shape.params,
                 "device_peak_bytes": plan.device_peak_bytes,
@@ -73,4 +82,5 @@ def main(layers: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [8, 40])
+    names = [a for a in sys.argv[1:] if not a.isdigit()]
+    main([int(a) for a in sys.argv[1:] if a.isdigit()] or [8, 40], names[0] if names else "")

@@ -231,7 +231,7 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
             if found is not None:
                 return found
             continue
-        return name
+        return str(name)
     return None
 
 
@@ -401,5 +401,6 @@ def scan_hooked(hook: Hook, dynamic: Any, static: Any, x: Any, call: Callable[[A
     def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
         return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
 
-    return update_scan(leaves, x, layer_call, hook, save_input if offload_input else None,
-                       unroll)
+    out: Any = update_scan(leaves, x, layer_call, hook, save_input if offload_input else None,
+                           unroll)
+    return out

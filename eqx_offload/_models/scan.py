@@ -136,8 +136,9 @@ def scan_layers(
     _check_stacked(dynamic)
     hook = hook_for(jtu.tree_leaves(dynamic))
     if hook is not None:  # inside `update_in_backward(...).step`, on the layers it updates
-        return scan_hooked(hook, _fetch_packed_vectors(dynamic), static, x, call, policy,
-                           offload_input, unroll, accumulate, _offload_input)
+        hooked: _C = scan_hooked(hook, _fetch_packed_vectors(dynamic), static, x, call, policy,
+                                offload_input, unroll, accumulate, _offload_input)
+        return hooked
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)

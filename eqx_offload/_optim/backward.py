@@ -80,7 +80,8 @@ def _changed(transformation: Any, params: Any, which: Sequence[bool],
                              a.dtype)
         for a, w in zip(leaves, which, strict=True)]))
     base_leaves, base_def = jtu.tree_flatten(base)
-    other_leaves, other_def = jtu.tree_flatten(other)
+    other_leaves = jtu.tree_leaves(other)
+    other_def: Any = jtu.tree_structure(other)  # (`PyTreeDef` is untyped for mypy)
     changed = []
     why = "its state's structure depends on the number of layers"
     if base_def == other_def:

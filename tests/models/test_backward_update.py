@@ -156,6 +156,17 @@ def test_master_weights() -> None:
     assert_tree_equal(fused, normal)
 
 
+def test_master_weights_with_weights_and_inputs_in_host_memory() -> None:
+    """bf16 compute weights of the layers in host memory (their bf16 scale vectors come
+    to the device whole), fp32 master weights and state in host memory, the layers'
+    inputs too: the capacity benchmark's `+activations` mode."""
+    fused, normal = _run_both(eqx_offload.master_weights(optax.adamw(1e-2)),
+                              host_blocks=True, offload_input=True)
+    assert fused[0].blocks.scale.sharding.memory_kind == "pinned_host"
+    assert fused[0].blocks.scale.dtype == jnp.bfloat16
+    assert_tree_equal(fused, normal)
+
+
 @pytest.mark.parametrize("offload", [None, eqx_offload.offloaded],
                          ids=["device-state", "offloaded"])
 def test_weights_in_host_memory(offload: Any) -> None:
