@@ -104,6 +104,8 @@ class _Module:
 
 # `counter DIRECTION limit` runs while true: the trips from `start` by `step`.
 def _trips(direction: str, start: int, limit: int, step: int) -> Optional[int]:
+    if direction not in ("LT", "LE", "GT", "GE"):
+        return None
     if direction in ("GT", "GE"):
         start, limit, step = -start, -limit, -step
     if step <= 0:
@@ -124,7 +126,8 @@ def trip_count(module: "_Module", operands: list[str], rest: str) -> Optional[in
     if loop is None or compare is None or compare.opcode != "compare" or len(
             compare.operands) != 2 or not operands:
         return None
-    direction = (_DIRECTION.search(compare.rest) or _DIRECTION.search("direction=X")).group("d")
+    found = _DIRECTION.search(compare.rest)
+    direction = found.group("d") if found else ""
     left, right = compare.operands
     if module.counter_index(left) is None:  # `limit > counter`: the mirror image
         left, right = right, left

@@ -50,7 +50,8 @@ def link_seconds(plan: Any) -> float:
     `NEW_HOST_BYTES_PER_S`."""
     moved = plan.bytes_moved("to_device") + plan.bytes_moved("to_host")
     slow = min(new_host_bytes(plan), plan.bytes_moved("to_host"))
-    return (moved - slow) / plan.chip.host_link_bandwidth + slow / NEW_HOST_BYTES_PER_S
+    bandwidth = float(plan.chip.host_link_bandwidth)
+    return float((moved - slow) / bandwidth + slow / NEW_HOST_BYTES_PER_S)
 
 
 def predict_seconds(plan: Any) -> Optional[float]:
