@@ -25,7 +25,7 @@ import eqx_offload
 
 sys.path.insert(0, os.path.dirname(__file__))
 from capacity import largest_fitting, size_text  # (bench/)
-from startup import llama_shape, start_for, step_for
+from startup import llama_shape, mode_of, start_for, step_for
 
 
 GB = 10**9
@@ -61,7 +61,8 @@ def plan_row(name: str, layers: int, host_memory: int, runtime: int,
                device_memory=step.device_memory_size, host_arrays=startup.host_array_bytes,
                host=host, host_per_param=startup.host_array_bytes / shape.params,
                fits=device <= step.device_memory_size and host + runtime <= host_memory,
-               bound="host" if host + runtime > host_memory else "device")
+               bound=("host" if host + runtime > host_memory else
+                      "device" if device > step.device_memory_size else None))
     return row
 
 
@@ -84,11 +85,55 @@ def largest(name: str, host_memory: int, runtime: int, max_layers: int,
     return best, None if above is None else rows[above]
 
 
-def eight_bit(bf16: dict[str, Any], block: int = 256) -> float:
-    """Host bytes a parameter with 8-bit moments (block-wise, one fp32 scale per `block`
-    values of each moment) in place of bf16 ones: the bf16-state row's, less 2 x (2 - 1)
-    bytes, plus 2 x 4 / `block`."""
-    return float(bf16["host_per_param"]) - 2 + 8 / block
+def host_arrays(name: str, layers: int, width: int = 2048) -> tuple[int, int]:
+    """`(host, device)`: the bytes of the model and state `start_for` makes in each
+    memory (exact, from shapes: `filter_eval_shape`)."""
+    start, _ = start_for(llama_shape(width, layers), name)
+    out = eqx_offload.checkpoint.filter_eval_shape(start, _abstract_key())
+    host = device = 0
+    for x in jax.tree.leaves(out):
+        n = x.size * x.dtype.itemsize
+        if x.sharding.memory_kind == "pinned_host":
+            host += n
+        else:
+            device += n
+    return host, device
+
+
+def step_host_extra(name: str, layers: int, width: int = 2048) -> int:
+    """The host bytes a step holds beyond the arrays (from bytes; `plan_row` checks it):
+    with the blocks' weights in host memory, their gradients wait there for the update
+    (2 bytes a block parameter in bf16); with the layer inputs offloaded, each layer's
+    input waits there for the backward pass (bf16). XLA's v5e plan of `+activations` at
+    30 layers holds 3.59 GB beyond the arrays; this says 3.58."""
+    mode, _ = mode_of(name)
+    shape = llama_shape(width, layers)
+    grads = 2 * shape.block_params * layers if mode.params_on_host else 0
+    inputs = (layers * shape.batch * shape.seq * width * 2 if mode.activations_on_host else 0)
+    return grads + inputs
+
+
+def from_bytes(name: str, host_memory: int, runtime: int, max_layers: int,
+               eight_bit: bool = False, block: int = 256) -> dict[str, Any]:
+    """The largest depth whose arrays and step's host bytes (`step_host_extra`) fit
+    `host_memory` beside the runtime's share: the host's bound, from bytes. The arrays
+    grow by the same leaves with each layer, so two depths give them at every depth.
+    `eight_bit`: AdamW's two moments in 8 bits (block-wise, one fp32 scale per `block`
+    values) in place of fp32 ones, the master weights kept in fp32: 2 x (4 - 1) bytes a
+    parameter less, 2 x 4 / `block` more."""
+    one, two = host_arrays(name, 1)[0], host_arrays(name, 2)[0]
+    best: dict[str, Any] = {}
+    for layers in range(1, max_layers + 1):
+        params = llama_shape(2048, layers).params
+        arrays = one + (two - one) * (layers - 1)
+        if eight_bit:
+            arrays = int(arrays - params * (6 - 8 / block))
+        host = arrays + step_host_extra(name, layers)
+        if host + runtime > host_memory:
+            break
+        best = {"layers": layers, "params": params, "host_per_param": arrays / params,
+                "step_host_per_param": host / params, "host": host}
+    return best
 
 
 def table(rows: list[tuple[int, str, Optional[dict[str, Any]], Optional[dict[str, Any]]]]) -> str:
