@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the other modes' results already in the output file")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
@@ -135,6 +137,10 @@ def main() -> None:
             "backend": jax.default_backend(), "shape": SHAPE.__dict__, "steps": args.steps,
             "lr": args.lr, "text": "pydoc_data.topics"}
     results: list[dict[str, Any]] = []
+    previous = args.out / "int8_curves.json"
+    if args.keep and previous.exists():
+        results = [r for r in json.loads(previous.read_text())["results"]
+                   if r["mode"] not in args.modes and len(r["losses"]) == args.steps]
     for mode in args.modes:  # (written after each mode)
         results.append(train(mode, args.steps, args.eval_every, args.lr))
         (args.out / "int8_curves.json").write_text(json.dumps({**meta, "results": results}))

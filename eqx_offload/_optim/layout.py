@@ -23,7 +23,7 @@ from .._core.placement import destination
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .options import Options
-from .quantize import CODE_DTYPE, dequantize, packed_size, quantize, Quantized, specs_for
+from .quantize import CODE_DTYPE, dequantize, packed_shape, quantize, Quantized, specs_for
 
 
 class Cache:
@@ -128,7 +128,7 @@ def _as_computed(state: Any, abstract: Any) -> Any:
 
 def _is_packed(leaf: Any, spec: Quantized) -> bool:
     return (getattr(leaf, "dtype", None) == CODE_DTYPE
-            and tuple(getattr(leaf, "shape", ())) == (*spec.shape[:-1], packed_size(spec.shape[-1])))
+            and tuple(getattr(leaf, "shape", ())) == packed_shape(spec.shape))
 
 
 # ----------------------------------------------------------------------------------------

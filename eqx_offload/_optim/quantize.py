@@ -9,9 +9,12 @@ for first moments (`mu`, `trace`), the unsigned map for second moments (`nu`, `n
 nearest entry, a tie going up, as torchao's `quantize_8bit_with_qmap` rounds (found
 without gathers, which XLA:TPU runs slowly: `codes_and_scales`, `lookup`).
 
-How a quantised leaf is stored: one `uint8` array, the leaf's shape with a longer last
-axis, `(..., n + 4 * ceil(n / 256))`: the `n` codes of each row, then its blocks' float32
-scales as 4 bytes each. Blocks run along the last axis (a row's last block may be
+How a quantised leaf `(..., r, n)` is stored: one `uint32` array `(..., r + e,
+ceil(n / 4))` (`packed_shape`): its rows of one-byte codes, four a word, then `e` rows
+that hold the rows' float32 scales. 32-bit words, and a last axis of `n / 4` words:
+XLA:TPU did not compile some other forms (a uint8 `(32000, 2080)` moment, whose host
+and device memories tile it differently; a uint32 `(8, 2048, 1430)` moment read a layer
+at a time, codes and scales along one axis). Blocks run along the last axis (a row's last block may be
 shorter), so every leading axis keeps its meaning: the streamed update reads and writes
 whole rows of a stacked leaf as it does for any other. For a last axis that is a multiple
 of 256 the blocks are torchao's and bitsandbytes' (they block the flattened array).
@@ -38,7 +41,8 @@ momentum)."""
 UNSIGNED_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares"})
 """State fields quantised with the unsigned map: second moments (optax's Adam, AMSGrad,
 RMSProp, AdaGrad)."""
-CODE_DTYPE = np.dtype(np.uint8)
+CODE_DTYPE = np.dtype(np.uint32)
+"""The dtype a quantised leaf is stored in: four codes a word, then a word per scale."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +84,14 @@ def _map(signed: bool) -> np.ndarray:
     return qmap
 
 
-def packed_size(n: int) -> int:
-    """The stored length of a row of `n` values: `n` codes and 4 bytes per block."""
-    return n + 4 * -(-n // BLOCK)
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape of a leaf of `shape` `(..., r, n)`: `(..., r + e, ceil(n / 4))`
+    32-bit words, its `r` rows of codes (four a word) and then `e` rows holding the
+    rows' `r * ceil(n / 256)` float32 scales (zero-padded). A vector `(n,)` is one row."""
+    *lead, r, n = (1, *shape) if len(shape) == 1 else shape
+    words = -(-n // 4)
+    extra = -(-(r * -(-n // BLOCK)) // words)
+    return (*([] if len(shape) == 1 else lead), r + extra, words)
 
 
 def spec_for(path: tuple[Any, ...], leaf: Any) -> Optional[Quantized]:
@@ -150,9 +159,9 @@ def _counted(scaled: Any, mids: Any) -> Any:
 
 def lookup(codes: Any, signed: bool) -> Any:
     """`map[codes]` (float32), exactly: a gather on the CPU; on an accelerator (where a
-    gather of 16M codes took 161 ms on a TPU v5e, this 5.2 ms) the row of the map
-    (16 x 16) that a code's high 4 bits pick, then the entry its low 4 bits pick, each a
-    sum with one non-zero term."""
+    gather of 16M codes took 161 ms on a TPU v5e, this 10 ms) a sum over the 256 entries
+    with one non-zero term, one reduction that XLA fuses (a two-level select, 5 ms,
+    kept a (..., 16) float32 temporary: 64 bytes a value)."""
     table = jnp.asarray(_map(signed))
     return jax.lax.platform_dependent(codes.astype(jnp.int32), table, cpu=_gathered,
                                       default=_selected)
@@ -163,32 +172,41 @@ def _gathered(codes: Any, table: Any) -> Any:
 
 
 def _selected(codes: Any, table: Any) -> Any:
-    high = (codes >> 4)[..., None, None]
-    row = jnp.sum(jnp.where(high == jnp.arange(16)[:, None], table.reshape(16, 16), 0.0),
-                  axis=-2)
-    low = (codes & 15)[..., None]
-    return jnp.sum(jnp.where(low == jnp.arange(16), row, 0.0), axis=-1)
+    return jnp.sum(jnp.where(codes[..., None] == jnp.arange(256), table, 0.0), axis=-1)
 
 
 def quantize(x: Any, signed: bool) -> Any:
-    """`x` (..., n) as its packed uint8 form (..., `packed_size(n)`), on `x`'s device."""
-    codes, scales = codes_and_scales(x, signed)
-    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8)  # (..., blocks, 4)
-    return jnp.concatenate([codes, scale_bytes.reshape(*x.shape[:-1], -1)], axis=-1)
+    """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device."""
+    codes, scales = codes_and_scales(x if x.ndim > 1 else x[None], signed)
+    *lead, r, n = codes.shape
+    words = -(-n // 4)
+    quads = jnp.pad(codes, [(0, 0)] * (len(lead) + 1) + [(0, -n % 4)])
+    rows = jax.lax.bitcast_convert_type(quads.reshape(*lead, r, words, 4), jnp.uint32)
+    flat = jax.lax.bitcast_convert_type(scales, jnp.uint32).reshape(*lead, -1)
+    extra = -(-flat.shape[-1] // words)
+    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, extra * words - flat.shape[-1])])
+    packed = jnp.concatenate([rows, flat.reshape(*lead, extra, words)], axis=-2)
+    return packed
 
 
-def unpack(packed: Any, n: int) -> tuple[Any, Any]:
-    """The codes (..., n) and float32 scales (..., blocks) of a packed array."""
+def unpack(packed: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The uint8 codes `(..., r, n)` and float32 scales `(..., r, blocks)` of a packed
+    array (of a leaf of `shape`, or of rows along its first axis); a vector is one row."""
+    *_, r, n = (1, *shape) if len(shape) == 1 else shape
+    lead = packed.shape[:-2]
+    codes = jax.lax.bitcast_convert_type(packed[..., :r, :], jnp.uint8)  # (..., r, words, 4)
+    codes = codes.reshape(*lead, r, -1)[..., :n]
     blocks = -(-n // BLOCK)
-    scale_bytes = packed[..., n:].reshape(*packed.shape[:-1], blocks, 4)
-    return packed[..., :n], jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    flat = packed[..., r:, :].reshape(*lead, -1)[..., :r * blocks]
+    scales = jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
+    return codes, scales
 
 
 def dequantize(packed: Any, spec: Quantized) -> Any:
     """A packed array (of `spec`'s leaf, or rows of it) back in `spec.dtype`:
     `map[code] * scale`, as torchao's `dequant_with_qmap`."""
-    n = spec.shape[-1]
-    codes, scales = unpack(packed, n)
+    codes, scales = unpack(packed, spec.shape)
+    n = codes.shape[-1]
     values = _blocks(lookup(codes, spec.signed))
     values = (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
-    return values.astype(spec.dtype)
+    return (values if len(spec.shape) > 1 else values[0]).astype(spec.dtype)
