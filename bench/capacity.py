@@ -3,7 +3,7 @@ step fits one GPU (or an 8-GPU node), for each way of offloading, planned from s
 
 `python bench/capacity_run.py` builds every step abstractly
 (`eqx_offload.checkpoint.filter_eval_shape`: no array of the model or its state is allocated),
-compiles it for the target with `eqx_offload.gpu_plan` (XLA's GPU compiler, run
+compiles it for the target with `eqx_offload.planner.gpu_plan` (XLA's GPU compiler, run
 without a GPU) and searches the size ladder (`llama.ladder()`: the published Llama
 shapes from 1B to 70B and depths between them) for the largest member whose step fits
 both the device's memory and the host memory given. Every device and host number is

@@ -270,7 +270,7 @@ def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
         return point(device_args, host_args, False, (0, 0), (0.0, 0.0, 0.0),
                      "device-fused needs the blocks' weights on the device (not compiled)")
     try:
-        plan = eqx_offload.gpu_plan(step, *args, target=target, device_memory=device_memory,
+        plan = eqx_offload.planner.gpu_plan(step, *args, target=target, device_memory=device_memory,
                                     host_memory=host_memory)
     except eqx_offload.errors.PlanError as error:
         return point(0, 0, False, (0, 0), (0.0, 0.0, 0.0), str(error)[:500])

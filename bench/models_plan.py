@@ -169,7 +169,7 @@ def plan_all(shape: models.LMShape, group_bytes: int) -> dict[str, Any]:
     for case in cases(shape, group_bytes):
         start = time.perf_counter()
         options = PREFETCH_OPTIONS if case.host_weights else {}
-        plan = eqx_offload.gpu_plan(case.step, case.model, case.state, tokens, target="h200",
+        plan = eqx_offload.planner.gpu_plan(case.step, case.model, case.state, tokens, target="h200",
                                     compiler_options=options)
         to_device = plan.copies_to("to_device")
         fetches = weight_fetches(plan) if case.host_weights else []

@@ -37,7 +37,7 @@ from ._models.remat import filter_remat as filter_remat
 from ._models.scan import scan_layers as scan_layers
 from ._optim.offloaded import offloaded as offloaded
 from ._optim.state import OffloadedState as OffloadedState
-from ._plan.plan import gpu_plan as gpu_plan, plan as plan
+from ._plan.plan import plan as plan
 from ._runtime import install_runtime_checks as install_runtime_checks
 
 
@@ -54,7 +54,6 @@ __all__ = [
     "filter_make",
     "filter_remat",
     "filter_shard",
-    "gpu_plan",
     "host_weights",
     "host_weights_optimizer",
     "install_runtime_checks",

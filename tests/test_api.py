@@ -28,6 +28,7 @@ def test_the_top_level_is_small_and_every_submodule_is_documented() -> None:
     ("stream_plan", "eqx_offload.stream.stream_plan"),
     ("OptionError", "eqx_offload.errors.OptionError"),
     ("GPU_TARGETS", "eqx_offload.planner.GPU_TARGETS"),
+    ("gpu_plan", "eqx_offload.planner.gpu_plan"),
     ("host_params", "eqx_offload.host_weights_optimizer"),
     ("restore_target", "eqx_offload.checkpoint.restore_target"),
 ])

@@ -54,7 +54,7 @@ def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     `fun(*args, **kwargs)` would return, with a `jax.ShapeDtypeStruct` at every array
     leaf that carries the sharding and memory kind the real call gives it. Nothing is
     computed or allocated, so a model or an optimizer state of any size can be
-    described on a laptop, and planned (`eqx_offload.gpu_plan` takes the result) or
+    described on a laptop, and planned (`eqx_offload.planner.gpu_plan` takes the result) or
     restored into (`abstract_init` is this of `optimizer.init`).
 
     **Arguments:**

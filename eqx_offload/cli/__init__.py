@@ -83,7 +83,7 @@ COMMANDS: list[Command] = [
         help="XLA's plan of a step for an H100/H200, compiled without a GPU: device peak, "
              "host bytes, copies overlapped",
         description="Compiles the training step for an NVIDIA GPU on this machine, without "
-                    "a GPU (eqx_offload.gpu_plan), in the benchmark's modes side by side with "
+                    "a GPU (eqx_offload.planner.gpu_plan), in the benchmark's modes side by side with "
                     "the step without offload, or your own step (--step MODULE:FUNCTION). "
                     "Prints the device memory at the peak, the host memory, and how many "
                     "copies between host and device XLA schedules under compute. XLA's plan, "

@@ -361,7 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="*", choices=sorted(eqx_offload.planner.GPU_TARGETS),
                         metavar="GPU", default=None,
                         help="also record XLA's plan of every point for these GPUs "
-                             "(eqx_offload.gpu_plan, compiled without a GPU: device peak, "
+                             "(eqx_offload.planner.gpu_plan, compiled without a GPU: device peak, "
                              "copies overlapped; needs the `plan` extra); --plan alone: h200")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 

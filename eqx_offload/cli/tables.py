@@ -174,7 +174,7 @@ def _plan_lines(points: list[dict[str, Any]]) -> list[str]:
     planned = [p for p in points if p.get("error") is None and p.get("plan")]
     if not planned:
         return []
-    lines = ["", "XLA's plan for the GPU of each point (`eqx_offload.gpu_plan`, compiled without "
+    lines = ["", "XLA's plan for the GPU of each point (`eqx_offload.planner.gpu_plan`, compiled without "
              "a GPU: a plan, not a measurement):", "",
              "| workload | optimizer | params | mode | GPU | device peak | × baseline's | "
              "host | copies to device overlapped | copies to host overlapped |",

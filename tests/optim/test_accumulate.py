@@ -212,7 +212,7 @@ def _plan(optimizer: Any, k: int = 4, scan: bool = False) -> tuple[Any, tuple[An
             return eqx.apply_updates(model, updates), state
 
         args = (model, args[1], jnp.ones((k, 32, 256)))
-    return eqx_offload.gpu_plan(step, *args, target="h100"), args
+    return eqx_offload.planner.gpu_plan(step, *args, target="h100"), args
 
 
 def _host_bytes(state: Any) -> int:

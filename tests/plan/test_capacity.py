@@ -41,14 +41,14 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
         return eqx.apply_updates(model, updates), state
 
     state, x = opt.init(eqx.filter(model, eqx.is_array)), jnp.ones((64, 256))
-    concrete = eqx_offload.gpu_plan(step, model, state, x, target="h100")
+    concrete = eqx_offload.planner.gpu_plan(step, model, state, x, target="h100")
     abstract_model = eqx_offload.checkpoint.filter_eval_shape(
         lambda: eqx.nn.MLP(256, 256, 256, 3, key=jax.random.key(0)))
     abstract_state = eqx_offload.checkpoint.filter_eval_shape(
         lambda m: opt.init(eqx.filter(m, eqx.is_array)), abstract_model)
     abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     assert abstract_state.inner_state[0].mu.layers[0].weight.sharding.memory_kind == "pinned_host"
-    abstract = eqx_offload.gpu_plan(step, abstract_model, abstract_state, abstract_x,
+    abstract = eqx_offload.planner.gpu_plan(step, abstract_model, abstract_state, abstract_x,
                                     target="h100")
     for field in ("device_peak_bytes", "argument_bytes", "temp_bytes", "host_bytes",
                   "copies", "matmul_flops"):
@@ -63,14 +63,14 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
     assert "floors (lower bounds, not predictions)" in concrete.summary()
     with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\] \(float32\[64, 256\]\) has no "
                                                     r"sharding.*restore_target"):
-        eqx_offload.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
+        eqx_offload.planner.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
     topology = _deviceless.topology(eqx_offload.planner.GPU_TARGETS["h100"].config_text(), 1)
     elsewhere = jax.sharding.SingleDeviceSharding(topology.devices[0])
     with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\].*not this process's"):
-        eqx_offload.gpu_plan(step, model, state,
+        eqx_offload.planner.gpu_plan(step, model, state,
                              jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=elsewhere))
     with pytest.raises(eqx_offload.errors.OptionError, match="host_memory"):
-        eqx_offload.gpu_plan(step, model, state, jnp.ones((64, 256)), host_memory=-1)
+        eqx_offload.planner.gpu_plan(step, model, state, jnp.ones((64, 256)), host_memory=-1)
 
 
 def test_matmul_flops_count_every_iteration():
@@ -236,7 +236,7 @@ def test_node_plan_shards_the_state_over_the_devices():
     mu = args[1].inner_state.inner_state[0].mu.blocks.mlp.up.weight
     assert mu.sharding.memory_kind == "pinned_host"
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data", None)
-    plan = eqx_offload.gpu_plan(step, *args, target="h100", host_memory=1 << 40)
+    plan = eqx_offload.planner.gpu_plan(step, *args, target="h100", host_memory=1 << 40)
     assert plan.n_devices == 8
     per_device = 3 * 4 * shape.params / 8  # fp32 master weights and Adam's two moments
     assert per_device * 0.9 < plan.host_bytes < per_device * 1.3
@@ -253,7 +253,7 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled a step whose arguments alone do not fit")
 
-    monkeypatch.setattr(eqx_offload, "gpu_plan", no_compile)
+    monkeypatch.setattr(eqx_offload, "plan", no_compile)  # (what plan_point calls)
     step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"])
     device, host = capacity.argument_bytes(args)
     # bf16 weights (and tokens, counters) on the device; fp32 master weights, mu, nu on the host.

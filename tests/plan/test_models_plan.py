@@ -44,8 +44,8 @@ def grads_step(offload_input: bool = False) -> Any:
 def test_offload_frees_what_it_moves(where: bool, offload_input: bool, moved: int) -> None:
     """Weights and gradients, or every layer's input, in host memory: 80% leave the peak."""
     x = jnp.ones((B, D))
-    kept = eqx_offload.gpu_plan(grads_step(), layers(), x)
-    offloaded = eqx_offload.gpu_plan(grads_step(offload_input),
+    kept = eqx_offload.planner.gpu_plan(grads_step(), layers(), x)
+    offloaded = eqx_offload.planner.gpu_plan(grads_step(offload_input),
                                      eqx_offload.to_host(layers(), where=where), x)
     assert offloaded.host_bytes >= moved > kept.host_bytes
     freed = kept.device_peak_bytes - offloaded.device_peak_bytes
@@ -63,7 +63,7 @@ def test_master_weights_keep_fp32_off_the_device() -> None:
         return eqx.apply_updates(model, updates), state
 
     opt = optax.adamw(1e-3)
-    plain = eqx_offload.gpu_plan(eqx_offload.filter_jit(plain_step, donate="all"), model,
+    plain = eqx_offload.planner.gpu_plan(eqx_offload.filter_jit(plain_step, donate="all"), model,
                                  opt.init(eqx.filter(model, eqx.is_array)))
     mw = eqx_offload.master_weights(opt, offload=STREAMED)
     compute, state = mw.init(model)
@@ -73,7 +73,7 @@ def test_master_weights_keep_fp32_off_the_device() -> None:
         grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(xb).astype(jnp.float32) ** 2))(model)
         return mw.update(grads, state, model)
 
-    mixed = eqx_offload.gpu_plan(eqx_offload.filter_jit(mixed_step, donate="all"), compute, state)
+    mixed = eqx_offload.planner.gpu_plan(eqx_offload.filter_jit(mixed_step, donate="all"), compute, state)
     fp32 = sum(x.size * 4 for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     assert mixed.host_bytes >= 3 * fp32
     assert mixed.device_peak_bytes <= plain.device_peak_bytes - 2 * fp32, (
@@ -108,8 +108,8 @@ def test_prefetched_parameters_free_what_they_move_in_a_training_step() -> None:
 
     x = jnp.ones((b, d))
     on_device, on_host = mlp_blocks(n, d), eqx_offload.to_host(mlp_blocks(n, d))
-    remat = eqx_offload.gpu_plan(step, on_device, hp.init(on_device), x)
-    host = eqx_offload.gpu_plan(step, on_host, hp.init(on_host), x)
+    remat = eqx_offload.planner.gpu_plan(step, on_device, hp.init(on_device), x)
+    host = eqx_offload.planner.gpu_plan(step, on_host, hp.init(on_host), x)
     freed = remat.device_peak_bytes - host.device_peak_bytes
     assert freed >= 0.8 * host.host_bytes, (freed, remat.summary(), host.summary())
     fetches = [c for c in host.copies_to("to_device") if c.name.startswith("dynamic-slice-start")]
@@ -134,8 +134,8 @@ def test_prefetched_weight_fetches_overlap_the_previous_layers_compute() -> None
     x = jnp.ones((b, d))
     options = {"xla_gpu_experimental_parallel_async_compute_limit": 32}
     on_host = eqx_offload.to_host(mlp_blocks(n, d))
-    prefetched = eqx_offload.gpu_plan(step_for(True), on_host, x, compiler_options=options)
-    fetched = eqx_offload.gpu_plan(step_for(False), on_host, x, compiler_options=options)
+    prefetched = eqx_offload.planner.gpu_plan(step_for(True), on_host, x, compiler_options=options)
+    fetched = eqx_offload.planner.gpu_plan(step_for(False), on_host, x, compiler_options=options)
     fetches = prefetched.copies_to("to_device")
     assert len(fetches) >= 4 * 2  # 4 leaves, both passes
     assert prefetched.overlapped_fraction("to_device") >= 0.9, fetches
@@ -163,7 +163,7 @@ def test_master_weights_of_host_layers_stream_a_layer_at_a_time() -> None:
             return jnp.sum(out.astype(jnp.float32) ** 2)
         return mw.update(jax.grad(loss)(model), state, model)
 
-    plan = eqx_offload.gpu_plan(step, model, state, jnp.ones((b, d), jnp.bfloat16))
+    plan = eqx_offload.planner.gpu_plan(step, model, state, jnp.ones((b, d), jnp.bfloat16))
     stacked_fp32 = n * d * 4 * d * 4  # one stacked projection's fp32 master weights
     assert plan.host_bytes >= 3 * 2 * stacked_fp32  # master and moments of both
     assert plan.device_peak_bytes < stacked_fp32, plan.summary()
@@ -196,7 +196,7 @@ def test_default_update_streams_with_weights_in_host_memory(technique: str) -> N
                 return jnp.sum(out.astype(jnp.float32) ** 2)
             return update(jax.grad(loss)(model), state, model)
 
-        return eqx_offload.gpu_plan(step, model, state, x)
+        return eqx_offload.planner.gpu_plan(step, model, state, x)
 
     default, streamed = plan(eqx_offload.offloaded), plan(STREAMED)
     whole = plan(functools.partial(eqx_offload.offloaded, group_bytes=None))

@@ -41,7 +41,7 @@ def plan(mode, workload, **kwargs):
         adamw = optax.adamw(1e-3)
         optimizer = adamw if mode == "plain" else eqx_offload.offloaded(adamw, **MODES[mode])
         step, args = _step(optimizer, workload)
-        _PLANS[key] = eqx_offload.gpu_plan(step, *args, **kwargs)
+        _PLANS[key] = eqx_offload.planner.gpu_plan(step, *args, **kwargs)
     return _PLANS[key]
 
 
@@ -122,14 +122,14 @@ def test_the_same_step_is_compiled_once(monkeypatch):
     monkeypatch.setattr(_deviceless, "_COMPILED", collections.OrderedDict())
     monkeypatch.setattr(_deviceless, "_compile", lambda *a: compiled.append(1) or compile_(*a))
     step, args = _step(optax.sgd(1e-3), Workload(8, 1, 3))
-    first = eqx_offload.gpu_plan(step, *args, target="h100")
-    again = eqx_offload.gpu_plan(step, *args, target="h100")
+    first = eqx_offload.planner.gpu_plan(step, *args, target="h100")
+    again = eqx_offload.planner.gpu_plan(step, *args, target="h100")
     assert len(compiled) == 1 and again == first
-    eqx_offload.gpu_plan(step, *args, target="h200")
-    eqx_offload.gpu_plan(step, *args, target="h100",
+    eqx_offload.planner.gpu_plan(step, *args, target="h200")
+    eqx_offload.planner.gpu_plan(step, *args, target="h100",
                          compiler_options={"xla_gpu_memory_limit_slop_factor": 50})
     other, other_args = _step(optax.sgd(1e-3), Workload(8, 1, 4))
-    eqx_offload.gpu_plan(other, *other_args, target="h100")
+    eqx_offload.planner.gpu_plan(other, *other_args, target="h100")
     assert len(compiled) == 4
 
 
@@ -141,7 +141,7 @@ def test_plain_function_and_host_pool(monkeypatch):
     def double(tree):
         return jax.tree.map(lambda x: 2 * x, eqx_offload.to_device(tree))
 
-    planned = eqx_offload.gpu_plan(double, state)
+    planned = eqx_offload.planner.gpu_plan(double, state)
     assert planned.host_limit_bytes == 0
     assert planned.host_bytes == 256 * 256 * 4 and not planned.host_fits
     assert len(planned.copies_to("to_device")) == 1
@@ -157,24 +157,24 @@ def test_targets_errors_and_the_memory_jax_allocates(monkeypatch):
     step, args = _step(optax.sgd(1e-3), Workload(8, 1, 2))
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    default = eqx_offload.gpu_plan(step, *args, target="h100")
+    default = eqx_offload.planner.gpu_plan(step, *args, target="h100")
     assert default.target == "NVIDIA H100 80GB HBM3"
     assert "XLA's plan for NVIDIA H100" in default.summary()
     assert default.memory_fraction == 0.75 and default.fits and default.run_settings() == []
     assert default.usable_device_bytes == int(0.75 * default.device_memory_size)
     assert "75% of" in default.summary() and "run with" not in default.summary()
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "1e-9")
-    tight = eqx_offload.gpu_plan(step, *args, target="h100")
+    tight = eqx_offload.planner.gpu_plan(step, *args, target="h100")
     assert tight.memory_fraction == 1e-9 and not tight.fits
     assert tight.device_peak_bytes == default.device_peak_bytes
     assert tight.run_settings() == ["XLA_CLIENT_MEM_FRACTION=0.01"]
     assert "run with: XLA_CLIENT_MEM_FRACTION=0.01" in tight.summary()
-    given = eqx_offload.gpu_plan(step, *args, target="h100", device_memory=1 << 30)
+    given = eqx_offload.planner.gpu_plan(step, *args, target="h100", device_memory=1 << 30)
     assert given.memory_fraction == 1.0 and given.fits
     with pytest.raises(eqx_offload.errors.OptionError, match="target must be one of 'h100', 'h200'"):
-        eqx_offload.gpu_plan(step, *args, target="a100")
+        eqx_offload.planner.gpu_plan(step, *args, target="a100")
     with pytest.raises(eqx_offload.errors.OptionError, match="device_memory must be an int > 0"):
-        eqx_offload.gpu_plan(step, *args, device_memory=-1)
+        eqx_offload.planner.gpu_plan(step, *args, device_memory=-1)
 
 
 def test_stacked_layers_stream_by_layer():
@@ -185,7 +185,7 @@ def test_stacked_layers_stream_by_layer():
 
     def planned(optimizer):
         step, args = donated_step(optimizer, model, jnp.ones((256, width)))
-        return eqx_offload.gpu_plan(step, *args)
+        return eqx_offload.planner.gpu_plan(step, *args)
 
     plain = planned(optax.adamw(1e-3))
     default = planned(eqx_offload.offloaded(optax.adamw(1e-3)))
@@ -248,7 +248,7 @@ def test_a_gradient_sum_made_in_the_backward_scan_plans_lower() -> None:
                     return jax.grad(loss)(layers, x, acc), None
                 return jax.tree.map(jnp.add, acc, jax.grad(loss)(layers, x, None)), None
             return jax.lax.scan(micro, acc, xs)[0]
-        return eqx_offload.gpu_plan(step, layers, eqx.filter(layers, eqx.is_array),
+        return eqx_offload.planner.gpu_plan(step, layers, eqx.filter(layers, eqx.is_array),
                                     jnp.ones((4, 2, 512)), target="h100")
 
     unfused, fused = plan_of(False), plan_of(True)

@@ -204,5 +204,5 @@ def test_gpu_plan_is_plan_with_the_gpu_default() -> None:
     import inspect
 
     assert eqx_offload.planner.Plan is Plan and eqx_offload.plan is plan
-    assert inspect.signature(eqx_offload.gpu_plan).parameters["target"].default == "h200"
+    assert inspect.signature(eqx_offload.planner.gpu_plan).parameters["target"].default == "h200"
     assert inspect.signature(plan).parameters["target"].default is inspect.Parameter.empty

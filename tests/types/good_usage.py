@@ -201,7 +201,7 @@ def plan_the_step(model: Model, x: jax.Array, y: jax.Array) -> bool:
 
     abstract_state = eqx_offload.checkpoint.filter_eval_shape(init, abstract_model)
     try:
-        plan: eqx_offload.planner.Plan = eqx_offload.gpu_plan(
+        plan: eqx_offload.planner.Plan = eqx_offload.planner.gpu_plan(
             eqx_offload.filter_jit(step, donate="all"), abstract_model, abstract_state,
             x, y, target=h100.with_memory(1 << 30))
         on_tpu: eqx_offload.planner.Plan = eqx_offload.plan(  # (a TPU v5e, through libtpu)

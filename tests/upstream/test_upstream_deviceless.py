@@ -112,7 +112,7 @@ def test_autotune_level_0_compiles_the_program_of_the_default_level():
         patch.setattr(_deviceless, "_compile", keep)
         patch.delenv("XLA_FLAGS", raising=False)  # conftest.py's has no GPU level
         # From one line: the HLO's table of source locations holds the caller's.
-        at_0, at_4 = (eqx_offload.gpu_plan(step, model, state, target="h100",
+        at_0, at_4 = (eqx_offload.planner.gpu_plan(step, model, state, target="h100",
                                            compiler_options=options)
                       for options in (None, {"xla_gpu_autotune_level": 4}))
     assert len(compiled) == 2

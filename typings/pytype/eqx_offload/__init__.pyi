@@ -44,7 +44,6 @@ __all__ = [
     "filter_make",
     "filter_remat",
     "filter_shard",
-    "gpu_plan",
     "host_weights",
     "host_weights_optimizer",
     "install_runtime_checks",
@@ -129,16 +128,6 @@ def offloaded(
 ) -> _OffloadedTransformation: ...
 
 
-# The planner (its names live in `eqx_offload.planner`).
-def gpu_plan(
-    fun: Callable[..., Any],
-    *args: Any,
-    target: Union[str, GpuTarget, TpuTarget] = "h200",
-    device_memory: Optional[int] = None,
-    compiler_options: Optional[dict[str, Any]] = None,
-    host_memory: Optional[int] = None,
-    **kwargs: Any,
-) -> Plan: ...
 
 # jit. What `filter_jit` returns is generic in the function's type (a `TypeVar` bound to
 # `Callable`, not a `ParamSpec`): pytype then checks the arguments of each call through

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 __all__ = [
     "GPU_TARGETS",
     "GpuTarget",
+    "gpu_plan",
     "Plan",
     "plan",
     "PlannedCollective",
@@ -159,3 +160,13 @@ def plan_startup(
     group_bytes: int = ...,
     **kwargs: Any,
 ) -> StartupPlan: ...
+
+def gpu_plan(
+    fun: Callable[..., Any],
+    *args: Any,
+    target: Union[str, GpuTarget, TpuTarget] = "h200",
+    device_memory: Optional[int] = None,
+    compiler_options: Optional[dict[str, Any]] = None,
+    host_memory: Optional[int] = None,
+    **kwargs: Any,
+) -> Plan: ...
