@@ -81,8 +81,12 @@ install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package insta
   if [ "$1" = oldest ]; then  # (libtpu: the TPU compiler, for tests/tpu without a chip)
     uvpip -e ".[dev]" "jax[tpu]==0.10.2" -c .ci/constraints-oldest.txt
     want="0.10.2 0.10.2"
-  else  # the newest JAX first; the package and the GPU compiler must leave it as it is
-    uvpip --upgrade jax jaxlib
+  else  # the newest JAX whose GPU compiler is released (a JAX release can come a day
+    # before its jax-cuda12-plugin), first; the package and the compilers leave it as it is
+    want=$("$py" -m pip index versions jax-cuda12-plugin 2> /dev/null \
+           | sed -n 's/^jax-cuda12-plugin (\(.*\))$/\1/p')
+    [ -n "$want" ] || { echo "no release of jax-cuda12-plugin found"; exit 1; }
+    uvpip "jax==$want" "jaxlib==$want"
     want=$(jax_version "$py")
     uvpip -e ".[dev]"
     uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12 "jax[tpu]==${want%% *}"
