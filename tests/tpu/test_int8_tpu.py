@@ -30,8 +30,9 @@ from llama import Llama, llama_loss, LlamaShape  # (bench/: scripts of the repos
 
 pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
 
-# Rows of 512 and 256 values: two blocks and one block a row.
-SHAPE = LlamaShape("tiny", width=256, layers=2, heads=2, kv_heads=1, ffn=512, vocab=256,
+# Rows of 512 and 1024 values (128 and 256 words of codes: whole TPU tiles of 128 lanes;
+# rows of 256 values, 64 words, would be padded to twice their bytes).
+SHAPE = LlamaShape("tiny", width=512, layers=2, heads=4, kv_heads=2, ffn=1024, vocab=512,
                    seq=32, batch=2)
 ADAMW = optax.adamw(1e-3)
 INT8 = functools.partial(eqx_offload.offloaded, host_dtype=jnp.int8)
