@@ -138,7 +138,7 @@ if __name__ == "__main__":
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     try:
         rec = main(route, mib, count)
-    except Exception as e:  # one row's failure is that row's result, not the script's
+    except Exception as e:  # noqa: BLE001 - one row's failure is that row's result
         rec = {"route": route, "error": f"{type(e).__name__}: {str(e)[:400]}"}
     line = json.dumps(rec)
     print(line, flush=True)

@@ -128,7 +128,8 @@ def midpoints(signed: bool) -> np.ndarray:
     """The 255 points halfway between neighbouring entries of the map (float32): a
     value's code is how many of them it reaches."""
     qmap = _map(signed)
-    return (qmap[:-1] + qmap[1:]) / np.float32(2)
+    mids: np.ndarray = (qmap[:-1] + qmap[1:]) / np.float32(2)
+    return mids
 
 
 def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:

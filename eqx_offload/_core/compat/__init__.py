@@ -14,7 +14,6 @@ from typing import Any, NamedTuple, Optional, TypeVar
 import jax
 import jax.extend.core as _jex
 import jax.tree_util as _jtu
-from jax._src import traceback_util as _traceback_util
 from jax.experimental import compute_on as _compute_on
 import numpy as _np
 
@@ -74,6 +73,7 @@ def optimization_barrier(tree: Any) -> Any:
 # `register_exclusion` and `api_boundary` (JAX 0.10 to 0.12; the canary is
 # `tests/upstream/test_upstream_tracebacks.py`).
 _F = TypeVar("_F", bound=Callable[..., Any])
+_traceback_util: Any = importlib.import_module("jax._src.traceback_util")
 
 
 def hide_frames(path: str) -> None:
@@ -84,7 +84,8 @@ def hide_frames(path: str) -> None:
 def boundary(fun: _F) -> _F:
     """`fun`, whose errors leave it with the frames that `hide_frames` hides (and JAX's
     own) out of their traceback, as an error leaving `jax.jit` does."""
-    return _traceback_util.api_boundary(fun)
+    bounded: _F = _traceback_util.api_boundary(fun)
+    return bounded
 
 
 hide_frames(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -28,7 +28,7 @@ from eqx_offload import planner as planner, remat as remat, stream as stream
 from eqx_offload import types as types
 from eqx_offload.errors import OffloadError as OffloadError
 from eqx_offload.memory import memory_report as memory_report
-from eqx_offload.planner import GpuTarget, Plan, plan as plan, TpuTarget
+from eqx_offload.planner import plan as plan
 from eqx_offload.remat import filter_remat as filter_remat, Policy
 from eqx_offload.types import (BackwardUpdate, Compute, Donate, Filter, HostMemoryKind, HostWeights,
                                HostWeightsOptimizer, Lowered, MasterWeights, Nested as Nested,
