@@ -131,25 +131,46 @@ def merge(fetched: list[Any], device_slices: list[Any], on_host: list[bool]) -> 
     return [next(fetched_it) if h else next(device_it) for h in on_host]
 
 
+def _zero_if_inexact(a: Any) -> Any:
+    return jnp.zeros_like(a) if eqx.is_inexact_array(a) else None
+
+
 def _zeros_like_inexact(tree: Any) -> Any:
-    return jtu.tree_map(lambda a: jnp.zeros_like(a) if eqx.is_inexact_array(a) else None, tree)
+    return jtu.tree_map(_zero_if_inexact, tree)
 
 
 def _add_unless_none(u: Any, v: Any) -> Any:
     return None if u is None else u + v
 
 
+def _axis(batched: Optional[bool]) -> Optional[int]:
+    return 0 if batched else None
+
+
 def _axes(batched: Any) -> Any:
-    return jtu.tree_map(lambda b: 0 if b else None, batched)
+    return jtu.tree_map(_axis, batched)
 
 
 def _broadcast(tree: Any, batched: Any, size: int) -> Any:
-    return jtu.tree_map(lambda a, b: a if b else jnp.broadcast_to(a, (size, *a.shape)),
-                        tree, batched)
+    def one(a: Any, b: bool) -> Any:
+        return a if b else jnp.broadcast_to(a, (size, *a.shape))
+    return jtu.tree_map(one, tree, batched)
 
 
 def _all(tree: Any, value: bool) -> Any:
-    return jtu.tree_map(lambda _: value, tree)
+    """`tree` with every leaf replaced by `value` (a vmap rule's batched flags)."""
+    def constant(_: Any) -> bool:
+        return value
+    return jtu.tree_map(constant, tree)
+
+
+def _flag_unless_none(c: Any, b: Optional[bool]) -> Optional[bool]:
+    return None if c is None else b
+
+
+def _cotangent(g: Any, a: Any) -> Any:
+    """A symbolic zero cotangent (`None`) of an inexact output, made concrete."""
+    return jnp.zeros_like(a) if g is None and eqx.is_inexact_array(a) else g
 
 
 def _check_unbatched(flags: list[Any]) -> None:
@@ -332,7 +353,7 @@ def _backward_pass(scan: UpdateScan) -> Any:
             leaves, consts, state, shared, acc, residuals, _broadcast(g, b_g, size),
             b_consts)
         flags = (_all(new_leaves, False), _all(g_x, True),
-                 jtu.tree_map(lambda c, b: None if c is None else b, g_consts, b_consts,
+                 jtu.tree_map(_flag_unless_none, g_consts, b_consts,
                               is_leaf=is_none),
                  _all(new_state, False))
         return (new_leaves, g_x, g_consts, new_state), flags
@@ -370,8 +391,7 @@ def update_scan(leaves: list[Any], x: Any, layer_call: Callable[[list[Any], Any]
                 shared: list[Any], acc: Optional[list[Any]]) -> Any:
         del perturbed
         leaves, x, consts, state = vjp_arg
-        g = jtu.tree_map(lambda c, a: jnp.zeros_like(a) if c is None and eqx.is_inexact_array(a)
-                         else c, g, x, is_leaf=is_none)
+        g = jtu.tree_map(_cotangent, g, x, is_leaf=is_none)
         return backward(leaves, consts, state, shared, acc, residuals, g)
 
     rules: Any = run  # (Equinox's `def_fwd`/`def_bwd` are untyped)
