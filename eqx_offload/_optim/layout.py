@@ -82,30 +82,41 @@ def layout_for(
     which leaves live in host memory (default: those `options.where` selects)."""
     leaves, treedef = jtu.tree_flatten(state.inner_state)
     others, others_def = jtu.tree_flatten((updates, params, extra_args))
-    traced = any(isinstance(x, Tracer) for x in leaves) or any(
-        isinstance(x, Tracer) for x in others)
+    traced = _any_traced(leaves) or _any_traced(others)
     key: Any = (treedef, _shapes(leaves), others_def, _shapes(others))
     try:
         layout = cache.layouts.get(key)
     except (TypeError, ValueError):  # static data that cannot be hashed or compared
         layout, key = None, None
     if layout is None:
-        made = check_new_state(inner, state, updates, params, extra_args,
-                               _as_computed if options.quantized else None)
-        mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
-                     else mask_of(state.inner_state))
-        init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
-        if options.host_dtype is None or len(init_dtypes) != len(leaves):
-            init_dtypes = [None] * len(leaves)
-        elif options.quantized:
-            init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
-                                                        strict=True)]
-        layout = Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
+        layout = _new_layout(inner, options, cache, state, updates, params, extra_args, mask_of)
         if key is not None:
             if len(cache.layouts) >= 256:
                 cache.layouts.clear()
             cache.layouts[key] = layout
     return layout, leaves, traced
+
+
+def _any_traced(leaves: list[Any]) -> bool:
+    return any(isinstance(x, Tracer) for x in leaves)
+
+
+def _new_layout(inner: Any, options: Options, cache: Cache, state: Any, updates: Any,
+                params: Any, extra_args: dict[str, Any],
+                mask_of: Optional[Callable[[Any], Sequence[bool]]]) -> Layout:
+    """The layout of a state not seen before, checked against what `inner.init` makes."""
+    leaves, treedef = jtu.tree_flatten(state.inner_state)
+    made = check_new_state(inner, state, updates, params, extra_args,
+                           _as_computed if options.quantized else None)
+    mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
+                 else mask_of(state.inner_state))
+    init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
+    if options.host_dtype is None or len(init_dtypes) != len(leaves):
+        init_dtypes = [None] * len(leaves)
+    elif options.quantized:
+        init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
+                                                    strict=True)]
+    return Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
 
 
 def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
