@@ -277,3 +277,42 @@ def nnx_jit_step(x: jax.Array) -> jax.Array:
 
     result: jax.Array = scale(double(x), 3.0)
     return result
+
+
+def make_layer(key: jax.Array) -> eqx.nn.Linear:
+    return eqx.nn.Linear(4, 4, key=key)
+
+
+def make_layers(key: jax.Array) -> eqx.nn.Linear:
+    """Stacked layers that `filter_make` makes one layer at a time."""
+    layers: eqx.nn.Linear = eqx_offload.stack_layers(make_layer, jax.random.split(key, 3))
+    return layers
+
+
+def scanned_loss(layers: eqx.nn.Linear, x: jax.Array) -> jax.Array:
+    return jnp.sum(eqx_offload.scan_layers(layers, x))
+
+
+def identity(model: eqx.nn.Linear) -> eqx.nn.Linear:
+    return model
+
+
+def start_up_and_update_in_backward(key: jax.Array) -> jax.Array:
+    """The start-up route and the update inside the backward pass, as users type them."""
+    layers = eqx_offload.filter_make(make_layers, key)
+    fused: eqx_offload.types.BackwardUpdate[eqx.nn.Linear] = eqx_offload.update_in_backward(
+        eqx_offload.offloaded(optax.adam(1e-3)), layers=identity)
+    layers, state = fused.init(layers)
+    assert isinstance(state, eqx_offload.types.BackwardState)
+    value, layers, state = fused.step(scanned_loss, layers, state, jnp.ones(4))
+    result: jax.Array = value
+    return result
+
+
+def plan_the_start_up(key: jax.Array) -> bool:
+    """The start-up's plan for a TPU v5e, with the runtime's share of the host."""
+    target: eqx_offload.planner.TpuTarget = eqx_offload.planner.TPU_TARGETS["v5e"]
+    planned: eqx_offload.planner.StartupPlan = eqx_offload.planner.plan_startup(
+        make_layers, key, target=target,
+        runtime_host_memory=eqx_offload.planner.RUNTIME_HOST_BYTES.get("v5e"))
+    return planned.fits
