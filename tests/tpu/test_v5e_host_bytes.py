@@ -66,14 +66,15 @@ def test_without_donation_the_plan_says_the_host_holds_twice() -> None:
 
 
 def test_a_small_plain_step_keeps_its_temporaries_on_the_chip() -> None:
-    """The small decoder's plain step plans no HBM temporaries (XLA:TPU keeps them in its
-    on-chip memory), the offloaded step plans some for its copies: its device peak is
-    a multiple of the plain step's, and the plain plan's summary says why."""
+    """The small decoder's offloaded step plans HBM temporaries for its copies; the plain
+    step's XLA:TPU keeps in its on-chip memory (libtpu of JAX 0.10.2: none in HBM; of JAX
+    0.12, 3.7 MB), and a plan's summary says so exactly when it plans none."""
     plain_step, plain_args = STEPS["plain"]()
     state_step, state_args = STEPS["state"]()
     plain, state = (eqx_offload.plan(eqx_offload.filter_jit(step, donate="all"), *args,
                                      target="v5e")
                     for step, args in ((plain_step, plain_args), (state_step, state_args)))
-    assert plain.temp_bytes == 0 < state.temp_bytes
+    assert plain.temp_bytes < state.temp_bytes
     assert state.device_peak_bytes > plain.device_peak_bytes
-    assert "on-chip memory" in plain.summary() and "on-chip memory" not in state.summary()
+    assert ("on-chip memory" in plain.summary()) == (plain.temp_bytes == 0)
+    assert "on-chip memory" not in state.summary()
