@@ -34,14 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import capacity  # (bench/, beside this folder)
 import eqx_offload
 from llama import Llama, llama_loss, LlamaShape
-from startup import bytes_by_kind
-
-
-def shape_of(width: int, layers: int, seq: int, batch: int) -> LlamaShape:
-    ffn = (8 * width // 3 + 255) // 256 * 256
-    heads = max(1, width // 128)
-    return LlamaShape(f"d{width}x{layers}", width, layers, heads, heads, ffn, 32000,
-                      seq=seq, batch=batch)
+from startup import bytes_by_kind, llama_shape as shape_of, resident
 
 
 HOST_DTYPES = {"-bf16state": jnp.bfloat16, "-int8state": jnp.int8}
@@ -103,14 +96,6 @@ def trainer(shape: LlamaShape, name: str) -> tuple[Callable[[jax.Array], Any], C
         model, state = update(model, state, grads)
         return model, state, loss
     return (lambda key: init(model_of(key))), normal_step
-
-
-def resident() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def start(shape: LlamaShape, name: str, record: dict[str, Any]) -> tuple[Any, Any, Any]:
