@@ -37,6 +37,10 @@ from llama import Llama, llama_loss, LlamaShape
 from startup import bytes_by_kind, llama_shape as shape_of, resident
 
 
+STARTED = time.perf_counter()
+# The row's seconds (ROW_SECONDS, set by bench/tpu/next.sh): it stops stepping before it
+# would pass them, so that a row reports the steps it ran rather than being killed.
+SECONDS = float(os.environ.get("ROW_SECONDS", "inf"))
 HOST_DTYPES = {"-bf16state": jnp.bfloat16, "-int8state": jnp.int8}
 
 
@@ -125,6 +129,8 @@ def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -
         model, state, loss = step(model, state, tokens)
         losses.append(float(loss))
         times.append(time.perf_counter() - began)
+        if time.perf_counter() - STARTED + times[-1] > SECONDS:
+            break  # (the next step would pass the row's time: report the steps run)
     stats = jax.devices()[0].memory_stats() or {}
     record.update(losses=losses, step_s=times, device_peak=stats.get("peak_bytes_in_use"),
                   device_limit=stats.get("bytes_limit"), resident=resident(),

@@ -6,6 +6,7 @@
 #   bash bench/tpu/next.sh 2    # call 2 (<= 9 min): 64k tokens a step; past 2B; 8-bit
 #   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): the capacity rows (everything in host)
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
+#   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): the fp32-state capacity row; 8-bit 542M
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -33,7 +34,7 @@ row() {  # SECONDS SCRIPT ARGS...: one process, stopped if the host runs low on 
   local limit=$1 log pid avail
   shift
   log=$(mktemp)
-  setsid timeout "$limit" "${PYTHON:-python3}" -W ignore "$@" > "$log" 2>&1 &
+  ROW_SECONDS=$((limit - 15)) setsid timeout "$limit" "${PYTHON:-python3}" -W ignore "$@" > "$log" 2>&1 &
   pid=$!
   while kill -0 "$pid" 2> /dev/null; do
     avail=$(awk '/MemAvailable/ { print int($2 / 1048576) }' /proc/meminfo)
@@ -65,19 +66,25 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
   row $T $TP state-backward $W $L8 16 4 $SEQB
   row $T $C state-backward $W $LBIG 4 $SEQB
 }
-call3() {  # capacity with everything in host memory, the state in fp32, bf16, 8 bits
-  local l17=31 l235=44 l29=54
-  [ "${SIZE:-}" = small ] && { l17=2; l235=2; l29=2; }
-  row $T $C +activations-int8state $W $l29 4 $SEQB
-  row $T $C +activations-bf16state $W $l235 4 $SEQB
-  row $T $C +activations $W $l17 4 $SEQB
+call3() {  # capacity with everything in host memory, the state in 8 bits, bf16, fp32:
+  # 20 steps; bf16 and fp32 with the stacked blocks updated in the backward pass
+  local l17=31 l235=44 l29=54 t=$((T + 90))
+  [ "${SIZE:-}" = small ] && { l17=2; l235=2; l29=2; t=$T; }
+  row $t $C +activations-int8state $W $l29 20 $SEQB
+  row $t $C +activations-bf16state-backward $W $l235 20 $SEQB
+}
+call5() {  # the last capacity row and the 8-bit state on the normal step
+  local l17=31
+  [ "${SIZE:-}" = small ] && l17=2
+  row $((T + 90)) $C +activations-backward $W $l17 20 $SEQB
+  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
 }
 call4() {  # start-up: new pinned memory by route
   for route in threads numpy fresh; do row 90 bench/tpu/startup_probe.py $route $MIB 4; done
 }
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;;
-  all) call1; call2; call3; call4 ;;
-  *) echo "usage: $0 1|2|3|4|all" >&2; exit 2 ;;
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;;
+  all) call1; call2; call3; call4; call5 ;;
+  *) echo "usage: $0 1|2|3|4|5|all" >&2; exit 2 ;;
 esac
 echo "results: $OUT"
