@@ -120,6 +120,7 @@ def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -
     record: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                               "seq": seq, "batch": batch, "backend": jax.default_backend()}
     model, state, grad_step = start(shape, name, record)
+    progress(record, "started")
     step = eqx_offload.filter_jit(donate=("model", "state"))(
         lambda model, state, tokens: grad_step(model, state, tokens, None))
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, shape.vocab)
@@ -129,6 +130,7 @@ def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -
         model, state, loss = step(model, state, tokens)
         losses.append(float(loss))
         times.append(time.perf_counter() - began)
+        progress({**record, "losses": losses, "step_s": times}, f"step {len(times)}")
         if time.perf_counter() - STARTED + times[-1] > SECONDS:
             break  # (the next step would pass the row's time: report the steps run)
     stats = jax.devices()[0].memory_stats() or {}
@@ -137,6 +139,12 @@ def main(name: str, width: int, layers: int, steps: int, seq: int, batch: int) -
                   resident_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   falls=losses[-1] < losses[0])
     return record
+
+
+def progress(record: dict[str, Any], phase: str) -> None:
+    """A progress line (printed, not kept): the row's record so far and its `phase`, so
+    that a row stopped by `bench/tpu/next.sh` says how far it came."""
+    print(json.dumps({**record, "phase": phase, "resident": resident()}), flush=True)
 
 
 def emit(result: dict[str, Any], file: str) -> None:

@@ -10,16 +10,19 @@
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
-# stopped.jsonl) when the host's available memory falls under FLOOR_GIB (default 3), and
-# the capacity rows' sizes keep their planned host bytes under the host's available
-# memory after the TPU runtime started (42.8 GB measured on 2026-12-06: the runtime's own
-# share is 5.1 GB of RAM, though its RSS is 13.9 GB).
+# stopped.jsonl, with the row's last progress line) when the memory left falls under
+# FLOOR_GIB (default 3): the least of the host's MemAvailable, the cgroup's limit less its
+# use, and the machine's RAM_GIB (default 40, what the device machine is lent) less the
+# resident memory of every process of this user. (On 2026-12-06 a row was lost with
+# MemAvailable still high: the machine counts resident memory against its 40 GiB, and the
+# TPU runtime's process holds ~14 GB resident.)
 set -u
 cd "$(dirname "$0")/../.."
 CALL=${1:-1}
 OUT=${OUT:-$(mktemp -d)}
 export OUT
 FLOOR_GIB=${FLOOR_GIB:-3}
+RAM_GIB=${RAM_GIB:-40}
 if [ "${SIZE:-}" = small ]; then
   # Every row's script, at a size the CPU runs in seconds: width 128, 2 layers,
   # sequence 32, batch 2 (4 layers where a row tests a larger model).
@@ -30,17 +33,33 @@ else
   W=2048; L8=8; LBIG=40; SEQB="1024 4"; STEPS=6; MIB=1024; T=170
 fi
 
+left_gib() {  # the memory left for rows, in GiB: the least of the three measures above
+  local kib rss d lim use
+  kib=$(awk '/MemAvailable/ { print $2 }' /proc/meminfo)
+  for d in "/sys/fs/cgroup$(awk -F: '$1 == "0" { print $3 }' /proc/self/cgroup)" \
+           "/sys/fs/cgroup/memory$(awk -F: '$2 == "memory" { print $3 }' /proc/self/cgroup)"; do
+    lim=$(cat "$d/memory.max" "$d/memory.limit_in_bytes" 2> /dev/null | head -1)
+    use=$(cat "$d/memory.current" "$d/memory.usage_in_bytes" 2> /dev/null | head -1)
+    if [ -n "$lim" ] && [ "$lim" != max ] && [ "${#lim}" -lt 16 ] && [ -n "$use" ]; then
+      kib=$(( (lim - use) / 1024 < kib ? (lim - use) / 1024 : kib ))
+    fi
+  done
+  rss=$(ps -u "$(id -u)" -o rss= | awk '{ s += $1 } END { print s + 0 }')
+  kib=$(( RAM_GIB * 1048576 - rss < kib ? RAM_GIB * 1048576 - rss : kib ))
+  echo $(( kib / 1048576 ))
+}
+
 row() {  # SECONDS SCRIPT ARGS...: one process, stopped if the host runs low on memory
-  local limit=$1 log pid avail
+  local limit=$1 log pid left
   shift
   log=$(mktemp)
   ROW_SECONDS=$((limit - 15)) setsid timeout "$limit" "${PYTHON:-python3}" -W ignore "$@" > "$log" 2>&1 &
   pid=$!
   while kill -0 "$pid" 2> /dev/null; do
-    avail=$(awk '/MemAvailable/ { print int($2 / 1048576) }' /proc/meminfo)
-    if [ "$avail" -lt "$FLOOR_GIB" ]; then
+    left=$(left_gib)
+    if [ "$left" -lt "$FLOOR_GIB" ]; then
       kill -9 -- "-$pid" 2> /dev/null
-      echo "{\"row\": \"$*\", \"error\": \"stopped: the host's available memory fell to $avail GiB\"}" \
+      { grep '^{' "$log" | tail -1; echo "{\"row\": \"$*\", \"error\": \"stopped: the memory left fell to $left GiB\"}"; } \
         | tee -a "$OUT/stopped.jsonl"
     fi
     sleep 0.5
@@ -66,17 +85,21 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
   row $T $TP state-backward $W $L8 16 4 $SEQB
   row $T $C state-backward $W $LBIG 4 $SEQB
 }
-call3() {  # capacity with everything in host memory, the state in 8 bits, bf16, fp32:
-  # 20 steps; bf16 and fp32 with the stacked blocks updated in the backward pass
-  local l17=31 l235=44 l29=54 t=$((T + 90))
-  [ "${SIZE:-}" = small ] && { l17=2; l235=2; l29=2; t=$T; }
-  row $t $C +activations-int8state $W $l29 20 $SEQB
-  row $t $C +activations-bf16state-backward $W $l235 20 $SEQB
+# The capacity rows' sizes: the largest whose planned host bytes (14, 10 and 8 a
+# parameter, and the layer inputs) stay under ~23 GB, what a process holds above the
+# runtime's ~15 GB resident before the guard stops it: fp32 state 26 layers (1.47B),
+# bf16 state 38 (2.08B), 8-bit state 48 (2.60B).
+call3() {  # capacity with everything in host memory, the state in 8 bits and bf16:
+  # 20 steps; bf16 with the stacked blocks updated in the backward pass
+  local l2=38 l8=48 t=$((T + 90))
+  [ "${SIZE:-}" = small ] && { l2=2; l8=2; t=$T; }
+  row $t $C +activations-int8state $W $l8 20 $SEQB
+  row $t $C +activations-bf16state-backward $W $l2 20 $SEQB
 }
-call5() {  # the last capacity row and the 8-bit state on the normal step
-  local l17=31
-  [ "${SIZE:-}" = small ] && l17=2
-  row $((T + 90)) $C +activations-backward $W $l17 20 $SEQB
+call5() {  # the fp32-state capacity row; the 8-bit state on the normal step at 542M
+  local l4=26
+  [ "${SIZE:-}" = small ] && l4=2
+  row $((T + 90)) $C +activations-backward $W $l4 20 $SEQB
   row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
 }
 call4() {  # start-up: new pinned memory by route
