@@ -64,6 +64,21 @@ def is_host(leaf: Any) -> bool:
 Destination = Union[jax.sharding.Sharding, Any]
 
 
+def packed_vector(aval: Any) -> bool:
+    """Whether `aval` (an array or its type) is a vector or a scalar of a dtype under 32
+    bits (bf16, fp8, int8): one row of a stacked array of such values cannot be copied
+    between a TPU and host memory (a TPU packs 2 or 4 of them into one 32-bit word
+    along the second-to-last axis; "On a TPU" in `docs/models.md`)."""
+    return len(aval.shape) <= 1 and aval.dtype.itemsize < 4
+
+
+def stacked_packed_vector(leaf: Any) -> bool:
+    """Whether `leaf` is a stacked host array whose layers are `packed_vector`s: one
+    layer of it cannot be sliced out of (or written into) host memory on a TPU, so it
+    moves whole."""
+    return is_host(leaf) and packed_vector(jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype))
+
+
 def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
     return TracedMoveError(
         f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "

@@ -24,6 +24,7 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from .._core.errors import OptionError
+from .._core.placement import packed_vector
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -197,14 +198,6 @@ def union(*policies: Optional[Policy]) -> Optional[Policy]:
     if not present:
         return None
     return present[0] if len(present) == 1 else _Union(present)
-
-
-def packed_vector(aval: Any) -> bool:
-    """Whether `aval` (an array or its type) is a vector or a scalar of a dtype under 32
-    bits (bf16, fp8, int8): one row of a stacked array of such values cannot be copied
-    between a TPU and host memory (a TPU packs 2 or 4 of them into one 32-bit word
-    along the second-to-last axis; "On a TPU" in `docs/models.md`)."""
-    return len(aval.shape) <= 1 and aval.dtype.itemsize < 4
 
 
 def _outputs(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> list[Any]:

@@ -17,12 +17,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
 from .._core.errors import CompositionError, OptionError, see
-from .._core.placement import is_host
+from .._core.placement import is_host, stacked_packed_vector
 from .._stream.backward import hook_for
 from .backward import scan_hooked
 from .params import fetch
 from .prefetch import offload_input as _offload_input, prefetched_scan
-from .remat import in_a_scan, LAYER_INPUT, offload_names, packed_vector, Policy, union
+from .remat import in_a_scan, LAYER_INPUT, offload_names, Policy, union
 
 
 _M = TypeVar("_M")
@@ -196,14 +196,8 @@ def _has_a_next_layer(dynamic: Any) -> bool:
     return any(is_host(a) for a in leaves) and leaves[0].shape[0] > 1
 
 
-def _packed_vector(a: Any) -> bool:
-    """Whether `a` is a stacked host leaf whose layers are vectors (or scalars) of a
-    dtype narrower than 32 bits (bf16, fp8, int8)."""
-    return is_host(a) and packed_vector(jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
-
-
 def _fetch_packed_vectors(dynamic: Any) -> Any:
-    """`dynamic` with each `_packed_vector` leaf brought to the device whole, before
+    """`dynamic` with each `stacked_packed_vector` leaf brought to the device whole, before
     the scan: a TPU tiles the two minor axes of an array and packs 2 (bf16) or 4 (int8,
     fp8) elements of the second-minor one into one 32-bit word, so it cannot copy one
     row of an `(L, D)` bf16 array out of host memory (XLA:TPU: "Sublane slicing size
@@ -213,7 +207,7 @@ def _fetch_packed_vectors(dynamic: Any) -> Any:
     major axis, which any dtype allows. One move per leaf: under differentiation, one
     move of several leaves would mark an integer leaf as differentiated."""
     def one(a: Any) -> Any:
-        return fetch(a) if _packed_vector(a) else a
+        return fetch(a) if stacked_packed_vector(a) else a
     return jtu.tree_map(one, dynamic)
 
 

@@ -36,7 +36,7 @@ import jax.tree_util as jtu
 from .._core.errors import CompositionError
 from .._core.leaves import is_none
 from .._core.move import move, to_host
-from .._core.placement import is_host
+from .._core.placement import is_host, stacked_packed_vector
 
 
 Update = Callable[[list[Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
@@ -244,6 +244,16 @@ class UpdateScan:
         diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
         top = self.length - 1
         weights = list(leaves)
+        # State leaves a TPU cannot slice a layer of in host memory (a bf16 moment of a
+        # norm scale: `stacked_packed_vector`) are updated on the device whole, as the
+        # layer scan does with such weights; they are small.
+        # The update is handed their layer's slice in host memory, as the others'.
+        whole = [stacked_packed_vector(s) for s in state]
+        state = [fetch(s) if w else s for s, w in zip(state, whole, strict=True)]
+
+        def state_slices(i: Any, state: list[Any]) -> list[Any]:
+            return [to_host(_slice(s, i)) if w else _slice(s, i)
+                    for s, w in zip(state, whole, strict=True)]
 
         def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
                       state: list[Any], h: Any) -> Any:
@@ -266,7 +276,7 @@ class UpdateScan:
                 g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
                            for a, d in zip(acc, g_layer, strict=True)]
             todo = (i, [a[None] for a in g_layer], [a[None] for a in layer],
-                    [_slice(s, i) for s in state])
+                    state_slices(i, state))
             return todo, g_h, g_c, preceding
 
         def update(todo: Any) -> Any:
@@ -289,7 +299,7 @@ class UpdateScan:
         # written over that one later. (Running the last layer's VJP before the loop
         # instead would compile it apart from the others, with other roundings.)
         pieces = [jnp.zeros((1,) + a.shape[1:], a.dtype) for a in leaves]
-        todo = (top, pieces, pieces, [_slice(s, top) for s in state])
+        todo = (top, pieces, pieces, state_slices(top, state))
         done = (top, fetch([_slice(a, top) for a in weights]), fetch([_slice(s, top) for s in state]))
         g_consts = _zeros_like_inexact(diff)
         (g_x, _, g_consts, weights, state, todo, done), _ = jax.lax.scan(
@@ -297,6 +307,7 @@ class UpdateScan:
             (jnp.arange(self.length), inputs), reverse=True, unroll=self.unroll)
         weights, state = _written(weights, state, done)
         weights, state = _written(weights, state, update(todo))
+        state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
         return weights, g_x, g_consts, state
 
 

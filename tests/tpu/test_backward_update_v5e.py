@@ -53,3 +53,50 @@ def test_the_fused_step_plans_below_the_normal_step(tpu: Any) -> None:
     # step count), and every host output of the normal step aliases its input.
     assert fused_stored == normal_stored
     assert normal_host == normal_stored
+
+
+def plan_modes(modes: list[str], width: int, layers: int, seq: int,
+               batch: int) -> dict[str, Any]:
+    """(In a child, with `TPU_ENV`.) For each mode of `bench/tpu/capacity_chip.py`: the
+    v5e plan's unaliased host output bytes and host argument bytes of its donated step,
+    and the bytes it stores in host memory; or the error."""
+    sys.path.insert(0, BENCH)
+    sys.path.insert(0, BENCH + "/tpu")
+    import capacity_chip
+    import jax
+    import jax.numpy as jnp
+
+    found: dict[str, Any] = {}
+    for mode in modes:
+        start, grad_step = capacity_chip.trainer(
+            capacity_chip.shape_of(width, layers, seq, batch), mode)
+        model, state = eqx_offload.checkpoint.filter_eval_shape(start, jax.random.key(0))
+        step = eqx_offload.filter_jit(donate=("model", "state"))(
+            lambda model, state, tokens: grad_step(model, state, tokens, None))
+        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=(
+            jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+        try:
+            plan = eqx_offload.plan(step, model, state, tokens, target="v5e")
+        except eqx_offload.errors.PlanError as e:
+            found[mode] = str(e)[:300]
+            continue
+        stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((model, state))
+                     if x.sharding.memory_kind == "pinned_host")
+        found[mode] = [plan.unaliased_host_output_bytes, plan.host_argument_bytes, stored]
+    return found
+
+
+def test_every_mode_with_host_state_compiles_and_aliases(tpu: Any) -> None:
+    """The update inside the backward pass with the state (and weights) in host memory,
+    in fp32 and bf16, compiles for a v5e (a bf16 moment of a stacked norm scale is
+    updated on the device whole: XLA:TPU cannot slice one row of it in host memory), and
+    every host output reuses its donated input's buffer."""
+    modes = ["state-backward", "state-bf16state-backward", "+activations-backward",
+             "+activations-bf16state-backward"]
+    found = call_isolated(plan_modes, modes, 256, 2, 128, 2,
+                          env={**TPU_ENV, "PYTHONPATH": PACKAGE})
+    for mode in modes:
+        assert isinstance(found[mode], list), (mode, found[mode])
+        unaliased, arguments, stored = found[mode]
+        assert unaliased == 0, mode
+        assert stored <= arguments <= stored + stored // 100, (mode, arguments, stored)
