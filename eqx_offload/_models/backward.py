@@ -22,6 +22,7 @@ import optax
 
 from .._core.errors import CompositionError, OptionError, StateError
 from .._core.placement import is_host
+from .._optim.quantize import CODE_DTYPE
 from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
 )
@@ -264,9 +265,15 @@ def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) ->
         raise OptionError("update_in_backward(layers=...): select stacked layers (every "
                           "array leaf with the same leading axis, the number of layers)."
                           f"\nSee {DOCS}.")
-    check_separable(transformation, params, in_layers)
     layers_half, _ = halves(params, in_layers)
     state = jax.eval_shape(transformation.init, layers_half)
+    if any(a.dtype == CODE_DTYPE for a in jtu.tree_leaves(state)):
+        raise CompositionError(
+            "Use host_dtype=jnp.bfloat16 with update_in_backward, or the normal step "
+            "for 8-bit state.\nupdate_in_backward: the 8-bit state of "
+            "offloaded(..., host_dtype=jnp.int8) is not updated layer by layer (its "
+            f"packed codes are not floating, and a stack of vectors shares scales).\nSee {DOCS}.")
+    check_separable(transformation, params, in_layers)
     return _Plan(treedef, in_layers, jtu.tree_structure(state),
                  tuple(per_layer(transformation, layers_half)))
 

@@ -264,6 +264,21 @@ def test_refuses_an_update_that_needs_every_gradient(optimizer: Any, named: str)
     assert len(message.splitlines()) <= 4
 
 
+def test_refuses_8_bit_state() -> None:
+    """8-bit state is refused at `init`, naming bf16 state or the normal step."""
+    opt = eqx_offload.update_in_backward(
+        eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.int8),
+        layers=lambda m: m["blocks"])
+    keys = jax.random.split(jax.random.key(0), 2)  # (8,192 values: kept quantised)
+    model = {"blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 64, key=k))(keys)}
+    with pytest.raises(CompositionError) as info:
+        opt.init(model)
+    message = str(info.value)
+    assert message.startswith("Use host_dtype=jnp.bfloat16 with update_in_backward")
+    assert "models/#the-update-inside-the-backward-pass" in message
+    assert len(message.splitlines()) <= 4
+
+
 def test_refuses_multi_steps() -> None:
     with pytest.raises(CompositionError, match="accumulated="):
         eqx_offload.update_in_backward(optax.MultiSteps(optax.adam(1e-2), 2),
