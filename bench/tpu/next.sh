@@ -7,6 +7,7 @@
 #   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): the capacity rows (everything in host)
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
 #   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): the fp32-state capacity row; 8-bit 542M
+#   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -102,12 +103,17 @@ call5() {  # the fp32-state capacity row; the 8-bit state on the normal step at 
   row $((T + 90)) $C +activations-backward $W $l4 20 $SEQB
   row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
 }
+call6() {  # where the host's resident memory goes: primitives, then each start-up program
+  row $T bench/tpu/host_rss.py primitives $MIB
+  row $T bench/tpu/host_rss.py startup +activations-bf16state $W $L8 2
+  row $T bench/tpu/host_rss.py startup state $W $L8 2
+}
 call4() {  # start-up: new pinned memory by route
   for route in threads numpy fresh; do row 90 bench/tpu/startup_probe.py $route $MIB 4; done
 }
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;;
-  all) call1; call2; call3; call4; call5 ;;
-  *) echo "usage: $0 1|2|3|4|5|all" >&2; exit 2 ;;
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;;
+  all) call1; call2; call3; call4; call5; call6 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|all" >&2; exit 2 ;;
 esac
 echo "results: $OUT"
