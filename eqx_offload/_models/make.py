@@ -230,20 +230,38 @@ def _zeros(x: Any) -> jax.Array:
     return jnp.zeros(x.shape, x.dtype)
 
 
+def _host_zeros(x: Any) -> jax.Array:
+    """`_zeros` as the host's CPU makes them: a floating dtype under 32 bits (bf16) as
+    the zeros of an unsigned integer of its width, bitcast (the same bits, +0.0).
+    XLA:CPU computes bf16 in float32, a temporary twice the leaf that a TPU runtime's
+    host allocator keeps resident after it is freed."""
+    dtype = jnp.dtype(x.dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        bits = jnp.zeros(x.shape, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+        return jax.lax.bitcast_convert_type(bits, dtype)
+    return _zeros(x)
+
+
 def _buffers_program(leaves: Sequence[Any]) -> Any:
     """Zeros of each leaf's shape in its memory: those in host memory made by the
-    host's CPU (`compute_on("device_host")`), so no byte of them is on the device."""
+    host's CPU (`compute_on("device_host")`), so no byte of them is on the device, one
+    program a leaf (on a TPU, a program of several host outputs held a temporary of
+    about one more output in host memory, which the runtime's host allocator keeps)."""
     host = [_on_host(x) for x in leaves]
+    device = [x for x, h in zip(leaves, host, strict=True) if not h]
+    on_device = filter_jit(lambda: [_zeros(x) for x in device])
 
     def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
         del layer, dynamic
-        on_host = [x for x, h in zip(leaves, host, strict=True) if h]
-        made = iter(host_compute(lambda: [_zeros(x) for x in on_host],
-                                 compute_type="device_host",
-                                 out_memory_spaces=[_HOST] * len(on_host))()
-                    if on_host else [])
-        return [next(made) if h else _zeros(x) for x, h in zip(leaves, host, strict=True)]
-    return filter_jit(buffers)
+        made = iter(on_device() if device else [])
+        return [_host_program(x)() if h else next(made) for x, h in zip(leaves, host, strict=True)]
+    return buffers
+
+
+def _host_program(x: Any) -> Any:
+    """The program that makes `_host_zeros(x)` in host memory, on the host's CPU."""
+    return filter_jit(host_compute(lambda: _host_zeros(x), compute_type="device_host",
+                                   out_memory_spaces=_HOST))
 
 
 def _layers_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]) -> Any:

@@ -16,7 +16,7 @@ import pytest
 
 import eqx_offload
 from eqx_offload._models import make
-from helpers import assert_tree_equal, count_compiles, memory_kinds
+from helpers import assert_tree_equal, count_compiles, memory_kinds, walk_eqns
 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
@@ -159,3 +159,20 @@ def test_trains_after_filter_make() -> None:
     assert model.blocks.mlp.up.weight.is_deleted()
     assert new_model.blocks.mlp.up.weight.sharding.memory_kind == "pinned_host"
     assert new_state.inner_state.master.blocks.mlp.up.weight.sharding.memory_kind == "pinned_host"
+
+
+def test_a_host_buffer_is_zeros_of_its_width_made_alone() -> None:
+    """Each stacked leaf's host buffer is made by a program of its own, a bf16 one as
+    the zeros of a 16-bit integer bitcast: no float32 temporary (XLA:CPU computes bf16
+    in float32), which a TPU runtime's host allocator kept resident (measured on a
+    v5e, 2026-12-06: docs/capacity.md)."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16, sharding=host)
+    jaxpr = jax.make_jaxpr(lambda: make._host_zeros(x))()
+    made = {v.aval.dtype for eqn in walk_eqns(jaxpr) for v in eqn.outvars}
+    assert jnp.dtype(jnp.float32) not in made and jnp.dtype(jnp.bfloat16) in made
+    out = make._host_program(x)()
+    assert out.sharding.memory_kind == "pinned_host"
+    assert_tree_equal(out, jnp.zeros((4, 8), jnp.bfloat16))
+    buffers = make._buffers_program([x, x])(jnp.int32(0), None)
+    assert [b.sharding.memory_kind for b in buffers] == ["pinned_host"] * 2
