@@ -44,3 +44,16 @@ def test_the_first_call_runs_every_row_at_a_small_size(tmp_path: pathlib.Path) -
 def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None:
     rows = _next("4", tmp_path, FLOOR_GIB="100000")  # (no host has that much free)
     assert rows and all("stopped" in r.get("error", "") for r in rows)
+
+
+@pytest.mark.parametrize("call", ["3", "5", "6"])
+def test_the_capacity_and_host_memory_calls_run_at_a_small_size(
+        call: str, tmp_path: pathlib.Path) -> None:
+    rows = _next(call, tmp_path)
+    assert len(rows) == {"3": 2, "5": 2, "6": 3}[call]
+    for row in rows:
+        assert "error" not in row, row
+        if "stages" in row:  # (host_rss.py: resident memory, stage by stage)
+            assert row["stages"] and all(s["rss_gb"] >= 0 for s in row["stages"])
+        else:
+            assert len(row["losses"]) == (2 if "tokens_per_step" in row else 20)  # (throughput)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The chip's rows for this round, most telling first, one process per row, each result a
-# JSON line under $OUT (capacity.jsonl, throughput.jsonl, startup.jsonl, stopped.jsonl).
+# JSON line under $OUT (capacity, throughput, startup, host_rss and stopped .jsonl).
 #
 #   bash bench/tpu/next.sh 1    # call 1 (<= 9 min): the update in the backward pass, 542M
 #   bash bench/tpu/next.sh 2    # call 2 (<= 9 min): 64k tokens a step; past 2B; 8-bit
-#   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): the capacity rows (everything in host)
+#   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): capacity, everything in host, bf16/fp32
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
-#   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): the fp32-state capacity row; 8-bit 542M
+#   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
@@ -86,21 +86,22 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
   row $T $TP state-backward $W $L8 16 4 $SEQB
   row $T $C state-backward $W $LBIG 4 $SEQB
 }
-# The capacity rows' sizes: the largest whose planned host bytes (14, 10 and 8 a
-# parameter, and the layer inputs) stay under ~23 GB, what a process holds above the
-# runtime's ~15 GB resident before the guard stops it: fp32 state 26 layers (1.47B),
-# bf16 state 38 (2.08B), 8-bit state 48 (2.60B).
-call3() {  # capacity with everything in host memory, the state in 8 bits and bf16:
-  # 20 steps; bf16 with the stacked blocks updated in the backward pass
-  local l2=38 l8=48 t=$((T + 90))
-  [ "${SIZE:-}" = small ] && { l2=2; l8=2; t=$T; }
-  row $t $C +activations-int8state $W $l8 20 $SEQB
+# The capacity rows' sizes: the next depth past what trained on 2026-12-06
+# (bench/results/tpu-v5e-2026-12-06b/: fp32 state 24 layers, bf16 state 38 layers, with
+# the update in the backward pass; the process then held 37.5 and 35.3 GB resident, of
+# the guard's 40 GiB less 3), and 8-bit state on the normal step (8-bit state is not
+# updated in the backward pass), whose step holds the blocks' bf16 gradients in host
+# memory too.
+call3() {  # capacity with everything in host memory: 20 steps each
+  local l2=40 l4=26 t=$((T + 90))
+  [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
   row $t $C +activations-bf16state-backward $W $l2 20 $SEQB
+  row $t $C +activations-backward $W $l4 20 $SEQB
 }
-call5() {  # the fp32-state capacity row; the 8-bit state on the normal step at 542M
-  local l4=26
-  [ "${SIZE:-}" = small ] && l4=2
-  row $((T + 90)) $C +activations-backward $W $l4 20 $SEQB
+call5() {  # 8-bit state: a capacity row on the normal step, and 542M's step time
+  local l8=32
+  [ "${SIZE:-}" = small ] && l8=2
+  row $((T + 90)) $C +activations-int8state $W $l8 20 $SEQB
   row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
 }
 call6() {  # where the host's resident memory goes: primitives, then each start-up program
