@@ -127,6 +127,7 @@ class Program:
     kind: str
     indices: tuple[int, ...]
     layers: int = 1
+    planned: Any = None  # what a plan compiles in its place (the buffers: one program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +201,10 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                 for g in _groups(whole, full, group_bytes)]
     for n in sorted(set(by_layer.values())):
         indices = tuple(i for i, m in by_layer.items() if m == n)
+        buffers = [full[i] for i in indices]
         programs.append(Program(f"buffers of {len(indices)} stacked leaves",
-                                _buffers_program([full[i] for i in indices]), "buffers", indices))
+                                _buffers_program(buffers), "buffers", indices,
+                                planned=_buffers_plan(buffers)))
         programs.append(Program(f"{n} layers of {len(indices)} stacked leaves",
                                 _layers_program(fun, static, indices), "layers", indices, n))
     return Route(abstract, tuple(programs), dynamic, static)
@@ -256,6 +259,23 @@ def _buffers_program(leaves: Sequence[Any]) -> Any:
         made = iter(on_device() if device else [])
         return [_host_program(x)() if h else next(made) for x, h in zip(leaves, host, strict=True)]
     return buffers
+
+
+def _buffers_plan(leaves: Sequence[Any]) -> Any:
+    """`_buffers_program` as one program, for a plan: the same outputs in the same
+    memories, made where it makes them (the host's own temporaries are not in a
+    TPU plan)."""
+    host = [_on_host(x) for x in leaves]
+
+    def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
+        del layer, dynamic
+        on_host = [x for x, h in zip(leaves, host, strict=True) if h]
+        made = iter(host_compute(lambda: [_host_zeros(x) for x in on_host],
+                                 compute_type="device_host",
+                                 out_memory_spaces=[_HOST] * len(on_host))()
+                    if on_host else [])
+        return [next(made) if h else _zeros(x) for x, h in zip(leaves, host, strict=True)]
+    return filter_jit(buffers)
 
 
 def _host_program(x: Any) -> Any:

@@ -180,4 +180,4 @@ def _plan_program(program: Program, leaves: list[Any], layer: Any, dynamic: Any,
     if program.kind == "layers":
         buffers = [leaves[i] for i in program.indices]
         return plan(program.fun, buffers, layer, dynamic, target=target)
-    return plan(program.fun, layer, dynamic, target=target)
+    return plan(program.planned or program.fun, layer, dynamic, target=target)
