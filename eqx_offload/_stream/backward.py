@@ -186,7 +186,7 @@ class UpdateScan:
     flat stacked weight leaves (`on_host`: which are in host memory), `length` layers,
     the closure-converted layer computation less its consts (`converted`),
     `save_input` (moves a layer's input to host memory for the backward pass, or
-    `None`), `unroll` and the per-layer `update`."""
+    `None`), `unroll`, the per-layer `update` and `whole_state`."""
 
     on_host: list[bool]
     length: int
@@ -194,6 +194,11 @@ class UpdateScan:
     save_input: Optional[Callable[[Any], Any]]
     unroll: int
     update: Update
+    # Per state leaf: updated on the device whole (fetched before the backward scan, back
+    # to host after it), where a TPU cannot slice a layer of it in host memory (a bf16
+    # moment of a norm scale: `stacked_packed_vector`), as the layer scan does with such
+    # weights; they are small. The update is still handed host slices of them.
+    whole_state: list[bool]
 
     def apply(self, layer: list[Any], h: Any, consts: Any, batched: Any) -> Any:
         def one(h: Any, consts: Any) -> Any:
@@ -226,6 +231,14 @@ class UpdateScan:
             body, (x, first), (jnp.arange(self.length), device_leaves), unroll=self.unroll)
         return (out, (inputs, last)) if save else out
 
+    def update_layer(self, todo: Any, shared: list[Any]) -> Any:
+        """The update stage: `todo` (`(i, gradient, weights, state slices)` of layer
+        `i`) as `(i, new weights, new state slices on the device)`."""
+        i, g_layer, layer, state_slices = todo
+        with one_layer():
+            new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
+        return i, new_layer, fetch(new_state)
+
     def backward(self, leaves: list[Any], consts: Any, state: list[Any], shared: list[Any],
                  acc: Optional[list[Any]], residuals: Any, g: Any, batched: Any) -> Any:
         """From the last layer down, a pipeline of three stages per iteration `i`:
@@ -244,16 +257,8 @@ class UpdateScan:
         diff, nondiff = eqx.partition(consts, eqx.is_inexact_array)
         top = self.length - 1
         weights = list(leaves)
-        # State leaves a TPU cannot slice a layer of in host memory (a bf16 moment of a
-        # norm scale: `stacked_packed_vector`) are updated on the device whole, as the
-        # layer scan does with such weights; they are small.
-        # The update is handed their layer's slice in host memory, as the others'.
-        whole = [stacked_packed_vector(s) for s in state]
+        whole = self.whole_state
         state = [fetch(s) if w else s for s, w in zip(state, whole, strict=True)]
-
-        def state_slices(i: Any, state: list[Any]) -> list[Any]:
-            return [to_host(_slice(s, i)) if w else _slice(s, i)
-                    for s, w in zip(state, whole, strict=True)]
 
         def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
                       state: list[Any], h: Any) -> Any:
@@ -276,14 +281,11 @@ class UpdateScan:
                 g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
                            for a, d in zip(acc, g_layer, strict=True)]
             todo = (i, [a[None] for a in g_layer], [a[None] for a in layer],
-                    state_slices(i, state))
+                    _state_slices(state, whole, i))
             return todo, g_h, g_c, preceding
 
         def update(todo: Any) -> Any:
-            i, g_layer, layer, state_slices = todo
-            with one_layer():
-                new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
-            return i, new_layer, fetch(new_state)
+            return self.update_layer(todo, shared)
 
         def body(carry: Any, xs: Any) -> tuple[Any, None]:
             g, current, g_consts, weights, state, todo, done = carry
@@ -299,7 +301,7 @@ class UpdateScan:
         # written over that one later. (Running the last layer's VJP before the loop
         # instead would compile it apart from the others, with other roundings.)
         pieces = [jnp.zeros((1,) + a.shape[1:], a.dtype) for a in leaves]
-        todo = (top, pieces, pieces, state_slices(top, state))
+        todo = (top, pieces, pieces, _state_slices(state, whole, top))
         done = (top, fetch([_slice(a, top) for a in weights]), fetch([_slice(s, top) for s in state]))
         g_consts = _zeros_like_inexact(diff)
         (g_x, _, g_consts, weights, state, todo, done), _ = jax.lax.scan(
@@ -309,6 +311,13 @@ class UpdateScan:
         weights, state = _written(weights, state, update(todo))
         state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
         return weights, g_x, g_consts, state
+
+
+def _state_slices(state: list[Any], whole: list[bool], i: Any) -> list[Any]:
+    """Layer `i`'s slice of each state leaf, in host memory (a `whole` one, on the
+    device, sliced there and moved)."""
+    return [to_host(_slice(s, i)) if w else _slice(s, i)
+            for s, w in zip(state, whole, strict=True)]
 
 
 def _written(weights: list[Any], state: list[Any], done: Any) -> tuple[list[Any], list[Any]]:
@@ -383,7 +392,8 @@ def update_scan(leaves: list[Any], x: Any, layer_call: Callable[[list[Any], Any]
     converted = eqx.filter_closure_convert(layer_call, example, x)
     consts, conv_static = eqx.partition(converted, eqx.is_array)
     scan = UpdateScan([is_host(a) for a in leaves], leaves[0].shape[0], conv_static,
-                      save_input, unroll, hook.update)
+                      save_input, unroll, hook.update,
+                      [stacked_packed_vector(s) for s in hook.state])
     forward_only, forward_saving = _forward_pass(scan, False), _forward_pass(scan, True)
     backward = _backward_pass(scan)
 
