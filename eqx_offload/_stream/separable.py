@@ -45,7 +45,8 @@ _ELEMENTWISE = frozenset("""
     erf erf_inv exp exp2 expm1 floor ge gt imag integer_pow is_finite le log log1p
     logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round
     rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
-    device_put optimization_barrier
+    device_put optimization_barrier eq_to le_to lt_to shift_left shift_right_logical
+    shift_right_arithmetic population_count
 """.split())
 _REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
                         "argmax argmin".split())
@@ -122,9 +123,70 @@ def _rule(eqn: Any, ins: list[Mark]) -> list[Mark]:
         if any(len(s) not in (0, out_rank) for s in shapes) or len(set(axes)) != 1:
             raise Mixes("operands of different shapes")
         return [Mark(groups, axes[0]) for _ in eqn.outvars]
+    if name == "scan":
+        return _scan(eqn, ins)
+    if name == "gather":
+        return [Mark(groups, _gather_axis(eqn, ins, shapes))]
+    if name == "pad":  # (the operand, and a padding value of no layer)
+        if BLOCK in ins[1].groups or ins[0].axis is None:
+            raise Mixes("a padding value of the layers")
+        low, high, interior = eqn.params["padding_config"][ins[0].axis]
+        if (low, high, interior) != (0, 0, 0):
+            raise Mixes("a pad of the layer axis")
+        return [Mark(groups, ins[0].axis)]
+    if name == "concatenate":
+        if any(BLOCK not in m.groups for m in ins) or len(set(axes)) != 1:
+            raise Mixes("a concatenation of the layers with other values")
+        if axes[0] is None or eqn.params["dimension"] == axes[0]:
+            raise Mixes("a concatenation along the layer axis")
+        return [Mark(groups, axes[0])]
     if len(eqn.invars) == 1 or name in _REDUCTIONS or name == "dot_general":
         return [Mark(groups, _unary_axis(eqn, name, ins, shapes))]
     raise Mixes("not known to treat the layers apart")
+
+
+def _join(a: Mark, b: Mark) -> Mark:
+    if BLOCK in a.groups and BLOCK in b.groups and a.axis != b.axis:
+        raise Mixes("a loop that moves the layer axis")
+    return Mark(a.groups | b.groups, a.axis if BLOCK in a.groups else b.axis)
+
+
+def _scan(eqn: Any, ins: list[Mark]) -> list[Mark]:
+    """The body walked until the carry's marks hold (a carry joins what it starts as
+    and what the body makes of it); a scan over the layer axis mixes."""
+    params = eqn.params
+    consts, n_carry = params["num_consts"], params["num_carry"]
+    xs = [m if BLOCK not in m.groups else
+          Mark(m.groups, _shifted(m.axis, -1, "a loop over the layer axis")) for m in ins[consts + n_carry:]]
+    carry = list(ins[consts:consts + n_carry])
+    for _ in range(len(carry) + 2):
+        outs = _walk(params["jaxpr"].jaxpr, ins[:consts] + carry + xs)
+        joined = [_join(c, o) for c, o in zip(carry, outs[:n_carry], strict=True)]
+        if joined == carry:
+            ys = [m if BLOCK not in m.groups else Mark(m.groups, m.axis + 1)
+                  for m in outs[n_carry:]]
+            return carry + ys
+        carry = joined
+    raise Mixes("a loop whose carry does not settle")
+
+
+def _shifted(axis: Optional[int], by: int, what: str) -> int:
+    if axis is None or axis + by < 0:
+        raise Mixes(what)
+    return axis + by
+
+
+def _gather_axis(eqn: Any, ins: list[Mark], shapes: list[Any]) -> int:
+    """A gather from values of no layer at indices of the layers (a table lookup): the
+    layer axis of the indices, at its place among the output's batch axes."""
+    operand, indices = ins
+    if BLOCK in operand.groups or indices.axis is None:
+        raise Mixes("a gather from the layers")
+    if indices.axis == len(shapes[1]) - 1:
+        raise Mixes("a gather along the layer axis")
+    offset = eqn.params["dimension_numbers"].offset_dims
+    batch = [d for d in range(len(eqn.outvars[0].aval.shape)) if d not in offset]
+    return batch[indices.axis]
 
 
 def _cond(eqn: Any, ins: list[Mark]) -> list[Mark]:
@@ -170,6 +232,17 @@ def _unary_axis(eqn: Any, name: str, ins: list[Mark], shapes: list[Any]) -> int:
         return axis - sum(1 for a in params["dimensions"] if a < axis)
     if name == "reshape":
         return _reshape_axis(shapes[0], tuple(eqn.outvars[0].aval.shape), axis)
+    if name == "slice":
+        strides = params["strides"] or (1,) * len(shapes[0])
+        if (params["start_indices"][axis], params["limit_indices"][axis],
+                strides[axis]) != (0, shapes[0][axis], 1):
+            raise Mixes("a slice of the layer axis")
+        return axis
+    if name == "bitcast_convert_type":  # (a trailing axis added or removed)
+        rank_in, rank_out = len(shapes[0]), len(eqn.outvars[0].aval.shape)
+        if axis >= min(rank_in, rank_out) or (rank_out < rank_in and axis == rank_in - 1):
+            raise Mixes("a bitcast of the layer axis")
+        return axis
     if name in _ELEMENTWISE:
         return axis
     raise Mixes("not known to treat the layers apart")
