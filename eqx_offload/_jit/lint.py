@@ -45,6 +45,9 @@ _PASS_THROUGH = frozenset({
     # Rows read from and written into a host buffer (the streamed update's pieces of a
     # stacked leaf): XLA's host offloader makes these asynchronous copies.
     "slice", "dynamic_slice", "dynamic_update_slice",
+    # The same bits read as another dtype of the same width (`update_in_backward` carries
+    # 8-bit state's uint32 codes as float32 through the backward pass): no computation.
+    "bitcast_convert_type",
 })
 # What usually puts each kind of operation on host-resident state, and the fix.
 _SELECT_HINT = (

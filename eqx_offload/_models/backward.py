@@ -22,7 +22,7 @@ import optax
 
 from .._core.errors import CompositionError, OptionError, StateError
 from .._core.placement import is_host
-from .._optim.quantize import CODE_DTYPE
+from .._optim.quantize import CODE_DTYPE, stacked
 from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
 )
@@ -44,6 +44,8 @@ class _Plan:
     in_layers: tuple[bool, ...]
     state_def: Any  # of the layers' half of the state
     stacked: tuple[bool, ...]
+    layers: int  # the number of stacked layers
+    dtypes: tuple[Any, ...]  # of the stacked state leaves, as stored
 
 
 class BackwardUpdate(Generic[_M]):
@@ -113,7 +115,8 @@ class BackwardUpdate(Generic[_M]):
         params, static = eqx.partition(model, eqx.is_array)
         plan = self._plan(model)
         layers_half, rest_half = halves(params, plan.in_layers)
-        new_layers, state_layers = self._init_half(layers_half)
+        with stacked(plan.layers):
+            new_layers, state_layers = self._init_half(layers_half)
         new_rest, state_rest = self._init_half(rest_half)
         check_not_accumulating((state_layers, state_rest))
         new_params = eqx.combine(eqx.filter(new_layers, eqx.is_array),
@@ -155,7 +158,7 @@ class BackwardUpdate(Generic[_M]):
         block = [p for p, m in zip(leaves, plan.in_layers, strict=True) if m]
         rest = [None if m else p for p, m in zip(leaves, plan.in_layers, strict=True)]
         s_leaves = jtu.tree_leaves(state.layers)
-        channel = [s for s, m in zip(s_leaves, plan.stacked, strict=True) if m]
+        channel = [as_bits(s) for s, m in zip(s_leaves, plan.stacked, strict=True) if m]
         shared = [s for s, m in zip(s_leaves, plan.stacked, strict=True) if not m]
         acc = None if accumulated is None else _accumulated_leaves(accumulated, plan)
         update = functools.partial(_layer_update, self._transformation,
@@ -187,6 +190,9 @@ class BackwardUpdate(Generic[_M]):
         new_rest, state_rest = self._update_rest(rest_grads, state.rest, rest_params)
         new_shared = _shared_update(self._transformation, self._returns_params(), plan,
                                     block, channel, shared)
+        new_channel = [from_bits(n, s) for n, s in zip(
+            new_channel, [s for s, m in zip(s_leaves, plan.stacked, strict=True) if m],
+            strict=True)]
         state_layers = jtu.tree_unflatten(plan.state_def,
                                           _merge(new_channel, new_shared, plan.stacked))
         new_params = _merge(new_block, jtu.tree_leaves(new_rest), plan.in_layers)
@@ -265,17 +271,27 @@ def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) ->
         raise OptionError("update_in_backward(layers=...): select stacked layers (every "
                           "array leaf with the same leading axis, the number of layers)."
                           f"\nSee {DOCS}.")
+    (layers,) = lengths
     layers_half, _ = halves(params, in_layers)
-    state = jax.eval_shape(transformation.init, layers_half)
-    if any(a.dtype == CODE_DTYPE for a in jtu.tree_leaves(state)):
-        raise CompositionError(
-            "Use host_dtype=jnp.bfloat16 with update_in_backward, or the normal step "
-            "for 8-bit state.\nupdate_in_backward: the 8-bit state of "
-            "offloaded(..., host_dtype=jnp.int8) is not updated layer by layer (its "
-            f"packed codes are not floating, and a stack of vectors shares scales).\nSee {DOCS}.")
-    check_separable(transformation, params, in_layers)
-    return _Plan(treedef, in_layers, jtu.tree_structure(state),
-                 tuple(per_layer(transformation, layers_half)))
+    with stacked(layers):  # (8-bit state: each layer packed apart)
+        state = jax.eval_shape(transformation.init, layers_half)
+        check_separable(transformation, params, in_layers)
+        per_leaf = tuple(per_layer(transformation, layers_half))
+    dtypes = tuple(a.dtype for a, m in zip(jtu.tree_leaves(state), per_leaf, strict=True) if m)
+    return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers, dtypes)
+
+
+def as_bits(a: Any) -> Any:
+    """A state leaf as the backward pass carries it: 8-bit state's packed codes
+    (`uint32`) as the `float32` of the same bits (the new state comes back as a
+    "gradient", which must be floating; nothing computes on these bits), else as is."""
+    return jax.lax.bitcast_convert_type(a, jnp.float32) if a.dtype == CODE_DTYPE else a
+
+
+def from_bits(a: Any, like: Any) -> Any:
+    """`as_bits` undone: `a` as the dtype of `like` (a leaf, or that dtype)."""
+    dtype = getattr(like, "dtype", like)
+    return jax.lax.bitcast_convert_type(a, dtype) if dtype == CODE_DTYPE else a
 
 
 def _accumulated_leaves(accumulated: Any, plan: _Plan) -> list[Any]:
@@ -298,12 +314,15 @@ def _layer_update(transformation: Any, returns_params: bool, plan: _Plan, g: lis
                   w: list[Any], s: list[Any], shared: list[Any]) -> tuple[list[Any], list[Any]]:
     """One layer's update (each leaf with a leading axis of 1): its new weights and its
     new per-layer state leaves."""
+    s = [from_bits(a, t) for a, t in zip(s, plan.dtypes, strict=True)]
     state = jtu.tree_unflatten(plan.state_def, _merge(s, shared, plan.stacked))
-    result, new_state = transformation.update(_tree(plan, g), state, _tree(plan, w))
+    with stacked(plan.layers):
+        result, new_state = transformation.update(_tree(plan, g), state, _tree(plan, w))
     result_leaves = jtu.tree_leaves(result)
     new_w = result_leaves if returns_params else [
         p + u for p, u in zip(w, result_leaves, strict=True)]
-    new_s = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if m]
+    new_s = [as_bits(a) for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True)
+             if m]
     return new_w, new_s
 
 
@@ -316,9 +335,9 @@ def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block
         return []
     first = [a[:1] for a in block]
     zeros = [jnp.zeros_like(a) for a in first]
-    state = jtu.tree_unflatten(plan.state_def,
-                               _merge([s[:1] for s in channel], shared, plan.stacked))
-    with one_layer():
+    slices = [from_bits(s[:1], t) for s, t in zip(channel, plan.dtypes, strict=True)]
+    state = jtu.tree_unflatten(plan.state_def, _merge(slices, shared, plan.stacked))
+    with one_layer(), stacked(plan.layers):
         _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     return [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
 

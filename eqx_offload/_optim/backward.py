@@ -22,6 +22,7 @@ import optax
 
 from .._core.errors import CompositionError, docs_link
 from .._stream import separable
+from .quantize import CODE_DTYPE
 from .._stream.backward import one_layer
 from .._stream.separable import BLOCK, Mark, REST, SHARED
 
@@ -116,7 +117,7 @@ def per_layer(transformation: Any, layers: Any) -> list[bool]:
     stacked = _changed(transformation, layers, [True] * len(leaves), _one_layer)
     state = jax.eval_shape(transformation.init, _abstract(layers, tuple))
     for s, m in zip(jtu.tree_leaves(state), stacked, strict=True):
-        if m and not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
+        if m and s.dtype != CODE_DTYPE and not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
             raise _refusal(f"a state leaf stacked per layer is of dtype {s.dtype} (the "
                            "update inside the backward pass returns the new state as a "
                            "gradient, which must be floating)")

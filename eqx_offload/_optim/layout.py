@@ -23,7 +23,7 @@ from .._core.placement import destination
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .options import Options
-from .quantize import CODE_DTYPE, dequantize, packed_shape, quantize, Quantized, specs_for
+from .quantize import CODE_DTYPE, dequantize, quantize, Quantized, specs_for
 
 
 class Cache:
@@ -139,7 +139,7 @@ def _as_computed(state: Any, abstract: Any) -> Any:
 
 def _is_packed(leaf: Any, spec: Quantized) -> bool:
     return (getattr(leaf, "dtype", None) == CODE_DTYPE
-            and tuple(getattr(leaf, "shape", ())) == packed_shape(spec.shape))
+            and tuple(getattr(leaf, "shape", ())) == spec.packed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def _narrow(options: Options, leaf: Any, spec: Any = None) -> Any:
     if options.quantized:
         if (isinstance(spec, Quantized) and isinstance(leaf, jax.Array)
                 and jnp.issubdtype(leaf.dtype, jnp.floating)):
-            return quantize(leaf, spec.signed)
+            return quantize(leaf, spec.signed, spec.rows)
         return leaf
     if (
         host_dtype is None

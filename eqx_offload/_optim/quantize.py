@@ -19,10 +19,22 @@ shorter), so every leading axis keeps its meaning: the streamed update reads and
 whole rows of a stacked leaf as it does for any other. For a last axis that is a multiple
 of 256 the blocks are torchao's and bitsandbytes' (they block the flattened array).
 Leaves of fewer than `MIN_SIZE` (4096) values keep their dtype, as in both references.
+
+Stacked layers (`stacked(layers)`, under `update_in_backward`): each layer of a state
+leaf is packed apart, so that a layer is a slice of the stored array along its leading
+axis. Only a stack of vectors `(L, n)` is stored otherwise: as `(L, 1 + e, ceil(n /
+4))`, each layer a one-row leaf, where alone it would be `(L + e, ceil(n / 4))` (the
+codes and scales are the same: blocks run along the last axis). Whether a leaf is kept
+quantised is decided by the values of the whole stack, as for the stack alone; a stack
+of scalars `(L,)` keeps its dtype.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import math
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import jax
@@ -43,6 +55,19 @@ UNSIGNED_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares"})
 RMSProp, AdaGrad)."""
 CODE_DTYPE = np.dtype(np.uint32)
 """The dtype a quantised leaf is stored in: four codes a word, then a word per scale."""
+_LAYERS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "eqx_offload_stacked_layers", default=None)
+
+
+@contextlib.contextmanager
+def stacked(layers: int) -> Iterator[None]:
+    """Within it, state leaves are those of `layers` stacked layers (or of one slice of
+    them): each layer is packed apart (see the module's docstring)."""
+    token = _LAYERS.set(layers)
+    try:
+        yield
+    finally:
+        _LAYERS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +78,24 @@ class Quantized:
     dtype: np.dtype
     shape: tuple[int, ...]
     signed: bool
+    rows: bool = False  # a stack of vectors, each layer packed as a one-row leaf
 
     @property
     def spec(self) -> jax.ShapeDtypeStruct:
         """The leaf as the update computes on it."""
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    @property
+    def packed(self) -> tuple[int, ...]:
+        """The stored shape."""
+        if self.rows:
+            return (self.shape[0], *packed_shape(self.shape[1:]))
+        return packed_shape(self.shape)
+
+    @property
+    def unpacked(self) -> tuple[int, ...]:
+        """The shape `unpack` reads the stored array as."""
+        return (self.shape[0], 1, self.shape[1]) if self.rows else self.shape
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
@@ -99,13 +137,18 @@ def spec_for(path: tuple[Any, ...], leaf: Any) -> Optional[Quantized]:
     `Quantized` for a floating array of at least `MIN_SIZE` values under a first- or
     second-moment field (the first such field on its path decides), else `None`."""
     dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+    layers = _LAYERS.get()
     if (dtype is None or shape is None or len(shape) == 0
-            or not jnp.issubdtype(dtype, jnp.floating) or int(np.prod(shape)) < MIN_SIZE):
+            or not jnp.issubdtype(dtype, jnp.floating) or (layers is not None and len(shape) < 2)):
+        return None
+    size = math.prod(shape) if layers is None else layers * math.prod(shape[1:])
+    if size < MIN_SIZE:
         return None
     for key in path:
         name = getattr(key, "name", None)  # a NamedTuple's or dataclass's field
         if name in SIGNED_FIELDS or name in UNSIGNED_FIELDS:
-            return Quantized(np.dtype(dtype), tuple(shape), name in SIGNED_FIELDS)
+            return Quantized(np.dtype(dtype), tuple(shape), name in SIGNED_FIELDS,
+                             rows=layers is not None and len(shape) == 2)
     return None
 
 
@@ -176,8 +219,11 @@ def _selected(codes: Any, table: Any) -> Any:
     return jnp.sum(jnp.where(codes[..., None] == jnp.arange(256), table, 0.0), axis=-1)
 
 
-def quantize(x: Any, signed: bool) -> Any:
-    """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device."""
+def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
+    """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device (with
+    `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`)."""
+    if rows:
+        x = x[:, None, :]
     codes, scales = codes_and_scales(x if x.ndim > 1 else x[None], signed)
     *lead, r, n = codes.shape
     words = -(-n // 4)
@@ -206,8 +252,10 @@ def unpack(packed: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
 def dequantize(packed: Any, spec: Quantized) -> Any:
     """A packed array (of `spec`'s leaf, or rows of it) back in `spec.dtype`:
     `map[code] * scale`, as torchao's `dequant_with_qmap`."""
-    codes, scales = unpack(packed, spec.shape)
+    codes, scales = unpack(packed, spec.unpacked)
     n = codes.shape[-1]
     values = _blocks(lookup(codes, spec.signed))
     values = (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
+    if spec.rows:
+        return values[..., 0, :].astype(spec.dtype)
     return (values if len(spec.shape) > 1 else values[0]).astype(spec.dtype)

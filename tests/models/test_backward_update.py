@@ -264,19 +264,58 @@ def test_refuses_an_update_that_needs_every_gradient(optimizer: Any, named: str)
     assert len(message.splitlines()) <= 4
 
 
-def test_refuses_8_bit_state() -> None:
-    """8-bit state is refused at `init`, naming bf16 state or the normal step."""
-    opt = eqx_offload.update_in_backward(
-        eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.int8),
-        layers=lambda m: m["blocks"])
-    keys = jax.random.split(jax.random.key(0), 2)  # (8,192 values: kept quantised)
-    model = {"blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 64, key=k))(keys)}
-    with pytest.raises(CompositionError) as info:
-        opt.init(model)
-    message = str(info.value)
-    assert message.startswith("Use host_dtype=jnp.bfloat16 with update_in_backward")
-    assert "models/#the-update-inside-the-backward-pass" in message
-    assert len(message.splitlines()) <= 4
+class WideBlock(eqx.Module):
+    """A layer whose state 8-bit state keeps quantised: a (64, 64) matrix, and a
+    vector of 1,536 (a stack of 3 is 4,608 values: packed a layer at a time)."""
+
+    linear: eqx.nn.Linear
+    extra: jax.Array
+
+    def __init__(self, key: jax.Array) -> None:
+        self.linear = eqx.nn.Linear(64, 64, key=key)
+        self.extra = 0.1 * jax.random.normal(key, (1536,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(self.linear(x)) + jnp.mean(self.extra ** 2)
+
+
+class Wide(eqx.Module):
+    blocks: WideBlock
+    head: eqx.nn.Linear
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(eqx_offload.scan_layers(self.blocks, x))
+
+
+def test_8_bit_state() -> None:
+    """8-bit state: the model and loss bitwise the normal step's over three steps; the
+    moments' codes and scales bitwise too, a stack of vectors stored a layer at a time
+    (`(L, 1 + e, n / 4)`, where the normal step stores `(L + e, n / 4)`)."""
+    from eqx_offload._optim.quantize import unpack
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    wide = Wide(eqx.filter_vmap(WideBlock)(jax.random.split(ks[0], 3)),
+                eqx.nn.Linear(64, 1, key=ks[1]))
+    optimizer = eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.int8)
+    fused_opt = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused_opt.init(wide)
+    normal_model, normal_state = wide, optimizer.init(eqx.filter(wide, eqx.is_array))
+    step = eqx_offload.filter_jit(functools.partial(fused_opt.step, loss))
+    normal = _normal_step(optimizer, False)
+    for i in range(3):
+        x = jax.random.normal(jax.random.key(10 + i), (BATCH, 64))
+        value, model, state = step(model, state, x)
+        normal_value, normal_model, normal_state = normal(normal_model, normal_state, x)
+        assert_tree_equal((value, model), (normal_value, normal_model))
+    for field in ("mu", "nu"):
+        fused_moment = getattr(state.layers.inner_state[0], field).blocks
+        normal_moment = getattr(normal_state.inner_state[0], field).blocks
+        assert fused_moment.linear.weight.dtype == jnp.uint32
+        assert fused_moment.linear.weight.sharding.memory_kind == "pinned_host"
+        assert_tree_equal(fused_moment.linear, normal_moment.linear)
+        assert fused_moment.extra.shape == (3, 2, 384) and normal_moment.extra.shape == (4, 384)
+        codes, scales = unpack(fused_moment.extra, (3, 1, 1536))
+        assert_tree_equal((codes[:, 0], scales[:, 0]), unpack(normal_moment.extra, (3, 1536)))
 
 
 def test_refuses_multi_steps() -> None:

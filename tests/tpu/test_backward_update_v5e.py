@@ -88,15 +88,20 @@ def plan_modes(modes: list[str], width: int, layers: int, seq: int,
 
 def test_every_mode_with_host_state_compiles_and_aliases(tpu: Any) -> None:
     """The update inside the backward pass with the state (and weights) in host memory,
-    in fp32 and bf16, compiles for a v5e (a bf16 moment of a stacked norm scale is
-    updated on the device whole: XLA:TPU cannot slice one row of it in host memory), and
-    every host output reuses its donated input's buffer."""
-    modes = ["state-backward", "state-bf16state-backward", "+activations-backward",
-             "+activations-bf16state-backward"]
+    in fp32, bf16 and 8 bits, compiles for a v5e (a bf16 moment of a stacked norm scale
+    is updated on the device whole: XLA:TPU cannot slice one row of it in host memory;
+    8-bit codes cross the backward pass as float32 bits), and every host output reuses
+    its donated input's buffer."""
+    modes = [f"{base}{state}-backward" for base in ("state", "+activations")
+             for state in ("", "-bf16state", "-int8state")]
     found = call_isolated(plan_modes, modes, 256, 2, 128, 2,
                           env={**TPU_ENV, "PYTHONPATH": PACKAGE})
     for mode in modes:
         assert isinstance(found[mode], list), (mode, found[mode])
         unaliased, arguments, stored = found[mode]
         assert unaliased == 0, mode
-        assert stored <= arguments <= stored + stored // 100, (mode, arguments, stored)
+        # (the chip's tile padding: XLA:TPU tiles the two minor axes, 8 x 128 words for
+        # 32-bit types; 8-bit state stores a stacked vector as (layers, 2, width / 4),
+        # padded to 8 rows: up to 4x for these small leaves, 2.8% of the whole here)
+        slack = 20 if "int8" in mode else 100
+        assert stored <= arguments <= stored + stored // slack, (mode, arguments, stored)
