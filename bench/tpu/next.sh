@@ -89,20 +89,20 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
 # The capacity rows' sizes: the next depth past what trained on 2026-12-06
 # (bench/results/tpu-v5e-2026-12-06b/: fp32 state 24 layers, bf16 state 38 layers, with
 # the update in the backward pass; the process then held 37.5 and 35.3 GB resident, of
-# the guard's 40 GiB less 3), and 8-bit state on the normal step (8-bit state is not
-# updated in the backward pass), whose step holds the blocks' bf16 gradients in host
-# memory too.
+# the guard's 40 GiB less 3, about 1.3x what it stored above the runtime's 14.2 GB), and
+# 8-bit state (about 8 bytes a parameter) at 44 layers (2.39B).
 call3() {  # capacity with everything in host memory: 20 steps each
   local l2=40 l4=26 t=$((T + 90))
   [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
   row $t $C +activations-bf16state-backward $W $l2 20 $SEQB
   row $t $C +activations-backward $W $l4 20 $SEQB
 }
-call5() {  # 8-bit state: a capacity row on the normal step, and 542M's step time
-  local l8=32
+call5() {  # 8-bit state: a capacity row, and 542M's step on the normal step and in backward
+  local l8=44
   [ "${SIZE:-}" = small ] && l8=2
-  row $((T + 90)) $C +activations-int8state $W $l8 20 $SEQB
+  row $((T + 90)) $C +activations-int8state-backward $W $l8 20 $SEQB
   row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
+  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
 }
 call6() {  # where the host's resident memory goes: primitives, then each start-up program
   row $T bench/tpu/host_rss.py primitives $MIB
