@@ -21,6 +21,7 @@ import jax.tree_util as jtu
 import optax
 
 from .._core.errors import CompositionError, OptionError, StateError
+from .._core.move import to_host
 from .._core.placement import is_host
 from .._optim.quantize import CODE_DTYPE, stacked
 from .._optim.backward import (
@@ -339,7 +340,9 @@ def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block
     state = jtu.tree_unflatten(plan.state_def, _merge(slices, shared, plan.stacked))
     with one_layer(), stacked(plan.layers):
         _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
-    return [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
+    new = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
+    # (one layer's update leaves its state on the device: each back where it lives)
+    return [to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
 
 
 def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> BackwardUpdate[Any]:

@@ -59,6 +59,17 @@ class Layout:
         return fetch(self.options, leaves, self.init_dtypes, treedef=self.treedef,
                      targets=self.targets)
 
+    def narrow(self, tree: Any) -> Any:
+        """The new inner state with its selected leaves narrowed as `store` narrows
+        them, left on the device (one layer's update inside the backward pass: the
+        backward scan writes them into the stacked host arrays)."""
+        leaves, treedef = jtu.tree_flatten(tree)
+        if treedef != self.treedef or self.options.host_dtype is None:
+            return tree
+        return jtu.tree_unflatten(treedef, [
+            _narrow(self.options, x, s) if m else x
+            for x, m, s in zip(leaves, self.mask, self.init_dtypes, strict=True)])
+
     def store(self, tree: Any, memory_kind: Optional[str] = None) -> Any:
         """The new inner state with its selected leaves narrowed and sent to host
         (`memory_kind`, default the option's)."""

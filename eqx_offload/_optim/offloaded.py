@@ -22,6 +22,7 @@ from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 from .._jit.jit import filter_jit
+from .._stream.backward import in_one_layer
 from .checks import (
     check_is_offloaded, check_not_deleted, check_state_not_deleted, check_trace,
     first_on_device, warn_on_device,
@@ -174,4 +175,8 @@ def _update(
             cache.warned = warn_on_device(layout.treedef, leaves, i, options.memory_kind)
     updates, new_state = strategy(Call(inner, layout, traced), updates, state.inner_state, params,
                                   **extra_args)
+    # One layer inside the backward pass: the new state stays on the device (narrowed),
+    # and the backward scan writes it into the stacked host arrays, one copy.
+    if traced and in_one_layer():
+        return updates, OffloadedState(layout.narrow(new_state))
     return updates, OffloadedState(layout.store(new_state))

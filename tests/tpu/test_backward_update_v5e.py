@@ -37,15 +37,17 @@ def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
         plan = eqx_offload.plan(step, *args, target="v5e")
         stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1])
                      if x.sharding.memory_kind == "pinned_host")
-        found[name] = [plan.device_peak_bytes, plan.host_total_bytes, stored]
+        found[name] = [plan.device_peak_bytes, plan.host_total_bytes, stored,
+                       plan.bytes_moved("to_device"), plan.bytes_moved("to_host"),
+                       plan.host_temp_bytes]
     return found
 
 
 def test_the_fused_step_plans_below_the_normal_step(tpu: Any) -> None:
     found = call_isolated(plan_both, WIDTH, LAYERS, SEQ, BATCH,
                           env={**TPU_ENV, "PYTHONPATH": PACKAGE})
-    (normal_peak, normal_host, normal_stored) = found["normal"]
-    (fused_peak, fused_host, fused_stored) = found["in_backward"]
+    (normal_peak, normal_host, normal_stored, *normal_moved) = found["normal"]
+    (fused_peak, fused_host, fused_stored, *fused_moved) = found["in_backward"]
     ffn = (8 * WIDTH // 3 + 255) // 256 * 256
     gradient = LAYERS * (4 * WIDTH * WIDTH + 3 * WIDTH * ffn + 2 * WIDTH) * 4
     assert fused_peak <= normal_peak - gradient, (fused_peak, normal_peak, gradient)
@@ -53,6 +55,15 @@ def test_the_fused_step_plans_below_the_normal_step(tpu: Any) -> None:
     # step count), and every host output of the normal step aliases its input.
     assert fused_stored == normal_stored
     assert normal_host == normal_stored
+    # Each layer's state crosses once each way, as in the normal step (one layer more:
+    # the pipeline's first iteration), and no new host memory is written: one layer's
+    # update leaves its state on the device, the backward scan writes it into the
+    # stacked host arrays (it crossed twice each way before: 2x).
+    to_device, to_host, temp = fused_moved
+    layer_state = fused_stored // LAYERS
+    assert to_device <= normal_moved[0] + layer_state + layer_state // 4, (to_device, normal_moved)
+    assert to_host <= normal_moved[1] + 2 * layer_state + layer_state // 4, (to_host, normal_moved)
+    assert temp == 0
 
 
 def plan_modes(modes: list[str], width: int, layers: int, seq: int,
