@@ -272,7 +272,7 @@ def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) ->
         raise OptionError("update_in_backward(layers=...): select stacked layers (every "
                           "array leaf with the same leading axis, the number of layers)."
                           f"\nSee {DOCS}.")
-    (layers,) = lengths
+    layers = int(next(iter(lengths)) or 0)
     layers_half, _ = halves(params, in_layers)
     with stacked(layers):  # (8-bit state: each layer packed apart)
         state = jax.eval_shape(transformation.init, layers_half)

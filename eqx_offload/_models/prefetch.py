@@ -16,10 +16,9 @@ import jax.tree_util as jtu
 from .._core.errors import CompositionError
 from .._core.leaves import is_none
 from .._core.move import to_host
-from .._core.placement import is_host
+from .._core.placement import is_host, packed_vector
 from .._stream.backward import fetch_layer, merge
 from .params import fetch
-from .remat import packed_vector
 
 
 # ----------------------------------------------------------------------------------------

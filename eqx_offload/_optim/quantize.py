@@ -228,11 +228,11 @@ def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
     *lead, r, n = codes.shape
     words = -(-n // 4)
     quads = jnp.pad(codes, [(0, 0)] * (len(lead) + 1) + [(0, -n % 4)])
-    rows = jax.lax.bitcast_convert_type(quads.reshape(*lead, r, words, 4), jnp.uint32)
+    coded = jax.lax.bitcast_convert_type(quads.reshape(*lead, r, words, 4), jnp.uint32)
     flat = jax.lax.bitcast_convert_type(scales, jnp.uint32).reshape(*lead, -1)
     extra = -(-flat.shape[-1] // words)
     flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, extra * words - flat.shape[-1])])
-    packed = jnp.concatenate([rows, flat.reshape(*lead, extra, words)], axis=-2)
+    packed = jnp.concatenate([coded, flat.reshape(*lead, extra, words)], axis=-2)
     return packed
 
 

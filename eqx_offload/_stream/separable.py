@@ -163,7 +163,8 @@ def _scan(eqn: Any, ins: list[Mark]) -> list[Mark]:
         outs = _walk(params["jaxpr"].jaxpr, ins[:consts] + carry + xs)
         joined = [_join(c, o) for c, o in zip(carry, outs[:n_carry], strict=True)]
         if joined == carry:
-            ys = [m if BLOCK not in m.groups else Mark(m.groups, m.axis + 1)
+            ys = [m if BLOCK not in m.groups else
+                  Mark(m.groups, _shifted(m.axis, 1, "a loop's output without its layer axis"))
                   for m in outs[n_carry:]]
             return carry + ys
         carry = joined
