@@ -190,8 +190,16 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
 
 
 def _searched(scaled: Any, mids: Any) -> Any:
-    """The midpoints at or below each value, by binary search (the CPU's way)."""
-    return jnp.searchsorted(mids, scaled, side="right", method="scan").astype(jnp.int32)
+    """The midpoints at or below each value, by binary search (the CPU's way): eight
+    halving steps over the 255 sorted midpoints, each a lookup and a comparison (written
+    out rather than `jnp.searchsorted`, which JAX 0.12 binds as an opaque primitive that
+    `update_in_backward`'s layer walk cannot follow)."""
+    count = jnp.zeros(scaled.shape, jnp.int32)
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        candidate = count + step
+        below = jnp.take(mids, jnp.minimum(candidate, mids.shape[0]) - 1) <= scaled
+        count = jnp.where((candidate <= mids.shape[0]) & below, candidate, count)
+    return count
 
 
 def _counted(scaled: Any, mids: Any) -> Any:
