@@ -123,8 +123,6 @@ def _rule(eqn: Any, ins: list[Mark]) -> list[Mark]:
         if any(len(s) not in (0, out_rank) for s in shapes) or len(set(axes)) != 1:
             raise Mixes("operands of different shapes")
         return [Mark(groups, axes[0]) for _ in eqn.outvars]
-    if name == "scan":
-        return _scan(eqn, ins)
     if name == "gather":
         return [Mark(groups, _gather_axis(eqn, ins, shapes))]
     if name == "pad":  # (the operand, and a padding value of no layer)
@@ -143,38 +141,6 @@ def _rule(eqn: Any, ins: list[Mark]) -> list[Mark]:
     if len(eqn.invars) == 1 or name in _REDUCTIONS or name == "dot_general":
         return [Mark(groups, _unary_axis(eqn, name, ins, shapes))]
     raise Mixes("not known to treat the layers apart")
-
-
-def _join(a: Mark, b: Mark) -> Mark:
-    if BLOCK in a.groups and BLOCK in b.groups and a.axis != b.axis:
-        raise Mixes("a loop that moves the layer axis")
-    return Mark(a.groups | b.groups, a.axis if BLOCK in a.groups else b.axis)
-
-
-def _scan(eqn: Any, ins: list[Mark]) -> list[Mark]:
-    """The body walked until the carry's marks hold (a carry joins what it starts as
-    and what the body makes of it); a scan over the layer axis mixes."""
-    params = eqn.params
-    consts, n_carry = params["num_consts"], params["num_carry"]
-    xs = [m if BLOCK not in m.groups else
-          Mark(m.groups, _shifted(m.axis, -1, "a loop over the layer axis")) for m in ins[consts + n_carry:]]
-    carry = list(ins[consts:consts + n_carry])
-    for _ in range(len(carry) + 2):
-        outs = _walk(params["jaxpr"].jaxpr, ins[:consts] + carry + xs)
-        joined = [_join(c, o) for c, o in zip(carry, outs[:n_carry], strict=True)]
-        if joined == carry:
-            ys = [m if BLOCK not in m.groups else
-                  Mark(m.groups, _shifted(m.axis, 1, "a loop's output without its layer axis"))
-                  for m in outs[n_carry:]]
-            return carry + ys
-        carry = joined
-    raise Mixes("a loop whose carry does not settle")
-
-
-def _shifted(axis: Optional[int], by: int, what: str) -> int:
-    if axis is None or axis + by < 0:
-        raise Mixes(what)
-    return axis + by
 
 
 def _gather_axis(eqn: Any, ins: list[Mark], shapes: list[Any]) -> int:

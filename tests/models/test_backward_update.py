@@ -287,6 +287,7 @@ class Wide(eqx.Module):
         return self.head(eqx_offload.scan_layers(self.blocks, x))
 
 
+@pytest.mark.both  # (JAX 0.12 binds searchsorted otherwise: the walk must follow both)
 def test_8_bit_state() -> None:
     """8-bit state: the model and loss bitwise the normal step's over three steps; the
     moments' codes and scales bitwise too, a stack of vectors stored a layer at a time
