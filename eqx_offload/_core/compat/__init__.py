@@ -64,6 +64,27 @@ def optimization_barrier(tree: Any) -> Any:
     return _jtu.tree_unflatten(treedef, _barrier(*leaves))
 
 
+# The sharding of one device. JAX 0.12.1 deprecates `jax.sharding.SingleDeviceSharding`
+# (the name warns on access, and the suite turns warnings into errors) for
+# `make_single_device_sharding` (JAX 0.10 on) and `is_single_device_sharding` (0.12.1
+# on), and says a later JAX will give a `NamedSharding` from the first, for which the
+# second will be `False`. `tests/upstream/test_upstream_single_device.py` is the canary.
+def single_device_sharding(device: Any, memory_kind: Optional[str] = None) -> jax.sharding.Sharding:
+    """The sharding that places a whole array on `device`, in `memory_kind`."""
+    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(
+        device, memory_kind=memory_kind)
+    return sharding
+
+
+def _is_single_device_sharding_before_0_12_1(sharding: Any) -> bool:
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+is_single_device_sharding: Callable[[Any], bool] = getattr(
+    jax.sharding, "is_single_device_sharding", _is_single_device_sharding_before_0_12_1)
+"""Whether `sharding` is a `SingleDeviceSharding` (what `jax.device_put(x, device)` and
+`single_device_sharding` give), without the deprecated name."""
+
 
 # Tracebacks. Equinox leaves its files out of the tracebacks JAX filters
 # (`register_exclusion`, file by file) and marks its drivers `__tracebackhide__`; this
