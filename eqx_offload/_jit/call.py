@@ -130,7 +130,7 @@ def over_one_device_meshes(tree: Any) -> Any:
     and over a mesh it keeps its memory kind (`plan` does the same:
     `tests/upstream/test_upstream_tpu_deviceless.py` pins it)."""
     def one(x: Any) -> Any:
-        sharding = getattr(x, "sharding", None)
+        sharding: Any = getattr(x, "sharding", None)
         if not isinstance(x, jax.ShapeDtypeStruct) or not is_single_device_sharding(sharding):
             return x
         (device,) = sharding.device_set
