@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tpu_plan_marks
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
@@ -18,7 +19,7 @@ from eqx_offload._plan import tpu as _tpu
 from eqx_offload.planner import plan, Plan, TPU_TARGETS, TpuTarget
 
 
-pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
+pytestmark = [pytest.mark.both, *tpu_plan_marks()]  # (libtpu pins its JAX: both environments)
 
 WIDTH, DEPTH, BATCH = 1024, 3, 8  # the state dominates
 ADAMW = optax.adamw(1e-3)

@@ -9,12 +9,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import tpu_plan_marks
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 from eqx_offload._plan import tpu as _tpu
 from eqx_offload._plan.hlo import scheduled_copies
 from eqx_offload.planner import TPU_TARGETS
+
+
+pytestmark = tpu_plan_marks()
 
 
 def _chip(target: str = "v5e") -> jax.Device:
