@@ -177,7 +177,7 @@ def abstract_tokens(shape: LlamaShape, mesh: Optional[jax.sharding.Mesh],
     n = 1 if mesh is None else mesh.devices.size
     lead: tuple[int, ...] = () if micro_batches is None else (micro_batches,)
     if mesh is None:
-        sharding: Any = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding: Any = jax.sharding.make_single_device_sharding(jax.devices()[0])
     else:
         sharding = jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec(*(None,) * len(lead), mesh.axis_names[0]))

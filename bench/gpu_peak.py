@@ -84,7 +84,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     with jax.default_device(cpu):
         cpu_state = opt.init(jax.device_put(host_params, cpu))
     kinds = jax.tree.map(lambda x: x.sharding.memory_kind, cpu_state)
-    on_device = jax.sharding.SingleDeviceSharding(device)
+    on_device = jax.sharding.make_single_device_sharding(device)
     state = jax.tree.map(
         lambda x, kind: jax.device_put(np.asarray(x), on_device.with_memory_kind(
             kind if kind in ("pinned_host", "unpinned_host") else device.default_memory().kind

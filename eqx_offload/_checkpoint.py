@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
+from ._core.compat import single_device_sharding
 from ._core.errors import CheckpointError, checkpoint_leaf_error
 from ._core.inner import as_transformation
 from ._core.leaves import path_to_str
@@ -39,7 +40,7 @@ def _sharding_of(leaf: Any) -> jax.sharding.Sharding:
     if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
         sharding: jax.sharding.Sharding = leaf.sharding
         return sharding
-    return jax.sharding.SingleDeviceSharding(default_device())
+    return single_device_sharding(default_device())
 
 
 def _stand_in(leaf: Any) -> Any:

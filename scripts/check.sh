@@ -9,7 +9,8 @@
 #
 #   oldest  .venv      Python 3.11, jax == jaxlib == 0.10.2 (.ci/constraints-oldest.txt),
 #                      and libtpu (the TPU compiler: tests/tpu compile for a v5e without one)
-#   newest  .venv-new  Python 3.12, the newest jax and jaxlib, the GPU compiler (plan), libtpu
+#   newest  .venv-new  Python 3.12, the newest jax and jaxlib; the GPU compiler (plan) and
+#                      libtpu where released for it (else their tests skip, saying so)
 #
 # Each environment: a venv (created if missing), uv in it (with pip), the package with
 # its dev extra (uv pip install, every run but `fast`), then pytest. The oldest runs the
@@ -73,6 +74,22 @@ stage() {
 
 jax_version() { "$1" -c 'import importlib.metadata as m; print(m.version("jax"), m.version("jaxlib"))'; }
 
+pip_has() { "$1" -m pip show -q "$2" 2> /dev/null && echo yes; }  # PYTHON PACKAGE
+
+# compiler PYTHON REQUIREMENT EXTRA STALE...: install REQUIREMENT (and EXTRA) if it is
+# released, else remove the STALE packages a previous JAX left (a compiler must match
+# its JAX) and say so; the tests that need it skip, naming the version.
+compiler() {
+  local py=$1 requirement=$2 extra=$3
+  shift 3
+  if "$py" -m uv pip install -q --dry-run --python "$py" "$requirement" > /dev/null 2>&1; then
+    "$py" -m uv pip install -q --python "$py" "$requirement" ${extra:+"$extra"}
+  else
+    echo "$requirement: not released; its tests skip"
+    "$py" -m uv pip uninstall -q --python "$py" "$@" 2> /dev/null || true
+  fi
+}
+
 install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package installed in it
   local py=$ROOT/$2/bin/python want
   if [ "$("$py" -V 2>&1)" != "$("$3" -V 2>&1)" ]; then rm -rf "$2"; "$3" -m venv "$2"; fi
@@ -81,18 +98,21 @@ install() {  # ENV DIR PYTHON: DIR a venv of PYTHON's version, the package insta
   if [ "$1" = oldest ]; then  # (libtpu: the TPU compiler, for tests/tpu without a chip)
     uvpip -e ".[dev]" "jax[tpu]==0.10.2" -c .ci/constraints-oldest.txt
     want="0.10.2 0.10.2"
-  else  # the newest JAX whose GPU compiler is released (a JAX release can come a day
-    # before its jax-cuda12-plugin), first; the package and the compilers leave it as it is
-    want=$("$py" -m pip index versions jax-cuda12-plugin 2> /dev/null \
-           | sed -n 's/^jax-cuda12-plugin (\(.*\))$/\1/p')
-    [ -n "$want" ] || { echo "no release of jax-cuda12-plugin found"; exit 1; }
+  else  # the newest JAX, then its compilers where released (a JAX release can come days
+    # before its jax-cuda12-plugin or libtpu: the GPU-plan and TPU-plan tests then skip,
+    # naming the missing version); the package and the compilers leave JAX as it is
+    want=$("$py" -m pip index versions jax 2> /dev/null | sed -n 's/^jax (\(.*\))$/\1/p')
+    [ -n "$want" ] || { echo "no release of jax found"; exit 1; }
     uvpip "jax==$want" "jaxlib==$want"
     want=$(jax_version "$py")
     uvpip -e ".[dev]"
-    uvpip "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12 "jax[tpu]==${want%% *}"
-    "$py" -c 'from eqx_offload._plan import deviceless; deviceless.check_available()'
+    compiler "$py" "jax-cuda12-plugin==${want%% *}" nvidia-cuda-nvcc-cu12 jax-cuda12-plugin jax-cuda12-pjrt
+    [ -z "$(pip_has "$py" jax-cuda12-plugin)" ] \
+      || "$py" -c 'from eqx_offload._plan import deviceless; deviceless.check_available()'
+    compiler "$py" "jax[tpu]==${want%% *}" "" libtpu
   fi
-  "$py" -c 'from eqx_offload._plan import tpu; tpu.check_available()'  # libtpu, both
+  [ -z "$(pip_has "$py" libtpu)" ] \
+    || "$py" -c 'from eqx_offload._plan import tpu; tpu.check_available()'  # libtpu
   [ "$(jax_version "$py")" = "$want" ] || { echo "expected jax, jaxlib $want"; exit 1; }
   echo "$1: $("$py" -V), jax/jaxlib $want"
   "$py" -c 'import eqx_offload, eqx_offload.cli, jax, equinox, optax, flax.nnx, orbax.checkpoint, optimistix, hypothesis, pytest, xdist'

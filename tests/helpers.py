@@ -9,6 +9,7 @@ worker's model, a ported run against the original)."""
 import contextlib
 import functools
 import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -25,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mp_worker import initial_values, SPECS
 
 import eqx_offload
-from eqx_offload._plan import deviceless as _deviceless
 from eqx_offload import OffloadedState
 from eqx_offload._core.leaves import path_to_str
 from jax.extend.core import jaxprs_in_params
@@ -235,24 +235,33 @@ TPU_ENV = {
 }
 
 
+def _without_libtpu() -> Optional[str]:
+    """Why a test that compiles through libtpu cannot run here, or `None` if it can."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return None
+    version = importlib.metadata.version("jax")
+    return (f"libtpu for jax {version} is not installed (a JAX release can come before "
+            f'its libtpu): `pip install "jax[tpu]=={version}"`; this test compiles for a '
+            "TPU v5e without one.")
+
+
+def tpu_plan_marks() -> list[Any]:
+    """The marks of a test that compiles through libtpu: without libtpu, a skip naming the
+    JAX version whose libtpu is missing and its install command."""
+    reason = _without_libtpu()
+    return [] if reason is None else [pytest.mark.skip(reason=reason)]
+
+
 @functools.lru_cache(maxsize=None)
 def v5e() -> Any:
     """The first device of a TPU v5e topology (2x2, of which a test uses one chip),
-    compile-only, with the chip's memories; fails the test, naming the install, without
-    libtpu. `TPU_ENV` is set for the plugin's start only, the process's own values back
-    after it (another test's child process inherits nothing of it); the CPU stays JAX's
-    default backend."""
-    try:
-        import libtpu  # noqa: F401  (the package only: the compiler loads with the topology)
-        installed = True
-    except ImportError:
-        installed = False
-    if not installed:
-        version = importlib.metadata.version("jax")
-        pytest.fail(
-            "This test compiles for a TPU v5e without one and needs libtpu, which is not "
-            f'installed: `pip install "jax[tpu]=={version}"` (the libtpu that JAX '
-            f"{version} pins; no TPU is needed).", pytrace=False)
+    compile-only, with the chip's memories; skips the test, naming the install, without
+    libtpu (`tpu_plan_marks`). `TPU_ENV` is set for the plugin's start only, the
+    process's own values back after it (another test's child process inherits nothing of
+    it); the CPU stays JAX's default backend."""
+    reason = _without_libtpu()
+    if reason is not None:
+        pytest.skip(reason)
     from jax.experimental import topologies
 
     saved = {k: os.environ.get(k) for k in TPU_ENV}
@@ -270,11 +279,17 @@ def v5e() -> Any:
 
 def gpu_plan_marks() -> list[Any]:
     """The marks of a GPU-plan test: `once` (the plugin is in the newest environment only)
-    and, without the GPU compiler, a skip naming its install command."""
+    and, where jax-cuda12-plugin is not installed, a skip naming the JAX version whose
+    plugin is missing and its install command. An installed plugin of another version
+    does not skip: the test fails with the mismatch."""
     try:
-        _deviceless.check_available()
-    except eqx_offload.errors.PlanError as error:
-        return [pytest.mark.once, pytest.mark.skip(reason=str(error))]
+        importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        version = importlib.metadata.version("jax")
+        reason = (f"jax-cuda12-plugin {version} (for jax {version}) is not installed (a JAX "
+                  "release can come before its GPU plugin): "
+                  f"`pip install 'jax-cuda12-plugin=={version}' nvidia-cuda-nvcc-cu12`.")
+        return [pytest.mark.once, pytest.mark.skip(reason=reason)]
     return [pytest.mark.once]
 
 

@@ -61,7 +61,7 @@ def test_bare_array_empty_tree_and_sharded() -> None:
 
 def test_abstract_leaves_count_where_their_sharding_says() -> None:
     """Abstract leaves count under their sharding's kind, or as unplaced."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.make_single_device_sharding(jax.devices()[0])
     host = device.with_memory_kind("pinned_host")
     tree = {"abstract": jax.ShapeDtypeStruct((1024,), jnp.float32), "x": jnp.ones(2),
             "host": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=host),

@@ -58,7 +58,7 @@ class Stages:
 def primitives(mib: int) -> dict[str, Any]:
     stages = Stages()
     device = jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    host = jax.sharding.make_single_device_sharding(device, memory_kind="pinned_host")
     shape = (8, mib * 2**20 // 8 // 4)  # float32, 8 layers
     a = jax.jit(lambda: jnp.ones(shape), out_shardings=host)()
     stages("jit out_shardings", [a])

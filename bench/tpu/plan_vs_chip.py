@@ -51,7 +51,7 @@ def _is_leaf(x: Any) -> bool:
 
 def plan_point(mode: str, width: int, depth: int, batch: int) -> eqx_offload.planner.Plan:
     """The v5e plan of the benchmark's step in `mode`, from shapes."""
-    on_cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_cpu = jax.sharding.make_single_device_sharding(jax.devices()[0])
     model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(width, width, width, depth,
                                                      key=jax.random.key(0)))
     model = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_cpu)

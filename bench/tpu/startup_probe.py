@@ -47,7 +47,7 @@ def meminfo() -> dict[str, int]:
 
 
 def sharding(kind: str) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind=kind)
 
 
 def timed(fn, *args):

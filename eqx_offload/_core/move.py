@@ -12,6 +12,7 @@ import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 
+from .compat import device_put
 from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, default_kind
@@ -49,7 +50,7 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
                 leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
-    moved = jax.device_put(chosen, destinations, src=sources)
+    moved = device_put(chosen, destinations, sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
+from .compat import is_single_device_sharding, single_device_sharding
 from .errors import TracedMoveError
 from .leaves import is_traced, shown
 from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
@@ -113,7 +114,7 @@ def destination(
         devices = sharding.addressable_devices
     else:  # a NumPy array: it goes where JAX would put it
         device = default_device()
-        sharding = jax.sharding.SingleDeviceSharding(device)
+        sharding = single_device_sharding(device)
         devices = {device}
     target_kind = memory_kind if memory_kind is not None else default_kind(next(iter(devices)))
     check_devices_offer(devices, target_kind, argument, path)
@@ -138,7 +139,7 @@ def typed_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     `NamedSharding` over a one-device mesh (which carries its memory kind into the
     type of the arrays assembled with it)."""
     if (
-        isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        is_single_device_sharding(sharding)
         and sharding.memory_kind in HOST_MEMORY_KINDS
     ):
         (device,) = sharding.device_set
@@ -198,11 +199,11 @@ def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
             result.append(jax.sharding.NamedSharding(
                 meshes[0], jax.sharding.PartitionSpec(), memory_kind=kind))
         elif len(devices) == 1:
-            result.append(jax.sharding.SingleDeviceSharding(next(iter(devices)), memory_kind=kind))
+            result.append(single_device_sharding(next(iter(devices)), memory_kind=kind))
         elif isinstance(leaf, jax.Array):
             result.append(leaf.sharding)
         else:
-            result.append(jax.sharding.SingleDeviceSharding(default_device()))
+            result.append(single_device_sharding(default_device()))
     return result
 
 
@@ -301,5 +302,5 @@ def _output_sharding(aval: Any, out_path: tuple[str, ...],
             mesh, jax.sharding.PartitionSpec(), memory_kind=kind
         )
     else:
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+        sharding = single_device_sharding(device, memory_kind=kind)
     return sharding

@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from .._core.compat import is_single_device_sharding
 from .._core.errors import deleted_array_error, OffloadWarning
 from .._core.leaves import call_argument
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
@@ -129,9 +130,8 @@ def over_one_device_meshes(tree: Any) -> Any:
     and over a mesh it keeps its memory kind (`plan` does the same:
     `tests/upstream/test_upstream_tpu_deviceless.py` pins it)."""
     def one(x: Any) -> Any:
-        sharding = getattr(x, "sharding", None)
-        if not isinstance(x, jax.ShapeDtypeStruct) or not isinstance(
-                sharding, jax.sharding.SingleDeviceSharding):
+        sharding: Any = getattr(x, "sharding", None)
+        if not isinstance(x, jax.ShapeDtypeStruct) or not is_single_device_sharding(sharding):
             return x
         (device,) = sharding.device_set
         meshed = jax.sharding.NamedSharding(

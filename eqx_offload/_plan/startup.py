@@ -140,6 +140,8 @@ def plan_startup(
     """
     import jax
 
+    from .._core import compat
+
     if runtime_host_memory is None:
         runtime_host_memory = RUNTIME_HOST_BYTES.get(target, 0) if isinstance(target, str) else 0
     if isinstance(runtime_host_memory, bool) or not isinstance(
@@ -149,7 +151,7 @@ def plan_startup(
     made = route(fun, args, kwargs, group_bytes=group_bytes)
     leaves = made.leaves
     layer = jax.ShapeDtypeStruct((), jax.numpy.int32,
-                                 sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                                 sharding=compat.single_device_sharding(jax.devices()[0]))
     planned: list[tuple[str, int, Plan]] = []
     device_made = host_made = 0
     device_peak = host_peak = 0

@@ -82,7 +82,9 @@ def on_chips(args: Any, chips: list[Any]) -> Any:
     the plan would count the host state as device bytes."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from .._core.compat import is_single_device_sharding
 
     leaves = [x for x in jax.tree.leaves(args) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))]
     local = sorted({d for x in leaves for d in x.sharding.device_set}, key=lambda d: d.id)
@@ -97,7 +99,7 @@ def on_chips(args: Any, chips: list[Any]) -> Any:
             grid = np.vectorize(chip_of.__getitem__, otypes=[object])(np.asarray(mesh.devices))
             moved = NamedSharding(Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types),
                                   sharding.spec, memory_kind=sharding.memory_kind)
-        elif isinstance(sharding, SingleDeviceSharding):
+        elif is_single_device_sharding(sharding):
             (device,) = sharding.device_set
             moved = NamedSharding(Mesh([chip_of[device]], ("_",)), PartitionSpec(),
                                   memory_kind=sharding.memory_kind)

@@ -101,7 +101,7 @@ def _manual(mode: str, optimizer: optax.GradientTransformation, model: Any,
     with every leaf's memory kind and donates params and state: with both shardings
     given, JAX pairs donated inputs only with outputs in the same memory."""
     params, static = eqx.partition(model, eqx.is_array)
-    on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_device = jax.sharding.make_single_device_sharding(jax.devices()[0])
     on_host = on_device.with_memory_kind("pinned_host")
     state = jax.device_put(optimizer.init(params), on_host)
     params = jax.device_put(params, on_device)

@@ -308,7 +308,7 @@ def test_moves_keep_every_shard(layout: str) -> None:
     assert leaf.sharding.memory_kind == "pinned_host" and leaf.sharding.spec == spec
     assert leaf.sharding.device_set == set(mesh.devices.flat)
     _expected_shards(leaf, values)
-    single = eqx_offload.filter_shard(sharded, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    single = eqx_offload.filter_shard(sharded, jax.sharding.make_single_device_sharding(jax.devices()[0]))
     _expected_shards(single.inner_state.trace["w"], values)
 
 

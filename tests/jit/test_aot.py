@@ -108,8 +108,8 @@ def test_lower_for_tpu_keeps_a_single_device_pinned_host_argument_in_host_memory
     mesh, as `plan` does), so a step with weights in host memory compiles with them
     there; without the mesh it was typed as device memory."""
     chip = v5e()
-    host = jax.sharding.SingleDeviceSharding(chip, memory_kind="pinned_host")
-    device = jax.sharding.SingleDeviceSharding(chip, memory_kind="device")
+    host = jax.sharding.make_single_device_sharding(chip, memory_kind="pinned_host")
+    device = jax.sharding.make_single_device_sharding(chip, memory_kind="device")
     w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=host)
     x = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=device)
 

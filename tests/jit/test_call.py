@@ -36,7 +36,7 @@ def test_analysis_reads_scopes_and_constraints_and_lints() -> None:
     def marked_step(x: jax.Array) -> jax.Array:
         with marked("streamed"):
             y = x * 2
-        return jax.lax.with_sharding_constraint(y, jax.sharding.SingleDeviceSharding(
+        return jax.lax.with_sharding_constraint(y, jax.sharding.make_single_device_sharding(
             jax.devices()[0]))
 
     found = analyse(jax.make_jaxpr(marked_step)(jnp.ones(3)), "marked_step")

@@ -166,7 +166,7 @@ def test_a_host_buffer_is_zeros_of_its_width_made_alone() -> None:
     the zeros of a 16-bit integer bitcast: no float32 temporary (XLA:CPU computes bf16
     in float32), which a TPU runtime's host allocator kept resident (measured on a
     v5e, 2026-12-06: docs/capacity.md)."""
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host = jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
     x = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16, sharding=host)
     jaxpr = jax.make_jaxpr(lambda: make._host_zeros(x))()
     made = {v.aval.dtype for eqn in walk_eqns(jaxpr) for v in eqn.outvars}

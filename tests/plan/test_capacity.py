@@ -65,7 +65,7 @@ def test_abstract_arguments_plan_as_their_arrays_or_fail_clearly():
                                                     r"sharding.*restore_target"):
         eqx_offload.planner.gpu_plan(step, model, state, jax.ShapeDtypeStruct((64, 256), jnp.float32))
     topology = _deviceless.topology(eqx_offload.planner.GPU_TARGETS["h100"].config_text(), 1)
-    elsewhere = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    elsewhere = jax.sharding.make_single_device_sharding(topology.devices[0])
     with pytest.raises(eqx_offload.errors.PlanError, match=r"args\[2\].*not this process's"):
         eqx_offload.planner.gpu_plan(step, model, state,
                              jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=elsewhere))

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import tpu_plan_marks
 
 import eqx_offload
 from eqx_offload.planner import plan, plan_startup, RUNTIME_HOST_BYTES
@@ -21,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 from llama import Llama, LlamaShape  # (bench/: scripts of the repository)
 
 
-pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
+pytestmark = [pytest.mark.both, *tpu_plan_marks()]  # (libtpu pins its JAX: both environments)
 
 SHAPE = LlamaShape("small", width=256, layers=16, heads=2, kv_heads=2, ffn=768, vocab=512,
                    seq=8, batch=1)

@@ -10,14 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tpu_plan_marks
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
+from eqx_offload._core import compat
 from eqx_offload._plan import tpu as _tpu
 from eqx_offload.planner import plan, Plan, TPU_TARGETS, TpuTarget
 
 
-pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
+pytestmark = [pytest.mark.both, *tpu_plan_marks()]  # (libtpu pins its JAX: both environments)
 
 WIDTH, DEPTH, BATCH = 1024, 3, 8  # the state dominates
 ADAMW = optax.adamw(1e-3)
@@ -160,7 +162,7 @@ def test_single_device_arguments_plan_as_on_a_one_device_mesh() -> None:
         sharding = NamedSharding(mesh, P(), memory_kind=a.sharding.memory_kind)
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
-    assert isinstance(jax.tree.leaves(state)[-1].sharding, jax.sharding.SingleDeviceSharding)
+    assert compat.is_single_device_sharding(jax.tree.leaves(state)[-1].sharding)
     single = plan(step, model, state, x, target="v5e")
     meshed = plan(step, *jax.tree.map(on_mesh, (model, state, x)), target="v5e")
     assert single == meshed

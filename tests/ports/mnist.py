@@ -64,7 +64,7 @@ def train(port: bool, donate: str = "none", commit: bool = True) -> Run:
     jitted functions: the model committed before the first call, as after a step."""
     model = CNN(jr.key(0))
     if port and commit:
-        model = eqx_offload.filter_shard(model, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        model = eqx_offload.filter_shard(model, jax.sharding.make_single_device_sharding(jax.devices()[0]))
     optim = optax.adamw(3e-3)
     if port:
         optim = eqx_offload.offloaded(optim)  # (2)

@@ -72,7 +72,7 @@ def train(port: bool, nnx_jit: bool = True) -> Run:
     jit = eqx_offload.nnx_jit if port and nnx_jit else nnx.jit  # (3)
     if port and not nnx_jit:
         nnx.update((model, optimizer), eqx_offload.filter_shard(  # (3) the former line
-            nnx.state((model, optimizer)), jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+            nnx.state((model, optimizer)), jax.sharding.make_single_device_sharding(jax.devices()[0])))
 
     @jit
     def train_step(model, optimizer, metrics, batch, rngs):

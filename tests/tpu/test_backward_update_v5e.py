@@ -87,7 +87,7 @@ def plan_modes(modes: list[str], width: int, layers: int, seq: int,
         step = eqx_offload.filter_jit(donate=("model", "state"))(
             lambda model, state, tokens: grad_step(model, state, tokens, None))
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=(
-            jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+            jax.sharding.make_single_device_sharding(jax.devices()[0])))
         try:
             plan = eqx_offload.plan(step, model, state, tokens, target="v5e")
         except eqx_offload.errors.PlanError as e:

@@ -36,7 +36,7 @@ def test_compile_only_devices_have_no_memories():
 
 def _round_trip(n: int):
     """A jitted host -> device (x2) -> host step, and an (n, n) array in host memory."""
-    on_host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]).with_memory_kind(
+    on_host = jax.sharding.make_single_device_sharding(jax.devices("cpu")[0]).with_memory_kind(
         "pinned_host")
 
     def f(x):

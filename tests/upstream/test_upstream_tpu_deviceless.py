@@ -9,12 +9,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import tpu_plan_marks
 from jax.experimental.compilation_cache import compilation_cache
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 from eqx_offload._plan import tpu as _tpu
 from eqx_offload._plan.hlo import scheduled_copies
 from eqx_offload.planner import TPU_TARGETS
+
+
+pytestmark = tpu_plan_marks()
 
 
 def _chip(target: str = "v5e") -> jax.Device:
@@ -26,7 +30,7 @@ def test_a_single_device_sharding_loses_its_memory_kind_in_the_trace() -> None:
     device memory (no `<host>` in its type); over a one-device mesh it keeps host
     memory. So `_tpu.on_chips` gives every argument a `NamedSharding`."""
     chip = _chip()
-    single = SingleDeviceSharding(chip, memory_kind="pinned_host")
+    single = make_single_device_sharding(chip, memory_kind="pinned_host")
     meshed = NamedSharding(Mesh([chip], ("x",)), P(), memory_kind="pinned_host")
     avals = [jax.jit(lambda x: x).trace(jax.ShapeDtypeStruct((4,), jnp.float32, sharding=s))
              .jaxpr.in_avals[0] for s in (single, meshed)]

@@ -11,9 +11,12 @@ vectors slice. When these tests fail, XLA copies packed rows: the workarounds ma
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import TPU_ENV, v5e
+from helpers import tpu_plan_marks, TPU_ENV, v5e
 from isolated import run_isolated
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+pytestmark = tpu_plan_marks()
 
 
 def _compile_row_fetch(shape: tuple[int, ...], dtype: jnp.dtype) -> None:

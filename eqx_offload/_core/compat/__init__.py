@@ -4,6 +4,7 @@ Every other module imports the version-dependent names from here; each shim says
 JAX version changed what, so it can go once the oldest supported JAX has the change.
 """
 
+import functools
 import importlib
 import os
 import sys
@@ -63,6 +64,100 @@ def optimization_barrier(tree: Any) -> Any:
     leaves, treedef = _jtu.tree_flatten(tree)
     return _jtu.tree_unflatten(treedef, _barrier(*leaves))
 
+
+# The sharding of one device. JAX 0.12.1 deprecates `jax.sharding.SingleDeviceSharding`
+# (the name warns on access, and the suite turns warnings into errors) for
+# `make_single_device_sharding` (JAX 0.10 on) and `is_single_device_sharding` (0.12.1
+# on), and says a later JAX will give a `NamedSharding` from the first, for which the
+# second will be `False`. `tests/upstream/test_upstream_single_device.py` is the canary.
+def single_device_sharding(device: Any, memory_kind: Optional[str] = None) -> jax.sharding.Sharding:
+    """The sharding that places a whole array on `device`, in `memory_kind`."""
+    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(
+        device, memory_kind=memory_kind)
+    return sharding
+
+
+def _is_single_device_sharding_before_0_12_1(sharding: Any) -> bool:
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+is_single_device_sharding: Callable[[Any], bool] = getattr(
+    jax.sharding, "is_single_device_sharding", _is_single_device_sharding_before_0_12_1)
+"""Whether `sharding` is a `SingleDeviceSharding` (what `jax.device_put(x, device)` and
+`single_device_sharding` give), without the deprecated name."""
+
+
+# JAX 0.12.1 on the CPU cannot copy an array that a compiled program wrote to host memory:
+# `jax.device_put` of a `jax.jit` output in 'pinned_host' or 'unpinned_host', to another
+# memory or device, fails with "UNIMPLEMENTED: Unsupported layout used for PjRt CPU
+# buffers: {1,0:S(5)} (original) vs. f32[4,64] (canonicalized)". The program's result
+# layout names the host memory space (`S(5)`; `S(6)` unpinned), as in JAX 0.12.0.1,
+# whose CPU client copied such a buffer; 0.12.1's compares the layout with the default
+# one and refuses. An array that `jax.device_put` put in host memory has the default
+# layout and copies, and a program takes either as an argument. So `device_put` brings
+# such an array to the device memory of its devices with a jitted move first.
+# `tests/upstream/test_upstream_host_output_copy.py` is the canary.
+HOST_OUTPUT_COPY_FAILS = jax.__version_info__ >= (0, 12, 1)
+
+
+def _cannot_copy(leaf: Any) -> bool:
+    """Whether `leaf` may be a compiled program's output that JAX cannot copy (a concrete
+    array in host memory on CPU devices, under `HOST_OUTPUT_COPY_FAILS`)."""
+    return (
+        HOST_OUTPUT_COPY_FAILS
+        and isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and leaf.sharding.memory_kind in ("pinned_host", "unpinned_host")
+        and all(getattr(d, "platform", None) == "cpu" for d in leaf.sharding.device_set)
+    )
+
+
+def _to_device(*leaves: Any) -> tuple[Any, ...]:
+    # A move inside the program, not the identity: a `jax.jit` whose `out_shardings`
+    # alone change the memory kind gives an array typed for its input's memory (JAX
+    # 0.10 to 0.12.1).
+    moved: tuple[Any, ...] = jax.device_put(leaves, jax.memory.Space.Device)
+    return moved
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_to(shardings: tuple[Any, ...]) -> Callable[..., tuple[Any, ...]]:
+    return jax.jit(_to_device, out_shardings=shardings)
+
+
+def _devices_in_order(sharding: Any) -> tuple[Any, ...]:
+    """The devices a program on `sharding` runs on, in the order `jax.jit` compares."""
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return tuple(_np.asarray(mesh.devices).flat)
+    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def device_put(leaves: list[Any], destinations: list[Any], src: list[Any]) -> list[Any]:
+    """`jax.device_put(leaves, destinations, src=src)`, also for the host arrays that JAX
+    0.12.1 cannot copy on the CPU: those go to the device memory of their own devices
+    in a jitted move (one per set of devices), and on from there if that is not their
+    destination."""
+    stuck: dict[tuple[Any, ...], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if _cannot_copy(leaf):
+            stuck.setdefault(_devices_in_order(leaf.sharding), []).append(i)
+    if not stuck:
+        moved: list[Any] = jax.device_put(leaves, destinations, src=src)
+        return moved
+    out = list(leaves)
+    for indices in stuck.values():
+        shardings = tuple(out[i].sharding.with_memory_kind("device") for i in indices)
+        for i, leaf in zip(indices, _copy_to(shardings)(*(out[i] for i in indices)), strict=True):
+            out[i] = leaf
+    rest = [i for i, leaf in enumerate(out) if not _cannot_copy(leaves[i])
+            or leaf.sharding != destinations[i]]
+    if rest:
+        moved = jax.device_put([out[i] for i in rest], [destinations[i] for i in rest],
+                               src=[src[i] for i in rest])
+        for i, leaf in zip(rest, moved, strict=True):
+            out[i] = leaf
+    return out
 
 
 # Tracebacks. Equinox leaves its files out of the tracebacks JAX filters
