@@ -5,7 +5,7 @@ that makes a `Llama` and its AdamW state in a mode (for `eqx_offload.filter_make
     python bench/startup.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH]
 
 makes the model and its state with `filter_make` in MODE (a capacity mode, or one with
-`-bf16state`: the state in host memory in bf16) and trains STEPS steps (default 0) on
+`-bf16state`: the moments in host memory in bf16, the master weights fp32) and trains STEPS steps (default 0) on
 one batch of random tokens; prints one JSON line (appended to $OUT/startup.jsonl when OUT
 is set): the seconds of the start-up and of each step, the losses, the bytes of the model
 and state by memory kind, the process's resident memory after the start-up and at its
@@ -43,7 +43,7 @@ def llama_shape(width: int, layers: int, seq: int = 1024, batch: int = 4) -> Lla
 
 
 def mode_of(name: str) -> tuple[capacity.CapacityMode, Optional[Any]]:
-    """The capacity mode of a name, and the state's `host_dtype` (`-bf16state`)."""
+    """The capacity mode of a name, and the moments' `host_dtype` (`-bf16state`)."""
     base = name.removesuffix("-bf16state")
     return capacity.MODES_BY_NAME[base], (jnp.bfloat16 if base != name else None)
 

@@ -6,10 +6,14 @@ cannot be reset within one):
     python bench/tpu/capacity_chip.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH]
 
 MODE is a capacity mode of `bench/capacity.py` (`fp32`, `bf16`, `state`, `+master`,
-`+params`, `+activations`), optionally with the state narrowed in host memory
-(`-bf16state`, or `-int8state`: block-wise 8-bit moments) and with the stacked blocks
-updated inside the backward pass (`-backward`: `eqx_offload.update_in_backward`), in
-that order (`state-int8state-backward`). The decoder has Llama's proportions at WIDTH
+`+params`, `+activations`), optionally with each parameter stored once (`-once`, after
+`+params` or `+activations`: the fp32 weights in host memory are the master weights,
+each block cast to bf16 on the device as it is fetched, `host_weights_optimizer`; no
+bf16 copy and no `master_weights`), with the moments narrowed in host memory
+(`-bf16state`, or `-int8state`: block-wise 8-bit moments; the master weights stay
+fp32) and with the stacked blocks updated inside the backward pass (`-backward`:
+`eqx_offload.update_in_backward`), in that order (`+activations-once-int8state-backward`:
+fp32 master weights with 8-bit moments, everything in host memory). The decoder has Llama's proportions at WIDTH
 (heads of 128, SwiGLU of 8/3 x WIDTH rounded to 256, a 32k vocabulary). Prints one JSON
 line (appended to $OUT/capacity.jsonl when OUT is set): the parameters, the seconds of
 the start-up (model and state together) and of each step, the losses, the bytes stored
@@ -44,21 +48,52 @@ SECONDS = float(os.environ.get("ROW_SECONDS", "inf"))
 HOST_DTYPES = {"-bf16state": jnp.bfloat16, "-int8state": jnp.int8}
 
 
-def mode_of(name: str) -> tuple[capacity.CapacityMode, Optional[Any], bool]:
-    """`(capacity mode, the state's host_dtype, update in the backward pass)` of MODE."""
+def mode_of(name: str) -> tuple[capacity.CapacityMode, Optional[Any], bool, bool]:
+    """`(capacity mode, the state's host_dtype, update in the backward pass, each
+    parameter stored once)` of MODE."""
     base = name.removesuffix("-backward")
-    backward = base != name
-    for suffix, dtype in HOST_DTYPES.items():
+    backward, dtype = base != name, None
+    for suffix, narrow in HOST_DTYPES.items():
         if base.endswith(suffix):
-            return capacity.MODES_BY_NAME[base.removesuffix(suffix)], dtype, backward
-    return capacity.MODES_BY_NAME[base], None, backward
+            base, dtype = base.removesuffix(suffix), narrow
+    once = base.endswith("-once")
+    mode = capacity.MODES_BY_NAME[base.removesuffix("-once")]
+    if once and not mode.params_on_host:
+        raise ValueError(f"{name}: -once stores the blocks' fp32 weights in host memory: "
+                         "use it after +params or +activations.")
+    return mode, dtype, backward, once
 
 
-def optimizer_of(mode: capacity.CapacityMode, host_dtype: Optional[Any]) -> Any:
+class InBf16(eqx.Module):
+    """A module run in bf16: its floating arrays cast as it is called, on the device
+    (the stacked blocks: in `scan_layers`' call, after the layer's fetch)."""
+
+    module: Any
+
+    def __call__(self, *args: Any) -> Any:
+        return jax.tree.map(_to_bf16, self.module)(*args)
+
+
+def _to_bf16(x: Any) -> Any:
+    return x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x
+
+
+def in_bf16(model: Llama) -> Llama:
+    """`model` (fp32) computing in bf16: each of its modules wrapped by `InBf16`."""
+    wrapped: Llama = eqx.tree_at(
+        lambda m: (m.embed, m.blocks, m.norm, m.unembed), model,
+        (InBf16(model.embed), InBf16(model.blocks), InBf16(model.norm), InBf16(model.unembed)))
+    return wrapped
+
+
+def optimizer_of(mode: capacity.CapacityMode, host_dtype: Optional[Any],
+                 once: bool = False) -> Any:
     """The AdamW of `mode`: plain, `offloaded`, `master_weights` or
-    `host_weights_optimizer`."""
+    `host_weights_optimizer` (`once`: of the fp32 weights, the master)."""
     adamw = optax.adamw(3e-4, weight_decay=0.1)
     offload = functools.partial(eqx_offload.offloaded, host_dtype=host_dtype)
+    if once:
+        return eqx_offload.host_weights_optimizer(adamw, offload=offload)
     if mode.bf16:
         return eqx_offload.master_weights(adamw, offload=offload if mode.master_on_host else None)
     if mode.params_on_host:
@@ -71,11 +106,12 @@ def trainer(shape: LlamaShape, name: str) -> tuple[Callable[[jax.Array], Any], C
     """`(start, grad_step)`: `start(key) -> (model, state)` (for `filter_make`) and
     `grad_step(model, state, tokens, accumulated) -> (model, state, loss)`, one update
     from the gradient of `tokens` plus `accumulated` (a gradient sum, or `None`)."""
-    mode, host_dtype, backward = mode_of(name)
-    opt = optimizer_of(mode, host_dtype)
+    mode, host_dtype, backward, once = mode_of(name)
+    opt = optimizer_of(mode, host_dtype, once)
 
     def model_of(key: jax.Array) -> Llama:
         model = Llama(shape, key, offload_input=mode.activations_on_host)
+        model = in_bf16(model) if once else model
         return capacity._blocks_to_host(model) if mode.params_on_host else model
 
     if backward:
@@ -88,7 +124,8 @@ def trainer(shape: LlamaShape, name: str) -> tuple[Callable[[jax.Array], Any], C
 
     if mode.bf16 or mode.params_on_host:
         update = capacity._master_update(opt)
-        init: Callable[[Any], Any] = (opt.init if mode.bf16 else lambda m: (m, opt.init(m)))
+        init: Callable[[Any], Any] = (opt.init if mode.bf16 and not once
+                                      else lambda m: (m, opt.init(m)))
     else:
         update = capacity._optimizer_update(opt)
         init = lambda m: (m, opt.init(eqx.filter(m, eqx.is_array)))  # noqa: E731

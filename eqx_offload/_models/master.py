@@ -11,6 +11,7 @@ are computed from them and nothing else.
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, cast, Generic, NamedTuple, Optional, TypeVar
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .._core.errors import OptionError, StateError
+from .._core.errors import docs_link, OffloadWarning, OptionError, StateError
 from .._core.inner import as_transformation
 from .._core.leaves import is_none, is_traced
 from .._core.move import place_like
@@ -191,11 +192,15 @@ def master_weights(
 
     - `inner`: the optimizer of the master weights, e.g. `optax.adamw(1e-3)`.
     - `compute_dtype`: the dtype of the model's floating leaves (default `bfloat16`).
-    - `master_dtype`: the dtype of the master weights (default `float32`).
+    - `master_dtype`: the dtype of the master weights (default `float32`), in host
+        memory and in the update. The only way to narrow them: `offloaded`'s
+        `host_dtype` narrows `inner`'s state (the moments), never the master weights.
+        A master no wider than `compute_dtype` warns (`OffloadWarning`).
     - `offload`: how the master weights and `inner`'s state are kept: a function from a
         transformation to one, default `eqx_offload.offloaded`; e.g.
         `functools.partial(eqx_offload.offloaded, group_bytes=64 << 20)` to stream the
-        update, or `None` to keep them on the device.
+        update, `functools.partial(eqx_offload.offloaded, host_dtype=jnp.int8)` for
+        8-bit moments beside fp32 master weights, or `None` to keep them on the device.
 
     **Returns:**
 
@@ -233,6 +238,15 @@ def master_weights(
         if not floating:
             raise OptionError(f"master_weights({argument}={dtype!r}): pass a floating "
                               "dtype, e.g. jnp.bfloat16 or jnp.float32.")
+    if jnp.dtype(master_dtype).itemsize <= jnp.dtype(compute_dtype).itemsize:
+        warnings.warn(
+            "Pass master_dtype=jnp.float32 (the default) for master weights wider than "
+            "the compute weights, or train the model without master_weights.\n"
+            f"master_weights(master_dtype={jnp.dtype(master_dtype).name}, compute_dtype="
+            f"{jnp.dtype(compute_dtype).name}): the master weights are no wider than the "
+            "weights, so they cost memory and add no precision.\n"
+            f"See {docs_link('models.md', 'fp32-master-weights-in-host-memory')}.",
+            OffloadWarning, stacklevel=2)
     if offload is not None and not callable(offload):
         raise OptionError(f"master_weights(offload={offload!r}): pass a function from a "
                           "transformation to a transformation (e.g. eqx_offload.offloaded), "

@@ -26,6 +26,12 @@ from .options import Options
 from .quantize import CODE_DTYPE, dequantize, quantize, Quantized, specs_for
 
 
+KEPT_FIELDS = frozenset({"master"})
+"""State fields whose leaves `host_dtype` never narrows: master weights (the `master`
+of `master_weights`' `MasterState`), which keep the dtype they were made in (its
+`master_dtype`, float32 by default). A narrowed master is `master_dtype`'s choice."""
+
+
 class Cache:
     """What one `offloaded(...)` keeps between calls: its layouts by the arguments'
     structure and shapes, where the arrays of each sharding go (checked once per
@@ -122,12 +128,34 @@ def _new_layout(inner: Any, options: Options, cache: Cache, state: Any, updates:
     mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
                  else mask_of(state.inner_state))
     init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
-    if options.host_dtype is None or len(init_dtypes) != len(leaves):
+    if options.host_dtype is None or (options.quantized and len(made) != len(leaves)):
         init_dtypes = [None] * len(leaves)
+    elif len(made) != len(leaves):  # a state `update` grows (optax's `monitor`): the
+        # leaves narrowed as stored, none widened back (each leaf's spec is its dtype now)
+        init_dtypes = specs_of(options, treedef, leaves)
     elif options.quantized:
         init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
                                                     strict=True)]
+    else:
+        init_dtypes = specs_of(options, treedef, list(made))
     return Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
+
+
+def specs_of(options: Options, treedef: Any, leaves: list[Any]) -> list[Any]:
+    """How `host_dtype` keeps each of `leaves` (flat, of a tree of structure `treedef`):
+    8-bit, a `Quantized` for each moment it keeps quantised (`specs_for`); a floating
+    `host_dtype`, each leaf's dtype (what `fetch` widens it back to), or `None` for a
+    leaf it keeps as it is: a leaf under a `KEPT_FIELDS` field (master weights)."""
+    if options.quantized:
+        return specs_for(treedef, leaves)
+    placeholders = jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    paths = [p for p, _ in jtu.tree_flatten_with_path(placeholders)[0]]
+    return [None if _kept(p) else getattr(x, "dtype", None)
+            for p, x in zip(paths, leaves, strict=True)]
+
+
+def _kept(path: tuple[Any, ...]) -> bool:
+    return any(getattr(key, "name", None) in KEPT_FIELDS for key in path)
 
 
 def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
@@ -178,16 +206,16 @@ def store(options: Options, leaves: Sequence[Any], memory_kind: Optional[str],
     """The leaves `mask` selects (default all) narrowed to `host_dtype`, then to
     `memory_kind` (`None`: the device), in one `put`; errors name `argument` and the
     path in `treedef`; `targets` caches destinations per (sharding, memory kind).
-    8-bit state: the leaves `specs` (the layout's `init_dtypes`, or else decided from
-    the paths in `treedef`) keeps quantised are quantised; with neither, the leaves are
-    taken as `narrowed` already."""
+    The leaves narrowed are those `specs` (the layout's `init_dtypes`, or else
+    `specs_of` the paths in `treedef`) narrows; with neither, the leaves are taken as
+    `narrowed` already."""
     if options.host_dtype is not None:
-        if options.quantized and specs is None:
-            specs = (specs_for(treedef, list(leaves)) if treedef is not None
-                     else [None] * len(leaves))
-        leaves = [_narrow(options, x, s) if mask is None or m else x
-                  for x, m, s in zip(leaves, mask or [True] * len(leaves),
-                                     specs or [None] * len(leaves), strict=True)]
+        if specs is None and treedef is not None:
+            specs = specs_of(options, treedef, list(leaves))
+        if specs is not None:
+            leaves = [_narrow(options, x, s) if mask is None or m else x
+                      for x, m, s in zip(leaves, mask or [True] * len(leaves), specs,
+                                         strict=True)]
     return _put(leaves, mask, memory_kind, argument, treedef, targets)
 
 
@@ -195,11 +223,11 @@ def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
     """`store` of a whole inner state, the leaves `options.where` selects. (Kept for
     `offloaded`'s `init`; a tree, not flat leaves.)"""
     leaves, treedef = jtu.tree_flatten(tree)
-    specs = None
+    specs = None if options.host_dtype is None else specs_of(options, treedef, leaves)
     if options.quantized:
         # `init`'s moments are constants (zeros): fenced, XLA quantises them when the
         # program runs instead of folding the quantiser over every value as it compiles.
-        specs = specs_for(treedef, leaves)
+        assert specs is not None
         leaves = [optimization_barrier(x) if s is not None and isinstance(x, jax.Array) else x
                   for x, s in zip(leaves, specs, strict=True)]
     return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind,
@@ -210,10 +238,10 @@ def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
 def narrowed(options: Options, leaves: Sequence[Any],
              specs: Optional[Sequence[Any]] = None) -> list[Any]:
     """State leaves narrowed to `options.host_dtype` where that is narrower, on the
-    device: what `store` sends to host (narrowing twice changes nothing). 8-bit state:
-    `specs` (each leaf's entry of the layout's `init_dtypes`) says which are quantised."""
-    if options.quantized and specs is None:
-        raise AssertionError("8-bit state is narrowed with each leaf's spec")
+    device: what `store` sends to host (narrowing twice changes nothing). `specs` (each
+    leaf's entry of the layout's `init_dtypes`) says which are narrowed (`specs_of`)."""
+    if options.host_dtype is not None and specs is None:
+        raise AssertionError("state is narrowed with each leaf's spec")
     return [_narrow(options, x, s) for x, s in zip(leaves, specs or [None] * len(leaves),
                                                    strict=True)]
 
@@ -277,9 +305,10 @@ def _widen(options: Options, leaf: Any, init_dtype: Any) -> Any:
     return leaf if dtype == getattr(leaf, "dtype", None) else leaf.astype(dtype)
 
 
-def _narrow(options: Options, leaf: Any, spec: Any = None) -> Any:
-    """`leaf` in `host_dtype` if it is a real floating array wider than that; 8-bit
-    state: `leaf` quantised if `spec` is a `Quantized` (a floating array)."""
+def _narrow(options: Options, leaf: Any, spec: Any) -> Any:
+    """`leaf` in `host_dtype` if `spec` (`specs_of`) narrows it and it is a real
+    floating array wider than that; 8-bit state: `leaf` quantised if `spec` is a
+    `Quantized` (a floating array)."""
     host_dtype = options.host_dtype
     if options.quantized:
         if (isinstance(spec, Quantized) and isinstance(leaf, jax.Array)
@@ -288,6 +317,7 @@ def _narrow(options: Options, leaf: Any, spec: Any = None) -> Any:
         return leaf
     if (
         host_dtype is None
+        or spec is None
         or not isinstance(leaf, jax.Array)
         or not jnp.issubdtype(leaf.dtype, jnp.floating)
         or leaf.dtype.itemsize <= host_dtype.itemsize
