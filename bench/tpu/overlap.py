@@ -5,26 +5,29 @@ matrices), compiled for a TPU v5e through libtpu's deviceless compile (`--target
 or planned for a GPU (`--target h100`/`h200`, `eqx_offload.plan`). Prints one JSON
 line: per direction, the copies, how many have a compute instruction scheduled between
 their start and their end (`under_compute`) and, for the TPU, how many are in flight
-with a copy the other way (`both_ways`), and the most in flight at once (`in_flight`); for the TPU the schedule's time if only the
-link cost time (`link_ms`: each direction a lane of 14 GB/s, compute free; against
-`link_ms_full_duplex`, the larger direction's bytes, and `link_ms_serial`, both
-directions' bytes one after the other); and the step's memory analysis. For the TPU
-it also prints `predicted_ms`, the step time of the calibrated model
-(`eqx_offload.plan(...).predicted_step_seconds`, `eqx_offload/_plan/timing.py`).
-`--option NAME=VALUE` adds an XLA option to those `filter_jit` compiles with.
+with a copy the other way (`both_ways`) and the most in flight at once (`in_flight`);
+for the TPU the schedule's time if only the link cost time (`link_ms`: each direction a
+lane of 14 GB/s, compute free; against `link_ms_full_duplex`, the larger direction's
+bytes, and `link_ms_serial`, both directions' bytes one after the other); and the
+step's memory analysis. For the TPU it also prints `predicted_ms`, the step time of the
+calibrated model (`eqx_offload.plan(...).predicted_step_seconds`,
+`eqx_offload/_plan/timing.py`; `--no-plan` skips it). `--option NAME=VALUE` adds an XLA
+option to those `filter_jit` compiles with; `--host-dtype int8` plans 8-bit state.
 
-Calibration (2026-12-06, v5e, issue 56's rows, docs/gpu-plan.md "The step time a plan
-predicts"): `link_ms` assumes both directions run at once at 14 GB/s each, and was
-optimistic (it predicted 1.81x -> 1.57x of the floor for the overlap option; the chip
-moved 1.93x -> 1.82x). On the chip the offloaded steps took both directions' bytes one
-after the other (`link_ms_serial`) within 10%, and writes into host memory allocated
-for the step ran at about 0.6 GB/s: the calibrated model keeps both.
+`--target chip` runs the step on this machine's TPU instead: the chip's own schedule,
+summarised as above, and the median step time (`step_ms`) against the floor and the
+schedule's `link_ms`. One process per row (the 8-layer step needs 3.3 GB of host memory
+for its state and 1.6 GB of HBM for its weights).
+
+What the options and the update's `lookahead` and group size do to the schedule:
+docs/streamed.md, "On a TPU: copies in flight, and both directions at once".
 
     JAX_PLATFORMS=cpu TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost \
         TPU_SKIP_MDS_QUERY=1 python bench/tpu/overlap.py --target tpu
     JAX_PLATFORMS=cpu python bench/tpu/overlap.py --target h100
+    python bench/tpu/overlap.py --target chip --lookahead 2 --no-plan   # on a TPU
 
-A plan of XLA's schedule, not a measurement: how long each copy takes needs the chip.
+Except with `--target chip`, a plan of XLA's schedule, not a measurement.
 """
 
 import argparse
