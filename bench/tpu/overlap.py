@@ -5,26 +5,29 @@ matrices), compiled for a TPU v5e through libtpu's deviceless compile (`--target
 or planned for a GPU (`--target h100`/`h200`, `eqx_offload.plan`). Prints one JSON
 line: per direction, the copies, how many have a compute instruction scheduled between
 their start and their end (`under_compute`) and, for the TPU, how many are in flight
-with a copy the other way (`both_ways`); for the TPU the schedule's time if only the
-link cost time (`link_ms`: each direction a lane of 14 GB/s, compute free; against
-`link_ms_full_duplex`, the larger direction's bytes, and `link_ms_serial`, both
-directions' bytes one after the other); and the step's memory analysis. For the TPU
-it also prints `predicted_ms`, the step time of the calibrated model
-(`eqx_offload.plan(...).predicted_step_seconds`, `eqx_offload/_plan/timing.py`).
-`--option NAME=VALUE` adds an XLA option to those `filter_jit` compiles with.
+with a copy the other way (`both_ways`) and the most in flight at once (`in_flight`);
+for the TPU the schedule's time if only the link cost time (`link_ms`: each direction a
+lane of 14 GB/s, compute free; against `link_ms_full_duplex`, the larger direction's
+bytes, and `link_ms_serial`, both directions' bytes one after the other); and the
+step's memory analysis. For the TPU it also prints `predicted_ms`, the step time of the
+calibrated model (`eqx_offload.plan(...).predicted_step_seconds`,
+`eqx_offload/_plan/timing.py`; `--no-plan` skips it). `--option NAME=VALUE` adds an XLA
+option to those `filter_jit` compiles with; `--host-dtype int8` plans 8-bit state.
 
-Calibration (2026-12-06, v5e, issue 56's rows, docs/gpu-plan.md "The step time a plan
-predicts"): `link_ms` assumes both directions run at once at 14 GB/s each, and was
-optimistic (it predicted 1.81x -> 1.57x of the floor for the overlap option; the chip
-moved 1.93x -> 1.82x). On the chip the offloaded steps took both directions' bytes one
-after the other (`link_ms_serial`) within 10%, and writes into host memory allocated
-for the step ran at about 0.6 GB/s: the calibrated model keeps both.
+`--target chip` runs the step on this machine's TPU instead: the chip's own schedule,
+summarised as above, and the median step time (`step_ms`) against the floor and the
+schedule's `link_ms`. One process per row (the 8-layer step needs 3.3 GB of host memory
+for its state and 1.6 GB of HBM for its weights).
+
+What the options and the update's `lookahead` and group size do to the schedule:
+docs/streamed.md, "On a TPU: copies in flight, and both directions at once".
 
     JAX_PLATFORMS=cpu TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost \
         TPU_SKIP_MDS_QUERY=1 python bench/tpu/overlap.py --target tpu
     JAX_PLATFORMS=cpu python bench/tpu/overlap.py --target h100
+    python bench/tpu/overlap.py --target chip --lookahead 2 --no-plan   # on a TPU
 
-A plan of XLA's schedule, not a measurement: how long each copy takes needs the chip.
+Except with `--target chip`, a plan of XLA's schedule, not a measurement.
 """
 
 import argparse
@@ -129,6 +132,16 @@ def tpu_summary(hlo_text: str, bandwidth: float = 14e9) -> dict[str, Any]:
                           "under_compute": len(under),
                           "bytes_under_compute": sum(t.nbytes for t in under),
                           "both_ways": len(both), "bytes_both_ways": sum(t.nbytes for t in both)}
+    # The most copies each way started and not yet done at one point of the schedule
+    # (the probe `duplex_loop.py`: up to 4 each way, both directions run together).
+    ends = sorted([(t.start, 1, t.direction) for t in transfers]
+                  + [(t.done, -1, t.direction) for t in transfers])
+    now = {"to_device": 0, "to_host": 0}
+    for direction in now:
+        out[direction]["in_flight"] = 0
+    for _, step, direction in ends:
+        now[direction] += step
+        out[direction]["in_flight"] = max(out[direction]["in_flight"], now[direction])
     # The link alone, at `bandwidth` each way: this schedule, against both directions
     # always busy (the larger direction's bytes) and against one direction at a time.
     one_way = max(out[d]["bytes"] for d in out) / bandwidth
@@ -146,8 +159,9 @@ def params(layers: int, width: int, ffn: int) -> dict[str, jax.ShapeDtypeStruct]
 
 
 def step_and_args(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
+    host_dtype = None if args.host_dtype is None else jnp.dtype(args.host_dtype)
     opt = eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=args.group_bytes,
-                                lookahead=args.lookahead)
+                                lookahead=args.lookahead, host_dtype=host_dtype)
     cpu = NamedSharding(Mesh(jax.devices("cpu")[:1], ("x",)), P())
     p = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
                      params(args.layers, args.width, args.ffn))
@@ -183,6 +197,38 @@ def summary(copies: Any) -> dict[str, Any]:
     return out
 
 
+def on_chip(step: Any, step_args: tuple[Any, ...], options: dict[str, str],
+            args: argparse.Namespace) -> dict[str, Any]:
+    """Run the step on this machine's first device (a TPU): its schedule's summary (as
+    `tpu_summary`: the chip's own compile) and the median of `args.reps` steps after the
+    first, against the link's floor (`link_ms_full_duplex`) and its schedule's replay."""
+    import statistics
+
+    weights = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
+                           params(args.layers, args.width, args.ffn))
+    opt = eqx_offload.offloaded(optax.adamw(1e-3), group_bytes=args.group_bytes,
+                                lookahead=args.lookahead,
+                                host_dtype=None if args.host_dtype is None
+                                else jnp.dtype(args.host_dtype))
+    state = opt.init(weights)
+    grads = jax.jit(lambda p: jax.tree.map(lambda x: x * 1e-3, p))
+    compiled = step.lower(weights, state, grads(weights)).compile(options or None)
+    result = tpu_summary(compiled.as_text())
+    times = []
+    for _ in range(args.reps + 1):
+        g = jax.block_until_ready(grads(weights))
+        start = time.perf_counter()
+        weights, state = jax.block_until_ready(compiled(weights, state, g))
+        times.append(time.perf_counter() - start)
+    ms = 1e3 * statistics.median(times[1:])
+    floor, replay = result["link_ms_full_duplex"], result["link_ms"]  # (0 on a CPU)
+    result.update(step_ms=round(ms, 1),
+                  step_over_floor=round(ms / floor, 3) if floor else None,
+                  step_over_replay=round(ms / replay, 3) if replay else None,
+                  first_step_s=round(times[0], 2), device=str(jax.devices()[0].device_kind))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="tpu", help="tpu, h100 or h200")
@@ -192,16 +238,22 @@ def main() -> None:
     parser.add_argument("--group-bytes", default="auto",
                         type=lambda s: s if s in ("auto", "None") else int(s))
     parser.add_argument("--lookahead", type=int, default=1)
+    parser.add_argument("--host-dtype", help="offloaded's host_dtype (int8: 8-bit state)")
     parser.add_argument("--option", action="append", default=[],
                         help="an XLA compiler option, NAME=VALUE (repeatable)")
     parser.add_argument("--dump", help="write the scheduled HLO (TPU) to this file")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="(tpu) skip `eqx_offload.plan`'s compile and its predicted_ms")
+    parser.add_argument("--reps", type=int, default=6, help="(chip) timed steps, after one")
     args = parser.parse_args()
     if args.group_bytes == "None":
         args.group_bytes = None
     options = {k: v for k, v in (o.split("=", 1) for o in args.option)}
-    step, step_args = step_and_args(args)
+    step, step_args = step_and_args(args)  # (chip: shapes only; `on_chip` makes arrays)
     start = time.perf_counter()
-    if args.target == "tpu":
+    if args.target == "chip":
+        result = on_chip(step, step_args, options, args)
+    elif args.target == "tpu":
         compiled = step.lower_for(("tpu",), on_tpu(step_args), {}).compile(options or None)
         text = compiled.as_text()
         if args.dump:
@@ -209,9 +261,10 @@ def main() -> None:
                 f.write(text)
         result = tpu_summary(text)
         memory = compiled.memory_analysis()
-        planned = eqx_offload.plan(step, *step_args, target="v5e",
-                                   compiler_options=options or None)
-        result["predicted_ms"] = round(1e3 * (planned.predicted_step_seconds or 0.0), 1)
+        if not args.no_plan:
+            planned = eqx_offload.plan(step, *step_args, target="v5e",
+                                       compiler_options=options or None)
+            result["predicted_ms"] = round(1e3 * (planned.predicted_step_seconds or 0.0), 1)
         result.update({"temp_bytes": memory.temp_size_in_bytes,
                        "argument_bytes": memory.argument_size_in_bytes,
                        "host_temp_bytes": memory.host_temp_size_in_bytes})
@@ -223,6 +276,7 @@ def main() -> None:
     result.update(target=args.target, jax=jax.__version__, seconds=round(time.perf_counter() - start, 1),
                   layers=args.layers, width=args.width, ffn=args.ffn,
                   group_bytes=args.group_bytes, lookahead=args.lookahead, options=options,
+                  host_dtype=args.host_dtype,
                   env=os.environ.get("TPU_ACCELERATOR_TYPE"))
     print(json.dumps(result))
 

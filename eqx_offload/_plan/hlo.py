@@ -24,8 +24,11 @@ class PlannedCopy:
     layer's weight fetch in a scan over 32 layers runs 32 times), `conditional` (it is
     in a branch of a conditional, so it runs only when that branch is taken: the
     applying mini-step's copies of `offloaded(MultiSteps(...))`; `count` and
-    `Plan.bytes_moved` count it as taken). A host computation's reads from and writes
-    to device memory are copies too (`name` is its `custom-call-start`)."""
+    `Plan.bytes_moved` count it as taken), `computation` (the HLO computation it is
+    scheduled in), `start` and `done` (the positions of its start and its completion in
+    that computation's schedule, which say what is in flight at once; -1: not known). A
+    host computation's reads from and writes to device memory are copies too (`name` is
+    its `custom-call-start`)."""
 
     direction: Direction
     nbytes: int
@@ -34,6 +37,9 @@ class PlannedCopy:
     name: str
     count: int = 1
     conditional: bool = False
+    computation: str = ""
+    start: int = -1
+    done: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,16 +156,18 @@ def _device_operand_bytes(rest: str) -> int:
     return _device_bytes(rest[1: end + 1])
 
 
-def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, int, int],
-                      kernels: int, runs: int, in_branch: bool) -> list["PlannedCopy"]:
+def _host_call_copies(rest: str, op: "re.Match[str]", started: tuple[Direction, int, int, int],
+                      kernels: int, runs: int, in_branch: bool, where: tuple[str, int],
+                      ) -> list["PlannedCopy"]:
     """A finished host call as copies: its device-memory operands to the host, its
     device-memory results (the `custom-call-done`'s shape) to the device."""
-    _, to_host, before = started
+    _, to_host, before, start = started
     name = _OPERAND.findall(rest[op.end():])[0]
     to_device = _device_bytes(rest[: op.start()])
     between = kernels - before
     moved: tuple[tuple[Direction, int], ...] = (("to_host", to_host), ("to_device", to_device))
-    return [PlannedCopy(direction, nbytes, between > 0, between, name, runs, in_branch)
+    return [PlannedCopy(direction, nbytes, between > 0, between, name, runs, in_branch,
+                        where[0], start, where[1])
             for direction, nbytes in moved if nbytes]
 
 
@@ -202,9 +210,11 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
     conditional = conditional_computations(hlo_text)
     in_branch = False
     copies: list[PlannedCopy] = []
-    open_copies: dict[str, tuple[Direction, int, int]] = {}  # name -> (dir, bytes, kernels so far)
+    # name -> (direction, bytes, kernels so far, position of the start)
+    open_copies: dict[str, tuple[Direction, int, int, int]] = {}
     kernels = 0
     runs = 1
+    name_of, position = "", 0
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not line.startswith(" "):
             open_copies.clear()  # a new computation
@@ -212,10 +222,12 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
             computation = COMPUTATION.match(line)
             runs = counts.get(computation.group("name"), 1) if computation else 1
             in_branch = computation is not None and computation.group("name") in conditional
+            name_of, position = (computation.group("name") if computation else ""), 0
             continue
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
+        position += 1
         rest = match.group("rest")
         op = _OPCODE.search(rest)
         if op is None:
@@ -223,26 +235,28 @@ def scheduled_copies(hlo_text: str) -> tuple[PlannedCopy, ...]:
         opcode = op.group("op")
         if opcode == "copy-start" and (moved := _host_copy(rest, op)) is not None:
             copy_direction, copy_bytes = moved
-            open_copies[match.group("name")] = (copy_direction, copy_bytes, kernels)
+            open_copies[match.group("name")] = (copy_direction, copy_bytes, kernels, position)
         elif opcode in _SLICE_STARTS and (moved := _slice_copy(rest, op)) is not None:
             slice_direction, slice_bytes = moved
-            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels)
+            open_copies[match.group("name")] = (slice_direction, slice_bytes, kernels, position)
         elif opcode == "custom-call-start" and _HOST_CALL in rest:
             kernels += 1  # the host's compute: what a copy beside it overlaps
-            open_copies[match.group("name")] = ("to_host", _device_operand_bytes(rest), kernels)
+            open_copies[match.group("name")] = ("to_host", _device_operand_bytes(rest), kernels,
+                                                position)
         elif opcode == "custom-call-done" and (
                 started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
         ) is not None:
-            copies.extend(_host_call_copies(rest, op, started, kernels, runs, in_branch))
+            copies.extend(_host_call_copies(rest, op, started, kernels, runs, in_branch,
+                                            (name_of, position)))
             kernels += 1
         elif opcode in _DONES and (
                 started := open_copies.pop((_OPERAND.findall(rest[op.end():]) or [""])[0], None)
         ) is not None:
-            direction, nbytes, before = started
+            direction, nbytes, before, start = started
             between = kernels - before
             name = _OPERAND.findall(rest[op.end():])[0]
             copies.append(PlannedCopy(direction, nbytes, between > 0, between, name, runs,
-                                      in_branch))
+                                      in_branch, name_of, start, position))
         elif opcode not in _NOT_COMPUTE:
             kernels += 1
     return tuple(copies)

@@ -7,9 +7,14 @@ What the chip showed, and the model keeps:
 
 - The compute runs at a fixed share of the plan's compute floor (`COMPUTE_EFFICIENCY`,
   from the plain step, which moves nothing).
-- Copies between host and device take the link's time *one direction at a time*: the
-  offloaded steps took (bytes to the device + bytes to the host) / 14 GB/s within 10%,
-  not the larger direction's bytes / 14 GB/s that a full-duplex link would give.
+- Each direction of the link runs at 14 GB/s, and both run at once: with up to 4
+  copies each way in flight, both directions together take 1.10x one direction's time;
+  with more, the copies queue (1.51x at 8 each way, 1.73x at 16, 1.85x at 32; `DUPLEX`,
+  from `../shared/tpu-results/2026-12-06b/duplex.py`). So the link's time is the
+  schedule's: its copies are replayed in XLA's order (`link_seconds`), each direction a
+  lane, a copy queued on its lane at its start, the schedule waiting at its completion,
+  and the lanes slowed by `duplex_slowdown` while both are busy. A schedule that moves
+  one direction and then the other takes the sum of both directions' bytes.
 - The device writes into host memory allocated for the step (host temporaries, and
   host outputs that do not reuse a donated input's buffer) at `NEW_HOST_BYTES_PER_S`,
   over twenty times slower than into a donated buffer.
@@ -19,6 +24,8 @@ What the chip showed, and the model keeps:
 A model, not a measurement: the chip is the judge (`bench/tpu/plan_vs_chip.py --llama`).
 """
 
+import math
+from collections.abc import Sequence
 from typing import Any, Optional
 
 
@@ -38,6 +45,62 @@ CALIBRATED_CHIPS = frozenset({"TPU v5 lite"})
 """The chips whose steps calibrated the model (a plan for another predicts nothing)."""
 
 
+DUPLEX = ((4, 1.10), (8, 1.51), (16, 1.73), (32, 1.85), (64, 2.0))
+"""Copies in flight each way, and the time both directions then take together over the
+time of one (equal bytes each way), on a v5e: measured up to 32 (`duplex.py`,
+2026-12-06b: 1 to 4 copies each way 1.10-1.11, 8 1.51-1.52, 16 1.73, 32 1.85); at 64,
+one direction after the other (2.0, the limit the measured rows approach)."""
+
+
+def duplex_slowdown(in_flight: int) -> float:
+    """Both directions' time over one direction's, with `in_flight` copies each way:
+    `DUPLEX`, linear in log2 of the copies between its rows."""
+    n = max(1, in_flight)
+    if n <= DUPLEX[0][0]:
+        return DUPLEX[0][1]
+    for (n0, f0), (n1, f1) in zip(DUPLEX, DUPLEX[1:]):
+        if n <= n1:
+            return f0 + (f1 - f0) * math.log2(n / n0) / math.log2(n1 / n0)
+    return DUPLEX[-1][1]
+
+
+def replay_seconds(copies: Sequence[Any], bandwidth: float) -> float:
+    """The link's time for the copies of one computation, replayed in schedule order:
+    each direction a lane of `bandwidth` bytes/s shared by the copies moving on it; a
+    copy starts moving at its start, and at its completion the schedule waits for it.
+    While both lanes move bytes each runs `duplex_slowdown(n)` times slower, `n` the
+    most copies moving on either. A copy of unknown position (`start` of -1) is in
+    flight from the computation's start to its end."""
+    end = max([c.done for c in copies] + [0]) + 1
+    events = sorted([(c.start if c.start >= 0 else 0, 0, k) for k, c in enumerate(copies)]
+                    + [(c.done if c.start >= 0 else end, 1, k) for k, c in enumerate(copies)])
+    lanes: dict[str, set[int]] = {"to_device": set(), "to_host": set()}  # copies moving
+    left = [float(c.nbytes) for c in copies]
+    clock = 0.0
+
+    def advance(until: Optional[int]) -> None:
+        nonlocal clock
+        while any(lanes.values()) and (until is None or any(until in q for q in lanes.values())):
+            busy = [q for q in lanes.values() if q]
+            slowdown = duplex_slowdown(max(map(len, busy))) if len(busy) == 2 else 1.0
+            rates = {id(q): bandwidth / slowdown / len(q) for q in busy}
+            step = min(left[k] / rates[id(q)] for q in busy for k in q)
+            clock += step
+            for q in busy:
+                for k in list(q):
+                    left[k] -= step * rates[id(q)]
+                    if left[k] <= 1e-6 * max(1.0, copies[k].nbytes):
+                        q.discard(k)
+
+    for _, is_done, k in events:
+        if is_done:
+            advance(k)
+        elif copies[k].nbytes > 0:
+            lanes[copies[k].direction].add(k)
+    advance(None)
+    return clock
+
+
 def new_host_bytes(plan: Any) -> int:
     """The bytes a step writes into host memory allocated for it: its host temporaries
     and its host outputs that do not reuse a donated input's buffer."""
@@ -45,13 +108,18 @@ def new_host_bytes(plan: Any) -> int:
 
 
 def link_seconds(plan: Any) -> float:
-    """The link's time for the step's copies, one direction at a time: every byte at
-    the chip's `host_link_bandwidth`, but those written into new host memory at
-    `NEW_HOST_BYTES_PER_S`."""
-    moved = plan.bytes_moved("to_device") + plan.bytes_moved("to_host")
-    slow = min(new_host_bytes(plan), plan.bytes_moved("to_host"))
+    """The link's time for the step's copies: each computation's copies replayed
+    (`replay_seconds`) at the chip's `host_link_bandwidth`, times the runs of that
+    computation (a loop body's trips); the bytes written into new host memory at
+    `NEW_HOST_BYTES_PER_S` instead."""
     bandwidth = float(plan.chip.host_link_bandwidth)
-    return float((moved - slow) / bandwidth + slow / NEW_HOST_BYTES_PER_S)
+    by_computation: dict[str, list[Any]] = {}
+    for c in plan.copies:
+        by_computation.setdefault(c.computation, []).append(c)
+    replayed = sum(replay_seconds(cs, bandwidth) * max(c.count for c in cs)
+                   for cs in by_computation.values())
+    slow = min(new_host_bytes(plan), plan.bytes_moved("to_host"))
+    return float(replayed + slow * (1 / NEW_HOST_BYTES_PER_S - 1 / bandwidth))
 
 
 def predict_seconds(plan: Any) -> Optional[float]:

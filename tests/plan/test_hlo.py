@@ -99,6 +99,13 @@ def test_a_tpu_loop_counts_each_trip_of_its_slices() -> None:
     assert run_counts(_TPU_LOOP)["body"] == 6 and unknown_loops(_TPU_LOOP) == ()
 
 
+def test_each_copy_has_its_computation_and_positions_in_the_schedule() -> None:
+    """Where a copy starts and completes in its computation's schedule: what is in
+    flight at once (the time model replays it)."""
+    copies = [(c.computation, c.start, c.done) for c in scheduled_copies(_TPU_LOOP)]
+    assert copies == [("body", 6, 7), ("body", 9, 10)]
+
+
 @pytest.mark.parametrize("limit, direction, start, step, trips", [
     (6, "LT", 0, 1, 6), (6, "LE", 0, 1, 7), (7, "LT", 1, 2, 3), (0, "GT", 5, -1, 5)])
 def test_trip_counts_of_each_loop_form(limit, direction, start, step, trips) -> None:
