@@ -24,6 +24,7 @@ from ._core.memory import check_devices_offer, check_host_kind, check_tree_fits_
 from ._core.placement import typed_sharding
 from ._core.shape import abstract_state, filter_eval_shape as filter_eval_shape, is_abstract, is_arraylike
 from ._core.types import HostMemoryKind, Where
+from ._models.backward import BackwardUpdate
 from ._models.master import MasterWeights
 from ._models.params import HostWeightsOptimizer
 from ._core.where import leaf_mask
@@ -174,7 +175,8 @@ def restore_target(
 
 
 def abstract_init(
-    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any]],
+    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any],
+                     BackwardUpdate[Any]],
     params: Any,
 ) -> Any:
     """The state `optimizer.init(params)` would return, without making it.
@@ -190,11 +192,13 @@ def abstract_init(
     - `optimizer`: an optax transformation, typically `eqx_offload.offloaded(...)` with
         `memory_kind="pinned_host"` (the only host memory reachable while tracing), or
         what `eqx_offload.host_weights_optimizer` or `eqx_offload.master_weights`
-        returns (the state their `init` gives: of `master_weights`, the second element).
+        returns (the state their `init` gives: of `master_weights`, the second element),
+        or what `eqx_offload.update_in_backward` returns (the `BackwardState` its
+        `init` gives).
     - `params`: the parameters, as arrays or as `jax.ShapeDtypeStruct`s with shardings
         (so that neither the model nor the state needs to exist before the restore);
-        for `host_weights_optimizer` and `master_weights`, the model (its compute
-        model, for `master_weights`).
+        for `host_weights_optimizer`, `master_weights` and `update_in_backward`, the
+        model (its compute model, for `master_weights`).
 
     **Returns:**
 
@@ -214,7 +218,9 @@ def abstract_init(
         assert target.inner_state[0].count.sharding.memory_kind == "device"
         ```
     """
-    if isinstance(optimizer, (HostWeightsOptimizer, MasterWeights)):
+    if isinstance(optimizer, BackwardUpdate):  # (its `init` gives `(model, state)`)
+        target = filter_eval_shape(optimizer.init, params)[1]
+    elif isinstance(optimizer, (HostWeightsOptimizer, MasterWeights)):
         # Their state is their transformation's, of the model's array leaves.
         target = abstract_state(optimizer.transformation, eqx.filter(params, is_arraylike))
     else:

@@ -78,11 +78,29 @@ def stack_layers(make_layer: Callable[[Any], _M], keys: Any) -> _M:
         assert blocks.weight.shape == (4, 8, 8)
         ```
     """
+    _check_keys(keys)
     layer = _LAYER.get()
     if layer is not None:
         keys = jtu.tree_map(functools.partial(_row, layer), keys)
     stacked: _M = eqx.filter_vmap(make_layer)(keys)
     return stacked
+
+
+def _check_keys(keys: Any) -> None:
+    """Refuses `keys` with a leaf that has no layer axis: one key (`jax.random.key(0)`,
+    or the `(2,)` uint32 of `jax.random.PRNGKey(0)`) where one per layer is needed."""
+    for leaf in jtu.tree_leaves(keys):
+        if not hasattr(leaf, "shape"):  # (`eqx.filter_vmap` passes it to each layer)
+            continue
+        shape, dtype = leaf.shape, leaf.dtype
+        raw_key = shape == (2,) and dtype == jnp.uint32
+        if shape == () or raw_key:
+            raise OptionError(
+                "Pass one key per layer: `stack_layers(make_layer, jax.random.split(key, "
+                "L))` for L layers.\nstack_layers(keys=...): got "
+                f"{'a raw key (a uint32 of shape (2,))' if raw_key else 'one key (shape ())'}"
+                ", which has no layer axis to map over.\n"
+                f"See {_DOCS}.")
 
 
 def _row(layer: jax.Array, x: jax.Array) -> jax.Array:
@@ -314,6 +332,21 @@ def run(made: Route) -> Any:
     return jtu.tree_unflatten(jtu.tree_structure(made.abstract, is_leaf=is_abstract), leaves)
 
 
+def _check_fun(fun: Any) -> None:
+    """Refuses a `fun` that is not a function that makes the result: a model already
+    made (a module with array leaves, callable as a layer), or no callable at all."""
+    made = isinstance(fun, eqx.Module) and any(
+        is_arraylike(x) for x in jtu.tree_leaves(fun, is_leaf=is_abstract))
+    if made or not callable(fun):
+        what = f"a {type(fun).__name__}" + (" with array leaves (a model already made)"
+                                           if made else ", which is not callable")
+        raise OptionError(
+            "Pass the function that makes the model, not the model: "
+            "`filter_make(lambda key: Model(key), key)`.\n"
+            f"filter_make(fun=...): got {what}.\n"
+            f"See {_DOCS}.")
+
+
 def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20,
                 **kwargs: Any) -> _T:
     """`fun(*args, **kwargs)`, every array leaf of the result made directly in the memory
@@ -329,7 +362,9 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
     device by a program of its own and written straight into its memory kind; stacked
     leaves are allocated once where they live (zeros in host memory made by the host's
     CPU) and written a layer at a time. The values are bitwise those of
-    `fun(*args, **kwargs)` called as it is. What the route holds on the device, planned
+    `eqx.filter_jit(fun)(*args, **kwargs)`: each program is compiled, and XLA may round
+    a compiled computation (`jax.random.normal(key, shape) * 0.02`) otherwise than
+    the same operations run one at a time by an eager call of `fun`. What the route holds on the device, planned
     for a TPU or GPU: `eqx_offload.planner.plan_startup`.
 
     **Arguments:**
@@ -341,7 +376,7 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
 
     **Returns:**
 
-    `fun(*args, **kwargs)`.
+    `fun(*args, **kwargs)`, computed as `eqx.filter_jit(fun)(*args, **kwargs)`.
 
     !!! Example
 
@@ -366,5 +401,6 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
         assert master.sharding.memory_kind == "pinned_host"
         ```
     """
+    _check_fun(fun)
     result: _T = run(route(fun, args, kwargs, group_bytes=group_bytes))
     return result

@@ -5,11 +5,14 @@ memory and a bf16 host state; where everything lives; donation; and the refusals
 what it cannot do exactly."""
 
 import functools
+import os
+import pathlib
 from typing import Any, Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_equal, memory_kinds, unchecked, walk_eqns
@@ -122,6 +125,17 @@ def _run_both(optimizer: Any, steps: int = 3, **model_options: Any) -> tuple[Any
     return ((model, eqx.combine(state.layers, state.rest)), (normal_model, normal_state))
 
 
+def _avx512() -> bool:
+    """Whether XLA:CPU compiles for AVX-512 here: factored Adafactor's fused step is
+    bitwise the normal step there; on an AVX2 CPU without it (an AMD EPYC) it was seen
+    to round otherwise in the last bits."""
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", "")
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offloaded"])
 def test_bitwise_the_normal_step(name: str, offload: bool) -> None:
@@ -129,6 +143,11 @@ def test_bitwise_the_normal_step(name: str, offload: bool) -> None:
     if offload:
         optimizer = eqx_offload.offloaded(optimizer)
     fused, normal = _run_both(optimizer)
+    if name == "adafactor-factored" and not _avx512():  # (docs/models.md says so)
+        for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(normal), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.all(np.abs(a - b) <= 4 * np.spacing(np.maximum(np.abs(a), np.abs(b))))
+        return
     assert_tree_equal(fused, normal)
 
 

@@ -5,7 +5,9 @@ from typing import Any, BinaryIO, Optional, TypeVar, Union
 
 import optax
 
-from eqx_offload.types import HostMemoryKind, HostWeightsOptimizer, MasterWeights, Where
+from eqx_offload.types import (
+    BackwardUpdate, HostMemoryKind, HostWeightsOptimizer, MasterWeights, Where,
+)
 
 _T = TypeVar("_T")
 
@@ -16,7 +18,8 @@ def restore_target(
     tree: _T, where: Where = False, *, memory_kind: HostMemoryKind = "pinned_host"
 ) -> _T: ...
 def abstract_init(
-    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any]],
+    optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any],
+                     BackwardUpdate[Any]],
     params: Any,
 ) -> Any: ...
 def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any: ...
