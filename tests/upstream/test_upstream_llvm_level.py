@@ -1,8 +1,9 @@
 """Canary: XLA:CPU computes the same bits with LLVM at -O1 (what `tests/conftest.py`
-sets for the suite) as at its default -O3, so the suite's bitwise claims speak for the
-default level. If this fails after an upgrade, drop the flag from conftest.py."""
+sets for the suite up to JAX 0.12.0.1) as at its default -O3, so the suite's bitwise
+claims speak for the default level. JAX 0.12.1's does not (the last bit of one
+parameter after 20 AdamW steps here), and conftest.py leaves it at -O3 there. When this
+fails, set conftest.py's bound again."""
 
-import os
 
 import equinox as eqx
 import jax
@@ -44,7 +45,10 @@ def train_bits() -> list[str]:
     return hex_bits((eqx.filter(params, eqx.is_array), losses))
 
 
-def test_o1_computes_the_bits_of_the_default_level():
-    assert "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]  # conftest.py
+O1_IS_BITWISE = jax.__version_info__ < (0, 12, 1)  # (the bound in conftest.py)
+
+
+def test_o1_computes_the_bits_of_the_default_level_where_the_suite_uses_it():
+    at_o1 = call_isolated(train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=1"})
     at_default = call_isolated(train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"})
-    assert train_bits() == at_default
+    assert (at_o1 == at_default) == O1_IS_BITWISE

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional, TypeVar
 import jax
 import jax.extend.core as _jex
 import jax.tree_util as _jtu
+from jax.core import Tracer as _Tracer
 from jax.experimental import compute_on as _compute_on
 import numpy as _np
 
@@ -106,7 +107,7 @@ def _cannot_copy(leaf: Any) -> bool:
     return (
         HOST_OUTPUT_COPY_FAILS
         and isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)
+        and not isinstance(leaf, _Tracer)
         and leaf.sharding.memory_kind in ("pinned_host", "unpinned_host")
         and all(getattr(d, "platform", None) == "cpu" for d in leaf.sharding.device_set)
     )
