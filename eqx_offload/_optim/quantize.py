@@ -184,16 +184,13 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
     blocks = _blocks(x.astype(jnp.float32))
     scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(1e-12))
     scaled = (blocks / scales[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
-    mids = jnp.asarray(midpoints(signed))
-    codes = jax.lax.platform_dependent(scaled, mids, cpu=_searched, default=_counted)
-    return codes.astype(jnp.uint8), scales
+    return _encoded(scaled, signed).astype(jnp.uint8), scales
 
 
 def _searched(scaled: Any, mids: Any) -> Any:
-    """The midpoints at or below each value, by binary search (the CPU's way): eight
-    halving steps over the 255 sorted midpoints, each a lookup and a comparison (written
-    out rather than `jnp.searchsorted`, which JAX 0.12 binds as an opaque primitive that
-    `update_in_backward`'s layer walk cannot follow)."""
+    """The midpoints at or below each value, by binary search: eight halving steps over
+    the 255 sorted midpoints, each a lookup and a comparison (a reference for
+    `_encoded`, which the CPU runs 18 times as fast)."""
     count = jnp.zeros(scaled.shape, jnp.int32)
     for step in (128, 64, 32, 16, 8, 4, 2, 1):
         candidate = count + step
@@ -203,20 +200,18 @@ def _searched(scaled: Any, mids: Any) -> Any:
 
 
 def _counted(scaled: Any, mids: Any) -> Any:
-    """The same count, by 255 comparisons that XLA fuses into one reduction (an
-    accelerator's way: the binary search's gathers took 1.45 s for 16M values on a TPU
-    v5e, these 3.5 ms; JAX 0.10.2)."""
+    """The same count, by 255 comparisons that XLA fuses into one reduction (the
+    reference `_encoded` is checked against: 255 comparisons a value)."""
     return jnp.sum(scaled[..., None] >= mids, axis=-1, dtype=jnp.int32)
 
 
 def lookup(codes: Any, signed: bool) -> Any:
     """`map[codes]` (float32), exactly: a gather on the CPU; on an accelerator (where a
-    gather of 16M codes took 161 ms on a TPU v5e, this 10 ms) a sum over the 256 entries
-    with one non-zero term, one reduction that XLA fuses (a two-level select, 5 ms,
-    kept a (..., 16) float32 temporary: 64 bytes a value)."""
+    gather of 16M codes took 161 ms on a TPU v5e) computed from each code, elementwise
+    (`_decoded`)."""
     table = jnp.asarray(_map(signed))
     return jax.lax.platform_dependent(codes.astype(jnp.int32), table, cpu=_gathered,
-                                      default=_selected)
+                                      default=lambda c, _: _decoded(c, signed))
 
 
 def _gathered(codes: Any, table: Any) -> Any:
@@ -224,7 +219,120 @@ def _gathered(codes: Any, table: Any) -> Any:
 
 
 def _selected(codes: Any, table: Any) -> Any:
+    """The same look-up by a sum over the 256 entries with one non-zero term (the
+    reference `_decoded` is checked against: 256 selects a value)."""
     return jnp.sum(jnp.where(codes[..., None] == jnp.arange(256), table, 0.0), axis=-1)
+
+
+# The map by arithmetic. Past 0 and 1.0, the map's non-negative entries run in 7 levels;
+# level i has `n` entries (n = 2^i signed, 2^(i+1) unsigned), the k-th of them
+# `dec * (b[k] + b[k+1]) / 2` in float32, where dec = float32(10^(i-6)) and b is
+# `np.linspace(0.1, 1, n + 1, dtype=float32)`: b[k] = m / (10 n) rounded to float32, for
+# the integer m = n + 9k (the linspace's float64 error, ~1e-16, is far below the 1/20 of
+# an ulp that separates m / 10 from a rounding boundary: see `_tenths`). So an entry is
+# `round(round(m/10 + (m+9)/10) * dec / (2 n))`, with its positive index (0 for 0) p =
+# the level's first index + k, first = n (signed) or n - 1 (unsigned). A signed map's
+# code is 127 + p, or 127 - p for its negative entries (the same magnitudes); the
+# unsigned map's code is p.
+
+_TENTH_HI = np.array(0.1, np.float32).view(np.uint32) & np.uint32(0xFFFFF800)
+_TENTH_HI = _TENTH_HI.view(np.float32)[()]  # 0.1 to 13 significant bits
+_TENTH_LO = np.float32(np.float64(0.1) - np.float64(_TENTH_HI))  # the rest, to 24 bits
+
+
+def _tenths(m: Any) -> Any:
+    """m / 10 rounded to float32 (to nearest, ties to even) for an integer float32 `m`
+    in [0, 2048), without a division. Exact: `m * _TENTH_HI` is exact (11 bits times
+    13), so the sum before its one rounding is m/10 within 2^-35 m/10 (the error of
+    `_TENTH_LO` and of its product), while m/10 lies at least 1/20 ulp (over 2^-29 m/10)
+    from a rounding boundary (a boundary is a multiple of 2^(e-1) and m/10 a multiple of
+    2^(e-1)/10; the two are equal only where m/10 is itself a float32). A compiler that
+    fuses either product into the sum (one rounding) only shrinks the error."""
+    return m * _TENTH_HI + m * _TENTH_LO
+
+
+@functools.lru_cache(maxsize=2)
+def _levels(signed: bool) -> tuple[tuple[Any, Any, Any, Any], ...]:
+    """Each level's `n`, its `dec / (2 n)` (exact: dec scaled by a power of two), the
+    slope `n / (0.9 dec)` (a value's position in the level, for a first guess), and the
+    midpoint below its first entry, in float32."""
+    positive = midpoints(signed)[127:] if signed else midpoints(signed)
+    levels = []
+    for i in range(7):
+        n = 2 ** i if signed else 2 ** (i + 1)
+        dec = np.float32(10.0 ** (i - 6))
+        first = n if signed else n - 1
+        levels.append((np.float32(n), np.ldexp(dec, -(i + 1 if signed else i + 2)),
+                       np.float32(n / (0.9 * np.float64(dec))), positive[first - 1]))
+    return tuple(levels)
+
+
+def _entries(m: Any, scale: Any) -> Any:
+    """The level entries `round(round(m/10 + (m+9)/10) * scale)` for `scale` = `dec /
+    (2 n)`: bitwise `dec * (b[k] + b[k+1]) / 2` as NumPy computes it (`dynamic_map`),
+    as b[k] + b[k+1] = (m/10 + (m+9)/10) / n before and after rounding (a power of two
+    apart), and so on: each operand is exact and each op rounds once."""
+    return (_tenths(m) + _tenths(m + 9)) * scale
+
+
+def _decoded(codes: Any, signed: bool) -> Any:
+    """`map[codes]` (float32) bitwise, by elementwise arithmetic on the int32 codes (no
+    gather, no table): about 30 operations a value."""
+    c = codes.astype(jnp.float32)
+    p = jnp.abs(c - 127) if signed else c  # the positive index
+    q = p if signed else p + 1  # = n + k within a level (0 for signed 0, 1 for unsigned 0)
+    bits = jax.lax.bitcast_convert_type(q, jnp.uint32) & np.uint32(0xFF800000)
+    n = jax.lax.bitcast_convert_type(bits, jnp.float32)  # 2^floor(log2 q): the level's n
+    scale = jnp.zeros_like(c)  # 0 and 1.0 below the first level and above the last
+    for level_n, level_scale, _, _ in _levels(signed):
+        scale = jnp.where(n >= level_n, level_scale, scale)
+    value = _entries(9 * q - 8 * n, scale)  # m = n + 9k, k = q - n (exact integers)
+    value = jnp.where(n > _levels(signed)[-1][0], jnp.float32(1), value)
+    return jnp.where(c < 127, -value, value) if signed else value
+
+
+def _encoded(scaled: Any, signed: bool) -> Any:
+    """The number of midpoints (`midpoints`) at or below each float32 value (`_counted`)
+    bitwise, elementwise: its level from 8 comparisons with the midpoints between
+    levels, a guess at its entry within the level from its position there (never above
+    the count, at most one below), and one comparison with the midpoint that decides,
+    computed as NumPy does (`_entries`): about 70 operations a value."""
+    x = scaled.astype(jnp.float32)
+    levels = _levels(signed)
+    mids = midpoints(signed)
+    if signed:
+        # A negative value's count is 127 less the positive midpoints below its
+        # magnitude (the map is symmetric but for 1.0): at or below the float32 under it.
+        negative = x < 0
+        magnitude = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32) - negative
+        a = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+    else:
+        a = x
+    n, scale, slope, _ = levels[0]
+    for level_n, level_scale, level_slope, bottom in levels[1:]:
+        above = a >= bottom
+        n = jnp.where(above, level_n, n)
+        scale = jnp.where(above, level_scale, scale)
+        slope = jnp.where(above, level_slope, slope)
+    # The entry k of the level at or below the value: its midpoints sit at whole
+    # positions 1 .. n - 1 (within 1e-5, as computed here), so this guess is the count
+    # within the level, or one less where the position is within 1/64 of a whole one.
+    position = a * slope - n * np.float32(1 / 9)
+    k = jnp.maximum(jnp.minimum(jnp.floor(position - np.float32(1 / 64)), n - 2), 0)
+    m = n + 9 * k
+    low, high = _entries(m, scale), _entries(m + 9, scale)
+    # The midpoint `(low + high) / 2` as `midpoints` rounds it. (`maximum(., 0)` leaves an
+    # entry as it is, and keeps a compiler from fusing its product into the sum.)
+    up = a + a >= jnp.maximum(low, 0) + jnp.maximum(high, 0)
+    if signed:
+        up = up & (k < n - 1)  # (level 0 has one entry)
+    count = (n if signed else n - 1) + k + up
+    count = jnp.where(a >= levels[0][3], count, 0)
+    count = jnp.where(a >= mids[-1], np.float32(128 if signed else 255), count)
+    if signed:
+        count = jnp.where(negative, 127 - jnp.minimum(count, 127), 127 + count)
+        count = jnp.where(jnp.isnan(x), 0, count)
+    return count.astype(jnp.int32)
 
 
 def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
