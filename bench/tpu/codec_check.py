@@ -29,8 +29,8 @@ def inputs(signed: bool, rng: np.random.Generator) -> np.ndarray:
     """Values whose counts decide exactness: each midpoint and the float32 on either side
     of it, the entries, special values, and 1M random values over many magnitudes."""
     mids = q.midpoints(signed)
-    special = np.float32([0.0, -0.0, 1, -1, 2, -2, np.inf, -np.inf, np.nan, -np.nan,
-                          1e-45, -1e-45, 1e-38, -1e-38, 1e-7, -1e-7])
+    special = np.array([0.0, -0.0, 1, -1, 2, -2, np.inf, -np.inf, np.nan, -np.nan,
+                        1e-45, -1e-45, 1e-38, -1e-38, 1e-7, -1e-7], np.float32)
     size = 1_000_000
     random = (rng.uniform(-1, 1, size) * 10.0 ** rng.uniform(-8, 0, size)).astype(np.float32)
     return np.concatenate([mids, np.nextafter(mids, np.float32(2)),

@@ -225,114 +225,124 @@ def _selected(codes: Any, table: Any) -> Any:
 
 
 # The map by arithmetic. Past 0 and 1.0, the map's non-negative entries run in 7 levels;
-# level i has `n` entries (n = 2^i signed, 2^(i+1) unsigned), the k-th of them
+# level i has n entries (n = 2^i signed, 2^(i+1) unsigned), the k-th of them
 # `dec * (b[k] + b[k+1]) / 2` in float32, where dec = float32(10^(i-6)) and b is
 # `np.linspace(0.1, 1, n + 1, dtype=float32)`: b[k] = m / (10 n) rounded to float32, for
-# the integer m = n + 9k (the linspace's float64 error, ~1e-16, is far below the 1/20 of
-# an ulp that separates m / 10 from a rounding boundary: see `_tenths`). So an entry is
-# `round(round(m/10 + (m+9)/10) * dec / (2 n))`, with its positive index (0 for 0) p =
-# the level's first index + k, first = n (signed) or n - 1 (unsigned). A signed map's
-# code is 127 + p, or 127 - p for its negative entries (the same magnitudes); the
-# unsigned map's code is p.
+# the integer m = n + 9k (the linspace's float64 error, ~1e-16, is far below what
+# separates m / 10 from a rounding boundary: see `_bound`). An entry's positive index (0
+# for 0) is the level's first index + k, first = n (signed) or n - 1 (unsigned); a
+# signed map's code is 127 + that index, or 127 - it for a negative entry, the unsigned
+# map's code is the index.
+#
+# Exact whatever XLA does with float32 arithmetic: XLA:TPU treats it as real numbers
+# (it rewrote `m * a + m * b` as `m * (a + b)`, which rounds once, and may fuse a product
+# into a sum), so each op that rounds takes operands that are exact and opaque to that
+# algebra (converted from integers, or a float32's bits moved by an integer op), and
+# where its result meets another rounding op it passes through an integer op first.
 
-_TENTH_HI = np.array(0.1, np.float32).view(np.uint32) & np.uint32(0xFFFFF800)
-_TENTH_HI = _TENTH_HI.view(np.float32)[()]  # 0.1 to 13 significant bits
-_TENTH_LO = np.float32(np.float64(0.1) - np.float64(_TENTH_HI))  # the rest, to 24 bits
+_TENTH_FACTOR = 949
+# 0.1 / 949 in float32: 949 times it is 0.1 within 1.5e-11 (relative), a float32 as
+# close to 0.1 as few multipliers under 2^13 allow.
+_TENTH_SCALE = np.float32(0.1 / _TENTH_FACTOR)
 
 
-def _tenths(m: Any) -> Any:
-    """m / 10 rounded to float32 (to nearest, ties to even) for an integer float32 `m`
-    in [0, 2048), without a division. Exact: `m * _TENTH_HI` is exact (11 bits times
-    13), so the sum before its one rounding is m/10 within 2^-35 m/10 (the error of
-    `_TENTH_LO` and of its product), while m/10 lies at least 1/20 ulp (over 2^-29 m/10)
-    from a rounding boundary (a boundary is a multiple of 2^(e-1) and m/10 a multiple of
-    2^(e-1)/10; the two are equal only where m/10 is itself a float32). A compiler that
-    fuses either product into the sum (one rounding) only shrinks the error."""
-    return m * _TENTH_HI + m * _TENTH_LO
+def _bound(x: Any, shift: Any) -> Any:
+    """b = m / (10 n) rounded to float32 (to nearest) for `x` = 949 m (int32, 0 < m <
+    17678) and `shift` = log2(n) << 23: float32(x) is exact (x < 2^24), and so is its
+    product with `_TENTH_SCALE` before its one rounding but for 1.5e-11 of m / 10, while
+    m / 10 lies at least 1/20 ulp (over 2.9e-9 of it) from a rounding boundary (a boundary
+    is a multiple of 2^(e-1), m / 10 one of 2^(e-1) / 10, and they meet only where m / 10
+    is a float32). Over n by the exponent's bits: exact, and no float op for XLA to fold."""
+    tenth = x.astype(jnp.float32) * _TENTH_SCALE
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(tenth, jnp.int32) - shift, jnp.float32)
+
+
+def _halved(x: Any) -> Any:
+    """`x / 2` for a positive normal float32 `x`, by its exponent's bits (exact)."""
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.int32) - (1 << 23), jnp.float32)
 
 
 @functools.lru_cache(maxsize=2)
 def _levels(signed: bool) -> tuple[tuple[Any, Any, Any, Any], ...]:
-    """Each level's `n`, its `dec / (2 n)` (exact: dec scaled by a power of two), the
-    slope `n / (0.9 dec)` (a value's position in the level, for a first guess), and the
-    midpoint below its first entry, in float32."""
+    """Each level's `n`, `dec` (float32(10^(i-6))), the slope `n / (0.9 dec)` (a value's
+    position in the level, for a first guess) and the midpoint below its first entry."""
     positive = midpoints(signed)[127:] if signed else midpoints(signed)
     levels = []
     for i in range(7):
         n = 2 ** i if signed else 2 ** (i + 1)
         dec = np.float32(10.0 ** (i - 6))
         first = n if signed else n - 1
-        levels.append((np.float32(n), np.ldexp(dec, -(i + 1 if signed else i + 2)),
-                       np.float32(n / (0.9 * np.float64(dec))), positive[first - 1]))
+        levels.append((n, dec, np.float32(n / (0.9 * np.float64(dec))), positive[first - 1]))
     return tuple(levels)
-
-
-def _entries(m: Any, scale: Any) -> Any:
-    """The level entries `round(round(m/10 + (m+9)/10) * scale)` for `scale` = `dec /
-    (2 n)`: bitwise `dec * (b[k] + b[k+1]) / 2` as NumPy computes it (`dynamic_map`),
-    as b[k] + b[k+1] = (m/10 + (m+9)/10) / n before and after rounding (a power of two
-    apart), and so on: each operand is exact and each op rounds once."""
-    return (_tenths(m) + _tenths(m + 9)) * scale
 
 
 def _decoded(codes: Any, signed: bool) -> Any:
     """`map[codes]` (float32) bitwise, by elementwise arithmetic on the int32 codes (no
-    gather, no table): about 30 operations a value."""
-    c = codes.astype(jnp.float32)
-    p = jnp.abs(c - 127) if signed else c  # the positive index
-    q = p if signed else p + 1  # = n + k within a level (0 for signed 0, 1 for unsigned 0)
-    bits = jax.lax.bitcast_convert_type(q, jnp.uint32) & np.uint32(0xFF800000)
-    n = jax.lax.bitcast_convert_type(bits, jnp.float32)  # 2^floor(log2 q): the level's n
-    scale = jnp.zeros_like(c)  # 0 and 1.0 below the first level and above the last
-    for level_n, level_scale, _, _ in _levels(signed):
-        scale = jnp.where(n >= level_n, level_scale, scale)
-    value = _entries(9 * q - 8 * n, scale)  # m = n + 9k, k = q - n (exact integers)
-    value = jnp.where(n > _levels(signed)[-1][0], jnp.float32(1), value)
-    return jnp.where(c < 127, -value, value) if signed else value
+    gather, no table): about 40 operations a value."""
+    codes = codes.astype(jnp.int32)
+    index = jnp.abs(codes - 127) if signed else codes  # the positive index
+    q = index if signed else index + 1  # n + k within a level
+    safe = jnp.maximum(q, 1)  # (0 for the signed map's 0: any level's arithmetic will do)
+    exponent = jax.lax.bitcast_convert_type(safe.astype(jnp.float32), jnp.int32) & -(1 << 23)
+    n = jax.lax.bitcast_convert_type(exponent, jnp.float32).astype(jnp.int32)  # 2^floor(log2)
+    shift = exponent - (127 << 23)
+    x = _TENTH_FACTOR * (9 * safe - 8 * n)  # m = n + 9k, k = q - n
+    sums = _bound(x, shift) + _bound(x + 9 * _TENTH_FACTOR, shift)  # b[k] + b[k + 1]
+    half_dec: Any = np.float32(0)  # (0 below the first level)
+    for level_n, dec, _, _ in _levels(signed):
+        half_dec = jnp.where(q >= level_n, dec / np.float32(2), half_dec)
+    value = sums * half_dec  # = round(sums * dec) / 2: one rounding, of exact operands
+    value = jnp.where(q > _levels(signed)[-1][0] * 2 - 1, np.float32(1), value)
+    return jnp.where(codes < 127, -value, value) if signed else value
 
 
 def _encoded(scaled: Any, signed: bool) -> Any:
     """The number of midpoints (`midpoints`) at or below each float32 value (`_counted`)
-    bitwise, elementwise: its level from 8 comparisons with the midpoints between
+    bitwise, elementwise: its level from 7 comparisons with the midpoints between
     levels, a guess at its entry within the level from its position there (never above
     the count, at most one below), and one comparison with the midpoint that decides,
-    computed as NumPy does (`_entries`): about 70 operations a value."""
+    computed as NumPy does: about 80 operations a value."""
     x = scaled.astype(jnp.float32)
     levels = _levels(signed)
-    mids = midpoints(signed)
+    negative = x < 0
     if signed:
         # A negative value's count is 127 less the positive midpoints below its
         # magnitude (the map is symmetric but for 1.0): at or below the float32 under it.
-        negative = x < 0
         magnitude = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32) - negative
         a = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
     else:
         a = x
-    n, scale, slope, _ = levels[0]
-    for level_n, level_scale, level_slope, bottom in levels[1:]:
+    first_n, dec, slope, _ = levels[0]
+    shift: Any = np.int32(int(np.log2(first_n)) << 23)
+    for level_n, level_dec, level_slope, bottom in levels[1:]:
         above = a >= bottom
-        n = jnp.where(above, level_n, n)
-        scale = jnp.where(above, level_scale, scale)
+        shift = jnp.where(above, np.int32(int(np.log2(level_n)) << 23), shift)
+        dec = jnp.where(above, level_dec, dec)
         slope = jnp.where(above, level_slope, slope)
+    n_float = jax.lax.bitcast_convert_type(shift + (127 << 23), jnp.float32)
     # The entry k of the level at or below the value: its midpoints sit at whole
     # positions 1 .. n - 1 (within 1e-5, as computed here), so this guess is the count
     # within the level, or one less where the position is within 1/64 of a whole one.
-    position = a * slope - n * np.float32(1 / 9)
-    k = jnp.maximum(jnp.minimum(jnp.floor(position - np.float32(1 / 64)), n - 2), 0)
-    m = n + 9 * k
-    low, high = _entries(m, scale), _entries(m + 9, scale)
-    # The midpoint `(low + high) / 2` as `midpoints` rounds it. (`maximum(., 0)` leaves an
-    # entry as it is, and keeps a compiler from fusing its product into the sum.)
-    up = a + a >= jnp.maximum(low, 0) + jnp.maximum(high, 0)
+    position = a * slope - n_float * np.float32(1 / 9)
+    k = jnp.maximum(jnp.minimum(jnp.floor(position - np.float32(1 / 64)), n_float - 2), 0)
+    n, k = n_float.astype(jnp.int32), k.astype(jnp.int32)
+    m = _TENTH_FACTOR * (n + 9 * k)
+    low, mid, high = (_bound(m + j * 9 * _TENTH_FACTOR, shift) for j in range(3))
+    # The entries k and k + 1 (halved by their bits, opaque to XLA's algebra), and the
+    # midpoint between them as `midpoints` rounds it: `(low + high) / 2`.
+    below, over = _halved((low + mid) * dec), _halved((mid + high) * dec)
+    up = a + a >= below + over
     if signed:
         up = up & (k < n - 1)  # (level 0 has one entry)
     count = (n if signed else n - 1) + k + up
     count = jnp.where(a >= levels[0][3], count, 0)
-    count = jnp.where(a >= mids[-1], np.float32(128 if signed else 255), count)
+    count = jnp.where(a >= midpoints(signed)[-1], 128 if signed else 255, count)
     if signed:
         count = jnp.where(negative, 127 - jnp.minimum(count, 127), 127 + count)
         count = jnp.where(jnp.isnan(x), 0, count)
-    return count.astype(jnp.int32)
+    return count
 
 
 def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
