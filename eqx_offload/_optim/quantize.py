@@ -184,16 +184,13 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
     blocks = _blocks(x.astype(jnp.float32))
     scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(1e-12))
     scaled = (blocks / scales[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
-    mids = jnp.asarray(midpoints(signed))
-    codes = jax.lax.platform_dependent(scaled, mids, cpu=_searched, default=_counted)
-    return codes.astype(jnp.uint8), scales
+    return _encoded(scaled, signed).astype(jnp.uint8), scales
 
 
 def _searched(scaled: Any, mids: Any) -> Any:
-    """The midpoints at or below each value, by binary search (the CPU's way): eight
-    halving steps over the 255 sorted midpoints, each a lookup and a comparison (written
-    out rather than `jnp.searchsorted`, which JAX 0.12 binds as an opaque primitive that
-    `update_in_backward`'s layer walk cannot follow)."""
+    """The midpoints at or below each value, by binary search: eight halving steps over
+    the 255 sorted midpoints, each a lookup and a comparison (a reference for
+    `_encoded`, which the CPU runs 18 times as fast)."""
     count = jnp.zeros(scaled.shape, jnp.int32)
     for step in (128, 64, 32, 16, 8, 4, 2, 1):
         candidate = count + step
@@ -203,20 +200,18 @@ def _searched(scaled: Any, mids: Any) -> Any:
 
 
 def _counted(scaled: Any, mids: Any) -> Any:
-    """The same count, by 255 comparisons that XLA fuses into one reduction (an
-    accelerator's way: the binary search's gathers took 1.45 s for 16M values on a TPU
-    v5e, these 3.5 ms; JAX 0.10.2)."""
+    """The same count, by 255 comparisons that XLA fuses into one reduction (the
+    reference `_encoded` is checked against: 255 comparisons a value)."""
     return jnp.sum(scaled[..., None] >= mids, axis=-1, dtype=jnp.int32)
 
 
 def lookup(codes: Any, signed: bool) -> Any:
     """`map[codes]` (float32), exactly: a gather on the CPU; on an accelerator (where a
-    gather of 16M codes took 161 ms on a TPU v5e, this 10 ms) a sum over the 256 entries
-    with one non-zero term, one reduction that XLA fuses (a two-level select, 5 ms,
-    kept a (..., 16) float32 temporary: 64 bytes a value)."""
+    gather of 16M codes took 161 ms on a TPU v5e) computed from each code, elementwise
+    (`_decoded`)."""
     table = jnp.asarray(_map(signed))
     return jax.lax.platform_dependent(codes.astype(jnp.int32), table, cpu=_gathered,
-                                      default=_selected)
+                                      default=lambda c, _: _decoded(c, signed))
 
 
 def _gathered(codes: Any, table: Any) -> Any:
@@ -224,7 +219,130 @@ def _gathered(codes: Any, table: Any) -> Any:
 
 
 def _selected(codes: Any, table: Any) -> Any:
+    """The same look-up by a sum over the 256 entries with one non-zero term (the
+    reference `_decoded` is checked against: 256 selects a value)."""
     return jnp.sum(jnp.where(codes[..., None] == jnp.arange(256), table, 0.0), axis=-1)
+
+
+# The map by arithmetic. Past 0 and 1.0, the map's non-negative entries run in 7 levels;
+# level i has n entries (n = 2^i signed, 2^(i+1) unsigned), the k-th of them
+# `dec * (b[k] + b[k+1]) / 2` in float32, where dec = float32(10^(i-6)) and b is
+# `np.linspace(0.1, 1, n + 1, dtype=float32)`: b[k] = m / (10 n) rounded to float32, for
+# the integer m = n + 9k (the linspace's float64 error, ~1e-16, is far below what
+# separates m / 10 from a rounding boundary: see `_bound`). An entry's positive index (0
+# for 0) is the level's first index + k, first = n (signed) or n - 1 (unsigned); a
+# signed map's code is 127 + that index, or 127 - it for a negative entry, the unsigned
+# map's code is the index.
+#
+# Exact whatever XLA does with float32 arithmetic: XLA:TPU treats it as real numbers
+# (it rewrote `m * a + m * b` as `m * (a + b)`, which rounds once, and may fuse a product
+# into a sum), so each op that rounds takes operands that are exact and opaque to that
+# algebra (converted from integers, or a float32's bits moved by an integer op), and
+# where its result meets another rounding op it passes through an integer op first.
+
+_TENTH_FACTOR = 949
+# 0.1 / 949 in float32: 949 times it is 0.1 within 1.5e-11 (relative), a float32 as
+# close to 0.1 as few multipliers under 2^13 allow.
+_TENTH_SCALE = np.float32(0.1 / _TENTH_FACTOR)
+
+
+def _bound(x: Any, shift: Any) -> Any:
+    """b = m / (10 n) rounded to float32 (to nearest) for `x` = 949 m (int32, 0 < m <
+    17678) and `shift` = log2(n) << 23: float32(x) is exact (x < 2^24), and so is its
+    product with `_TENTH_SCALE` before its one rounding but for 1.5e-11 of m / 10, while
+    m / 10 lies at least 1/20 ulp (over 2.9e-9 of it) from a rounding boundary (a boundary
+    is a multiple of 2^(e-1), m / 10 one of 2^(e-1) / 10, and they meet only where m / 10
+    is a float32). Over n by the exponent's bits: exact, and no float op for XLA to fold."""
+    tenth = x.astype(jnp.float32) * _TENTH_SCALE
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(tenth, jnp.int32) - shift, jnp.float32)
+
+
+def _halved(x: Any) -> Any:
+    """`x / 2` for a positive normal float32 `x`, by its exponent's bits (exact)."""
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.int32) - (1 << 23), jnp.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _levels(signed: bool) -> tuple[tuple[Any, Any, Any, Any], ...]:
+    """Each level's `n`, `dec` (float32(10^(i-6))), the slope `n / (0.9 dec)` (a value's
+    position in the level, for a first guess) and the midpoint below its first entry."""
+    positive = midpoints(signed)[127:] if signed else midpoints(signed)
+    levels = []
+    for i in range(7):
+        n = 2 ** i if signed else 2 ** (i + 1)
+        dec = np.float32(10.0 ** (i - 6))
+        first = n if signed else n - 1
+        levels.append((n, dec, np.float32(n / (0.9 * np.float64(dec))), positive[first - 1]))
+    return tuple(levels)
+
+
+def _decoded(codes: Any, signed: bool) -> Any:
+    """`map[codes]` (float32) bitwise, by elementwise arithmetic on the int32 codes (no
+    gather, no table): about 40 operations a value."""
+    codes = codes.astype(jnp.int32)
+    index = jnp.abs(codes - 127) if signed else codes  # the positive index
+    q = index if signed else index + 1  # n + k within a level
+    safe = jnp.maximum(q, 1)  # (0 for the signed map's 0: any level's arithmetic will do)
+    exponent = jax.lax.bitcast_convert_type(safe.astype(jnp.float32), jnp.int32) & -(1 << 23)
+    n = jax.lax.bitcast_convert_type(exponent, jnp.float32).astype(jnp.int32)  # 2^floor(log2)
+    shift = exponent - (127 << 23)
+    x = _TENTH_FACTOR * (9 * safe - 8 * n)  # m = n + 9k, k = q - n
+    sums = _bound(x, shift) + _bound(x + 9 * _TENTH_FACTOR, shift)  # b[k] + b[k + 1]
+    half_dec: Any = np.float32(0)  # (0 below the first level)
+    for level_n, dec, _, _ in _levels(signed):
+        half_dec = jnp.where(q >= level_n, dec / np.float32(2), half_dec)
+    value = sums * half_dec  # = round(sums * dec) / 2: one rounding, of exact operands
+    value = jnp.where(q > _levels(signed)[-1][0] * 2 - 1, np.float32(1), value)
+    return jnp.where(codes < 127, -value, value) if signed else value
+
+
+def _encoded(scaled: Any, signed: bool) -> Any:
+    """The number of midpoints (`midpoints`) at or below each float32 value (`_counted`)
+    bitwise, elementwise: its level from 7 comparisons with the midpoints between
+    levels, a guess at its entry within the level from its position there (never above
+    the count, at most one below), and one comparison with the midpoint that decides,
+    computed as NumPy does: about 80 operations a value."""
+    x = scaled.astype(jnp.float32)
+    levels = _levels(signed)
+    negative = x < 0
+    if signed:
+        # A negative value's count is 127 less the positive midpoints below its
+        # magnitude (the map is symmetric but for 1.0): at or below the float32 under it.
+        magnitude = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32) - negative
+        a = jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+    else:
+        a = x
+    first_n, dec, slope, _ = levels[0]
+    shift: Any = np.int32(int(np.log2(first_n)) << 23)
+    for level_n, level_dec, level_slope, bottom in levels[1:]:
+        above = a >= bottom
+        shift = jnp.where(above, np.int32(int(np.log2(level_n)) << 23), shift)
+        dec = jnp.where(above, level_dec, dec)
+        slope = jnp.where(above, level_slope, slope)
+    n_float = jax.lax.bitcast_convert_type(shift + (127 << 23), jnp.float32)
+    # The entry k of the level at or below the value: its midpoints sit at whole
+    # positions 1 .. n - 1 (within 1e-5, as computed here), so this guess is the count
+    # within the level, or one less where the position is within 1/64 of a whole one.
+    position = a * slope - n_float * np.float32(1 / 9)
+    k = jnp.maximum(jnp.minimum(jnp.floor(position - np.float32(1 / 64)), n_float - 2), 0)
+    n, k = n_float.astype(jnp.int32), k.astype(jnp.int32)
+    m = _TENTH_FACTOR * (n + 9 * k)
+    low, mid, high = (_bound(m + j * 9 * _TENTH_FACTOR, shift) for j in range(3))
+    # The entries k and k + 1 (halved by their bits, opaque to XLA's algebra), and the
+    # midpoint between them as `midpoints` rounds it: `(low + high) / 2`.
+    below, over = _halved((low + mid) * dec), _halved((mid + high) * dec)
+    up = a + a >= below + over
+    if signed:
+        up = up & (k < n - 1)  # (level 0 has one entry)
+    count = (n if signed else n - 1) + k + up
+    count = jnp.where(a >= levels[0][3], count, 0)
+    count = jnp.where(a >= midpoints(signed)[-1], 128 if signed else 255, count)
+    if signed:
+        count = jnp.where(negative, 127 - jnp.minimum(count, 127), 127 + count)
+        count = jnp.where(jnp.isnan(x), 0, count)
+    return count
 
 
 def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
