@@ -250,7 +250,7 @@ def row(form: str, copy_mib: float, k: int, total_mib: float, reps: int,
         ms = median_ms(fn, reps)
         out[name + "_ms"] = round(ms, 3)
         out[name + "_GBps"] = round((1 if name in ("h2d", "d2h") else 2) * nbytes / ms / 1e6, 2)
-    hs = np.asarray(state["hs"][:, -1, -1])  # (every copy's last element: 2 * 2.0)
+    hs = np.asarray(jax.device_get(state["hs"]))[:, -1, -1]  # (each copy's last: 2 * 2.0)
     out["written"] = bool((hs == 4.0).all())
     one_way = max(out["h2d_ms"], out["d2h_ms"])
     out["both_over_max"] = round(out["both_ms"] / one_way, 3)
