@@ -8,6 +8,8 @@
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
 #   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
+#   bash bench/tpu/next.sh 7    # call 7 (<= 9 min): the arithmetic 8-bit codec (exact on the
+#                               # chip?), 542M steps in one run, each parameter stored once
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -112,9 +114,20 @@ call6() {  # where the host's resident memory goes: primitives, then each start-
 call4() {  # start-up: new pinned memory by route
   for route in threads numpy fresh; do row 90 bench/tpu/startup_probe.py $route $MIB 4; done
 }
+call7() {  # the 8-bit codec on the chip; plain, state and 8-bit state steps in one run;
+  # fp32 weights stored once as their master with 8-bit moments, past the bf16 row's 2.19B
+  local l=48
+  [ "${SIZE:-}" = small ] && l=2
+  row 90 bench/tpu/codec_check.py
+  row $T $TP fp32 $W $L8 1 $STEPS $SEQB
+  row $T $TP state $W $L8 1 $STEPS $SEQB
+  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
+  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
+  row $((T + 30)) $C +activations-once-int8state-backward $W $l 12 $SEQB
+}
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;;
-  all) call1; call2; call3; call4; call5; call6 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|all" >&2; exit 2 ;;
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;;
+  all) call1; call2; call3; call4; call5; call6; call7 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|all" >&2; exit 2 ;;
 esac
 echo "results: $OUT"
