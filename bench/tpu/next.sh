@@ -122,8 +122,8 @@ call7() {  # the 8-bit codec on the chip; plain, state and 8-bit state steps in 
   row $T $TP fp32 $W $L8 1 $STEPS $SEQB
   row $T $TP state $W $L8 1 $STEPS $SEQB
   row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
   row $((T + 30)) $C +activations-once-int8state-backward $W $l 12 $SEQB
+  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
 }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;;
