@@ -6,6 +6,7 @@ An update looks its layout up by the structure and shapes of its arguments; only
 layout it has not seen is checked against what `inner.init` makes (`checks`)."""
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast, Optional
 
@@ -118,15 +119,16 @@ def _new_layout(inner: Any, options: Options, cache: Cache, state: Any, updates:
     """The layout of a state not seen before, checked against what `inner.init` makes."""
     leaves, treedef = jtu.tree_flatten(state.inner_state)
     made = check_new_state(inner, state, updates, params, extra_args,
-                           _as_computed if options.quantized else None)
+                           functools.partial(_as_computed, options.stacked)
+                           if options.quantized else None)
     mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
                  else mask_of(state.inner_state))
     init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
     if options.host_dtype is None or len(init_dtypes) != len(leaves):
         init_dtypes = [None] * len(leaves)
     elif options.quantized:
-        init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
-                                                    strict=True)]
+        init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made, options.stacked),
+                                                    init_dtypes, strict=True)]
     return Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
 
 
@@ -134,7 +136,7 @@ def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
     return tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
 
 
-def _as_computed(state: Any, abstract: Any) -> Any:
+def _as_computed(layers: Optional[int], state: Any, abstract: Any) -> Any:
     """An 8-bit state as the update computes on it, for `check_new_state`: each packed
     leaf where `inner.init` makes a leaf that is kept quantised, as that leaf (abstract).
     Any other state as it is."""
@@ -142,7 +144,7 @@ def _as_computed(state: Any, abstract: Any) -> Any:
     made, made_def = jtu.tree_flatten(abstract)
     if cast(Any, treedef) != made_def:  # (PyTreeDef is typed without __eq__)
         return state
-    specs = specs_for(made_def, made)
+    specs = specs_for(made_def, made, layers)
     leaves = [spec.spec if spec is not None and _is_packed(x, spec) else x
               for x, spec in zip(leaves, specs, strict=True)]
     return state._replace(inner_state=jtu.tree_unflatten(treedef, leaves))
@@ -183,7 +185,7 @@ def store(options: Options, leaves: Sequence[Any], memory_kind: Optional[str],
     taken as `narrowed` already."""
     if options.host_dtype is not None:
         if options.quantized and specs is None:
-            specs = (specs_for(treedef, list(leaves)) if treedef is not None
+            specs = (specs_for(treedef, list(leaves), options.stacked) if treedef is not None
                      else [None] * len(leaves))
         leaves = [_narrow(options, x, s) if mask is None or m else x
                   for x, m, s in zip(leaves, mask or [True] * len(leaves),
@@ -199,7 +201,7 @@ def store_tree(options: Options, tree: Any, memory_kind: str) -> Any:
     if options.quantized:
         # `init`'s moments are constants (zeros): fenced, XLA quantises them when the
         # program runs instead of folding the quantiser over every value as it compiles.
-        specs = specs_for(treedef, leaves)
+        specs = specs_for(treedef, leaves, options.stacked)
         leaves = [optimization_barrier(x) if s is not None and isinstance(x, jax.Array) else x
                   for x, s in zip(leaves, specs, strict=True)]
     return jtu.tree_unflatten(treedef, store(options, leaves, memory_kind,
