@@ -12,7 +12,7 @@ split in two halves (`_optim.backward`), each updated by the optimizer as a blac
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, Optional, TypeVar, Union
+from typing import Any, Generic, Optional, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -36,7 +36,11 @@ from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
 
-_M = TypeVar("_M")
+if TYPE_CHECKING:  # (a default for the checkers: a step not annotated is of `Any` model)
+    from typing_extensions import TypeVar as _DefaultTypeVar
+    _M = _DefaultTypeVar("_M", default=Any)
+else:
+    _M = TypeVar("_M")
 Optimizer = Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
                   optax.MultiSteps]
 """What `update_in_backward` takes: an optax transformation, or what `master_weights` or
@@ -170,10 +174,9 @@ class BackwardUpdate(Generic[_M]):
         new_model: _M = eqx.combine(new_params, static)
         return new_model, BackwardState(state_layers, state_rest)
 
-    def step(self, loss: Callable[..., Any], model: _M,
-             state: Any,  # a `BackwardState`: checked below, with a better message
-             *args: Any,
-             accumulated: Optional[Any] = None, **kwargs: Any) -> tuple[Any, _M, BackwardState]:
+    def step(self, loss: Callable[..., jax.Array], model: _M, state: BackwardState,
+             *args: Any, accumulated: Optional[_M] = None,
+             **kwargs: Any) -> tuple[jax.Array, _M, BackwardState]:
         """One training step: `loss(model, *args, **kwargs)` differentiated, the stacked
         layers updated inside its backward pass, the other parameters after it.
 
@@ -399,7 +402,7 @@ def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block
 
 
 def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
-                       offload: Optional[Offload] = None) -> BackwardUpdate[Any]:
+                       offload: Optional[Offload] = None) -> BackwardUpdate[_M]:
     """Runs the optimizer step of a model's stacked layers inside its backward pass,
     layer by layer, so that their whole gradient never exists on the device.
 

@@ -460,4 +460,5 @@ def test_refuses_bad_arguments() -> None:
         unchecked(eqx_offload.update_in_backward)(optax.adam(1e-2), layers="blocks")
     fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
     with pytest.raises(StateError):
-        fused.step(loss, make_model(), optax.adam(1e-2).init(make_model()), batch(0))
+        unchecked(type(fused).step)(fused, loss, make_model(),
+                                    optax.adam(1e-2).init(make_model()), batch(0))
