@@ -369,8 +369,9 @@ def _tree(plan: _Plan, block: list[Any]) -> Any:
                                                    plan.in_layers))
 
 
-def _layer_update(transformation: Any, returns_params: bool, plan: _Plan, g: list[Any],
-                  w: list[Any], s: list[Any], shared: list[Any]) -> tuple[list[Any], list[Any]]:
+def _layer_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
+                  plan: _Plan, g: list[Any], w: list[Any], s: list[Any],
+                  shared: list[Any]) -> tuple[list[Any], list[Any]]:
     """One layer's update (each leaf with a leading axis of 1): its new weights and its
     new per-layer state leaves."""
     s = [from_bits(a, t) for a, t in zip(s, plan.dtypes, strict=True)]
@@ -384,8 +385,9 @@ def _layer_update(transformation: Any, returns_params: bool, plan: _Plan, g: lis
     return new_w, new_s
 
 
-def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block: list[Any],
-                   channel: list[Any], shared: list[Any]) -> list[Any]:
+def _shared_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
+                   plan: _Plan, block: list[Any], channel: list[Any],
+                   shared: list[Any]) -> list[Any]:
     """The new shared leaves of the layers' state (a step count): the update of one
     layer computes them from the shared leaves alone (`check_separable` made sure), so
     the update of layer 0 on a zero gradient, of which XLA keeps only them."""

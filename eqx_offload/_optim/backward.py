@@ -67,7 +67,8 @@ def _resized(shape: tuple[int, ...], length: int) -> tuple[int, ...]:
     return (length,) + shape[1:] if shape else shape
 
 
-def _changed(transformation: Any, params: Any, which: Sequence[bool],
+def _changed(transformation: optax.GradientTransformationExtraArgs, params: Any,
+             which: Sequence[bool],
              length: Callable[[int], int], strict: bool = True) -> list[bool]:
     """Per leaf of `transformation.init(params)`: whether its shape changes, in its
     leading axis alone, when the leading axis `n` of the parameters `which` selects
@@ -114,7 +115,7 @@ def _one_layer(n: int) -> int:
     return 1 if n > 1 else 2
 
 
-def per_layer(transformation: Any, layers: Any) -> list[bool]:
+def per_layer(transformation: optax.GradientTransformationExtraArgs, layers: Any) -> list[bool]:
     """Per leaf of `transformation.init(layers)` (the stacked half): whether it is
     stacked per layer (sliced with its layers) rather than shared (a step count).
     A stacked leaf that is not floating cannot come back as a gradient, and one whose
@@ -134,7 +135,8 @@ def per_layer(transformation: Any, layers: Any) -> list[bool]:
     return stacked
 
 
-def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool]) -> None:
+def check_separable(transformation: optax.GradientTransformationExtraArgs, params: Any,
+                    in_layers: Sequence[bool]) -> None:
     """Raises a `CompositionError` naming the fix unless, in `transformation.update`
     of the whole tree, each update and state leaf of the stacked layers depends only on
     the layers' leaves, layer `i` on layer `i` alone, and every other leaf on no
@@ -170,7 +172,8 @@ def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool])
         raise _refusal(str(e)) from None
 
 
-def _init_update(transformation: Any, grads: Any, params: Any) -> Any:
+def _init_update(transformation: optax.GradientTransformationExtraArgs, grads: Any,
+                 params: Any) -> Any:
     return transformation.update(grads, transformation.init(params), params)
 
 

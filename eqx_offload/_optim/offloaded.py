@@ -149,7 +149,8 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
 
     # Errors leave these with the package's frames hidden (`compat.boundary`).
     update = boundary(update_fn)
-    update.made = Made(inner, options)  # type: ignore[attr-defined]  # (a function's attribute, PEP 232: `made_of`)
+    # (a function's attribute, PEP 232; read by `made_of`)
+    update.made = Made(inner, options)  # type: ignore[attr-defined]  # a function's attribute
     return optax.GradientTransformationExtraArgs(boundary(init_fn), update)
 
 

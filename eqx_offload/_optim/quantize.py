@@ -20,13 +20,14 @@ whole rows of a stacked leaf as it does for any other. For a last axis that is a
 of 256 the blocks are torchao's and bitsandbytes' (they block the flattened array).
 Leaves of fewer than `MIN_SIZE` (4096) values keep their dtype, as in both references.
 
-Stacked layers (`layers=`, the `Options.stacked` of the state of `update_in_backward`'s
-stacked layers): each layer of a state leaf is packed apart, so that a layer is a slice of the stored array along its leading
-axis. Only a stack of vectors `(L, n)` is stored otherwise: as `(L, 1 + e, ceil(n /
-4))`, each layer a one-row leaf, where alone it would be `(L + e, ceil(n / 4))` (the
-codes and scales are the same: blocks run along the last axis). Whether a leaf is kept
-quantised is decided by the values of the whole stack, as for the stack alone; a stack
-of scalars `(L,)` keeps its dtype.
+Stacked layers (`layers=`: `Options.stacked`, set on the transformation of
+`update_in_backward`'s stacked layers): each layer of a state leaf is packed apart, so
+that a layer is a slice of the stored array along its leading axis. Only a stack of
+vectors `(L, n)` is stored otherwise: as `(L, 1 + e, ceil(n / 4))`, each layer a one-row
+leaf, where alone it would be `(L + e, ceil(n / 4))` (the codes and scales are the same:
+blocks run along the last axis). Whether a leaf is kept quantised is decided by the
+values of the whole stack, as for the stack alone; a stack of scalars `(L,)` keeps its
+dtype.
 """
 
 import dataclasses

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import optax
 
 from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
@@ -55,7 +56,7 @@ class Call(NamedTuple):
     - `traced`: whether any argument of the call is traced.
     """
 
-    inner: Any
+    inner: optax.GradientTransformationExtraArgs
     layout: Layout
     traced: bool
 
@@ -249,8 +250,9 @@ class _CompiledWhenEager:
         return result
 
 
-def _traced(strategy: Strategy, inner: Any, layout: Layout, updates: Any, state: Any,
-            params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def _traced(strategy: Strategy, inner: optax.GradientTransformationExtraArgs, layout: Layout,
+            updates: Any, state: Any, params: Any,
+            extra_args: dict[str, Any]) -> tuple[Any, Any]:
     return strategy(Call(inner, layout, True), updates, state, params, **extra_args)
 
 

@@ -419,6 +419,11 @@ def test_refuses_multi_steps() -> None:
     with pytest.raises(CompositionError, match="accumulated="):
         eqx_offload.update_in_backward(optax.MultiSteps(optax.adam(1e-2), 2),
                                        layers=lambda m: m.blocks)
+    # `offloaded` outermost (as the accumulation how-to orders them): the same route named
+    fused = eqx_offload.update_in_backward(
+        eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2)), layers=lambda m: m.blocks)
+    with pytest.raises(CompositionError, match="accumulated="):
+        fused.init(make_model())
 
 
 def test_refuses_a_loss_without_the_scan() -> None:
