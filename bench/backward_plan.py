@@ -44,7 +44,9 @@ def steps(shape: LlamaShape) -> dict[str, tuple[Any, tuple[Any, ...]]]:
     opt = eqx_offload.offloaded(optax.adamw(3e-4, weight_decay=0.1))
     normal_state = eqx_offload.checkpoint.filter_eval_shape(
         lambda m: opt.init(eqx.filter(m, eqx.is_array)), model)
-    fused = eqx_offload.update_in_backward(opt, layers=lambda m: m.blocks)
+    fused = eqx_offload.update_in_backward(optax.adamw(3e-4, weight_decay=0.1),
+                                           layers=lambda m: m.blocks,
+                                           offload=eqx_offload.offloaded)
     fused_model, fused_state = eqx_offload.checkpoint.filter_eval_shape(fused.init, model)
 
     @eqx_offload.filter_jit(donate="all")

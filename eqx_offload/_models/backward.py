@@ -12,7 +12,7 @@ split in two halves (`_optim.backward`), each updated by the optimizer as a blac
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -20,26 +20,42 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from .._core.errors import CompositionError, OptionError, StateError
+from .._core.errors import (
+    CompositionError, not_a_transformation_error, OptionError, StateError,
+)
+from .._core.inner import as_transformation
 from .._core.move import to_host
 from .._core.placement import is_host
-from .._optim.quantize import CODE_DTYPE, stacked
+from .._optim.quantize import CODE_DTYPE
 from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
 )
-from .._stream.backward import Hook, hooked, one_layer, update_scan
+from .._optim.offloaded import for_layers, made_of
+from .._stream.backward import Hook, hooked, update_scan
 from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
 
-_M = TypeVar("_M")
+if TYPE_CHECKING:  # (a default for the checkers: a step not annotated is of `Any` model)
+    from typing_extensions import TypeVar as _DefaultTypeVar
+    _M = _DefaultTypeVar("_M", default=Any)
+else:
+    _M = TypeVar("_M")
+Optimizer = Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
+                  optax.MultiSteps]
+"""What `update_in_backward` takes: an optax transformation, or what `master_weights` or
+`host_weights_optimizer` returns (an `optax.MultiSteps` only to be refused, naming the
+route)."""
+Offload = Callable[[optax.GradientTransformation], optax.GradientTransformation]
+"""How `update_in_backward` keeps the optimizer's state, e.g. `eqx_offload.offloaded`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """What one model structure needs, found once: which parameter leaves are the
     stacked layers' (`in_layers`), which leaves of the layers' state are stacked per
-    layer (`stacked`), and the structures to rebuild trees with."""
+    layer (`stacked`), the structures to rebuild trees with, and the optimizer of the
+    stacked layers (`layer_optimizer`, its transformation `transformation`)."""
 
     treedef: Any  # of the parameters (`eqx.filter(model, eqx.is_array)`)
     in_layers: tuple[bool, ...]
@@ -47,41 +63,75 @@ class _Plan:
     stacked: tuple[bool, ...]
     layers: int  # the number of stacked layers
     dtypes: tuple[Any, ...]  # of the stacked state leaves, as stored
+    layer_optimizer: Any  # as the optimizer given: a transformation, `MasterWeights`, ...
+    transformation: optax.GradientTransformationExtraArgs  # `layer_optimizer`'s
+
+
+def _transformation(optimizer: Any) -> optax.GradientTransformationExtraArgs:
+    if isinstance(optimizer, (MasterWeights, HostWeightsOptimizer)):
+        return optimizer.transformation
+    return optax.with_extra_args_support(optimizer)
+
+
+def _with_transformation(optimizer: Any, transformation: Any) -> Any:
+    """`optimizer` (normalised) with `transformation` in place of its own."""
+    if isinstance(optimizer, (MasterWeights, HostWeightsOptimizer)):
+        return dataclasses.replace(optimizer, transformation=transformation)
+    return transformation
+
+
+def _normalised(optimizer: Any, offload: Optional[Offload]) -> Any:
+    """`optimizer` with its transformation a `GradientTransformationExtraArgs`, kept by
+    `offload` where given; or the error that names the fix."""
+    if isinstance(optimizer, optax.MultiSteps):
+        check_not_accumulating(optax.MultiStepsState(0, 0, None, None))
+    if not isinstance(optimizer, (MasterWeights, HostWeightsOptimizer)):
+        optimizer = as_transformation(optimizer, "update_in_backward(optimizer=...)")
+    transformation = _transformation(optimizer)
+    if offload is None:
+        return optimizer
+    if made_of(transformation) is not None:
+        raise OptionError("update_in_backward(optimizer=..., offload=...): pass the "
+                          "optimizer unwrapped, e.g. `update_in_backward(optax.adamw(...), "
+                          "layers=..., offload=eqx_offload.offloaded)`; it is offloaded "
+                          f"already.\nSee {DOCS}.")
+    return _with_transformation(
+        optimizer, optax.with_extra_args_support(offload(transformation)))
+
+
+def _for_layers(optimizer: Any, layers: int) -> Any:
+    """The optimizer of `layers` stacked layers updated one at a time inside the
+    backward pass: an `offloaded` transformation remade with its options for them
+    (`offloaded.for_layers`); any other as it is."""
+    made = made_of(_transformation(optimizer))
+    if made is None:
+        return optimizer
+    return _with_transformation(optimizer, for_layers(made, layers))
 
 
 class BackwardUpdate(Generic[_M]):
     """What `update_in_backward` returns: `init(model) -> (model, state)` and
     `step(loss, model, state, *args) -> (loss value, model, state)`.
 
-    **Fields:** `optimizer` (as given) and `layers` (the function selecting the stacked
-    layers of a model)."""
+    **Fields:** `optimizer` (as given), `layers` (the function selecting the stacked
+    layers of a model) and `offload` (as given, or `None`)."""
 
-    def __init__(self, optimizer: Any, layers: Callable[[Any], Any]) -> None:
+    def __init__(self, optimizer: Optimizer, layers: Callable[[Any], Any],
+                 offload: Optional[Offload] = None) -> None:
         self.optimizer = optimizer
         self.layers = layers
+        self.offload = offload
+        # the optimizer of the rest, kept by `offload`; the layers' is made per plan
+        self._rest: Any = _normalised(optimizer, offload)
         self._plans: dict[Any, _Plan] = {}  # by the model's structure, shapes and layers
-
-    @property
-    def _transformation(self) -> optax.GradientTransformationExtraArgs:
-        if isinstance(self.optimizer, (MasterWeights, HostWeightsOptimizer)):
-            return self.optimizer.transformation
-        return optax.with_extra_args_support(self.optimizer)
 
     def _returns_params(self) -> bool:
         return isinstance(self.optimizer, MasterWeights)
 
-    def _init_half(self, half: Any) -> tuple[Any, Any]:
-        """`(params, state)` of one half of the parameters (the other half `None`)."""
-        if isinstance(self.optimizer, (MasterWeights, HostWeightsOptimizer)):
-            if isinstance(self.optimizer, MasterWeights):
-                return self.optimizer.init(half)
-            return half, self.optimizer.init(half)
-        return half, self._transformation.init(half)
-
     def _update_rest(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-        if isinstance(self.optimizer, (MasterWeights, HostWeightsOptimizer)):
-            return self.optimizer.update(grads, state, params)
-        updates, state = self._transformation.update(grads, state, params)
+        if isinstance(self._rest, (MasterWeights, HostWeightsOptimizer)):
+            return self._rest.update(grads, state, params)
+        updates, state = self._rest.update(grads, state, params)
         if any(is_host(p) for p in jtu.tree_leaves(params)):
             return apply_updates(params, updates), state
         # (`eqx.apply_updates`, as the normal step: XLA:CPU may fuse the two otherwise.)
@@ -95,7 +145,7 @@ class BackwardUpdate(Generic[_M]):
         key = (treedef, tuple((a.shape, a.dtype) for a in leaves), in_layers)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _make_plan(self._transformation, params, in_layers)
+            plan = _make_plan(self._rest, params, in_layers)
             self._plans[key] = plan
         return plan
 
@@ -116,19 +166,17 @@ class BackwardUpdate(Generic[_M]):
         params, static = eqx.partition(model, eqx.is_array)
         plan = self._plan(model)
         layers_half, rest_half = halves(params, plan.in_layers)
-        with stacked(plan.layers):
-            new_layers, state_layers = self._init_half(layers_half)
-        new_rest, state_rest = self._init_half(rest_half)
+        new_layers, state_layers = _init_half(plan.layer_optimizer, layers_half)
+        new_rest, state_rest = _init_half(self._rest, rest_half)
         check_not_accumulating((state_layers, state_rest))
         new_params = eqx.combine(eqx.filter(new_layers, eqx.is_array),
                                  eqx.filter(new_rest, eqx.is_array))
         new_model: _M = eqx.combine(new_params, static)
         return new_model, BackwardState(state_layers, state_rest)
 
-    def step(self, loss: Callable[..., Any], model: _M,
-             state: Any,  # a `BackwardState`: checked below, with a better message
-             *args: Any,
-             accumulated: Optional[Any] = None, **kwargs: Any) -> tuple[Any, _M, BackwardState]:
+    def step(self, loss: Callable[..., jax.Array], model: _M, state: BackwardState,
+             *args: Any, accumulated: Optional[_M] = None,
+             **kwargs: Any) -> tuple[jax.Array, _M, BackwardState]:
         """One training step: `loss(model, *args, **kwargs)` differentiated, the stacked
         layers updated inside its backward pass, the other parameters after it.
 
@@ -162,7 +210,7 @@ class BackwardUpdate(Generic[_M]):
         channel = [as_bits(s) for s, m in zip(s_leaves, plan.stacked, strict=True) if m]
         shared = [s for s, m in zip(s_leaves, plan.stacked, strict=True) if not m]
         acc = None if accumulated is None else _accumulated_leaves(accumulated, plan)
-        update = functools.partial(_layer_update, self._transformation,
+        update = functools.partial(_layer_update, plan.transformation,
                                    self._returns_params(), plan)
 
         def differentiated(rest: list[Any], block: list[Any], channel: list[Any]) -> Any:
@@ -189,7 +237,7 @@ class BackwardUpdate(Generic[_M]):
             None if m else g for g, m in zip(g_rest, plan.in_layers, strict=True)])
         rest_params = jtu.tree_unflatten(plan.treedef, rest)
         new_rest, state_rest = self._update_rest(rest_grads, state.rest, rest_params)
-        new_shared = _shared_update(self._transformation, self._returns_params(), plan,
+        new_shared = _shared_update(plan.transformation, self._returns_params(), plan,
                                     block, channel, shared)
         new_channel = [from_bits(n, s) for n, s in zip(
             new_channel, [s for s, m in zip(s_leaves, plan.stacked, strict=True) if m],
@@ -199,6 +247,13 @@ class BackwardUpdate(Generic[_M]):
         new_params = _merge(new_block, jtu.tree_leaves(new_rest), plan.in_layers)
         new_model: _M = eqx.combine(jtu.tree_unflatten(plan.treedef, new_params), static)
         return value, new_model, BackwardState(state_layers, state_rest)
+
+
+def _init_half(optimizer: Any, half: Any) -> tuple[Any, Any]:
+    """`(params, state)` of one half of the parameters (the other half `None`)."""
+    if isinstance(optimizer, MasterWeights):
+        return optimizer.init(half)
+    return half, optimizer.init(half)
 
 
 _PASSING = frozenset({"device_put", "pjit", "jit", "closed_call", "custom_jvp_call"})
@@ -257,7 +312,7 @@ def _merge(chosen: list[Any], others: list[Any], mask: tuple[bool, ...]) -> list
     return [next(chosen_it) if m else next(others_it) for m in mask]
 
 
-def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) -> _Plan:
+def _make_plan(optimizer: Any, params: Any, in_layers: tuple[bool, ...]) -> _Plan:
     leaves, treedef = jtu.tree_flatten(params)
     if not any(in_layers):
         raise OptionError("update_in_backward(layers=...): pass a function that returns "
@@ -265,7 +320,7 @@ def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) ->
                           f"selected no array leaf.\nSee {DOCS}.")
     if any(m and not eqx.is_inexact_array(a) for a, m in zip(leaves, in_layers, strict=True)):
         raise OptionError("update_in_backward(layers=...): select stacked layers whose "
-                          "array leaves are all floating.\nSee {DOCS}.")
+                          f"array leaves are all floating.\nSee {DOCS}.")
     lengths = {a.shape[0] if a.ndim else None
                for a, m in zip(leaves, in_layers, strict=True) if m}
     if len(lengths) != 1 or None in lengths:
@@ -274,12 +329,15 @@ def _make_plan(transformation: Any, params: Any, in_layers: tuple[bool, ...]) ->
                           f"\nSee {DOCS}.")
     layers = int(next(iter(lengths)) or 0)
     layers_half, _ = halves(params, in_layers)
-    with stacked(layers):  # (8-bit state: each layer packed apart)
-        state = jax.eval_shape(transformation.init, layers_half)
-        check_separable(transformation, params, in_layers)
-        per_leaf = tuple(per_layer(transformation, layers_half))
+    layer_optimizer = _for_layers(optimizer, layers)
+    transformation = _transformation(layer_optimizer)
+    state = jax.eval_shape(transformation.init, layers_half)
+    check_not_accumulating(state)
+    check_separable(transformation, params, in_layers)
+    per_leaf = tuple(per_layer(transformation, layers_half))
     dtypes = tuple(a.dtype for a, m in zip(jtu.tree_leaves(state), per_leaf, strict=True) if m)
-    return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers, dtypes)
+    return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers, dtypes,
+                 layer_optimizer, transformation)
 
 
 def as_bits(a: Any) -> Any:
@@ -311,14 +369,14 @@ def _tree(plan: _Plan, block: list[Any]) -> Any:
                                                    plan.in_layers))
 
 
-def _layer_update(transformation: Any, returns_params: bool, plan: _Plan, g: list[Any],
-                  w: list[Any], s: list[Any], shared: list[Any]) -> tuple[list[Any], list[Any]]:
+def _layer_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
+                  plan: _Plan, g: list[Any], w: list[Any], s: list[Any],
+                  shared: list[Any]) -> tuple[list[Any], list[Any]]:
     """One layer's update (each leaf with a leading axis of 1): its new weights and its
     new per-layer state leaves."""
     s = [from_bits(a, t) for a, t in zip(s, plan.dtypes, strict=True)]
     state = jtu.tree_unflatten(plan.state_def, _merge(s, shared, plan.stacked))
-    with stacked(plan.layers):
-        result, new_state = transformation.update(_tree(plan, g), state, _tree(plan, w))
+    result, new_state = transformation.update(_tree(plan, g), state, _tree(plan, w))
     result_leaves = jtu.tree_leaves(result)
     new_w = result_leaves if returns_params else [
         p + u for p, u in zip(w, result_leaves, strict=True)]
@@ -327,8 +385,9 @@ def _layer_update(transformation: Any, returns_params: bool, plan: _Plan, g: lis
     return new_w, new_s
 
 
-def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block: list[Any],
-                   channel: list[Any], shared: list[Any]) -> list[Any]:
+def _shared_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
+                   plan: _Plan, block: list[Any], channel: list[Any],
+                   shared: list[Any]) -> list[Any]:
     """The new shared leaves of the layers' state (a step count): the update of one
     layer computes them from the shared leaves alone (`check_separable` made sure), so
     the update of layer 0 on a zero gradient, of which XLA keeps only them."""
@@ -338,14 +397,14 @@ def _shared_update(transformation: Any, returns_params: bool, plan: _Plan, block
     zeros = [jnp.zeros_like(a) for a in first]
     slices = [from_bits(s[:1], t) for s, t in zip(channel, plan.dtypes, strict=True)]
     state = jtu.tree_unflatten(plan.state_def, _merge(slices, shared, plan.stacked))
-    with one_layer(), stacked(plan.layers):
-        _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
+    _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     new = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
     # (one layer's update leaves its state on the device: each back where it lives)
     return [to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
 
 
-def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> BackwardUpdate[Any]:
+def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
+                       offload: Optional[Offload] = None) -> BackwardUpdate[_M]:
     """Runs the optimizer step of a model's stacked layers inside its backward pass,
     layer by layer, so that their whole gradient never exists on the device.
 
@@ -363,12 +422,16 @@ def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> Backward
 
     **Arguments:**
 
-    - `optimizer`: an optax transformation (`eqx_offload.offloaded(...)` to keep its
-        state in host memory), or what `eqx_offload.master_weights` or
-        `eqx_offload.host_weights_optimizer` returns. Not an `optax.MultiSteps`: pass
-        `accumulated=` to `step` instead.
+    - `optimizer`: an optax transformation, e.g. `optax.adamw(1e-3)`, or what
+        `eqx_offload.master_weights` or `eqx_offload.host_weights_optimizer` returns.
+        Not an `optax.MultiSteps`: pass `accumulated=` to `step` instead.
     - `layers`: a function from the model to its stacked layers (the `layers` its loss
         passes to `scan_layers`), e.g. `lambda m: m.blocks`.
+    - `offload`: how the optimizer's state is kept: a function from a transformation
+        to one, e.g. `eqx_offload.offloaded` (in host memory) or
+        `functools.partial(eqx_offload.offloaded, host_dtype=jnp.int8)`; `None`
+        (default): as `optimizer` keeps it (an optimizer already made by `offloaded`,
+        as `master_weights` makes it by default, is updated the same way).
 
     **Returns:**
 
@@ -392,7 +455,7 @@ def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> Backward
         blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(
             jax.random.split(jax.random.key(0), 3))
         opt = eqx_offload.update_in_backward(
-            eqx_offload.offloaded(optax.adamw(1e-2)), layers=lambda m: m.blocks)
+            optax.adamw(1e-2), layers=lambda m: m.blocks, offload=eqx_offload.offloaded)
         model, state = opt.init(Model(blocks))
 
         def loss(model, x):
@@ -409,9 +472,14 @@ def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> Backward
         raise OptionError(f"update_in_backward(layers={layers!r}): pass a function from "
                           f"the model to its stacked layers, e.g. `lambda m: m.blocks`.\n"
                           f"See {DOCS}.")
-    if isinstance(optimizer, optax.MultiSteps):
-        check_not_accumulating(optax.MultiStepsState(0, 0, None, None))
-    return BackwardUpdate(optimizer, layers)
+    if offload is not None and not callable(offload):
+        raise OptionError(f"update_in_backward(offload={offload!r}): pass a function from "
+                          "a transformation to a transformation (e.g. "
+                          f"eqx_offload.offloaded), or None.\nSee {DOCS}.")
+    if not isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps,
+                                  MasterWeights, HostWeightsOptimizer)):
+        raise not_a_transformation_error("update_in_backward(optimizer=...)", optimizer)
+    return BackwardUpdate(optimizer, layers, offload)
 
 
 def scan_hooked(hook: Hook, dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], Any],

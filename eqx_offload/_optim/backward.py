@@ -23,7 +23,6 @@ import optax
 from .._core.errors import CompositionError, docs_link
 from .._stream import separable
 from .quantize import CODE_DTYPE
-from .._stream.backward import one_layer
 from .._stream.separable import BLOCK, Mark, REST, SHARED
 
 
@@ -68,7 +67,8 @@ def _resized(shape: tuple[int, ...], length: int) -> tuple[int, ...]:
     return (length,) + shape[1:] if shape else shape
 
 
-def _changed(transformation: Any, params: Any, which: Sequence[bool],
+def _changed(transformation: optax.GradientTransformationExtraArgs, params: Any,
+             which: Sequence[bool],
              length: Callable[[int], int], strict: bool = True) -> list[bool]:
     """Per leaf of `transformation.init(params)`: whether its shape changes, in its
     leading axis alone, when the leading axis `n` of the parameters `which` selects
@@ -93,8 +93,10 @@ def _changed(transformation: Any, params: Any, which: Sequence[bool],
                 changed.append(True)
             else:
                 why = (f"a state leaf of shape {a.shape} changes otherwise than in its "
-                       "leading axis with the number of layers (e.g. Adafactor factors "
-                       "a (layers, width) leaf across its layers)")
+                       "leading axis with the number of layers " + (
+                           _NESTED if CODE_DTYPE in (a.dtype, b.dtype) else
+                           "(e.g. Adafactor factors a (layers, width) leaf across its "
+                           "layers)"))
                 break
         else:
             return changed
@@ -103,20 +105,29 @@ def _changed(transformation: Any, params: Any, which: Sequence[bool],
     return [False] * len(base_leaves)
 
 
+_NESTED = ("(8-bit state of an `offloaded` nested in the optimizer packs the layers "
+           "together: pass it as `update_in_backward(..., offload=...)`)")
+
+
 def _one_layer(n: int) -> int:
     """The length the state of one layer is compared at: 1 (a layer's slice), or 2 for
     a stack of 1."""
     return 1 if n > 1 else 2
 
 
-def per_layer(transformation: Any, layers: Any) -> list[bool]:
+def per_layer(transformation: optax.GradientTransformationExtraArgs, layers: Any) -> list[bool]:
     """Per leaf of `transformation.init(layers)` (the stacked half): whether it is
     stacked per layer (sliced with its layers) rather than shared (a step count).
-    A stacked leaf that is not floating cannot come back as a gradient: refused."""
+    A stacked leaf that is not floating cannot come back as a gradient, and one whose
+    leading axis is not the layers' holds them together: refused."""
     leaves = jtu.tree_leaves(layers)
     stacked = _changed(transformation, layers, [True] * len(leaves), _one_layer)
     state = jax.eval_shape(transformation.init, _abstract(layers, tuple))
+    length = jtu.tree_leaves(layers)[0].shape[0]
     for s, m in zip(jtu.tree_leaves(state), stacked, strict=True):
+        if m and s.shape[0] != length:
+            raise _refusal(f"a state leaf of shape {s.shape} changes with the number of "
+                           f"layers ({length}) but holds no row per layer {_NESTED}")
         if m and s.dtype != CODE_DTYPE and not jax.numpy.issubdtype(s.dtype, jax.numpy.floating):
             raise _refusal(f"a state leaf stacked per layer is of dtype {s.dtype} (the "
                            "update inside the backward pass returns the new state as a "
@@ -124,7 +135,8 @@ def per_layer(transformation: Any, layers: Any) -> list[bool]:
     return stacked
 
 
-def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool]) -> None:
+def check_separable(transformation: optax.GradientTransformationExtraArgs, params: Any,
+                    in_layers: Sequence[bool]) -> None:
     """Raises a `CompositionError` naming the fix unless, in `transformation.update`
     of the whole tree, each update and state leaf of the stacked layers depends only on
     the layers' leaves, layer `i` on layer `i` alone, and every other leaf on no
@@ -160,9 +172,9 @@ def check_separable(transformation: Any, params: Any, in_layers: Sequence[bool])
         raise _refusal(str(e)) from None
 
 
-def _init_update(transformation: Any, grads: Any, params: Any) -> Any:
-    with one_layer():  # as the layers are updated (`offloaded`: no streamed update)
-        return transformation.update(grads, transformation.init(params), params)
+def _init_update(transformation: optax.GradientTransformationExtraArgs, grads: Any,
+                 params: Any) -> Any:
+    return transformation.update(grads, transformation.init(params), params)
 
 
 def check_not_accumulating(state: Any) -> None:

@@ -6,6 +6,7 @@ An update looks its layout up by the structure and shapes of its arguments; only
 layout it has not seen is checked against what `inner.init` makes (`checks`)."""
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast, Optional
 
@@ -124,7 +125,8 @@ def _new_layout(inner: Any, options: Options, cache: Cache, state: Any, updates:
     """The layout of a state not seen before, checked against what `inner.init` makes."""
     leaves, treedef = jtu.tree_flatten(state.inner_state)
     made = check_new_state(inner, state, updates, params, extra_args,
-                           _as_computed if options.quantized else None)
+                           functools.partial(_as_computed, options.stacked)
+                           if options.quantized else None)
     mask = tuple(leaf_mask(state.inner_state, options.where) if mask_of is None
                  else mask_of(state.inner_state))
     init_dtypes: list[Any] = [getattr(x, "dtype", None) for x in made]
@@ -134,8 +136,8 @@ def _new_layout(inner: Any, options: Options, cache: Cache, state: Any, updates:
         # leaves narrowed as stored, none widened back (each leaf's spec is its dtype now)
         init_dtypes = specs_of(options, treedef, leaves)
     elif options.quantized:
-        init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made), init_dtypes,
-                                                    strict=True)]
+        init_dtypes = [spec or d for spec, d in zip(specs_for(treedef, made, options.stacked),
+                                                    init_dtypes, strict=True)]
     else:
         init_dtypes = specs_of(options, treedef, list(made))
     return Layout(options, treedef, mask, tuple(init_dtypes), cache.targets)
@@ -147,7 +149,7 @@ def specs_of(options: Options, treedef: Any, leaves: list[Any]) -> list[Any]:
     `host_dtype`, each leaf's dtype (what `fetch` widens it back to), or `None` for a
     leaf it keeps as it is: a leaf under a `KEPT_FIELDS` field (master weights)."""
     if options.quantized:
-        return specs_for(treedef, leaves)
+        return specs_for(treedef, leaves, options.stacked)
     placeholders = jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))
     paths = [p for p, _ in jtu.tree_flatten_with_path(placeholders)[0]]
     return [None if _kept(p) else getattr(x, "dtype", None)
@@ -162,7 +164,7 @@ def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
     return tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
 
 
-def _as_computed(state: Any, abstract: Any) -> Any:
+def _as_computed(layers: Optional[int], state: Any, abstract: Any) -> Any:
     """An 8-bit state as the update computes on it, for `check_new_state`: each packed
     leaf where `inner.init` makes a leaf that is kept quantised, as that leaf (abstract).
     Any other state as it is."""
@@ -170,7 +172,7 @@ def _as_computed(state: Any, abstract: Any) -> Any:
     made, made_def = jtu.tree_flatten(abstract)
     if cast(Any, treedef) != made_def:  # (PyTreeDef is typed without __eq__)
         return state
-    specs = specs_for(made_def, made)
+    specs = specs_for(made_def, made, layers)
     leaves = [spec.spec if spec is not None and _is_packed(x, spec) else x
               for x, spec in zip(leaves, specs, strict=True)]
     return state._replace(inner_state=jtu.tree_unflatten(treedef, leaves))

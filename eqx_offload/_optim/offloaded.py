@@ -6,6 +6,7 @@ wrappers: `init` makes the state in host memory; `update` looks up the state's l
 state. Checks run only on a layout not seen before, and while tracing (`checks`).
 """
 
+import dataclasses
 import functools
 from typing import Any, Literal, Optional, Union
 
@@ -22,7 +23,6 @@ from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 from .._jit.jit import filter_jit
-from .._stream.backward import in_one_layer
 from .checks import (
     check_is_offloaded, check_not_deleted, check_state_not_deleted, check_trace,
     first_on_device, warn_on_device,
@@ -112,6 +112,23 @@ def offloaded(
     if multi is not None and crosses_once(options):
         # The inner state crosses once per optimizer step (see "Gradient accumulation").
         return offloaded_multi_steps(multi, options, accumulator)
+    return _offloaded(inner, options, in_layer=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """What an `offloaded(...)` transformation was made of: `inner` and the normalised
+    `options`. Its `update` carries it (`made_of`), so that `update_in_backward` can
+    make the transformation of its stacked layers with the same options (`for_layers`)."""
+
+    inner: optax.GradientTransformationExtraArgs
+    options: Options
+
+
+def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
+               in_layer: bool) -> optax.GradientTransformationExtraArgs:
+    """`offloaded`'s transformation of `inner` under `options`. `in_layer`: a traced
+    update leaves its new state on the device, narrowed (`for_layers`)."""
     strategy = choose(options)
     cache = Cache()  # layouts by the arguments' structure and shapes
     # Under `jit` the state is sent to host as it is made, so the whole state never is
@@ -127,10 +144,34 @@ def offloaded(
         params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, OffloadedState]:
-        return _update(inner, options, strategy, cache, updates, state, params, extra_args)
+        return _update(inner, options, strategy, cache, updates, state, params, extra_args,
+                       in_layer)
 
     # Errors leave these with the package's frames hidden (`compat.boundary`).
-    return optax.GradientTransformationExtraArgs(boundary(init_fn), boundary(update_fn))
+    update = boundary(update_fn)
+    # (a function's attribute, PEP 232; read by `made_of`)
+    update.made = Made(inner, options)  # type: ignore[attr-defined]  # a function's attribute
+    return optax.GradientTransformationExtraArgs(boundary(init_fn), update)
+
+
+def made_of(transformation: Any) -> Optional[Made]:
+    """What made `transformation`, if `offloaded` did; else `None`."""
+    made = getattr(getattr(transformation, "update", None), "made", None)
+    return made if isinstance(made, Made) else None
+
+
+def for_layers(made: Made, layers: int) -> optax.GradientTransformationExtraArgs:
+    """The `offloaded` transformation `made` describes, for the state of `layers`
+    stacked layers that `update_in_backward` updates one layer at a time inside the
+    backward pass: 8-bit state packs each layer apart (`Options.stacked`), the default
+    updates a layer's state whole (the layer scan streams the layers already), and a
+    traced update leaves the new state on the device, narrowed, for the backward scan
+    to write into the stacked host arrays (one copy)."""
+    options = made.options
+    options = dataclasses.replace(
+        options, stacked=layers,
+        group_bytes=None if options.group_bytes == "auto" else options.group_bytes)
+    return _offloaded(made.inner, options, in_layer=True)
 
 
 def _init_to_host(inner: optax.GradientTransformationExtraArgs, options: Options,
@@ -160,6 +201,7 @@ def _init(inner: optax.GradientTransformationExtraArgs, options: Options, jitted
 def _update(
     inner: optax.GradientTransformationExtraArgs, options: Options, strategy: Strategy,
     cache: Cache, updates: Any, state: Any, params: Any, extra_args: dict[str, Any],
+    in_layer: bool = False,
 ) -> tuple[Any, OffloadedState]:
     # (`state: Any`: `check_is_offloaded` names a wrong state better than a type hint.)
     check_is_offloaded(state)
@@ -177,6 +219,6 @@ def _update(
                                   **extra_args)
     # One layer inside the backward pass: the new state stays on the device (narrowed),
     # and the backward scan writes it into the stacked host arrays, one copy.
-    if traced and in_one_layer():
+    if traced and in_layer:
         return updates, OffloadedState(layout.narrow(new_state))
     return updates, OffloadedState(layout.store(new_state))

@@ -27,6 +27,9 @@ class Options:
     lookahead: int  # streamed: groups brought to the device ahead of the one updated
     compute: str
     host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host; uint8: 8-bit
+    # The state is of this many stacked layers (`update_in_backward`'s): 8-bit state
+    # packs each layer apart (`quantize`). Not an argument of `offloaded`.
+    stacked: Optional[int] = None
 
     @property
     def quantized(self) -> bool:

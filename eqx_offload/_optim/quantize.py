@@ -20,21 +20,19 @@ whole rows of a stacked leaf as it does for any other. For a last axis that is a
 of 256 the blocks are torchao's and bitsandbytes' (they block the flattened array).
 Leaves of fewer than `MIN_SIZE` (4096) values keep their dtype, as in both references.
 
-Stacked layers (`stacked(layers)`, under `update_in_backward`): each layer of a state
-leaf is packed apart, so that a layer is a slice of the stored array along its leading
-axis. Only a stack of vectors `(L, n)` is stored otherwise: as `(L, 1 + e, ceil(n /
-4))`, each layer a one-row leaf, where alone it would be `(L + e, ceil(n / 4))` (the
-codes and scales are the same: blocks run along the last axis). Whether a leaf is kept
-quantised is decided by the values of the whole stack, as for the stack alone; a stack
-of scalars `(L,)` keeps its dtype.
+Stacked layers (`layers=`: `Options.stacked`, set on the transformation of
+`update_in_backward`'s stacked layers): each layer of a state leaf is packed apart, so
+that a layer is a slice of the stored array along its leading axis. Only a stack of
+vectors `(L, n)` is stored otherwise: as `(L, 1 + e, ceil(n / 4))`, each layer a one-row
+leaf, where alone it would be `(L + e, ceil(n / 4))` (the codes and scales are the same:
+blocks run along the last axis). Whether a leaf is kept quantised is decided by the
+values of the whole stack, as for the stack alone; a stack of scalars `(L,)` keeps its
+dtype.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import jax
@@ -55,21 +53,6 @@ UNSIGNED_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares"})
 RMSProp, AdaGrad)."""
 CODE_DTYPE = np.dtype(np.uint32)
 """The dtype a quantised leaf is stored in: four codes a word, then a word per scale."""
-_LAYERS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
-    "eqx_offload_stacked_layers", default=None)
-
-
-@contextlib.contextmanager
-def stacked(layers: int) -> Iterator[None]:
-    """Within it, state leaves are those of `layers` stacked layers (or of one slice of
-    them): each layer is packed apart (see the module's docstring)."""
-    token = _LAYERS.set(layers)
-    try:
-        yield
-    finally:
-        _LAYERS.reset(token)
-
-
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A leaf kept quantised: the `dtype` and `shape` that `inner.init` gives it (what it
@@ -132,12 +115,14 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*([] if len(shape) == 1 else lead), r + extra, words)
 
 
-def spec_for(path: tuple[Any, ...], leaf: Any) -> Optional[Quantized]:
+def spec_for(path: tuple[Any, ...], leaf: Any,
+             layers: Optional[int] = None) -> Optional[Quantized]:
     """How a state leaf at `path` (a JAX key path) is kept under 8-bit state: a
     `Quantized` for a floating array of at least `MIN_SIZE` values under a first- or
-    second-moment field (the first such field on its path decides), else `None`."""
+    second-moment field (the first such field on its path decides), else `None`.
+    `layers`: the leaf is of that many stacked layers, or of one slice of them (each
+    layer packed apart; see the module's docstring)."""
     dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
-    layers = _LAYERS.get()
     if (dtype is None or shape is None or len(shape) == 0
             or not jnp.issubdtype(dtype, jnp.floating) or (layers is not None and len(shape) < 2)):
         return None
@@ -152,11 +137,12 @@ def spec_for(path: tuple[Any, ...], leaf: Any) -> Optional[Quantized]:
     return None
 
 
-def specs_for(treedef: Any, leaves: list[Any]) -> list[Optional[Quantized]]:
+def specs_for(treedef: Any, leaves: list[Any],
+              layers: Optional[int] = None) -> list[Optional[Quantized]]:
     """`spec_for` of each of `leaves` (flat, of a tree of structure `treedef`)."""
     placeholders = jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))
     paths = [p for p, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-    return [spec_for(p, x) for p, x in zip(paths, leaves, strict=True)]
+    return [spec_for(p, x, layers) for p, x in zip(paths, leaves, strict=True)]
 
 
 def _blocks(x: Any) -> Any:

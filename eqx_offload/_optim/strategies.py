@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import optax
 
 from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
@@ -39,7 +40,6 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
-from .._stream.backward import in_one_layer
 from .._stream.update import host_update, streamed_update, Transfers
 from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
@@ -56,7 +56,7 @@ class Call(NamedTuple):
     - `traced`: whether any argument of the call is traced.
     """
 
-    inner: Any
+    inner: optax.GradientTransformationExtraArgs
     layout: Layout
     traced: bool
 
@@ -147,7 +147,7 @@ def auto_update(call: Call, updates: Any, state: Any, params: Any = None, /,
     lowers for (`jax.lax.platform_dependent`): a step traced with `jax.jit` and lowered
     for `cuda` streams. Every branch returns the same types (`_as_returned`); any error
     but `NotStreamable` comes through: none falls back to the whole state unseen."""
-    if not call.traced or in_one_layer():  # (one layer inside the backward pass: whole)
+    if not call.traced:
         return update_on_device(call, updates, state, params, **extra_args)
     statics: list[Any] = []  # each branch's non-array leaves (a branch returns arrays)
 
@@ -250,8 +250,9 @@ class _CompiledWhenEager:
         return result
 
 
-def _traced(strategy: Strategy, inner: Any, layout: Layout, updates: Any, state: Any,
-            params: Any, extra_args: dict[str, Any]) -> tuple[Any, Any]:
+def _traced(strategy: Strategy, inner: optax.GradientTransformationExtraArgs, layout: Layout,
+            updates: Any, state: Any, params: Any,
+            extra_args: dict[str, Any]) -> tuple[Any, Any]:
     return strategy(Call(inner, layout, True), updates, state, params, **extra_args)
 
 

@@ -84,27 +84,6 @@ def hook_for(leaves: list[Any]) -> Optional[Hook]:
     return None
 
 
-_ONE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "eqx_offload_one_layer", default=False)
-
-
-@contextlib.contextmanager
-def one_layer() -> Iterator[None]:
-    """Within the block, `offloaded`'s default (`group_bytes="auto"`) updates its whole
-    state at once rather than streaming it in groups: it updates one layer of the
-    update inside the backward pass, which the layer scan already streams."""
-    token = _ONE_LAYER.set(True)
-    try:
-        yield
-    finally:
-        _ONE_LAYER.reset(token)
-
-
-def in_one_layer() -> bool:
-    """Whether an update is traced for one layer inside the backward pass."""
-    return _ONE_LAYER.get()
-
-
 def fetch(tree: Any) -> Any:
     return move(tree, True, None, "to_device")
 
@@ -235,8 +214,7 @@ class UpdateScan:
         """The update stage: `todo` (`(i, gradient, weights, state slices)` of layer
         `i`) as `(i, new weights, new state slices on the device)`."""
         i, g_layer, layer, state_slices = todo
-        with one_layer():
-            new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
+        new_layer, new_state = self.update(g_layer, layer, state_slices, shared)
         return i, new_layer, fetch(new_state)
 
     def backward(self, leaves: list[Any], consts: Any, state: list[Any], shared: list[Any],

@@ -110,10 +110,15 @@ def _init_normal(optimizer: Any, model: Model) -> tuple[Model, Any]:
     return model, optimizer.init(eqx.filter(model, eqx.is_array))
 
 
-def _run_both(optimizer: Any, steps: int = 3, **model_options: Any) -> tuple[Any, Any]:
+def _run_both(optimizer: Any, steps: int = 3, offload: Any = None, normal_optimizer: Any = None,
+              **model_options: Any) -> tuple[Any, Any]:
     """Both steps for `steps` batches from one model: `((model, state), (model,
-    state))`, the fused state's halves combined into the normal state's tree."""
-    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    state))`, the fused state's halves combined into the normal state's tree. The fused
+    step is `update_in_backward(optimizer, offload=offload)`; the normal step's optimizer
+    `normal_optimizer` (default `optimizer`)."""
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks,
+                                           offload=offload)
+    optimizer = optimizer if normal_optimizer is None else normal_optimizer
     model, state = fused.init(make_model(**model_options))
     normal_model, normal_state = _init_normal(optimizer, make_model(**model_options))
     step = eqx_offload.filter_jit(functools.partial(fused.step, loss))
@@ -148,6 +153,34 @@ def test_bitwise_the_normal_step(name: str, offload: bool) -> None:
             a, b = np.asarray(a), np.asarray(b)
             assert np.all(np.abs(a - b) <= 4 * np.spacing(np.maximum(np.abs(a), np.abs(b))))
         return
+    assert_tree_equal(fused, normal)
+
+
+@pytest.mark.parametrize("case", ["offloaded", "bf16", "master_weights", "host_weights"])
+def test_offload_composes(case: str) -> None:
+    """`update_in_backward(optimizer, offload=...)`, the optimizer unwrapped and how to
+    keep its state apart, as `master_weights(inner, offload=...)` takes them: bitwise
+    the normal step of the optimizer that `offload` wraps, every state leaf in the
+    memory the normal step's is in."""
+    adam, options = optax.adam(1e-2), {}
+    if case == "offloaded":
+        fused_args = (adam, eqx_offload.offloaded)
+        normal_optimizer = eqx_offload.offloaded(adam)
+    elif case == "bf16":
+        fused_args = (adam, functools.partial(eqx_offload.offloaded, host_dtype=jnp.bfloat16))
+        normal_optimizer = eqx_offload.offloaded(adam, host_dtype=jnp.bfloat16)
+    elif case == "master_weights":
+        fused_args = (eqx_offload.master_weights(adam, offload=None), eqx_offload.offloaded)
+        normal_optimizer = eqx_offload.master_weights(adam)
+    else:
+        fused_args = (eqx_offload.host_weights_optimizer(adam, offload=None),
+                      eqx_offload.offloaded)
+        normal_optimizer = eqx_offload.host_weights_optimizer(adam)
+        options = {"host_blocks": True}
+    fused, normal = _run_both(fused_args[0], offload=fused_args[1],
+                              normal_optimizer=normal_optimizer, **options)
+    assert memory_kinds(fused) == memory_kinds(normal)
+    assert "pinned_host" in memory_kinds(fused[1]).values()
     assert_tree_equal(fused, normal)
 
 
@@ -338,10 +371,78 @@ def test_8_bit_state() -> None:
         assert_tree_equal((codes[:, 0], scales[:, 0]), unpack(normal_moment.extra, (3, 1536)))
 
 
+def test_8_bit_state_starts_up_where_it_lives() -> None:
+    """`filter_make` of the 8-bit state of a model whose embedding is a quarter of the
+    stack's width in rows: its start-up plans the update again for one layer of the
+    stack (`stack_layers` making one), where the embedding's moments are packed as
+    for one layer. The state is made, each leaf as `init` makes it."""
+    width, layers = 512, 8  # (8 layers of 512 values: the stack's rows are quantised)
+
+    class Embedded(eqx.Module):
+        embed: jax.Array
+        blocks: eqx.nn.Linear
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.sum(eqx_offload.scan_layers(self.blocks, x @ self.embed))
+
+    def make(key: jax.Array) -> Embedded:
+        ke, kb = jax.random.split(key)
+        blocks = eqx_offload.stack_layers(lambda k: eqx.nn.Linear(width, width, key=k),
+                                          jax.random.split(kb, layers))
+        return Embedded(jax.random.normal(ke, (16, width)), blocks)
+
+    fused = eqx_offload.update_in_backward(
+        optax.adam(1e-2), layers=lambda m: m.blocks,
+        offload=functools.partial(eqx_offload.offloaded, host_dtype=jnp.int8))
+    model, state = eqx_offload.filter_make(lambda key: fused.init(make(key)),
+                                           jax.random.key(0))
+    expected = fused.init(make(jax.random.key(0)))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), (model, state)) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), expected)
+    assert memory_kinds(state) == memory_kinds(expected[1])
+    assert state.rest.inner_state[0].mu.embed.dtype == jnp.uint32  # (quantised)
+    assert state.layers.inner_state[0].mu.blocks.weight.shape[0] == layers
+
+
+def test_refuses_an_optimizer_factory_or_offloading_twice() -> None:
+    """The fix first: an optimizer factory is not an optimizer (as `offloaded` says),
+    and an optimizer `offloaded` already made is not offloaded again."""
+    with pytest.raises(eqx_offload.errors.NotATransformationError,
+                       match=r"update_in_backward\(optimizer=\.\.\.\)") as info:
+        unchecked(eqx_offload.update_in_backward)(optax.adamw, layers=lambda m: m.blocks)
+    assert "optax.adamw(" in str(info.value)
+    with pytest.raises(OptionError, match="offloaded already") as info:
+        eqx_offload.update_in_backward(eqx_offload.offloaded(optax.adam(1e-2)),
+                                       layers=lambda m: m.blocks,
+                                       offload=eqx_offload.offloaded)
+    assert "See https://" in str(info.value)
+    with pytest.raises(OptionError, match="pass a function from a transformation"):
+        unchecked(eqx_offload.update_in_backward)(optax.adam(1e-2), layers=lambda m: m.blocks,
+                                                  offload="offloaded")
+
+
+def test_refuses_layers_packed_together() -> None:
+    """8-bit state made by an `offloaded` nested in the optimizer packs the stack's
+    rows together: refused, naming `offload=`."""
+    ks = jax.random.split(jax.random.key(0), 2)
+    wide = Wide(eqx.filter_vmap(WideBlock)(jax.random.split(ks[0], 3)),
+                eqx.nn.Linear(64, 1, key=ks[1]))
+    nested = optax.chain(eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.int8))
+    fused = eqx_offload.update_in_backward(nested, layers=lambda m: m.blocks)
+    with pytest.raises(CompositionError, match=r"update_in_backward\(\.\.\., offload=") as info:
+        fused.init(wide)
+    assert len(str(info.value).splitlines()) <= 4
+
+
 def test_refuses_multi_steps() -> None:
     with pytest.raises(CompositionError, match="accumulated="):
         eqx_offload.update_in_backward(optax.MultiSteps(optax.adam(1e-2), 2),
                                        layers=lambda m: m.blocks)
+    # `offloaded` outermost (as the accumulation how-to orders them): the same route named
+    fused = eqx_offload.update_in_backward(
+        eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2)), layers=lambda m: m.blocks)
+    with pytest.raises(CompositionError, match="accumulated="):
+        fused.init(make_model())
 
 
 def test_refuses_a_loss_without_the_scan() -> None:
@@ -371,6 +472,11 @@ def test_refuses_bad_arguments() -> None:
                                            layers=lambda m: (m.embed, m.head.weight))
     with pytest.raises(OptionError, match="select stacked layers"):
         fused.init(make_model())
+    fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks.linear)
+    with pytest.raises(OptionError, match="all floating") as info:
+        fused.init(eqx.tree_at(lambda m: m.blocks.linear.bias, make_model(),
+                               replace_fn=lambda b: b.astype(jnp.int32)))
+    assert "{DOCS}" not in str(info.value) and "See https://" in str(info.value)
     fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: None)
     with pytest.raises(OptionError, match="selected no array leaf"):
         fused.init(make_model())
@@ -378,4 +484,5 @@ def test_refuses_bad_arguments() -> None:
         unchecked(eqx_offload.update_in_backward)(optax.adam(1e-2), layers="blocks")
     fused = eqx_offload.update_in_backward(optax.adam(1e-2), layers=lambda m: m.blocks)
     with pytest.raises(StateError):
-        fused.step(loss, make_model(), optax.adam(1e-2).init(make_model()), batch(0))
+        unchecked(type(fused).step)(fused, loss, make_model(),
+                                    optax.adam(1e-2).init(make_model()), batch(0))

@@ -118,3 +118,32 @@ def test_every_mode_with_host_state_compiles_and_aliases(tpu: Any) -> None:
         # padded to 8 rows: up to 4x for these small leaves, 2.8% of the whole here)
         slack = 20 if "int8" in mode else 100
         assert stored <= arguments <= stored + stored // slack, (mode, arguments, stored)
+
+
+def plan_start_up(mode: str, width: int, layers: int) -> Any:
+    """(In a child, with `TPU_ENV`.) The v5e plan of the start-up of MODE of
+    `bench/tpu/capacity_chip.py` (`filter_make`'s route): whether it fits and the host
+    bytes it stores, or the error."""
+    sys.path.insert(0, BENCH)
+    sys.path.insert(0, BENCH + "/tpu")
+    import capacity_chip
+    import jax
+
+    start, _ = capacity_chip.trainer(capacity_chip.shape_of(width, layers, 128, 2), mode)
+    try:
+        planned = eqx_offload.planner.plan_startup(start, jax.random.key(0), target="v5e")
+    except eqx_offload.errors.OffloadError as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return [planned.fits, planned.host_array_bytes]
+
+
+def test_8_bit_state_starts_up_at_the_benchmark_s_vocabulary(tpu: Any) -> None:
+    """The start-up of 8-bit state with the update inside the backward pass at the
+    benchmark's vocabulary (32000) and 8 layers of width 512 (the stack's rows, 8 x 512
+    values, are quantised where one layer's 512 are not) plans for a v5e; `init` once
+    refused it at the embedding's state."""
+    found = call_isolated(plan_start_up, "+activations-int8state-backward", 512, 8,
+                          env={**TPU_ENV, "PYTHONPATH": PACKAGE})
+    assert isinstance(found, list), found
+    fits, host_bytes = found
+    assert fits and host_bytes > 0

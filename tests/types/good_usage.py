@@ -301,7 +301,10 @@ def start_up_and_update_in_backward(key: jax.Array) -> jax.Array:
     """The start-up route and the update inside the backward pass, as users type them."""
     layers = eqx_offload.filter_make(make_layers, key)
     fused: eqx_offload.types.BackwardUpdate[eqx.nn.Linear] = eqx_offload.update_in_backward(
-        eqx_offload.offloaded(optax.adam(1e-3)), layers=identity)
+        optax.adam(1e-3), layers=identity, offload=eqx_offload.offloaded)
+    untyped = eqx_offload.update_in_backward(  # (the model's type from the annotation, or Any)
+        eqx_offload.master_weights(optax.adam(1e-3)), layers=lambda m: m.blocks)
+    assert untyped.offload is None
     layers, state = fused.init(layers)
     assert isinstance(state, eqx_offload.types.BackwardState)
     value, layers, state = fused.step(scanned_loss, layers, state, jnp.ones(4))

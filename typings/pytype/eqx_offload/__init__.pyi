@@ -234,4 +234,12 @@ def master_weights(
 ) -> MasterWeights[Any]: ...
 
 
-def update_in_backward(optimizer: Any, layers: Callable[[Any], Any]) -> BackwardUpdate[Any]: ...
+def update_in_backward(
+    optimizer: Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
+                     optax.MultiSteps],
+    layers: Callable[[Any], Any],
+    *,
+    offload: Optional[
+        Callable[[optax.GradientTransformation], optax.GradientTransformation]
+    ] = ...,
+) -> BackwardUpdate[Any]: ...

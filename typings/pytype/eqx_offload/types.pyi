@@ -5,6 +5,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, Literal, NamedTuple, Optional, TypeVar, Union
 
 import equinox as eqx
+import jax
 import optax
 
 from eqx_offload.remat import Policy
@@ -65,12 +66,23 @@ class BackwardState(NamedTuple):
     rest: Any
 
 class BackwardUpdate(Generic[_M]):
-    optimizer: Any
+    optimizer: Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
+                     optax.MultiSteps]
     layers: Callable[[Any], Any]
-    def __init__(self, optimizer: Any, layers: Callable[[Any], Any]) -> None: ...
+    offload: Optional[Callable[[optax.GradientTransformation], optax.GradientTransformation]]
+    def __init__(
+        self,
+        optimizer: Union[optax.GradientTransformation, MasterWeights[Any],
+                         HostWeightsOptimizer[Any], optax.MultiSteps],
+        layers: Callable[[Any], Any],
+        offload: Optional[
+            Callable[[optax.GradientTransformation], optax.GradientTransformation]
+        ] = ...,
+    ) -> None: ...
     def init(self, model: _M) -> tuple[_M, BackwardState]: ...
-    def step(self, loss: Callable[..., Any], model: _M, state: Any, *args: Any,
-             accumulated: Optional[Any] = ..., **kwargs: Any) -> tuple[Any, _M, BackwardState]: ...
+    def step(self, loss: Callable[..., jax.Array], model: _M, state: BackwardState, *args: Any,
+             accumulated: Optional[_M] = ...,
+             **kwargs: Any) -> tuple[jax.Array, _M, BackwardState]: ...
 
 class MasterState(NamedTuple):
     master: Any
