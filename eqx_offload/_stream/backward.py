@@ -286,7 +286,11 @@ class UpdateScan:
             body, (g, last, g_consts, weights, list(state), todo, done),
             (jnp.arange(self.length), inputs), reverse=True, unroll=self.unroll)
         weights, state = _written(weights, state, done)
-        weights, state = _written(weights, state, update(todo))
+        # The last layer's update under a conditional: otherwise XLA:CPU fuses it into the
+        # write of its result (an optimization barrier does not survive its passes) and
+        # contracts its multiply-adds otherwise than the normal step.
+        last_done = jax.lax.cond(todo[0] >= 0, update, update, todo)
+        weights, state = _written(weights, state, last_done)
         state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
         return weights, g_x, g_consts, state
 
