@@ -190,7 +190,7 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
 def _searched(scaled: Any, mids: Any) -> Any:
     """The midpoints at or below each value, by binary search: eight halving steps over
     the 255 sorted midpoints, each a lookup and a comparison (a reference for
-    `_encoded`, which the CPU runs 18 times as fast)."""
+    `_encoded`, which the CPU also runs faster)."""
     count = jnp.zeros(scaled.shape, jnp.int32)
     for step in (128, 64, 32, 16, 8, 4, 2, 1):
         candidate = count + step
