@@ -176,7 +176,7 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
 def _searched(scaled: Any, mids: Any) -> Any:
     """The midpoints at or below each value, by binary search: eight halving steps over
     the 255 sorted midpoints, each a lookup and a comparison (a reference for
-    `_encoded`, which the CPU runs 18 times as fast)."""
+    `_encoded`, which the CPU also runs faster)."""
     count = jnp.zeros(scaled.shape, jnp.int32)
     for step in (128, 64, 32, 16, 8, 4, 2, 1):
         candidate = count + step
@@ -220,15 +220,16 @@ def _selected(codes: Any, table: Any) -> Any:
 # signed map's code is 127 + that index, or 127 - it for a negative entry, the unsigned
 # map's code is the index.
 #
-# Exact whatever XLA does with float32 arithmetic: XLA:TPU treats it as real numbers
-# (it rewrote `m * a + m * b` as `m * (a + b)`, which rounds once, and may fuse a product
-# into a sum), so each op that rounds takes operands that are exact and opaque to that
-# algebra (converted from integers, or a float32's bits moved by an integer op), and
-# where its result meets another rounding op it passes through an integer op first.
+# Exact whatever a compiler does with float32 arithmetic: XLA:TPU treats it as real
+# numbers (it rewrote `m * a + m * b` as `m * (a + b)`, which rounds once), and a chip
+# may fuse a product into a sum. So each op that rounds takes operands that are exact
+# and opaque to that algebra (converted from integers, or a float32's bits moved by an
+# integer op), and where its result meets another rounding op it passes through an
+# integer op first.
 
 _TENTH_FACTOR = 949
-# 0.1 / 949 in float32: 949 times it is 0.1 within 1.5e-11 (relative), a float32 as
-# close to 0.1 as few multipliers under 2^13 allow.
+# 0.1 / 949 in float32: 949 times it is 0.1 within 1.5e-11 (relative), the closest of
+# any multiplier under 2^13.
 _TENTH_SCALE = np.float32(0.1 / _TENTH_FACTOR)
 
 
@@ -280,16 +281,16 @@ def _decoded(codes: Any, signed: bool) -> Any:
     for level_n, dec, _, _ in _levels(signed):
         half_dec = jnp.where(q >= level_n, dec / np.float32(2), half_dec)
     value = sums * half_dec  # = round(sums * dec) / 2: one rounding, of exact operands
-    value = jnp.where(q > _levels(signed)[-1][0] * 2 - 1, np.float32(1), value)
+    value = jnp.where(q >= 2 * _levels(signed)[-1][0], np.float32(1), value)  # (past them)
     return jnp.where(codes < 127, -value, value) if signed else value
 
 
 def _encoded(scaled: Any, signed: bool) -> Any:
     """The number of midpoints (`midpoints`) at or below each float32 value (`_counted`)
-    bitwise, elementwise: its level from 7 comparisons with the midpoints between
-    levels, a guess at its entry within the level from its position there (never above
-    the count, at most one below), and one comparison with the midpoint that decides,
-    computed as NumPy does: about 80 operations a value."""
+    bitwise, elementwise: its level from 8 comparisons with the midpoints that bound
+    the levels, a guess at its entry within the level from its position there (never
+    above the count, at most one below), and one comparison with the midpoint that
+    decides, computed as NumPy does: about 80 operations a value."""
     x = scaled.astype(jnp.float32)
     levels = _levels(signed)
     negative = x < 0
