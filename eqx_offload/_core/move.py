@@ -50,7 +50,7 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
                 leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
-    moved = device_put(chosen, destinations, sources)
+    moved = device_put(chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)

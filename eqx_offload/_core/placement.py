@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
-from .compat import is_single_device_sharding, single_device_sharding
+from .compat import copy, is_single_device_sharding, single_device_sharding
 from .errors import TracedMoveError
 from .leaves import is_traced, shown
 from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
@@ -164,8 +164,7 @@ def is_mistyped_host(leaf: Any) -> bool:
 
 def retype_host(leaf: jax.Array) -> jax.Array:
     """A correctly typed copy (host to host, same sharding) of a mistyped host array."""
-    copy: jax.Array = jax.device_put(leaf, leaf.sharding, may_alias=False)
-    return copy
+    return copy(leaf)
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._core.compat import is_single_device_sharding
+from .._core.compat import copy, is_single_device_sharding
 from .._core.errors import deleted_array_error, OffloadWarning
 from .._core.leaves import call_argument
 from .._core.placement import input_shardings, is_mistyped_host, retype_host
@@ -188,7 +188,7 @@ def _unshare(leaves: list[Any], donated: Sequence[int]) -> dict[int, jax.Array]:
         for i in donated_here:
             if i != keep:
                 shared[i] = leaves[i]
-                leaves[i] = jax.device_put(leaves[i], leaves[i].sharding, may_alias=False)
+                leaves[i] = copy(leaves[i])
     return shared
 
 

@@ -16,6 +16,7 @@ import pytest
 from helpers import memory_kinds, tree_bits as bits
 
 import eqx_offload
+from eqx_offload._core import compat
 
 
 def params() -> dict[str, jax.Array]:
@@ -228,7 +229,9 @@ def test_eager_default_update_is_short() -> None:
     _, state = opt.update(grads, state, params)  # warm-up: the layout, the first checks
     measured = profile_update(opt.update, grads, state, params)
     print(f"\n{measured['lines']} lines, {measured['walks']} walks in", *measured["functions"])
-    assert len(measured["files"]) <= 5  # offloaded, checks, strategies, layout; move's `put`
-    assert measured["lines"] <= 300
+    # offloaded, checks, strategies, layout; move's `put` (and on JAX 0.12.1 compat's
+    # route around its host-output copy, 44 lines)
+    assert len(measured["files"]) <= 5 + compat.HOST_OUTPUT_COPY_FAILS
+    assert measured["lines"] <= 300 + 50 * compat.HOST_OUTPUT_COPY_FAILS
     assert measured["walks"] <= 8
 

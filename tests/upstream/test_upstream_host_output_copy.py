@@ -62,7 +62,7 @@ def test_device_put_brings_a_programs_host_output(source: str, target: str) -> N
     device = jnp.ones(3)
     destinations = [TARGETS[target](sharding), TARGETS[target](sharding),
                     device.sharding.with_memory_kind("pinned_host")]
-    moved = compat.device_put([host, unpinned, device], destinations, [None] * 3)
+    moved = compat.device_put([host, unpinned, device], destinations, src=[None] * 3)
     for x, destination in zip(moved, destinations, strict=True):
         assert x.sharding == destination
         space = {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}

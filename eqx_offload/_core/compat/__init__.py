@@ -134,7 +134,7 @@ def _devices_in_order(sharding: Any) -> tuple[Any, ...]:
     return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
-def device_put(leaves: list[Any], destinations: list[Any], src: list[Any]) -> list[Any]:
+def _device_put(leaves: list[Any], destinations: list[Any], *, src: list[Any]) -> list[Any]:
     """`jax.device_put(leaves, destinations, src=src)`, also for the host arrays that JAX
     0.12.1 cannot copy on the CPU: those go to the device memory of their own devices
     in a jitted move (one per set of devices), and on from there if that is not their
@@ -147,18 +147,35 @@ def device_put(leaves: list[Any], destinations: list[Any], src: list[Any]) -> li
         moved: list[Any] = jax.device_put(leaves, destinations, src=src)
         return moved
     out = list(leaves)
+    fetched_to: dict[int, Any] = {}
     for indices in stuck.values():
-        shardings = tuple(out[i].sharding.with_memory_kind("device") for i in indices)
-        for i, leaf in zip(indices, _copy_to(shardings)(*(out[i] for i in indices)), strict=True):
-            out[i] = leaf
-    rest = [i for i, leaf in enumerate(out) if not _cannot_copy(leaves[i])
-            or leaf.sharding != destinations[i]]
+        shardings = tuple(leaves[i].sharding.with_memory_kind("device") for i in indices)
+        # (Inside a transformation, e.g. an eager `jax.grad`, these come back traced.)
+        moved_here = _copy_to(shardings)(*(leaves[i] for i in indices))
+        for i, sharding, leaf in zip(indices, shardings, moved_here, strict=True):
+            out[i], fetched_to[i] = leaf, sharding
+    rest = [i for i in range(len(out)) if fetched_to.get(i) != destinations[i]]
     if rest:
         moved = jax.device_put([out[i] for i in rest], [destinations[i] for i in rest],
                                src=[src[i] for i in rest])
         for i, leaf in zip(rest, moved, strict=True):
             out[i] = leaf
     return out
+
+
+device_put: Callable[..., Any] = _device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put
+"""`jax.device_put(leaves, destinations, src=src)`; on JAX 0.12.1, `_device_put`."""
+
+
+def copy(x: jax.Array) -> jax.Array:
+    """A copy of `x` in the same placement (`jax.device_put(x, x.sharding,
+    may_alias=False)`), also of a program's host output on JAX 0.12.1's CPU (through
+    device memory)."""
+    if _cannot_copy(x):
+        copied: jax.Array = _device_put([x], [x.sharding], src=[None])[0]
+        return copied
+    copied = jax.device_put(x, x.sharding, may_alias=False)
+    return copied
 
 
 # Tracebacks. Equinox leaves its files out of the tracebacks JAX filters
