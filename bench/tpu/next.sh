@@ -10,6 +10,8 @@
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
 #   bash bench/tpu/next.sh 7    # call 7 (<= 9 min): the arithmetic 8-bit codec (exact on the
 #                               # chip?), 542M steps in one run, each parameter stored once
+#   bash bench/tpu/next.sh 8    # call 8 (<= 7 min): 8-bit state in the backward pass at the
+#                               # real shape; fp32 weights and moments stored once past 1.8B
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -125,9 +127,17 @@ call7() {  # the 8-bit codec on the chip; plain, state and 8-bit state steps in 
   row $((T + 30)) $C +activations-once-int8state-backward $W $l 12 $SEQB
   row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
 }
+call8() {  # 8-bit state inside the backward pass (refused at init before 2026-12-06c);
+  # each parameter stored once: fp32 (33 layers, 1.83B), fp32 master + 8-bit moments (30)
+  local l32=33 l8=30
+  [ "${SIZE:-}" = small ] && { l32=2; l8=2; }
+  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
+  row $((T + 30)) $C +activations-once-backward $W $l32 20 $SEQB
+  row $((T + 30)) $C +activations-once-int8state-backward $W $l8 12 $SEQB
+}
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;;
-  all) call1; call2; call3; call4; call5; call6; call7 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|all" >&2; exit 2 ;;
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;; 8) call8 ;;
+  all) call1; call2; call3; call4; call5; call6; call7; call8 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|all" >&2; exit 2 ;;
 esac
 echo "results: $OUT"
