@@ -12,7 +12,7 @@ import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 
-from .compat import device_put
+from .compat import device_put, HOST_OUTPUT_COPY_FAILS
 from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, default_kind
@@ -50,7 +50,9 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
                 leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
-    moved = device_put(chosen, destinations, src=sources)
+    # (`jax.device_put` itself where JAX copies every array: `compat.HOST_OUTPUT_COPY_FAILS`.)
+    moved = (device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put)(
+        chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)

@@ -134,7 +134,7 @@ def _devices_in_order(sharding: Any) -> tuple[Any, ...]:
     return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
-def _device_put(leaves: list[Any], destinations: list[Any], *, src: list[Any]) -> list[Any]:
+def device_put(leaves: list[Any], destinations: list[Any], *, src: list[Any]) -> list[Any]:
     """`jax.device_put(leaves, destinations, src=src)`, also for the host arrays that JAX
     0.12.1 cannot copy on the CPU: those go to the device memory of their own devices
     in a jitted move (one per set of devices), and on from there if that is not their
@@ -163,16 +163,13 @@ def _device_put(leaves: list[Any], destinations: list[Any], *, src: list[Any]) -
     return out
 
 
-device_put: Callable[..., Any] = _device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put
-"""`jax.device_put(leaves, destinations, src=src)`; on JAX 0.12.1, `_device_put`."""
-
 
 def copy(x: jax.Array) -> jax.Array:
     """A copy of `x` in the same placement (`jax.device_put(x, x.sharding,
     may_alias=False)`), also of a program's host output on JAX 0.12.1's CPU (through
     device memory)."""
     if _cannot_copy(x):
-        copied: jax.Array = _device_put([x], [x.sharding], src=[None])[0]
+        copied: jax.Array = device_put([x], [x.sharding], src=[None])[0]
         return copied
     copied = jax.device_put(x, x.sharding, may_alias=False)
     return copied
