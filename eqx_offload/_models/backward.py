@@ -412,13 +412,11 @@ def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
     `i`'s optimizer state (and master weights) comes to the device, is updated with
     it, and goes back to host memory with the new weights, while the layers below
     still compute. The other parameters (embeddings, head, norms) are updated after the
-    backward pass, as in the normal step. The result is bitwise the normal step (grad,
-    then `update`, then `apply_updates`), for any optimizer that treats each parameter,
-    and each layer of a stacked one, apart (Adam, AdamW with masks, Lion, SGD with
-    momentum, Adafactor without its clipping and parameter scale, ...): checked from
-    the jaxpr of its update, which refuses the rest (`clip_by_global_norm`) with a
-    `CompositionError` (docs: "The update inside the backward pass" in
-    `docs/models.md`).
+    backward pass, as in the normal step. The result is bitwise the normal step's (grad,
+    then `update`, then `apply_updates`; on the CPU, docs/models.md says where else) for
+    any optimizer that treats each parameter, and each layer of a stacked one, apart
+    (Adam, AdamW with masks, Lion, SGD with momentum, ...): checked from the jaxpr of its
+    update, which refuses the rest (`clip_by_global_norm`) with a `CompositionError`.
 
     **Arguments:**
 
@@ -428,10 +426,8 @@ def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
     - `layers`: a function from the model to its stacked layers (the `layers` its loss
         passes to `scan_layers`), e.g. `lambda m: m.blocks`.
     - `offload`: how the optimizer's state is kept: a function from a transformation
-        to one, e.g. `eqx_offload.offloaded` (in host memory) or
-        `functools.partial(eqx_offload.offloaded, host_dtype=jnp.int8)`; `None`
-        (default): as `optimizer` keeps it (an optimizer already made by `offloaded`,
-        as `master_weights` makes it by default, is updated the same way).
+        to one, e.g. `eqx_offload.offloaded` or `functools.partial(eqx_offload.offloaded,
+        host_dtype=jnp.int8)`; `None` (default): as `optimizer` keeps it.
 
     **Returns:**
 

@@ -286,13 +286,16 @@ class UpdateScan:
             body, (g, last, g_consts, weights, list(state), todo, done),
             (jnp.arange(self.length), inputs), reverse=True, unroll=self.unroll)
         weights, state = _written(weights, state, done)
-        # The last layer's update under a conditional: otherwise XLA:CPU fuses it into the
-        # write of its result (an optimization barrier does not survive its passes) and
-        # contracts its multiply-adds otherwise than the normal step.
-        last_done = jax.lax.cond(todo[0] >= 0, update, update, todo)
-        weights, state = _written(weights, state, last_done)
+        weights, state = _written(weights, state, _apart(update, todo))
         state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
         return weights, g_x, g_consts, state
+
+
+def _apart(update: Callable[[Any], Any], todo: Any) -> Any:
+    """`update(todo)` under a conditional: otherwise XLA:CPU fuses the last layer's update
+    into the write of its result (an optimization barrier does not survive its passes)
+    and contracts its multiply-adds otherwise than the normal step."""
+    return jax.lax.cond(todo[0] >= 0, update, update, todo)
 
 
 def _state_slices(state: list[Any], whole: list[bool], i: Any) -> list[Any]:

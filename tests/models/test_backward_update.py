@@ -486,3 +486,18 @@ def test_refuses_bad_arguments() -> None:
     with pytest.raises(StateError):
         unchecked(type(fused).step)(fused, loss, make_model(),
                                     optax.adam(1e-2).init(make_model()), batch(0))
+
+
+def test_updated_in_the_backward_pass_the_master_stays_fp32() -> None:
+    """`update_in_backward` over `master_weights` with bf16 moments, the blocks' bf16
+    weights and inputs in host memory (the chip's `+activations-bf16state-backward`):
+    bitwise the normal step, the stacked master fp32 and its moments bf16, in host
+    memory."""
+    optimizer = eqx_offload.master_weights(
+        optax.adamw(1e-2, weight_decay=0.1), offload=functools.partial(eqx_offload.offloaded, host_dtype=jnp.bfloat16))
+    fused, normal = _run_both(optimizer, host_blocks=True, offload_input=True)
+    state = fused[1].inner_state
+    master, mu = state.master.blocks.linear.weight, state.inner_state[0].mu.blocks.linear.weight
+    assert (master.dtype, master.sharding.memory_kind) == (jnp.dtype(jnp.float32), "pinned_host")
+    assert (mu.dtype, mu.sharding.memory_kind) == (jnp.dtype(jnp.bfloat16), "pinned_host")
+    assert_tree_equal(fused, normal)

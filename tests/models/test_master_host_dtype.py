@@ -157,20 +157,3 @@ def test_a_master_no_wider_than_the_weights_warns_and_is_kept() -> None:
         warnings.simplefilter("error")
         eqx_offload.master_weights(ADAMW)
         eqx_offload.master_weights(ADAMW, master_dtype=jnp.float32, compute_dtype=jnp.float16)
-
-
-def test_updated_in_the_backward_pass_the_master_stays_fp32() -> None:
-    """`update_in_backward` over `master_weights` with bf16 moments, the blocks' bf16
-    weights and inputs in host memory (the chip's `+activations-bf16state-backward`):
-    bitwise the normal step, the stacked master fp32 and its moments bf16, in host
-    memory."""
-    from test_backward_update import _run_both
-
-    optimizer = eqx_offload.master_weights(
-        ADAMW, offload=functools.partial(eqx_offload.offloaded, host_dtype=jnp.bfloat16))
-    fused, normal = _run_both(optimizer, host_blocks=True, offload_input=True)
-    state = fused[1].inner_state
-    master, mu = state.master.blocks.linear.weight, state.inner_state[0].mu.blocks.linear.weight
-    assert (master.dtype, master.sharding.memory_kind) == (jnp.dtype(jnp.float32), "pinned_host")
-    assert (mu.dtype, mu.sharding.memory_kind) == (jnp.dtype(jnp.bfloat16), "pinned_host")
-    assert_tree_equal(fused, normal)

@@ -131,7 +131,7 @@ def train(steps: int = 3) -> float:
     prefix: Where = {"w": True, "b": eqx_offload.min_ndim(1)}
     tree = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
     on_host = eqx_offload.to_host(tree, prefix, memory_kind=host_kind)
-    placed = eqx_offload.filter_shard(on_host, jax.sharding.make_single_device_sharding(jax.devices()[0]))
+    placed = eqx_offload.filter_shard(on_host, tree["w"].sharding)  # (the device's memory)
     back = eqx_offload.to_device(placed, where=True)
     assert bool(jnp.array_equal(back["w"], tree["w"]))
     nested = as_nested(tree)
