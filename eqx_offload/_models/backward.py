@@ -12,7 +12,7 @@ split in two halves (`_optim.backward`), each updated by the optimizer as a blac
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, Optional, TYPE_CHECKING, TypeVar, Union
+from typing import Any, Generic, Optional, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -36,11 +36,7 @@ from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
 
-if TYPE_CHECKING:  # (a default for the checkers: a step not annotated is of `Any` model)
-    from typing_extensions import TypeVar as _DefaultTypeVar
-    _M = _DefaultTypeVar("_M", default=Any)
-else:
-    _M = TypeVar("_M")
+_M = TypeVar("_M")
 Optimizer = Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
                   optax.MultiSteps]
 """What `update_in_backward` takes: an optax transformation, or what `master_weights` or

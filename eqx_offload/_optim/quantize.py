@@ -197,7 +197,11 @@ def lookup(codes: Any, signed: bool) -> Any:
     (`_decoded`)."""
     table = jnp.asarray(_map(signed))
     return jax.lax.platform_dependent(codes.astype(jnp.int32), table, cpu=_gathered,
-                                      default=lambda c, _: _decoded(c, signed))
+                                      default=functools.partial(_decoded_from, signed=signed))
+
+
+def _decoded_from(codes: Any, _table: Any, signed: bool) -> Any:
+    return _decoded(codes, signed)
 
 
 def _gathered(codes: Any, table: Any) -> Any:
