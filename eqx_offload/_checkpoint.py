@@ -174,9 +174,11 @@ def restore_target(
     return target
 
 
+# pytype: disable=not-indexable  # (pytype reads BackwardUpdate as not generic)
 def abstract_init(
     optimizer: Union[optax.GradientTransformation, HostWeightsOptimizer[Any], MasterWeights[Any],
                      BackwardUpdate[Any]],
+    # pytype: enable=not-indexable
     params: Any,
 ) -> Any:
     """The state `optimizer.init(params)` would return, without making it.

@@ -12,7 +12,7 @@ split in two halves (`_optim.backward`), each updated by the optimizer as a blac
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, Optional, TypeVar, Union
+from typing import Any, Generic, Optional, TYPE_CHECKING, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -36,7 +36,11 @@ from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
 
-_M = TypeVar("_M")
+if TYPE_CHECKING:  # (a default for the checkers: a step not annotated is of `Any` model)
+    from typing_extensions import TypeVar as _DefaultTypeVar
+    _M = _DefaultTypeVar("_M", default=Any)  # pytype: disable=invalid-typevar  # (no defaults)
+else:
+    _M = TypeVar("_M")
 Optimizer = Union[optax.GradientTransformation, MasterWeights[Any], HostWeightsOptimizer[Any],
                   optax.MultiSteps]
 """What `update_in_backward` takes: an optax transformation, or what `master_weights` or
@@ -105,7 +109,7 @@ def _for_layers(optimizer: Any, layers: int) -> Any:
     return _with_transformation(optimizer, for_layers(made, layers))
 
 
-class BackwardUpdate(Generic[_M]):
+class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M above)
     """What `update_in_backward` returns: `init(model) -> (model, state)` and
     `step(loss, model, state, *args) -> (loss value, model, state)`.
 
@@ -399,8 +403,10 @@ def _shared_update(transformation: optax.GradientTransformationExtraArgs, return
     return [to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
 
 
+# pytype: disable=not-indexable  # (pytype reads `_M` above as no TypeVar)
 def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
                        offload: Optional[Offload] = None) -> BackwardUpdate[_M]:
+    # pytype: enable=not-indexable
     """Runs the optimizer step of a model's stacked layers inside its backward pass,
     layer by layer, so that their whole gradient never exists on the device.
 
@@ -416,9 +422,8 @@ def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
 
     **Arguments:**
 
-    - `optimizer`: an optax transformation, e.g. `optax.adamw(1e-3)`, or what
-        `eqx_offload.master_weights` or `eqx_offload.host_weights_optimizer` returns.
-        Not an `optax.MultiSteps`: pass `accumulated=` to `step` instead.
+    - `optimizer`: an optax transformation, e.g. `optax.adamw(1e-3)`, or what `master_weights`
+        or `host_weights_optimizer` returns; not a `MultiSteps` (`step(accumulated=)`).
     - `layers`: a function from the model to its stacked layers (the `layers` its loss
         passes to `scan_layers`), e.g. `lambda m: m.blocks`.
     - `offload`: how the optimizer's state is kept: a function from a transformation
