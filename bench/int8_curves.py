@@ -7,7 +7,11 @@ the same batches with each optimizer state:
 
 - `fp32`: `eqx_offload.offloaded(adamw)` (bitwise plain AdamW);
 - `int8`: `eqx_offload.offloaded(adamw, host_dtype=jnp.int8)` (block-wise 8-bit moments);
-- `bf16`: `eqx_offload.offloaded(adamw, host_dtype=jnp.bfloat16)`, for comparison.
+- `bf16`: `eqx_offload.offloaded(adamw, host_dtype=jnp.bfloat16)`, for comparison;
+- `once-int8`: each parameter stored once (docs/capacity.md): the blocks' fp32 weights in
+  host memory are the master, each layer cast to bf16 on the device as it is called (the
+  whole model computes in bf16), 8-bit moments, updated inside the backward pass
+  (`update_in_backward(host_weights_optimizer(adamw, offload=8-bit offloaded))`).
 
 Writes `int8_curves.json` (the training loss of every step, the held-out loss every
 `--eval-every` steps) and `int8_curves.png` if matplotlib is installed:
@@ -16,6 +20,7 @@ Writes `int8_curves.json` (the training loss of every step, the held-out loss ev
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -32,6 +37,8 @@ import optax
 import eqx_offload
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tpu"))
+from capacity_chip import in_bf16
 from llama import Llama, llama_loss, LlamaShape
 
 
@@ -41,6 +48,7 @@ MODES = {
     "fp32": {},
     "int8": {"host_dtype": jnp.int8},
     "bf16": {"host_dtype": jnp.bfloat16},
+    "once-int8": {"host_dtype": jnp.int8},
 }
 
 
@@ -65,15 +73,29 @@ def train(mode: str, steps: int, eval_every: int, lr: float) -> dict[str, Any]:
     """The losses of `steps` AdamW steps with `mode`'s optimizer state."""
     train_data, held_out = corpus()
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 20, steps, lr / 10)
-    opt = eqx_offload.offloaded(optax.adamw(schedule, weight_decay=0.1), **MODES[mode])
+    adamw = optax.adamw(schedule, weight_decay=0.1)
     model = Llama(SHAPE, jax.random.key(0))
-    state = opt.init(eqx.filter(model, eqx.is_array))
+    if mode.startswith("once-"):  # the stored-once composition of docs/capacity.md
+        offload = functools.partial(eqx_offload.offloaded, **MODES[mode])
+        fused = eqx_offload.update_in_backward(
+            eqx_offload.host_weights_optimizer(adamw, offload=offload),
+            layers=lambda m: m.blocks)
+        model = eqx.tree_at(lambda m: m.blocks, in_bf16(model), replace_fn=eqx_offload.to_host)
+        model, state = fused.init(model)
 
-    @eqx_offload.filter_jit(donate="all-except-first")
-    def step(tokens: jax.Array, model: Llama, state: Any) -> tuple[Llama, Any, jax.Array]:
-        loss, grads = eqx.filter_value_and_grad(llama_loss)(model, tokens)
-        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
+        @eqx_offload.filter_jit(donate="all-except-first")
+        def step(tokens: jax.Array, model: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+            loss, model, state = fused.step(llama_loss, model, state, tokens)
+            return model, state, loss
+    else:
+        opt = eqx_offload.offloaded(adamw, **MODES[mode])
+        state = opt.init(eqx.filter(model, eqx.is_array))
+
+        @eqx_offload.filter_jit(donate="all-except-first")
+        def step(tokens: jax.Array, model: Any, state: Any) -> tuple[Any, Any, jax.Array]:
+            loss, grads = eqx.filter_value_and_grad(llama_loss)(model, tokens)
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), state, loss
 
     evaluate = eqx.filter_jit(lambda model, tokens: llama_loss(model, tokens))
     held = jnp.asarray(batches(held_out, 8, seed=1))
