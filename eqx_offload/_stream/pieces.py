@@ -53,8 +53,15 @@ def piece_values(runner: Evaluation, j: int, p: Piece) -> dict[Any, Any]:
             local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
         return local[v]
 
+    # The piece's new state is made once and its update reads it, as the whole update's
+    # does. Unfenced, XLA:CPU may make it a second time inside the update's fusion,
+    # where LLVM can contract its multiply-adds otherwise (JAX 0.12.1: Adam's moments,
+    # 1 ulp in the update).
+    state = {runner.jaxpr.outvars[k] for k in unit.outputs if k >= runner.n_updates}
     for eqn in unit.eqns:
-        local.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+        out = bind(eqn, [read(v) for v in eqn.invars])
+        local.update((v, optimization_barrier(x) if v in state else x)
+                     for v, x in zip(eqn.outvars, out, strict=True))
     return local
 
 
