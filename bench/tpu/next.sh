@@ -12,6 +12,8 @@
 #                               # chip?), 542M steps in one run, each parameter stored once
 #   bash bench/tpu/next.sh 8    # call 8 (<= 7 min): 8-bit state in the backward pass at the
 #                               # real shape; fp32 weights and moments stored once past 1.8B
+#   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update's pieces taking
+#                               # turns: the update alone, then the 542M steps in one run
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -135,6 +137,18 @@ call8() {  # 8-bit state inside the backward pass (refused at init before 2026-1
   row $((T + 30)) $C +activations-once-backward $W $l32 20 $SEQB
   row $((T + 30)) $C +activations-once-int8state-backward $W $l8 12 $SEQB
 }
+call10() {  # the streamed update with a stack's pieces taking turns (2026-12-06d): the
+  # update alone at lookahead 1, 2, 4 and 8-bit (against call 5's 377.2, 324.9, 295.4 ms),
+  # then plain, state, 8-bit state and state in the backward pass, 542M, in one run
+  local o="bench/tpu/overlap.py --target chip --no-plan --width $W --ffn $((W * 11 / 4)) --layers $L8"
+  for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
+  row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
+  row $T $TP fp32 $W $L8 1 $STEPS $SEQB
+  row $T $TP state $W $L8 1 $STEPS $SEQB
+  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
+  row $T $TP state-backward $W $L8 1 $STEPS $SEQB
+}
+[ "$CALL" = 10 ] && { call10; echo "results: $OUT"; exit 0; }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;; 8) call8 ;;
   all) call1; call2; call3; call4; call5; call6; call7; call8 ;;

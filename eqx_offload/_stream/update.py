@@ -10,7 +10,8 @@ How the groups are found, and why the result stays bitwise equal: `inner.update`
 traced once to a jaxpr. A dependency analysis on that jaxpr finds which offloaded state
 leaves are read together by some operation (Adam's `mu` and `nu` of one parameter are);
 those leaves form an indivisible *unit*. Units are packed in reverse leaf order (the order
-the backward pass produces gradients, see `groups.pack`) into groups of at most `group_bytes`
+the backward pass produces gradients, see `groups.pack`; the pieces of a stack's leaves
+take turns, `groups.interleave`) into groups of at most `group_bytes`
 (`"auto"`: about 1/16 of the streamed state, at most 256 MiB). The jaxpr's own equations are then evaluated stage by stage: each
 equation runs in the stage of the group it depends on, and equations that depend on no
 offloaded state (gradient clipping by global norm, schedules, bias-correction scalars)

@@ -71,3 +71,29 @@ def test_plan_prologue_when_counter_is_offloaded() -> None:
     assert state.inner_state[0].count.sharding.memory_kind == "pinned_host"
     plan = eqx_offload.stream.stream_plan(optax.adam(1e-2), params, state.inner_state, group_bytes=0)
     assert "0/count" in plan.prologue and "0/mu/scale" in plan.prologue
+
+
+def test_stacked_pieces_take_turns() -> None:
+    """The pieces of a stack's leaves take turns, one piece of each in turn, after the
+    stack's leaves smaller than a group (consecutive groups then write one leaf's host
+    buffer while reading another's); a leaf larger than a group that cannot be split
+    keeps its place, and so does a lone split leaf."""
+    params = {"a": committed(np.ones((16, 16))),  # whole, larger than a group
+              "b": committed(np.ones((4, 8, 8))),  # split: 512 B of state a row
+              "c": committed(np.ones((4, 8))),  # a stack's small leaf
+              "d": committed(np.ones((4, 8, 8)))}  # split
+    state = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=1280).init(params).inner_state
+    plan = eqx_offload.stream.stream_plan(optax.adam(1e-3), params, state, params,
+                                          group_bytes=1280)
+    assert plan.groups == (
+        ("0/mu/c", "0/mu/d[0:2]", "0/nu/c", "0/nu/d[0:2]"),
+        ("0/mu/b[0:2]", "0/nu/b[0:2]"),
+        ("0/mu/d[2:4]", "0/nu/d[2:4]"),
+        ("0/mu/b[2:4]", "0/nu/b[2:4]"),
+        ("0/mu/a", "0/nu/a"))
+    assert plan.group_nbytes == (1280, 1024, 1024, 1024, 2048)
+    alone = {k: params[k] for k in "abc"}
+    state = eqx_offload.offloaded(optax.adam(1e-3), group_bytes=1280).init(alone).inner_state
+    plan = eqx_offload.stream.stream_plan(optax.adam(1e-3), alone, state, alone, group_bytes=1280)
+    assert plan.groups == (("0/mu/b[0:2]", "0/mu/c", "0/nu/b[0:2]", "0/nu/c"),
+                           ("0/mu/b[2:4]", "0/nu/b[2:4]"), ("0/mu/a", "0/nu/a"))

@@ -294,6 +294,39 @@ def test_stacked_rows_read_ahead_of_writes() -> None:
     assert a.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_stacked_leaves_take_turns(lookahead: int) -> None:
+    """The pieces of two stacked leaves, taking turns (`groups.interleave`), read ahead of
+    the writes of the other leaf's pieces: bitwise the unwrapped update, the state in
+    host memory; with 8-bit state, equal to the whole state brought at once."""
+    rng = np.random.default_rng(5)
+    params = {"w": committed(rng.standard_normal((6, 16, 16))),
+              "u": committed(rng.standard_normal((6, 16, 8))),
+              "v": committed(rng.standard_normal((16, 4)))}
+    grads = [make_grads(params, step) for step in range(2)]
+    ref = optax.adamw(1e-2)
+    opt = eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=2 * 16 * 16 * 4,
+                                lookahead=lookahead)
+    plan = eqx_offload.stream.stream_plan(optax.adamw(1e-2), params, opt.init(params).inner_state,
+                                          params, group_bytes=2 * 16 * 16 * 4)
+    firsts = [group[0].split("/")[2][0] for group in plan.groups]
+    assert firsts[:5] == ["v", "w", "u", "w", "u"], plan.groups
+    ref_state, state = ref.init(params), opt.init(params)
+    for g in grads:
+        ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, params)
+        updates, state = jax.jit(opt.update)(g, state, params)
+        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+        assert_placed(state)
+    narrow = dict(host_dtype=jnp.int8, lookahead=lookahead)
+    sliced = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=0, **narrow)
+    whole = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=None, **narrow)
+    a, b = sliced.init(params), whole.init(params)
+    for g in grads:
+        ua, a = jax.jit(sliced.update)(g, a)
+        ub, b = jax.jit(whole.update)(g, b)
+        assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
+
+
 @pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
 def test_stacked_sharded_leaves(spec: tuple[Any, ...]) -> None:
     """A sharded stacked leaf keeps its sharding and stays bitwise: split by rows when its
