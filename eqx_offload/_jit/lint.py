@@ -2,11 +2,9 @@
 host-resident array), and the detection of an enclosing donating `jax.jit` (which
 `offloaded` refuses)."""
 
-import contextlib
-import contextvars
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -64,30 +62,13 @@ _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
-_FOREIGN_DONATION_CHECKED = contextvars.ContextVar("foreign_donation_checked", default=True)
-
-
-@contextlib.contextmanager
-def foreign_donation_unchecked() -> Iterator[None]:
-    """Inside it, `foreign_donation` finds none, so `offloaded` lets a donating plain
-    `jax.jit` trace it: for the upstream canary alone
-    (`tests/upstream/test_upstream_donation.py`, through `tests/donation_harness.py`),
-    which shows what plain JAX does without the check. Restored on exit."""
-    token = _FOREIGN_DONATION_CHECKED.set(False)
-    try:
-        yield
-    finally:
-        _FOREIGN_DONATION_CHECKED.reset(token)
-
-
 def foreign_donation() -> Optional[str]:
     """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
     `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
     `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
-    has no public way to ask). `None` where none donates anything, and inside
-    `foreign_donation_unchecked`."""
-    if not _FOREIGN_DONATION_CHECKED.get() or getattr(jax.config, "jax_debug_nans", False):
-        # (JAX donates nothing under debug_nans)
+    has no public way to ask). `None` where none donates anything (JAX donates nothing
+    under `jax_debug_nans`)."""
+    if getattr(jax.config, "jax_debug_nans", False):
         return None
     return enclosing_donating_jit()
 
