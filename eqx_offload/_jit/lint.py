@@ -11,7 +11,8 @@ import jax
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
-from .._core.compat import enclosing_donating_jit, memory_space_mismatch, source_frames
+from .._core.compat import enclosing_donating_jit, memory_space_mismatch, mismatched_operands
+from .._core.compat import source_frames
 from .._core.errors import CompositionError, host_compute_error, host_value_error
 from .._core.errors import host_weights_error
 from .._core.leaves import call_argument
@@ -81,13 +82,13 @@ def _where_in_source(eqn: Any) -> str:
     return ""
 
 
-def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
+def _host_compute(jaxpr: Any, enclosing: tuple[Any, ...] = ()) -> Optional[tuple[str, str]]:
     """The first equation, at any depth, that computes on a host-memory value outside
     `compute_on(..., compute_type="device_host")`: its primitive's name and a
-    description; `None` if there is none. (`outer_source`: where the enclosing call is,
-    for equations of a sub-jaxpr that lack their own.)"""
+    description; `None` if there is none. (`enclosing`: the equations whose
+    sub-jaxprs hold `jaxpr`, innermost last; where the equation found has no source of
+    its own, the innermost of them that has one names where it is.)"""
     for eqn in jaxpr.eqns:
-        source = _where_in_source(eqn) or outer_source
         if "device_host" in (getattr(eqn.ctx, "compute_type", None),
                              eqn.params.get("compute_type")):  # `compute_on`, `compute_on2`
             continue
@@ -98,9 +99,10 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str
         ]
         if host and eqn.primitive.name not in _PASS_THROUGH:
             operands = ", ".join(dict.fromkeys(a.str_short() for a in host))
+            source = next(filter(None, map(_where_in_source, (eqn, *enclosing[::-1]))), "")
             return eqn.primitive.name, f"`{eqn.primitive.name}` on {operands}{source}"
         for sub in jaxprs_in_params(eqn.params):
-            found = _host_compute(sub, source)
+            found = _host_compute(sub, (*enclosing, eqn))
             if found is not None:
                 return found
     return None
@@ -192,8 +194,7 @@ def memory_space_error(name: str, error: BaseException,
     for frame, line in traceback.walk_tb(error.__traceback__):
         if _user_frame(frame):
             source = f" (at {frame.f_code.co_filename}:{line} in {frame.f_code.co_name})"
-    operands = str(error).split("Got one operand with type: ", 1)[-1].replace(
-        " and another operand with type: ", " with ")
+    operands = mismatched_operands(error)
     described = f"`{primitive}` on {operands}{source}"
     host_type = next((t for t in operands.split(" with ") if "<host>" in t), "")
     operand = host_operand(error, host_type, _user_frame, argument_of)
