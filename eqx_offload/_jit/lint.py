@@ -1,6 +1,5 @@
-"""`filter_jit`'s host-compute check (nothing in a traced step computes on a
-host-resident array), and the detection of an enclosing donating `jax.jit` (which
-`offloaded` refuses)."""
+"""`filter_jit`'s host-compute check: nothing in a traced step computes on a
+host-resident array."""
 
 import os
 import traceback
@@ -11,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
-from .._core.compat import enclosing_donating_jit, memory_space_mismatch, mismatched_operands
+from .._core.compat import memory_space_mismatch, mismatched_operands
 from .._core.compat import source_frames
 from .._core.errors import CompositionError, host_compute_error, host_value_error
 from .._core.errors import host_weights_error
@@ -61,17 +60,6 @@ _GENERIC_HINT = (
 _HINTS = {"select_n": _SELECT_HINT, "select_and_scatter_add": _SELECT_HINT}
 _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-
-
-def foreign_donation() -> Optional[str]:
-    """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
-    `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
-    `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
-    has no public way to ask). `None` where none donates anything (JAX donates nothing
-    under `jax_debug_nans`)."""
-    if getattr(jax.config, "jax_debug_nans", False):
-        return None
-    return enclosing_donating_jit()
 
 
 def _where_in_source(eqn: Any) -> str:

@@ -23,6 +23,7 @@ is called on exactly the stacked leaves the hook names (`hook_for`).
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -35,7 +36,7 @@ from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host, stacked_packed_vector
 from .layers import (
-    add_unless_none, Backward, fetch, fetch_layer, layer_scan, layer_slice, LayerScan, merge,
+    add_unless_none, fetch, fetch_layer, layer_scan, layer_slice, LayerScan, merge,
     zeros_like_inexact,
 )
 
@@ -90,18 +91,6 @@ def _write(a: Any, i: Any, piece: Any) -> Any:
     return jax.lax.dynamic_update_slice(a, piece, (i,) + (0,) * (a.ndim - 1))
 
 
-def update_backward(update: Update, whole: list[bool]) -> Callable[[LayerScan], Backward]:
-    """The backward pass of a `LayerScan` with `update` in it (`whole`: per state leaf,
-    updated on the device whole: see `update_scan`)."""
-    def backward_of(scan: LayerScan) -> Backward:
-        def backward(leaves: list[Any], consts: Any, state: list[Any], shared: list[Any],
-                     acc: Optional[list[Any]], residuals: Any, g: Any, batched: Any) -> Any:
-            return _backward(scan, update, whole, leaves, consts, state, shared, acc,
-                             residuals, g, batched)
-        return backward
-    return backward_of
-
-
 def _update_layer(update: Update, todo: Any, shared: list[Any]) -> Any:
     """The update stage: `todo` (`(i, gradient, weights, state slices)` of layer `i`) as
     `(i, new weights, new state slices on the device)`."""
@@ -110,15 +99,17 @@ def _update_layer(update: Update, todo: Any, shared: list[Any]) -> Any:
     return i, new_layer, fetch(new_state)
 
 
-def _backward(scan: LayerScan, update: Update, whole: list[bool], leaves: list[Any],
+def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[Any],
               consts: Any, state: list[Any], shared: list[Any], acc: Optional[list[Any]],
               residuals: Any, g: Any, batched: Any) -> Any:
-    """From the last layer down, a pipeline of three stages per iteration `i`: layer
-    `i`'s VJP (while layer `i - 1`'s host weights come to the device), the update of
-    layer `i + 1` (with the gradient the iteration before made: it runs beside the
-    VJP), and the write of layer `i + 2`'s new weights and state into the stacked
-    arrays (the loop's carry). The last two stages of the first layer run after the
-    loop. Returns `(new weights, cotangent of x, cotangents of consts, new state)`.
+    """The backward pass of `scan` with `update` in it (`whole`: per state leaf, updated
+    on the device whole: see `update_scan`). From the last layer down, a pipeline of
+    three stages per iteration `i`: layer `i`'s VJP (while layer `i - 1`'s host weights
+    come to the device), the update of layer `i + 1` (with the gradient the iteration
+    before made: it runs beside the VJP), and the write of layer `i + 2`'s new weights
+    and state into the stacked arrays (the loop's carry). The last two stages of the
+    first layer run after the loop. Returns `(new weights, cotangent of x, cotangents
+    of consts, new state)`.
 
     The stages are apart so that each update is its own computation on whole operands,
     as in the normal step: XLA:CPU compiles an update fused into the slices it reads or
@@ -215,4 +206,4 @@ def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], An
     hook.calls += 1
     return layer_scan(dynamic, static, x, call, save_input, unroll, batched_layers,
                       hook.accumulated, hook.state, hook.shared,
-                      update_backward(hook.update, whole))
+                      functools.partial(_backward, hook.update, whole))

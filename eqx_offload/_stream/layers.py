@@ -17,6 +17,7 @@ prefetch once raised the peak" in `docs/models.md`).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -298,14 +299,15 @@ def layer_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
                save_input: Optional[Callable[[Any], Any]], unroll: int, batched_layers: str,
                acc: Optional[list[Any]] = None, state: Optional[list[Any]] = None,
                shared: Optional[list[Any]] = None,
-               update: Optional[Callable[[LayerScan], Backward]] = None) -> Any:
+               update: Optional[Callable[..., Any]] = None) -> Any:
     """The output of the last of the stacked layers `(dynamic, static)` run from `x` by
     `call(layer, carry)`, with the next layer's host leaves prefetched in both passes.
 
     The backward pass is the recompute (with `acc`, the leaves' cotangent is `acc` plus
-    the gradient), or with `update`, `update(scan)`: differentiated with respect to
-    the leaves and to `state`, its "cotangents" are then the new weights and state.
-    `acc` and `shared` are not differentiated."""
+    the gradient), or with `update`, `update(scan, ...)` (a `Backward` after its first
+    argument): differentiated with respect to the leaves and to `state`, its
+    "cotangents" are then the new weights and state. `acc` and `shared` are not
+    differentiated."""
     leaves, treedef = jtu.tree_flatten(dynamic)
 
     def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
@@ -319,7 +321,8 @@ def layer_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
     scan = LayerScan([is_host(a) for a in leaves], leaves[0].shape[0], conv_static,
                      save_input, unroll, batched_layers)
     forward_only, forward_saving = _forward_pass(scan, False), _forward_pass(scan, True)
-    backward = _backward_pass(scan, scan.backward if update is None else update(scan))
+    backward = _backward_pass(
+        scan, scan.backward if update is None else functools.partial(update, scan))
 
     @eqx.filter_custom_vjp
     def run(vjp_arg: Any, shared: list[Any], acc: Optional[list[Any]]) -> Any:
@@ -342,5 +345,4 @@ def layer_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
     rules: Any = run  # (Equinox's `def_fwd`/`def_bwd` are untyped)
     rules.def_fwd(run_fwd)
     rules.def_bwd(run_bwd)
-    out: Any = run((leaves, x, consts, state or []), shared or [], acc)
-    return out
+    return run((leaves, x, consts, state or []), shared or [], acc)

@@ -12,7 +12,7 @@ from eqx_offload._core.compat import marked
 from eqx_offload._jit.analysis import analyse
 from eqx_offload._jit.call import flatten_call, Signature
 from eqx_offload._jit.donation import parse_donate
-from eqx_offload._jit.lint import foreign_donation
+from eqx_offload._optim.checks import foreign_donation
 
 
 def _key(*args: object) -> Signature:
