@@ -9,14 +9,13 @@ The rest is in submodules: `errors`, `checkpoint`, `remat` (the offloading polic
 targets and results), `types`.
 """
 
-import dis
 import importlib.metadata
-import sys
 import typing
 from types import FrameType as _FrameType
 
 from . import checkpoint as checkpoint, errors as errors, memory as memory, remat as remat
 from . import planner as planner, stream as stream, types as types
+from ._core.compat import caller_imports_from as _caller_imports_from
 from ._core.errors import OffloadError as OffloadError
 from ._core.move import filter_shard as filter_shard, to_device as to_device, to_host as to_host
 from ._report import memory_report as memory_report
@@ -87,22 +86,13 @@ _MOVED.update(host_params="eqx_offload.host_weights_optimizer",
               GpuPlan="eqx_offload.planner.Plan",
               with_host_params="eqx_offload.host_weights_optimizer")
 
-def _importing_from() -> bool:
-    """Whether `__getattr__` runs for a `from eqx_offload import name` (the caller's
-    instruction is `IMPORT_FROM`): Python replaces an `AttributeError` raised there by
-    its bare "cannot import name", so the message must travel as an `ImportError`. The
-    caller is the first frame outside this file and the type checker that may wrap
-    `__getattr__` (jaxtyping's import hook, through beartype)."""
-    frame: typing.Optional[_FrameType] = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or frame.f_globals.get("__name__", "").startswith(
-                                     ("beartype", "jaxtyping"))
-                                 or frame.f_code.co_filename.startswith("<@beartype")):
-        frame = frame.f_back
-    if frame is None:
-        return False
-    code = frame.f_code.co_code
-    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
+
+def _passed(frame: _FrameType) -> bool:
+    """Whether `frame` is this file's or that of a type checker that may wrap
+    `__getattr__` (jaxtyping's import hook, through beartype): not the importer."""
+    return (frame.f_code.co_filename == __file__
+            or frame.f_globals.get("__name__", "").startswith(("beartype", "jaxtyping"))
+            or frame.f_code.co_filename.startswith("<@beartype"))
 
 
 if not typing.TYPE_CHECKING:
@@ -110,7 +100,7 @@ if not typing.TYPE_CHECKING:
         if name in _MOVED:
             message = (f"Use {_MOVED[name]}: eqx_offload.{name} moved there "
                        "(https://eqx-offload.readthedocs.io/en/latest/changelog/).")
-            if _importing_from():
+            if _caller_imports_from(_passed):  # `from eqx_offload import name`
                 raise ImportError(message, name="eqx_offload")
             raise AttributeError(message)
         raise AttributeError(f"module 'eqx_offload' has no attribute {name!r}")

@@ -4,8 +4,8 @@ prefetch options for a device budget (`prefetch_options`) and the whole-state ch
 """
 
 from ._optim.budget import prefetch_options as prefetch_options, within_budget as within_budget
-from ._stream.update import StreamPlan as StreamPlan
-from ._stream.update import stream_plan as stream_plan
+from ._stream import StreamPlan as StreamPlan
+from ._stream import stream_plan as stream_plan
 
 
 __all__ = ["prefetch_options", "stream_plan", "StreamPlan", "within_budget"]

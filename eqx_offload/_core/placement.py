@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import jax
+from jax.core import Tracer
 import numpy as np
 
 from .compat import copy, is_single_device_sharding, single_device_sharding
 from .errors import TracedMoveError
-from .leaves import is_traced, shown
+from .leaves import shown
 from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
 from .types import Device
 
@@ -41,7 +42,7 @@ def memory_kind_of(leaf: Any) -> Optional[str]:
     `"pinned_host"`, the only host memory JAX reaches there. JAX (0.10) types a traced
     PRNG key array as device memory wherever it is, so for those the answer is `None`.
     """
-    if is_traced(leaf):
+    if isinstance(leaf, Tracer):
         if _is_prng_key(leaf):
             return None
         space = jax.typeof(leaf).memory_space
@@ -103,7 +104,7 @@ def destination(
     `memory_kind=None` means the device's default memory (`to_device`). A concrete leaf
     keeps its devices and layout (`sharding.with_memory_kind`); a NumPy array goes where
     JAX would put it; a traced leaf goes to a `jax.memory.Space`."""
-    if is_traced(leaf):
+    if isinstance(leaf, Tracer):
         space = jax.typeof(leaf).memory_space
         if memory_kind is not None and memory_kind != "pinned_host":
             raise traced_move_error(memory_kind, argument, path)
@@ -156,7 +157,7 @@ def is_mistyped_host(leaf: Any) -> bool:
     """A `pinned_host` array whose JAX type says device memory."""
     return (
         isinstance(leaf, jax.Array)
-        and not is_traced(leaf)
+        and not isinstance(leaf, Tracer)
         and leaf.sharding.memory_kind == "pinned_host"
         and jax.typeof(leaf).memory_space != jax.memory.Space.Host
     )

@@ -1,19 +1,17 @@
-"""`filter_jit`'s host-compute check (nothing in a traced step computes on a
-host-resident array), and the detection of an enclosing donating `jax.jit` (which
-`offloaded` refuses)."""
+"""`filter_jit`'s host-compute check: nothing in a traced step computes on a
+host-resident array."""
 
-import contextlib
-import contextvars
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
 import jax.tree_util as jtu
 from jax.extend.core import jaxprs_in_params, Literal
 
-from .._core.compat import enclosing_donating_jit, memory_space_mismatch, source_frames
+from .._core.compat import memory_space_mismatch, mismatched_operands
+from .._core.compat import source_frames
 from .._core.errors import CompositionError, host_compute_error, host_value_error
 from .._core.errors import host_weights_error
 from .._core.leaves import call_argument
@@ -64,34 +62,6 @@ _JAX_DIR = os.path.dirname(str(jax.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
-_FOREIGN_DONATION_CHECKED = contextvars.ContextVar("foreign_donation_checked", default=True)
-
-
-@contextlib.contextmanager
-def foreign_donation_unchecked() -> Iterator[None]:
-    """Inside it, `foreign_donation` finds none, so `offloaded` lets a donating plain
-    `jax.jit` trace it: for the upstream canary alone
-    (`tests/upstream/test_upstream_donation.py`, through `tests/donation_harness.py`),
-    which shows what plain JAX does without the check. Restored on exit."""
-    token = _FOREIGN_DONATION_CHECKED.set(False)
-    try:
-        yield
-    finally:
-        _FOREIGN_DONATION_CHECKED.reset(token)
-
-
-def foreign_donation() -> Optional[str]:
-    """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
-    `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
-    `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
-    has no public way to ask). `None` where none donates anything, and inside
-    `foreign_donation_unchecked`."""
-    if not _FOREIGN_DONATION_CHECKED.get() or getattr(jax.config, "jax_debug_nans", False):
-        # (JAX donates nothing under debug_nans)
-        return None
-    return enclosing_donating_jit()
-
-
 def _where_in_source(eqn: Any) -> str:
     """`" (at file:line in function)"` for the innermost frame outside JAX, or `""`."""
     for file, line, function in source_frames(eqn):
@@ -100,13 +70,13 @@ def _where_in_source(eqn: Any) -> str:
     return ""
 
 
-def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str]]:
+def _host_compute(jaxpr: Any, enclosing: tuple[Any, ...] = ()) -> Optional[tuple[str, str]]:
     """The first equation, at any depth, that computes on a host-memory value outside
     `compute_on(..., compute_type="device_host")`: its primitive's name and a
-    description; `None` if there is none. (`outer_source`: where the enclosing call is,
-    for equations of a sub-jaxpr that lack their own.)"""
+    description; `None` if there is none. (`enclosing`: the equations whose
+    sub-jaxprs hold `jaxpr`, innermost last; where the equation found has no source of
+    its own, the innermost of them that has one names where it is.)"""
     for eqn in jaxpr.eqns:
-        source = _where_in_source(eqn) or outer_source
         if "device_host" in (getattr(eqn.ctx, "compute_type", None),
                              eqn.params.get("compute_type")):  # `compute_on`, `compute_on2`
             continue
@@ -117,9 +87,10 @@ def _host_compute(jaxpr: Any, outer_source: str = "") -> Optional[tuple[str, str
         ]
         if host and eqn.primitive.name not in _PASS_THROUGH:
             operands = ", ".join(dict.fromkeys(a.str_short() for a in host))
+            source = next(filter(None, map(_where_in_source, (eqn, *enclosing[::-1]))), "")
             return eqn.primitive.name, f"`{eqn.primitive.name}` on {operands}{source}"
         for sub in jaxprs_in_params(eqn.params):
-            found = _host_compute(sub, source)
+            found = _host_compute(sub, (*enclosing, eqn))
             if found is not None:
                 return found
     return None
@@ -211,8 +182,7 @@ def memory_space_error(name: str, error: BaseException,
     for frame, line in traceback.walk_tb(error.__traceback__):
         if _user_frame(frame):
             source = f" (at {frame.f_code.co_filename}:{line} in {frame.f_code.co_name})"
-    operands = str(error).split("Got one operand with type: ", 1)[-1].replace(
-        " and another operand with type: ", " with ")
+    operands = mismatched_operands(error)
     described = f"`{primitive}` on {operands}{source}"
     host_type = next((t for t in operands.split(" with ") if "<host>" in t), "")
     operand = host_operand(error, host_type, _user_frame, argument_of)

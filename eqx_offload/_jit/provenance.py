@@ -6,10 +6,8 @@ that fetched the weight into a move back to host).
 JAX refuses an operation on a host and a device operand while tracing (`ValueError`,
 `compat.memory_space_mismatch`), before any jaxpr exists. The operands are found in
 the traceback's frames (their locals), and each traced value's origin is read from
-the tracer: JAX's `DynamicJaxprTracer` keeps the equation that made it (`parent`), and
-a value an inner trace (a scan's body) closed over maps to the outer value
-(`frame.constvar_to_val`). These are JAX's private fields (JAX 0.10 to 0.12); where
-they are missing the origin is unknown and the error says what it said before.
+the tracer (`compat.tracer_origin`); where it is unknown the error says what it said
+before.
 """
 
 import dataclasses
@@ -21,8 +19,7 @@ import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 
-
-_DEPTH = 64  # nested traces followed outwards, at most
+from .._core.compat import tracer_origin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +54,6 @@ def _locals(frame: Any) -> Iterator[tuple[str, Any]]:
                 yield local + jtu.keystr(path), leaf
 
 
-def _outermost(tracer: Any) -> tuple[Any, bool]:
-    """The value `tracer` stands for in the outermost trace (following the values inner
-    traces closed over), and whether some trace computed it (an equation made it)."""
-    for _ in range(_DEPTH):
-        if getattr(tracer, "parent", None) is not None:
-            return tracer, True
-        frame = getattr(getattr(tracer, "_trace", None), "frame", None)
-        outer = getattr(frame, "constvar_to_val", {}).get(getattr(tracer, "val", None))
-        if outer is None:
-            return tracer, False
-        tracer = outer
-    return tracer, False
-
-
 def host_operand(error: BaseException, host_type: str, user_frame: Callable[[Any], bool],
                  argument_of: Callable[[Any], Optional[str]]) -> Optional[HostOperand]:
     """The host-memory operand (of type `host_type`, as `str_short` writes it) of the
@@ -88,9 +71,9 @@ def host_operand(error: BaseException, host_type: str, user_frame: Callable[[Any
             continue
         for name, leaf in held:
             if leaf.aval.str_short() == host_type:
-                outer, made = _outermost(leaf)
+                outer, made = tracer_origin(leaf)
                 return HostOperand(name, None if made else argument_of(outer), made)
-        if all(_outermost(leaf)[1] for _, leaf in held):
+        if all(tracer_origin(leaf)[1] for _, leaf in held):
             return HostOperand(held[0][0], None, True)
         return None
     return None

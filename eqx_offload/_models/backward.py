@@ -31,7 +31,7 @@ from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
 )
 from .._optim.offloaded import for_layers, made_of
-from .._stream.backward import Hook, hooked, update_scan
+from .._stream import Hook, hooked
 from .master import MasterWeights
 from .params import apply_updates, HostWeightsOptimizer
 
@@ -477,24 +477,3 @@ def update_in_backward(optimizer: Optimizer, layers: Callable[[Any], Any], *,
                                   MasterWeights, HostWeightsOptimizer)):
         raise not_a_transformation_error("update_in_backward(optimizer=...)", optimizer)
     return BackwardUpdate(optimizer, layers, offload)
-
-
-def scan_hooked(hook: Hook, dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], Any],
-                policy: Any, offload_input: bool, unroll: int, accumulate: Any,
-                save_input: Callable[[Any], Any]) -> Any:
-    """`scan_layers` inside `update_in_backward(...).step`, on the stacked layers it
-    updates: the layer scan with the update in its backward pass (`_stream.backward`).
-    `save_input`: how `offload_input` keeps a layer's input in host memory."""
-    if policy is not None or accumulate is not None:
-        raise OptionError("scan_layers: pass policy=None and accumulate=None inside "
-                          "update_in_backward(...).step (its backward pass recomputes each "
-                          "layer; a gradient sum goes to `step(..., accumulated=...)`).\n"
-                          f"See {DOCS}.")
-    leaves, treedef = jtu.tree_flatten(dynamic)
-
-    def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
-        return call(eqx.combine(jtu.tree_unflatten(treedef, layer_leaves), static), carry)
-
-    out: Any = update_scan(leaves, x, layer_call, hook, save_input if offload_input else None,
-                           unroll)
-    return out

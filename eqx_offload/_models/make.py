@@ -19,11 +19,9 @@ So the device holds at most one group, or one layer of every stacked leaf, at a 
 and no array has two host copies.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
 
 import equinox as eqx
@@ -35,14 +33,13 @@ from .._core.compat import host_compute
 from .._core.errors import OptionError, TreeError
 from .._core.leaves import nbytes
 from .._core.shape import filter_eval_shape, is_abstract, is_arraylike
+from .._core.target import layer_being_made, making_layer
 from .._jit.jit import filter_jit
 
 
 _T = TypeVar("_T")
 _M = TypeVar("_M")
 _HOST = jax.memory.Space.Host
-_LAYER: contextvars.ContextVar[Optional[jax.Array]] = contextvars.ContextVar(
-    "eqx_offload_layer", default=None)
 _DOCS = "https://eqx-offload.readthedocs.io/en/latest/models/#start-up"
 
 
@@ -79,7 +76,7 @@ def stack_layers(make_layer: Callable[[Any], _M], keys: Any) -> _M:
         ```
     """
     _check_keys(keys)
-    layer = _LAYER.get()
+    layer = layer_being_made()
     if layer is not None:
         keys = jtu.tree_map(functools.partial(_row, layer), keys)
     stacked: _M = eqx.filter_vmap(make_layer)(keys)
@@ -107,15 +104,6 @@ def _row(layer: jax.Array, x: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, layer, 1)
 
 
-@contextlib.contextmanager
-def _one_layer(layer: jax.Array) -> Iterator[None]:
-    token = _LAYER.set(layer)
-    try:
-        yield
-    finally:
-        _LAYER.reset(token)
-
-
 def _flat_call(fun: Callable[..., Any], indices: Sequence[int], layer: Optional[jax.Array],
                args: Any, kwargs: Any) -> list[Any]:
     """The leaves of `fun(*args, **kwargs)` at `indices` (with `layer`: each
@@ -123,7 +111,7 @@ def _flat_call(fun: Callable[..., Any], indices: Sequence[int], layer: Optional[
     if layer is None:
         out = fun(*args, **kwargs)
     else:
-        with _one_layer(layer):
+        with making_layer(layer):
             out = fun(*args, **kwargs)
     leaves = jtu.tree_leaves(out)
     return [leaves[i] for i in indices]
@@ -230,7 +218,7 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _layered(fun: Callable[..., _T]) -> Callable[..., _T]:
     def one_layer(layer: jax.Array, *args: Any, **kwargs: Any) -> _T:
-        with _one_layer(layer):
+        with making_layer(layer):
             return fun(*args, **kwargs)
     return one_layer
 

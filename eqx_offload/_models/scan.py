@@ -16,17 +16,24 @@ import jax.tree_util as jtu
 from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
-from .._core.errors import CompositionError, OptionError, see
+from .._core.errors import CompositionError, docs_link, OptionError, see
 from .._core.placement import is_host, stacked_packed_vector
-from .._stream.backward import hook_for
-from .backward import scan_hooked
+from .._stream import hook_for, layer_scan, offload_input as _offload_input, update_scan
 from .params import fetch
-from .prefetch import offload_input as _offload_input, prefetched_scan
 from .remat import in_a_scan, LAYER_INPUT, offload_names, Policy, union
 
 
 _M = TypeVar("_M")
 _C = TypeVar("_C")
+# What `jax.vmap` over the stacked layers themselves (an ensemble) gets, in the scan that
+# prefetches and in the update inside the backward pass.
+_BATCHED = (
+    "scan_layers(prefetch=True): `jax.vmap` maps over the stacked layers themselves (an "
+    "ensemble) with weights in host memory; the prefetch would slice and stack them "
+    "across the batch in host memory. Pass prefetch=False, or vmap over the inputs only.")
+_BATCHED_UPDATE = (
+    "Call `jax.vmap` over the inputs only: the update inside the backward pass updates "
+    "one stack of layers and one state, not a batch of them.")
 
 
 def _name_layer_input(x: Any) -> Any:
@@ -135,18 +142,25 @@ def scan_layers(
     dynamic, static = eqx.partition(layers, eqx.is_array)
     _check_stacked(dynamic)
     hook = hook_for(jtu.tree_leaves(dynamic))
+    save_input = _offload_input if offload_input else None
     if hook is not None:  # inside `update_in_backward(...).step`, on the layers it updates
-        hooked: _C = scan_hooked(hook, _fetch_packed_vectors(dynamic), static, x, call, policy,
-                                offload_input, unroll, accumulate, _offload_input)
+        if policy is not None or accumulate is not None:
+            raise OptionError(
+                "scan_layers: pass policy=None and accumulate=None inside "
+                "update_in_backward(...).step (its backward pass recomputes each layer; a "
+                "gradient sum goes to `step(..., accumulated=...)`).\n"
+                f"See {docs_link('models.md', 'the-update-inside-the-backward-pass')}.")
+        hooked: _C = update_scan(_fetch_packed_vectors(dynamic), static, x, call, hook,
+                                 save_input, unroll, _BATCHED_UPDATE)
         return hooked
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)
-        fused: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll, acc)
+        fused: _C = layer_scan(dynamic, static, x, call, save_input, unroll, _BATCHED, acc)
         return fused
     if prefetch and policy is None and _has_a_next_layer(dynamic):
         with marked("prefetched"):  # filter_jit's GPU default: the copy limit
-            prefetched: _C = prefetched_scan(dynamic, static, x, call, offload_input, unroll)
+            prefetched: _C = layer_scan(dynamic, static, x, call, save_input, unroll, _BATCHED)
         return prefetched
     if offload_input:
         policy = union(offload_names(LAYER_INPUT), policy)

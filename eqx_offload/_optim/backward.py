@@ -23,7 +23,7 @@ import optax
 from .._core.errors import CompositionError, docs_link
 from .._stream import separable
 from .quantize import CODE_DTYPE
-from .._stream.separable import BLOCK, Mark, REST, SHARED
+from .._stream import BLOCK, Mark, REST, SHARED
 
 
 class BackwardState(NamedTuple):

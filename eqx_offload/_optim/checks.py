@@ -14,13 +14,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
 
-from .._core.compat import named_axes
+from .._core.compat import enclosing_donating_jit, named_axes
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
                             none_leaf_error, OffloadWarning, StateError)
 from .._core.leaves import is_none, path_to_str
 from .._core.placement import is_host, memory_kind_of
 from .._core.where import structure_divergence
-from .._jit.lint import foreign_donation
 from .state import OffloadedState
 
 
@@ -229,6 +228,17 @@ def check_trace(treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]) -> No
         i = first_on_device(leaves, mask)
         if i is not None:
             raise device_state_error(leaf_path(treedef, i))
+
+
+def foreign_donation() -> Optional[str]:
+    """The function of an enclosing `jax.jit(..., donate_argnums=...)` (or
+    `donate_argnames`) that is tracing the caller, if any: `nnx.jit` and
+    `eqx.filter_jit` with donation are such jits (`compat.enclosing_donating_jit`: JAX
+    has no public way to ask). `None` where none donates anything (JAX donates nothing
+    under `jax_debug_nans`)."""
+    if getattr(jax.config, "jax_debug_nans", False):
+        return None
+    return enclosing_donating_jit()
 
 
 def _check_no_foreign_donation() -> None:

@@ -40,7 +40,7 @@ from .._core.placement import is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
-from .._stream.update import host_update, streamed_update, Transfers
+from .._stream import host_update, streamed_update, Transfers
 from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
 

@@ -1,7 +1,7 @@
 """`filter_jit`'s seams: the `Signature` that keys its cache and the one analysis pass."""
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from eqx_offload._core.compat import marked
 from eqx_offload._jit.analysis import analyse
 from eqx_offload._jit.call import flatten_call, Signature
 from eqx_offload._jit.donation import parse_donate
-from eqx_offload._jit.lint import foreign_donation, foreign_donation_unchecked
+from eqx_offload._optim.checks import foreign_donation
 
 
 def _key(*args: object) -> Signature:
@@ -50,20 +50,49 @@ def test_analysis_reads_scopes_and_constraints_and_lints() -> None:
         analyse(jax.jit(lambda x: x + 1).trace(host).jaxpr, "host")
 
 
-def test_the_foreign_donation_switch_is_off_only_inside_it() -> None:
-    """`foreign_donation` names a donating `jax.jit` tracing it, except inside
-    `foreign_donation_unchecked` (the upstream canary's switch), which restores it."""
-    def found() -> Optional[str]:
+def test_foreign_donation_names_a_donating_jit_tracing_it() -> None:
+    """`foreign_donation` names a donating `jax.jit` tracing it; `None` for one that
+    donates nothing."""
+    def found(donate: tuple[int, ...]) -> Optional[str]:
         seen: list[Optional[str]] = []
 
         def donating(x: jax.Array) -> jax.Array:
             seen.append(foreign_donation())
             return x
 
-        jax.jit(donating, donate_argnums=0).trace(jnp.ones(3))
+        jax.jit(donating, donate_argnums=donate).trace(jnp.ones(3))
         return seen[0]
 
-    assert found() == found.__qualname__ + ".<locals>.donating"
-    with foreign_donation_unchecked():
-        assert found() is None
-    assert found() is not None
+    assert found((0,)) == found.__qualname__ + ".<locals>.donating"
+    assert found(()) is None
+
+
+def test_the_lint_reads_sources_only_for_the_equation_it_refuses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean program's equations are never described; a refused one names the line
+    where it is written, inside a sub-jaxpr too."""
+    from eqx_offload._jit import lint
+
+    calls: list[object] = []
+    monkeypatch.setattr(lint, "_where_in_source", _counting(lint._where_in_source, calls))
+    analyse(jax.make_jaxpr(lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x) + 1)(
+        jnp.ones(3)), "clean")
+    assert calls == []
+
+    def double(x: jax.Array) -> jax.Array:
+        return x * 2
+
+    line = double.__code__.co_firstlineno + 1
+    host = eqx_offload.to_host(jnp.ones(3))
+    with pytest.raises(eqx_offload.errors.CompositionError,
+                       match=rf"test_call.py:{line} in \S*double\)"):
+        analyse(jax.jit(lambda x: jax.lax.cond(True, double, double, x)).trace(host).jaxpr,
+                "host")
+    assert len(calls) == 1
+
+
+def _counting(fun: Any, calls: list[object]) -> Any:
+    def counted(eqn: object) -> Any:
+        calls.append(eqn)
+        return fun(eqn)
+    return counted

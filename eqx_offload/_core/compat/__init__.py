@@ -4,6 +4,7 @@ Every other module imports the version-dependent names from here; each shim says
 JAX version changed what, so it can go once the oldest supported JAX has the change.
 """
 
+import dis
 import functools
 import importlib
 import os
@@ -315,6 +316,57 @@ def memory_space_mismatch(error: BaseException) -> Optional[str]:
     if type(error) is not ValueError or not message.startswith(_MEMORY_SPACE_MISMATCH):
         return None
     return message[len(_MEMORY_SPACE_MISMATCH):].split("`", 1)[0]
+
+
+_OPERANDS = "Got one operand with type: "
+_OTHER_OPERAND = " and another operand with type: "
+
+
+def mismatched_operands(error: BaseException) -> str:
+    """The operands' types of a `memory_space_mismatch` error, as JAX's message writes
+    them: `"float32<host>[3,3] with float32[3,3]"` (the message's text, pinned by
+    `tests/upstream/test_upstream_memory_space.py`); the whole message where it lacks
+    them."""
+    return str(error).split(_OPERANDS, 1)[-1].replace(_OTHER_OPERAND, " with ")
+
+
+_TRACES_FOLLOWED = 64  # nested traces followed outwards, at most
+
+
+def tracer_origin(tracer: Any) -> tuple[Any, bool]:
+    """The value `tracer` stands for in the outermost trace, and whether some trace
+    computed it (an equation made it) rather than received it as an argument.
+
+    JAX's `DynamicJaxprTracer` keeps the equation that made it (`parent`), and a value
+    an inner trace (a scan's body) closed over maps to the outer value
+    (`_trace.frame.constvar_to_val`): JAX's private fields (JAX 0.10 to 0.12;
+    `tests/upstream/test_upstream_tracer_origin.py` is the canary). Where they are
+    missing, `(tracer, False)`: the origin unknown."""
+    for _ in range(_TRACES_FOLLOWED):
+        if getattr(tracer, "parent", None) is not None:
+            return tracer, True
+        frame = getattr(getattr(tracer, "_trace", None), "frame", None)
+        outer = getattr(frame, "constvar_to_val", {}).get(getattr(tracer, "val", None))
+        if outer is None:
+            return tracer, False
+        tracer = outer
+    return tracer, False
+
+
+def caller_imports_from(passed: Callable[[types.FrameType], bool]) -> bool:
+    """Whether the first frame out from the caller for which `passed(frame)` is false
+    runs a `from module import name` (its instruction is `IMPORT_FROM`): CPython
+    replaces an `AttributeError` that a module's `__getattr__` raises there by its bare
+    "cannot import name", so a message must travel as an `ImportError`. CPython's
+    frames and bytecode (`sys._getframe`, read as `dis` reads it;
+    `tests/upstream/test_upstream_import_from.py` is the canary)."""
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None and passed(frame):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == dis.opmap["IMPORT_FROM"]
 
 
 def compile_for_devices(module: Any, devices: list[Any], compiler_options: dict[str, Any]) -> Any:

@@ -1,0 +1,63 @@
+"""What the package runs in a call of the docs' `update_in_backward` step, measured by
+`scripts/trace_calls.py` (`sys.settrace` over the package's files): the first call
+(trace, compile, run), the cached call and the eager call, each within its bounds."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The most each call may run: lines of the package's files (distinct), files, and moves
+# between files. The cached and eager calls do not grow; the first call's goals are 450
+# lines, 14 files and 600 moves.
+BOUNDS = {
+    "first": {"lines": 760, "files": 22, "moves": 870},
+    "cached": {"lines": 91, "files": 6, "moves": 68},
+    "eager": {"lines": 485, "files": 15, "moves": 766},
+}
+
+
+def _script() -> dict[str, object]:
+    import runpy
+
+    return runpy.run_path(str(ROOT / "scripts" / "trace_calls.py"))
+
+
+@pytest.mark.once
+def test_each_call_runs_within_its_bounds() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_calls.py")],
+                          capture_output=True, text=True, env=env, timeout=600, check=True)
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    for call, bounds in BOUNDS.items():
+        for what, most in bounds.items():
+            assert 0 < measured[call][what] <= most, (call, what, measured)
+
+
+@pytest.mark.once
+def test_the_measure_counts_lines_files_and_moves(tmp_path: pathlib.Path) -> None:
+    """Two files calling each other: each line once, two files, a move where the next
+    line run is in the other file."""
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "a.py").write_text("def a(b):\n    x = b()\n    return x + b()\n")
+    (package / "b.py").write_text("def b():\n    return 1\n")
+    sys.path.insert(0, str(package))
+    try:
+        import a  # type: ignore[import-not-found]  # (made above)
+        import b  # type: ignore[import-not-found]  # (made above)
+
+        measure = _script()["measure"]
+        counts = measure(lambda: a.a(b.b), str(package))  # type: ignore[operator]
+    finally:
+        sys.path.remove(str(package))
+        sys.modules.pop("a", None)
+        sys.modules.pop("b", None)
+    # a:2 -> b:2 -> a:3 -> b:2 (a return to a line already begun runs no new line)
+    assert counts == {"lines": 3, "files": 2, "moves": 3}
