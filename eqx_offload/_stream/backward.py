@@ -50,7 +50,11 @@ class Hook:
     leaves (`shared`: a step counter), the per-layer `update` and, where gradients are
     summed over micro-batches, the stacked sum of the earlier ones (`accumulated`,
     added to each layer's gradient before its update). `calls` counts the scans that
-    ran it."""
+    ran it. `stored`, where given: the per-layer leaves as stored, of which `state`
+    holds views in another dtype (8-bit state's packed codes as float32 bits, so that
+    their "cotangent" can carry the new state); the backward pass reads and writes
+    these, and returns them as views of `state`'s dtype: no view of a whole stack is
+    made in host memory (a TPU would convert it there, into a new host buffer)."""
 
     leaves: list[Any]
     state: list[Any]
@@ -58,6 +62,7 @@ class Hook:
     update: Update
     accumulated: Optional[list[Any]] = None
     calls: int = 0
+    stored: Optional[list[Any]] = None
 
 
 _ACTIVE: contextvars.ContextVar[Optional[Hook]] = contextvars.ContextVar(
@@ -383,26 +388,35 @@ def update_scan(leaves: list[Any], x: Any, layer_call: Callable[[list[Any], Any]
     backward = _backward_pass(scan)
 
     @eqx.filter_custom_vjp
-    def run(vjp_arg: Any, shared: list[Any], acc: Optional[list[Any]]) -> Any:
+    def run(vjp_arg: Any, shared: list[Any], acc: Optional[list[Any]],
+            stored: Optional[list[Any]]) -> Any:
         leaves, x, consts, _ = vjp_arg
         return forward_only(leaves, x, consts)
 
     def run_fwd(perturbed: Any, vjp_arg: Any, shared: list[Any],
-                acc: Optional[list[Any]]) -> Any:
-        del perturbed, shared, acc
+                acc: Optional[list[Any]], stored: Optional[list[Any]]) -> Any:
+        del perturbed, shared, acc, stored
         leaves, x, consts, _ = vjp_arg
         return forward_saving(leaves, x, consts)
 
     def run_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any,
-                shared: list[Any], acc: Optional[list[Any]]) -> Any:
+                shared: list[Any], acc: Optional[list[Any]], stored: Optional[list[Any]]) -> Any:
         del perturbed
-        leaves, x, consts, state = vjp_arg
+        leaves, x, consts, views = vjp_arg
         g = jtu.tree_map(_cotangent, g, x, is_leaf=is_none)
-        return backward(leaves, consts, state, shared, acc, residuals, g)
+        weights, g_x, g_consts, state = backward(
+            leaves, consts, views if stored is None else stored, shared, acc, residuals, g)
+        return weights, g_x, g_consts, [_view(s, v.dtype) for s, v in
+                                        zip(state, views, strict=True)]
 
     rules: Any = run  # (Equinox's `def_fwd`/`def_bwd` are untyped)
     rules.def_fwd(run_fwd)
     rules.def_bwd(run_bwd)
     hook.calls += 1
-    out: Any = run((leaves, x, consts, hook.state), hook.shared, hook.accumulated)
+    out: Any = run((leaves, x, consts, hook.state), hook.shared, hook.accumulated, hook.stored)
     return out
+
+
+def _view(a: Any, dtype: Any) -> Any:
+    """`a`'s bits as `dtype` (`a` itself where of that dtype)."""
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
