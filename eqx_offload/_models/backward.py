@@ -340,11 +340,9 @@ def _make_plan(optimizer: Any, params: Any, in_layers: tuple[bool, ...]) -> _Pla
 
 
 def as_bits(a: Any) -> Any:
-    """A state leaf as the step differentiates it: 8-bit state's packed codes (`uint32`)
-    as the `float32` of the same bits (the new state comes back as a "gradient", which
-    must be floating), else as is. Only a view: the layer scan reads and writes the
-    stored leaves (`Hook.stored`) and returns its new ones so viewed, which `from_bits`
-    undoes (XLA folds the two), so that no view of a whole stack is made in host memory."""
+    """A state leaf as the step differentiates it: packed 8-bit codes (`uint32`) as the
+    `float32` of the same bits (the new state comes back as a floating "gradient"), else
+    as is. The layer scan reads and writes the stored leaves (`Hook.stored`)."""
     return jax.lax.bitcast_convert_type(a, jnp.float32) if a.dtype == CODE_DTYPE else a
 
 
@@ -380,18 +378,11 @@ def _layer_update(transformation: optax.GradientTransformationExtraArgs, returns
     result_leaves = jtu.tree_leaves(result)
     new_w = result_leaves if returns_params else [
         p + u for p, u in zip(w, result_leaves, strict=True)]
-    new_s = [_row_major(a) if a.dtype == CODE_DTYPE else a
-             for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if m]
+    # (packed 8-bit state row-major, as stored: XLA:TPU would give the codec's transposed
+    # layout to the layer scan's carried slice, and so to the whole stack in host memory)
+    new_s = [with_layout_constraint(a, Layout(tuple(range(a.ndim)))) if a.dtype == CODE_DTYPE
+             else a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if m]
     return new_w, new_s
-
-
-def _row_major(a: Any) -> Any:
-    """A layer's new packed 8-bit state in row-major layout, the layout of the stored
-    stack (XLA:TPU lays out the codec's output transposed; the layer scan carries each
-    layer's new state a step before writing it, beside a slice of the stack, so that
-    layout would otherwise be given to the whole stack in host memory: a copy of it
-    there, made and written back, each step)."""
-    return with_layout_constraint(a, Layout(tuple(range(a.ndim))))
 
 
 def _shared_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
