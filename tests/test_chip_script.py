@@ -46,11 +46,11 @@ def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None
     assert rows and all("stopped" in r.get("error", "") for r in rows)
 
 
-@pytest.mark.parametrize("call", ["3", "5", "6"])
+@pytest.mark.parametrize("call", ["3", "5", "6", "9"])
 def test_the_capacity_and_host_memory_calls_run_at_a_small_size(
         call: str, tmp_path: pathlib.Path) -> None:
     rows = _next(call, tmp_path)
-    assert len(rows) == {"3": 2, "5": 3, "6": 3}[call]
+    assert len(rows) == {"3": 2, "5": 3, "6": 3, "9": 2}[call]
     for row in rows:
         assert "error" not in row, row
         if "stages" in row:  # (host_rss.py: resident memory, stage by stage)

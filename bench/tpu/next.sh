@@ -14,6 +14,8 @@
 #                               # real shape; fp32 weights and moments stored once past 1.8B
 #   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update's pieces taking
 #                               # turns: the update alone, then the 542M steps in one run
+#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): 8-bit state written in place in the
+#                               # backward pass: 542M step; fp32 master + 8-bit moments, 3.52B
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #
 # No row can run the host out of memory: each row is stopped (and reported in
@@ -149,9 +151,20 @@ call10() {  # the streamed update with a stack's pieces taking turns (2026-12-06
   row $T $TP state-backward $W $L8 1 $STEPS $SEQB
 }
 [ "$CALL" = 10 ] && { call10; echo "results: $OUT"; exit 0; }
+call9() {  # 8-bit state written into its donated host arrays in the backward pass: the 542M
+  # step (3.73 s on 2026-12-06c, its whole state copied in host memory each step); each
+  # parameter stored once, fp32 master with 8-bit moments, everything in host memory, 66
+  # layers (3.52B; the v5e plan: about 21 GB in host memory, 1.3 GB of it temporaries;
+  # at the 1.83B row's 1.11x the process holds ~38 GB of the guard's 40 GiB less 3), 20 steps
+  local l=66
+  [ "${SIZE:-}" = small ] && l=2
+  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
+  row $((T + 160)) $C +activations-once-int8state-backward $W $l 20 $SEQB
+}
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;; 8) call8 ;;
-  all) call1; call2; call3; call4; call5; call6; call7; call8 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|all" >&2; exit 2 ;;
+  9) call9 ;;
+  all) call1; call2; call3; call4; call5; call6; call7; call8; call9 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|all" >&2; exit 2 ;;
 esac
 echo "results: $OUT"

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from .._core.errors import (
     CompositionError, not_a_transformation_error, OptionError, StateError,
@@ -62,7 +63,6 @@ class _Plan:
     state_def: Any  # of the layers' half of the state
     stacked: tuple[bool, ...]
     layers: int  # the number of stacked layers
-    dtypes: tuple[Any, ...]  # of the stacked state leaves, as stored
     layer_optimizer: Any  # as the optimizer given: a transformation, `MasterWeights`, ...
     transformation: optax.GradientTransformationExtraArgs  # `layer_optimizer`'s
 
@@ -207,7 +207,8 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
         block = [p for p, m in zip(leaves, plan.in_layers, strict=True) if m]
         rest = [None if m else p for p, m in zip(leaves, plan.in_layers, strict=True)]
         s_leaves = jtu.tree_leaves(state.layers)
-        channel = [as_bits(s) for s, m in zip(s_leaves, plan.stacked, strict=True) if m]
+        stored = [s for s, m in zip(s_leaves, plan.stacked, strict=True) if m]
+        channel = [as_bits(s) for s in stored]
         shared = [s for s, m in zip(s_leaves, plan.stacked, strict=True) if not m]
         acc = None if accumulated is None else _accumulated_leaves(accumulated, plan)
         update = functools.partial(_layer_update, plan.transformation,
@@ -215,7 +216,8 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
 
         def differentiated(rest: list[Any], block: list[Any], channel: list[Any]) -> Any:
             hook = Hook(block, channel, shared, update, None if acc is None else
-                        [a for a, m in zip(acc, plan.in_layers, strict=True) if m])
+                        [a for a, m in zip(acc, plan.in_layers, strict=True) if m],
+                        stored=stored if any(a.dtype == CODE_DTYPE for a in stored) else None)
             with hooked(hook):
                 merged = _merge(block, rest, plan.in_layers)
                 value = loss(eqx.combine(jtu.tree_unflatten(plan.treedef, merged), static),
@@ -238,10 +240,8 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
         rest_params = jtu.tree_unflatten(plan.treedef, rest)
         new_rest, state_rest = self._update_rest(rest_grads, state.rest, rest_params)
         new_shared = _shared_update(plan.transformation, self._returns_params(), plan,
-                                    block, channel, shared)
-        new_channel = [from_bits(n, s) for n, s in zip(
-            new_channel, [s for s, m in zip(s_leaves, plan.stacked, strict=True) if m],
-            strict=True)]
+                                    block, stored, shared)
+        new_channel = [from_bits(n, s) for n, s in zip(new_channel, stored, strict=True)]
         state_layers = jtu.tree_unflatten(plan.state_def,
                                           _merge(new_channel, new_shared, plan.stacked))
         new_params = _merge(new_block, jtu.tree_leaves(new_rest), plan.in_layers)
@@ -335,15 +335,14 @@ def _make_plan(optimizer: Any, params: Any, in_layers: tuple[bool, ...]) -> _Pla
     check_not_accumulating(state)
     check_separable(transformation, params, in_layers)
     per_leaf = tuple(per_layer(transformation, layers_half))
-    dtypes = tuple(a.dtype for a, m in zip(jtu.tree_leaves(state), per_leaf, strict=True) if m)
-    return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers, dtypes,
+    return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers,
                  layer_optimizer, transformation)
 
 
 def as_bits(a: Any) -> Any:
-    """A state leaf as the backward pass carries it: 8-bit state's packed codes
-    (`uint32`) as the `float32` of the same bits (the new state comes back as a
-    "gradient", which must be floating; nothing computes on these bits), else as is."""
+    """A state leaf as the step differentiates it: packed 8-bit codes (`uint32`) as the
+    `float32` of the same bits (the new state comes back as a floating "gradient"), else
+    as is. The layer scan reads and writes the stored leaves (`Hook.stored`)."""
     return jax.lax.bitcast_convert_type(a, jnp.float32) if a.dtype == CODE_DTYPE else a
 
 
@@ -373,20 +372,21 @@ def _layer_update(transformation: optax.GradientTransformationExtraArgs, returns
                   plan: _Plan, g: list[Any], w: list[Any], s: list[Any],
                   shared: list[Any]) -> tuple[list[Any], list[Any]]:
     """One layer's update (each leaf with a leading axis of 1): its new weights and its
-    new per-layer state leaves."""
-    s = [from_bits(a, t) for a, t in zip(s, plan.dtypes, strict=True)]
+    new per-layer state leaves (as stored, as `s` is)."""
     state = jtu.tree_unflatten(plan.state_def, _merge(s, shared, plan.stacked))
     result, new_state = transformation.update(_tree(plan, g), state, _tree(plan, w))
     result_leaves = jtu.tree_leaves(result)
     new_w = result_leaves if returns_params else [
         p + u for p, u in zip(w, result_leaves, strict=True)]
-    new_s = [as_bits(a) for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True)
-             if m]
+    # (packed 8-bit state row-major, as stored: XLA:TPU would give the codec's transposed
+    # layout to the layer scan's carried slice, and so to the whole stack in host memory)
+    new_s = [with_layout_constraint(a, Layout(tuple(range(a.ndim)))) if a.dtype == CODE_DTYPE
+             else a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if m]
     return new_w, new_s
 
 
 def _shared_update(transformation: optax.GradientTransformationExtraArgs, returns_params: bool,
-                   plan: _Plan, block: list[Any], channel: list[Any],
+                   plan: _Plan, block: list[Any], stored: list[Any],
                    shared: list[Any]) -> list[Any]:
     """The new shared leaves of the layers' state (a step count): the update of one
     layer computes them from the shared leaves alone (`check_separable` made sure), so
@@ -395,7 +395,7 @@ def _shared_update(transformation: optax.GradientTransformationExtraArgs, return
         return []
     first = [a[:1] for a in block]
     zeros = [jnp.zeros_like(a) for a in first]
-    slices = [from_bits(s[:1], t) for s, t in zip(channel, plan.dtypes, strict=True)]
+    slices = [s[:1] for s in stored]
     state = jtu.tree_unflatten(plan.state_def, _merge(slices, shared, plan.stacked))
     _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     new = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]

@@ -52,7 +52,11 @@ class Hook:
     leaves (`shared`: a step counter), the per-layer `update` and, where gradients are
     summed over micro-batches, the stacked sum of the earlier ones (`accumulated`,
     added to each layer's gradient before its update). `calls` counts the scans that
-    ran it."""
+    ran it. `stored`, where given: the per-layer leaves as stored, of which `state`
+    holds views in another dtype (8-bit state's packed codes as float32 bits, so that
+    their "cotangent" can carry the new state); the backward pass reads and writes
+    these, and returns them as views of `state`'s dtype: no view of a whole stack is
+    made in host memory (a TPU would convert it there, into a new host buffer)."""
 
     leaves: list[Any]
     state: list[Any]
@@ -60,6 +64,7 @@ class Hook:
     update: Update
     accumulated: Optional[list[Any]] = None
     calls: int = 0
+    stored: Optional[list[Any]] = None
 
 
 _ACTIVE: contextvars.ContextVar[Optional[Hook]] = contextvars.ContextVar(
@@ -206,4 +211,4 @@ def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], An
     hook.calls += 1
     return layer_scan(dynamic, static, x, call, save_input, unroll, batched_layers,
                       hook.accumulated, hook.state, hook.shared,
-                      functools.partial(_backward, hook.update, whole))
+                      functools.partial(_backward, hook.update, whole), hook.stored)

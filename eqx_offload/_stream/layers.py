@@ -299,15 +299,17 @@ def layer_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
                save_input: Optional[Callable[[Any], Any]], unroll: int, batched_layers: str,
                acc: Optional[list[Any]] = None, state: Optional[list[Any]] = None,
                shared: Optional[list[Any]] = None,
-               update: Optional[Callable[..., Any]] = None) -> Any:
+               update: Optional[Callable[..., Any]] = None,
+               stored: Optional[list[Any]] = None) -> Any:
     """The output of the last of the stacked layers `(dynamic, static)` run from `x` by
     `call(layer, carry)`, with the next layer's host leaves prefetched in both passes.
 
     The backward pass is the recompute (with `acc`, the leaves' cotangent is `acc` plus
     the gradient), or with `update`, `update(scan, ...)` (a `Backward` after its first
     argument): differentiated with respect to the leaves and to `state`, its
-    "cotangents" are then the new weights and state. `acc` and `shared` are not
-    differentiated."""
+    "cotangents" are then the new weights and state. `acc`, `shared` and `stored` (the
+    leaves `state` views in another dtype: the backward pass reads and writes these,
+    and returns its new state as views of `state`'s dtype) are not differentiated."""
     leaves, treedef = jtu.tree_flatten(dynamic)
 
     def layer_call(layer_leaves: list[Any], carry: Any) -> Any:
@@ -325,24 +327,34 @@ def layer_scan(dynamic: Any, static: Any, x: Any, call: Callable[..., Any],
         scan, scan.backward if update is None else functools.partial(update, scan))
 
     @eqx.filter_custom_vjp
-    def run(vjp_arg: Any, shared: list[Any], acc: Optional[list[Any]]) -> Any:
+    def run(vjp_arg: Any, shared: list[Any], acc: Optional[list[Any]],
+            stored: Optional[list[Any]]) -> Any:
         leaves, x, consts, _ = vjp_arg
         return forward_only(leaves, x, consts)
 
     def run_fwd(perturbed: Any, vjp_arg: Any, shared: list[Any],
-                acc: Optional[list[Any]]) -> Any:
-        del perturbed, shared, acc
+                acc: Optional[list[Any]], stored: Optional[list[Any]]) -> Any:
+        del perturbed, shared, acc, stored
         leaves, x, consts, _ = vjp_arg
         return forward_saving(leaves, x, consts)
 
     def run_bwd(residuals: Any, g: Any, perturbed: Any, vjp_arg: Any,
-                shared: list[Any], acc: Optional[list[Any]]) -> Any:
+                shared: list[Any], acc: Optional[list[Any]],
+                stored: Optional[list[Any]]) -> Any:
         del perturbed
-        leaves, x, consts, state = vjp_arg
+        leaves, x, consts, views = vjp_arg
         g = jtu.tree_map(_cotangent, g, x, is_leaf=is_none)
-        return backward(leaves, consts, state, shared, acc, residuals, g)
+        weights, g_x, g_consts, new_state = backward(
+            leaves, consts, views if stored is None else stored, shared, acc, residuals, g)
+        return weights, g_x, g_consts, [_view(s, v.dtype) for s, v in
+                                        zip(new_state, views, strict=True)]
 
     rules: Any = run  # (Equinox's `def_fwd`/`def_bwd` are untyped)
     rules.def_fwd(run_fwd)
     rules.def_bwd(run_bwd)
-    return run((leaves, x, consts, state or []), shared or [], acc)
+    return run((leaves, x, consts, state or []), shared or [], acc, stored)
+
+
+def _view(a: Any, dtype: Any) -> Any:
+    """`a`'s bits as `dtype` (`a` itself where of that dtype)."""
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
