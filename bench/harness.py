@@ -7,7 +7,7 @@ results format. Every script of `bench/` builds on it.
 - The builder: `trainer(shape, name)`, the model and AdamW state made where each array
   lives, and the step's update.
 - The train loop: `train`.
-- The results: one JSON record a row (`record`, `emit`), with the machine's date and
+- The results: one JSON record a row (`record`, `run_row`), with the machine's date and
   versions and the step times summarised (`timing`) as the command line's benchmark
   (`python -m eqx_offload bench`) records them: `eqx_offload.cli.measure`.
 """
@@ -300,9 +300,8 @@ def resident() -> int:
 
 
 def record(**fields: Any) -> dict[str, Any]:
-    """A result: `fields`, the device's peak and the process's resident memory now and at
-    its peak, and `machine` (`eqx_offload.cli.measure.machine_info()`: the date, versions
-    and device, as the command line's benchmark records them)."""
+    """A result: `fields`, the device's peak, the process's resident memory now and at its
+    peak, and `machine` (the date, versions and device, as the CLI's benchmark records)."""
     stats = jax.devices()[0].memory_stats() or {}
     return {**fields, "device_peak": stats.get("peak_bytes_in_use"),
             "device_limit": stats.get("bytes_limit"), "resident": resident(),
@@ -310,9 +309,14 @@ def record(**fields: Any) -> dict[str, Any]:
             "machine": machine_info()}
 
 
-def emit(result: dict[str, Any], file: str) -> None:
-    """Print `result` as one JSON line, and append it to `$OUT/{file}.jsonl` when OUT is
-    set."""
+def run_row(file: str, what: dict[str, Any], fun: Callable[[], dict[str, Any]]) -> None:
+    """Print `fun()`'s result as one JSON line, and append it to `$OUT/{file}.jsonl` when
+    OUT is set; an exception (a row that does not fit) is the row's result, `what` with
+    its `error`."""
+    try:
+        result = fun()
+    except Exception as error:  # noqa: BLE001 - reported as the row's JSON
+        result = {**what, "error": f"{type(error).__name__}: {str(error)[:600]}"}
     line = json.dumps(result)
     print(line, flush=True)
     if os.environ.get("OUT"):
@@ -320,20 +324,9 @@ def emit(result: dict[str, Any], file: str) -> None:
             f.write(line + "\n")
 
 
-def run_row(file: str, what: dict[str, Any], fun: Callable[[], dict[str, Any]]) -> None:
-    """`emit(fun(), file)`; an exception (a row that does not fit) is the row's result,
-    `what` with its `error`."""
-    try:
-        result = fun()
-    except Exception as error:  # noqa: BLE001 - reported as the row's JSON
-        result = {**what, "error": f"{type(error).__name__}: {str(error)[:600]}"}
-    emit(result, file)
-
-
 def timing(times: list[float], per_step: int) -> dict[str, Any]:
     """The first step's seconds (its compile) apart, the rest summarised as the command
-    line's benchmark summarises timings (`steps`: median, quartiles, extremes), and
-    `per_step / median` a second."""
+    line's benchmark does (`steps`), and `per_step / median` a second."""
     if not times:
         return {}
     steps = summary(times[1:] or times)

@@ -28,11 +28,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # (bench/)
 
 
-def host_bytes(tree: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
-               and not x.is_deleted() and x.sharding.memory_kind == "pinned_host")
-
-
 class Stages:
     """The stages recorded: `(name, resident above the start, bytes in host memory,
     seconds)`."""
@@ -47,7 +42,8 @@ class Stages:
         jax.block_until_ready(alive)
         self.rows.append({"stage": name,
                           "rss_gb": round((harness.resident() - self.start) / 1e9, 3),
-                          "host_gb": round(host_bytes(alive) / 1e9, 3),
+                          "host_gb": round(harness.bytes_by_kind(alive).get("pinned_host", 0)
+                                           / 1e9, 3),
                           "s": round(time.perf_counter() - self.began, 2)})
         print(json.dumps(self.rows[-1]), flush=True)
 

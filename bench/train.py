@@ -5,13 +5,12 @@ tokens. One process per row (the device's peak cannot be reset within one):
     python bench/train.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH] [--micro K] [--file NAME]
 
 STEPS (default 20) optimizer steps at sequence SEQ (1024) and batch BATCH (4); with
-`--micro K`, each optimizer step sums the gradients of K micro-batches in a scan and
-updates once. Prints a progress line after each step and one JSON record at the end
-(appended to $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): the
-parameters, the seconds of the start-up (model and state together) and of each step,
-tokens a second, the losses, the bytes stored by memory kind, the device's peak and the
-process's resident memory. The row stops stepping before it would pass ROW_SECONDS (set
-by `bench/tpu/next.sh`), so that it reports the steps it ran rather than being killed.
+`--micro K`, each sums the gradients of K micro-batches in a scan and updates once.
+Prints a progress line a step and one JSON record (`harness.record`, appended to
+$OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): the seconds of the
+start-up and of each step, tokens a second, the losses, the bytes stored by memory kind.
+It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
+a row reports the steps it ran rather than being killed.
 """
 
 import argparse
