@@ -11,13 +11,14 @@ import sys
 
 import pytest
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import harness  # (bench/: scripts of the repository)
+import train
+
 
 pytestmark = pytest.mark.once  # (scripts of the repository, as the GPU-plan ones)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import harness  # (bench/: scripts of the repository)
-import train
 
 
 def _next(call: str, tmp_path: pathlib.Path, **env: str) -> list[dict]:
