@@ -13,7 +13,6 @@ predictions of the step time.
 """
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -25,59 +24,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import eqx_offload
 from eqx_offload.planner import TPU_TARGETS
 
-from llama import Llama, llama_loss, LlamaShape
+from harness import builder, Mode, model_of, optimizer_of, Spec
+from llama import llama_loss, LlamaShape
 
 
 GB = 10**9
-
-
-@dataclasses.dataclass(frozen=True)
-class CapacityMode:
-    """One way to train: what is in bf16 and what waits in host memory.
-
-    **Fields:** `name`, `what` (for a person); `bf16` (bf16 compute weights with fp32
-    master weights, `eqx_offload.master_weights`); `master_on_host` (the master
-    weights, and the state, in host memory); `state_on_host` (the optimizer state in
-    host memory, `eqx_offload.offloaded`); `params_on_host` (the blocks' weights in
-    host memory, fetched a layer at a time by `scan_layers`); `activations_on_host`
-    (each block's input kept in host memory for the backward pass); `after` (the
-    modes that keep at least as much on the device: the largest model that fits one
-    of them is where the search for this one starts, see `largest_fitting`).
-    """
-
-    name: str
-    what: str
-    bf16: bool = False
-    master_on_host: bool = False
-    state_on_host: bool = False
-    params_on_host: bool = False
-    activations_on_host: bool = False
-    after: tuple[str, ...] = ()
-
-
-CAPACITY_MODES: tuple[CapacityMode, ...] = (
-    CapacityMode("fp32", "fp32 weights and AdamW state, all on the device"),
-    CapacityMode("bf16", "bf16 compute weights, fp32 master weights and state on the device",
-                 bf16=True),
-    CapacityMode("state", "fp32 weights on the device, AdamW state in host memory",
-                 state_on_host=True, after=("fp32",)),
-    CapacityMode("+master", "bf16 weights on the device, fp32 master weights and state in "
-                 "host memory", bf16=True, master_on_host=True, state_on_host=True,
-                 after=("bf16", "state")),
-    CapacityMode("+params", "+ the blocks' bf16 weights in host memory", bf16=True,
-                 master_on_host=True, state_on_host=True, params_on_host=True, after=("+master",)),
-    CapacityMode("+activations", "+ each block's input in host memory", bf16=True,
-                 master_on_host=True, state_on_host=True, params_on_host=True,
-                 activations_on_host=True, after=("+params",)),
-)
-"""The modes of the capacity table, from nothing offloaded to everything."""
-
-MODES_BY_NAME = {m.name: m for m in CAPACITY_MODES}
 
 
 def fsdp_spec(shape: tuple[int, ...], n: int, stacked: bool, axis: str = "data") -> Any:
@@ -114,24 +69,6 @@ def _is_abstract(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _blocks_to_host(model: Llama) -> Llama:
-    moved: Llama = eqx.tree_at(lambda m: m.blocks, model, replace_fn=eqx_offload.to_host)
-    return moved
-
-
-def _optimizer_update(opt: optax.GradientTransformation) -> Callable[..., Any]:
-    def update(model: Any, state: Any, grads: Any) -> Any:
-        updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx_offload.apply_updates(model, updates), state
-    return update
-
-
-def _master_update(mw: Any) -> Callable[..., Any]:
-    def update(model: Any, state: Any, grads: Any) -> Any:
-        return mw.update(grads, state, model)
-    return update
-
-
 def _one_step(update: Callable[..., Any]) -> Callable[..., Any]:
     @eqx_offload.filter_jit(donate="all")
     def step(model: Any, state: Any, tokens: jax.Array) -> Any:
@@ -139,35 +76,18 @@ def _one_step(update: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _init(opt: Any, model: Any) -> Any:
-    return opt.init(eqx.filter(model, eqx.is_array))
-
-
-def training_update(shape: LlamaShape, mode: CapacityMode,
+def training_update(shape: LlamaShape, mode: Mode,
                     mesh: Optional[jax.sharding.Mesh] = None
                     ) -> tuple[Callable[..., Any], Any, Any]:
     """`(update, model, state)`: `update(model, state, grads) -> (model, state)`, the
-    AdamW update of a `Llama` of `shape` in `mode`, and its abstract arguments
-    (`jax.ShapeDtypeStruct`s with shardings that carry memory kinds; over `mesh`, one
-    axis, sharded FSDP style). Nothing is allocated."""
-    def make() -> Llama:
-        model = Llama(shape, jax.random.key(0), offload_input=mode.activations_on_host)
-        return _blocks_to_host(model) if mode.params_on_host else model
-
-    model = shard_abstract(eqx_offload.checkpoint.filter_eval_shape(make), mesh)
-    adamw = optax.adamw(3e-4, weight_decay=0.1)
-    if mode.bf16:
-        mw = eqx_offload.master_weights(
-            adamw, offload=eqx_offload.offloaded if mode.master_on_host else None)
-        model, state = eqx_offload.checkpoint.filter_eval_shape(mw.init, model)
-        return _master_update(mw), model, state
-    if mode.params_on_host:
-        hp = eqx_offload.host_weights_optimizer(
-            adamw, offload=eqx_offload.offloaded if mode.state_on_host else None)
-        return _master_update(hp), model, eqx_offload.checkpoint.filter_eval_shape(hp.init, model)
-    opt = eqx_offload.offloaded(adamw) if mode.state_on_host else adamw
-    state = eqx_offload.checkpoint.filter_eval_shape(functools.partial(_init, opt), model)
-    return _optimizer_update(opt), model, state
+    AdamW update of a `Llama` of `shape` in `mode` (`harness.builder`), and its abstract
+    arguments (`jax.ShapeDtypeStruct`s with shardings that carry memory kinds; over
+    `mesh`, one axis, sharded FSDP style). Nothing is allocated."""
+    model = shard_abstract(eqx_offload.checkpoint.filter_eval_shape(
+        model_of, shape, Spec(mode), jax.random.key(0)), mesh)
+    init, update = builder(Spec(mode), optimizer_of(Spec(mode)))
+    model, state = eqx_offload.checkpoint.filter_eval_shape(init, model)
+    return update, model, state
 
 
 def abstract_tokens(shape: LlamaShape, mesh: Optional[jax.sharding.Mesh],
@@ -185,7 +105,7 @@ def abstract_tokens(shape: LlamaShape, mesh: Optional[jax.sharding.Mesh],
                                 sharding=sharding)
 
 
-def training_step(shape: LlamaShape, mode: CapacityMode,
+def training_step(shape: LlamaShape, mode: Mode,
                   mesh: Optional[jax.sharding.Mesh] = None) -> tuple[Any, tuple[Any, ...]]:
     """`(step, (model, state, tokens))` for one AdamW training step of a `Llama` of
     `shape` in `mode`, every argument abstract (`jax.ShapeDtypeStruct`s with
@@ -300,7 +220,7 @@ def argument_bytes(args: Any) -> tuple[int, int]:
     return max(device.values(), default=0), host
 
 
-def plan_point(shape: LlamaShape, mode: CapacityMode, target: str = "h100",
+def plan_point(shape: LlamaShape, mode: Mode, target: str = "h100",
                host_memory: int = 256 * GB, mesh: Optional[jax.sharding.Mesh] = None,
                device_memory: Optional[int] = None) -> CapacityPoint:
     """Plan one step (see `training_step`) and say whether it fits."""
@@ -378,7 +298,7 @@ class Capacity:
     step fits (`None` if not even the smallest does), and every point planned on the
     way (the bisection's questions and their answers)."""
 
-    mode: CapacityMode
+    mode: Mode
     target: str
     n_devices: int
     largest: Optional[CapacityPoint]
@@ -386,7 +306,7 @@ class Capacity:
     planned: tuple[CapacityPoint, ...]
 
 
-def capacity(shapes: Sequence[LlamaShape], mode: CapacityMode, target: str,
+def capacity(shapes: Sequence[LlamaShape], mode: Mode, target: str,
              host_memory: int, mesh: Optional[jax.sharding.Mesh] = None,
              device_memory: Optional[int] = None,
              progress: Optional[Callable[[CapacityPoint], None]] = None,

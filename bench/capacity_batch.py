@@ -27,19 +27,13 @@ from typing import Any, Optional, Union
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.experimental import compute_on
 
 import eqx_offload
 
-from capacity import (abstract_tokens, argument_bytes, CapacityMode, GB,
-                       over_limits, plan_fits, settings_text, size_text, training_update,
-                       write_outputs)
+from capacity import (abstract_tokens, argument_bytes, GB, over_limits, plan_fits,
+                      settings_text, size_text, training_update, write_outputs)
+from harness import host_compute, Mode, MODES_BY_NAME
 from llama import llama_loss, LlamaShape
-
-
-# The function form of `compute_on`: `compute_on2` in JAX 0.10, `compute_on` from 0.11.
-host_compute: Callable[..., Any] = (getattr(compute_on, "compute_on2", None)
-                                    or compute_on.compute_on)
 
 
 def _add(acc: jax.Array, grad: jax.Array) -> jax.Array:
@@ -188,7 +182,7 @@ def _stack_mean(accumulate: Any, stacked: jax.Array, param: jax.ShapeDtypeStruct
     return (total / stacked.shape[0]).astype(param.dtype)
 
 
-def batch_step(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
+def batch_step(shape: LlamaShape, mode: Mode, micro_batches: int,
                mesh: Optional[jax.sharding.Mesh] = None, accumulate: Any = jnp.float32,
                accumulate_in: str = "device") -> tuple[Any, tuple[Any, ...]]:
     """`(step, (model, state, tokens))`: `accumulating_step` of a `Llama` of `shape`
@@ -239,7 +233,7 @@ class BatchPoint:
     run_settings: tuple[str, ...] = ()
 
 
-def plan_batch_point(shape: LlamaShape, mode: CapacityMode, micro_batches: int,
+def plan_batch_point(shape: LlamaShape, mode: Mode, micro_batches: int,
                      target: str = "h100", host_memory: int = 256 * GB,
                      mesh: Optional[jax.sharding.Mesh] = None,
                      device_memory: Optional[int] = None, accumulate: str = "float32",
@@ -331,7 +325,7 @@ class BatchRow:
     smallest: Optional[int]
 
 
-def batch_row(shape: LlamaShape, mode: CapacityMode, micro_batches: int, target: str = "h100",
+def batch_row(shape: LlamaShape, mode: Mode, micro_batches: int, target: str = "h100",
               host_memory: int = 256 * GB, mesh: Optional[jax.sharding.Mesh] = None,
               device_memory: Optional[int] = None,
               progress: Optional[Callable[[BatchPoint], None]] = None,
@@ -447,7 +441,6 @@ def _progress(p: BatchPoint) -> None:
 def run_batch(args: Any, gpus: Sequence[tuple[str, int]], names: Sequence[str],
               search: Callable[..., Any], mesh_of: Callable[[int], Any]) -> int:
     """`capacity_run.py --micro-batches K`: the batch table."""
-    from capacity import MODES_BY_NAME
 
     device_memory = None if args.device_memory is None else int(args.device_memory * (1 << 20))
     rows = []
@@ -477,7 +470,6 @@ def formula_table(published: Sequence[dict[str, Any]], limit: float = 0.1) -> st
     blocks' weights wait in host memory (`+params`, `+activations`) every copy is taken
     as per micro-batch. Not planned: the accumulating step's device peak is not known
     here (it adds the gradient sum, 4 bytes a parameter over the devices)."""
-    from capacity import MODES_BY_NAME
 
     lines = ["| GPU | mode | model | tokens per micro-batch | compute floor per micro-batch (s) "
              "| transfer floor (s) | smallest batch within 10% (formula) |",

@@ -1,6 +1,6 @@
 """The capacity table for one TPU v5e and its host: for each mode, the largest decoder
-(the project's Llama at width 2048, seq 1024, batch 4: `bench/startup.py`'s
-`llama_shape`, as `bench/tpu/capacity_chip.py` trains it) whose step *and* start-up fit
+(the project's Llama at width 2048, seq 1024, batch 4: `harness.llama_shape`, as
+`bench/train.py` trains it) whose step *and* start-up fit
 the chip, with the host's memory shared with the TPU runtime. Planned from shapes:
 the step by `eqx_offload.plan`, the start-up (`filter_make`) by
 `eqx_offload.planner.plan_startup`, both for `"v5e"`, compiled without a chip.
@@ -25,7 +25,7 @@ import eqx_offload
 
 sys.path.insert(0, os.path.dirname(__file__))
 from capacity import largest_fitting, size_text  # (bench/)
-from startup import llama_shape, mode_of, start_for, step_for
+from harness import llama_shape, mode_of, step_of, trainer
 
 
 GB = 10**9
@@ -41,7 +41,7 @@ def plan_row(name: str, layers: int, host_memory: int, runtime: int,
              width: int = 2048) -> dict[str, Any]:
     """The step's and the start-up's v5e plans of one size in one mode."""
     shape = llama_shape(width, layers)
-    start, update = start_for(shape, name)
+    start, grad_step = trainer(shape, name)
     key = _abstract_key()
     model, state = eqx_offload.checkpoint.filter_eval_shape(start, key)
     tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq + 1), jax.numpy.int32,
@@ -49,7 +49,7 @@ def plan_row(name: str, layers: int, host_memory: int, runtime: int,
     row: dict[str, Any] = {"mode": name, "layers": layers, "params": shape.params,
                            "host_memory": host_memory, "runtime": runtime}
     try:
-        step = eqx_offload.plan(step_for(update), model, state, tokens, target="v5e")
+        step = eqx_offload.plan(step_of(grad_step), model, state, tokens, target="v5e")
         startup = eqx_offload.planner.plan_startup(start, key, target="v5e",
                                                    runtime_host_memory=runtime)
     except eqx_offload.errors.PlanError as error:
@@ -86,9 +86,9 @@ def largest(name: str, host_memory: int, runtime: int, max_layers: int,
 
 
 def host_arrays(name: str, layers: int, width: int = 2048) -> tuple[int, int]:
-    """`(host, device)`: the bytes of the model and state `start_for` makes in each
+    """`(host, device)`: the bytes of the model and state `trainer` makes in each
     memory (exact, from shapes: `filter_eval_shape`)."""
-    start, _ = start_for(llama_shape(width, layers), name)
+    start, _ = trainer(llama_shape(width, layers), name)
     out = eqx_offload.checkpoint.filter_eval_shape(start, _abstract_key())
     host = device = 0
     for x in jax.tree.leaves(out):
@@ -106,7 +106,7 @@ def step_host_extra(name: str, layers: int, width: int = 2048) -> int:
     (2 bytes a block parameter in bf16); with the layer inputs offloaded, each layer's
     input waits there for the backward pass (bf16). XLA's v5e plan of `+activations` at
     30 layers holds 3.59 GB beyond the arrays; this says 3.58."""
-    mode, _ = mode_of(name)
+    mode = mode_of(name).mode
     shape = llama_shape(width, layers)
     grads = 2 * shape.block_params * layers if mode.params_on_host else 0
     inputs = (layers * shape.batch * shape.seq * width * 2 if mode.activations_on_host else 0)

@@ -16,9 +16,10 @@ import numpy as np
 import eqx_offload
 from eqx_offload.planner import TPU_TARGETS
 
-from capacity import (Capacity, CAPACITY_MODES, CapacityMode, CapacityPoint, GB, MODES_BY_NAME,
-                       over_limits, PointCache, capacity, point_from_record, point_record,
-                       settings_text, size_text, write_outputs)
+from capacity import (Capacity, CapacityPoint, GB, over_limits, PointCache, capacity,
+                      point_from_record, point_record, settings_text, size_text,
+                      write_outputs)
+from harness import Mode, MODES, MODES_BY_NAME
 from llama import LlamaShape
 
 
@@ -132,7 +133,7 @@ def _mesh(n: int) -> Optional[jax.sharding.Mesh]:
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
 
 
-def _start(done: Sequence[Capacity], mode: CapacityMode, target: str, n: int,
+def _start(done: Sequence[Capacity], mode: Mode, target: str, n: int,
            shapes: Sequence[LlamaShape]) -> list[int]:
     """Where the search for `mode` on `target` starts: the answers so far of the modes
     in `mode.after` on the same GPUs, and of `mode` on as many GPUs with no more memory
@@ -198,7 +199,7 @@ def run_capacity(args: Any) -> int:
             jax.config.update("jax_num_cpu_devices", most)
         except (RuntimeError, ValueError):
             pass  # started already (e.g. in tests): `_mesh` checks what there is
-    names = (args.capacity_modes or ",".join(m.name for m in CAPACITY_MODES)).split(",")
+    names = (args.capacity_modes or ",".join(m.name for m in MODES)).split(",")
     unknown = [n for n in names if n not in MODES_BY_NAME]
     if unknown:
         print(f"capacity_run.py: unknown mode(s) {', '.join(unknown)}; choose from "
@@ -239,7 +240,7 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                           help="host memory per GPU, in GB (default 256)")
     capacity.add_argument("--capacity-modes", default=None, metavar="MODES",
                           help="comma-separated modes (default all: "
-                               + ",".join(m.name for m in CAPACITY_MODES) + ")")
+                               + ",".join(m.name for m in MODES) + ")")
     capacity.add_argument("--micro-batch", type=int, default=1,
                           help="sequences per GPU per step (default 1)")
     capacity.add_argument("--quick", action="store_true",

@@ -1,6 +1,7 @@
-"""The chip's script (`bench/tpu/next.sh`) at the small size it runs on the CPU: every
-script its rows call, and every mode of them, makes a JSON row without an error, and the
-guard stops a row when the host's available memory runs low."""
+"""The chip's script (`bench/tpu/next.sh`): every row of every call names a script that
+is there, with arguments its parser reads (at the chip's size); at the small size it runs
+on the CPU, every script its rows call, and every mode of them, makes a JSON row without
+an error; the guard stops a row when the host's available memory runs low."""
 
 import json
 import os
@@ -9,6 +10,10 @@ import subprocess
 import sys
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import harness  # (bench/: scripts of the repository)
+import train
 
 
 pytestmark = pytest.mark.once  # (scripts of the repository, as the GPU-plan ones)
@@ -22,8 +27,32 @@ def _next(call: str, tmp_path: pathlib.Path, **env: str) -> list[dict]:
     subprocess.run(["bash", "bench/tpu/next.sh", call], cwd=ROOT, check=True, timeout=1500,
                    env={**os.environ, "SIZE": "small", "OUT": str(out),
                         "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", **env})
-    return [json.loads(line) for f in sorted(out.glob("*.jsonl"))
+    return [{**json.loads(line), "file": f.stem} for f in sorted(out.glob("*.jsonl"))
             for line in f.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("size", ["chip", "small"])
+def test_every_row_of_every_call_parses(size: str) -> None:
+    listed = subprocess.run(["bash", "bench/tpu/next.sh", "all"], cwd=ROOT, check=True,
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "DRY": "1", "SIZE": size})
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert len(rows) == 31, listed.stdout
+    modes = set()
+    for script, *args in rows:
+        assert (ROOT / script).is_file(), script
+        if script == "bench/train.py":
+            parsed = train.parse(args)
+            modes.add(parsed.mode)
+            assert len(parsed.numbers) == 5 and parsed.file in ("throughput", "capacity")
+        elif script == "bench/host_rss.py" and args[0] == "startup":
+            modes.add(args[1])
+            assert len(args) == 5 and harness.mode_of(args[1])
+    # the stored-once and 8-bit rows of call 9 among them
+    assert {"+activations-once-int8state-backward",
+            "state-int8state-backward", "+activations-bf16state"} <= modes
+    with pytest.raises(SystemExit):  # (a mode the harness does not know fails to parse)
+        train.parse(["+activations-int4state", "128", "2"])
 
 
 def test_the_first_call_runs_every_row_at_a_small_size(tmp_path: pathlib.Path) -> None:
@@ -33,9 +62,11 @@ def test_the_first_call_runs_every_row_at_a_small_size(tmp_path: pathlib.Path) -
                      "+activations-backward"]
     for row in rows:
         assert "error" not in row, row
-        assert len(row["losses"]) == 2 and row["startup_s"] > 0
-    # the modes store what they say: the state (and more) in host memory but for plain
+        assert len(row["losses"]) == 2 and row["falls"] and row["startup_s"] > 0
+    # the modes store what they say: the state (and more) in host memory but for plain;
+    # with everything in host memory, more there than on the device
     assert [("pinned_host" in r["stored"]) for r in rows] == [False] + [True] * 5
+    assert rows[4]["stored"]["pinned_host"] > rows[4]["stored"]["device"]
     # the update in the backward pass: the normal step's losses, bitwise on the CPU
     assert rows[2]["losses"] == rows[1]["losses"]
     assert rows[5]["losses"] == rows[4]["losses"]
@@ -46,14 +77,16 @@ def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None
     assert rows and all("stopped" in r.get("error", "") for r in rows)
 
 
-@pytest.mark.parametrize("call", ["3", "5", "6", "9"])
-def test_the_capacity_and_host_memory_calls_run_at_a_small_size(
+@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9"])
+def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
         call: str, tmp_path: pathlib.Path) -> None:
     rows = _next(call, tmp_path)
-    assert len(rows) == {"3": 2, "5": 3, "6": 3, "9": 2}[call]
+    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2}[call]
     for row in rows:
         assert "error" not in row, row
-        if "stages" in row:  # (host_rss.py: resident memory, stage by stage)
+        if row["file"] == "startup":  # (new pinned memory by route)
+            assert len(row["gbps"]) >= 1 and all(g > 0 for g in row["gbps"])
+        elif row["file"] == "host_rss":  # (resident memory, stage by stage)
             assert row["stages"] and all(s["rss_gb"] >= 0 for s in row["stages"])
         else:
-            assert len(row["losses"]) == (2 if "tokens_per_step" in row else 20)  # (throughput)
+            assert len(row["losses"]) == {"throughput": 2, "capacity": 20}[row["file"]]

@@ -1,6 +1,6 @@
 """Every module of the package at most 500 lines, every class at most 200 (docstrings
 included), every function's code (its docstring aside) at most 60: read with `ast`, so a
-long class or function shows by name."""
+long class or function shows by name. `bench/` at most 2,500 lines of scripts."""
 
 import ast
 import pathlib
@@ -56,3 +56,17 @@ def test_module_and_function_sizes(path: pathlib.Path) -> None:
     over = [n for n in oversized(path.read_text(), name) if n not in EXCEPTIONS]
     assert not over, (f"over {MODULE_LINES} lines a module, {CLASS_LINES} a class or "
                       f"{FUNCTION_LINES} a function: {over}")
+
+
+BENCH = PACKAGE.parent / "bench"
+BENCH_LINES = 2500
+
+
+def test_bench_is_at_most_its_budget() -> None:
+    """`bench/`'s scripts (its `.py` and `.sh`, dated `results/` folders aside: those are
+    data) at most `BENCH_LINES` lines in all."""
+    scripts = [p for p in BENCH.rglob("*") if p.suffix in (".py", ".sh")
+               and "results" not in p.relative_to(BENCH).parts]
+    assert scripts
+    total = sum(len(p.read_text().splitlines()) for p in scripts)
+    assert total <= BENCH_LINES, f"bench/ has {total} lines of scripts, over {BENCH_LINES}"

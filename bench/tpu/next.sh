@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The chip's rows for this round, most telling first, one process per row, each result a
-# JSON line under $OUT (capacity, throughput, startup, host_rss and stopped .jsonl).
+# JSON line under $OUT (capacity, throughput, startup, host_rss, stopped and failed .jsonl).
 #
 #   bash bench/tpu/next.sh 1    # call 1 (<= 9 min): the update in the backward pass, 542M
 #   bash bench/tpu/next.sh 2    # call 2 (<= 9 min): 64k tokens a step; past 2B; 8-bit
@@ -8,15 +8,11 @@
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
 #   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
-#   bash bench/tpu/next.sh 7    # call 7 (<= 9 min): the arithmetic 8-bit codec (exact on the
-#                               # chip?), 542M steps in one run, each parameter stored once
-#   bash bench/tpu/next.sh 8    # call 8 (<= 7 min): 8-bit state in the backward pass at the
-#                               # real shape; fp32 weights and moments stored once past 1.8B
-#   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update's pieces taking
-#                               # turns: the update alone, then the 542M steps in one run
-#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): 8-bit state written in place in the
-#                               # backward pass: 542M step; fp32 master + 8-bit moments, 3.52B
+#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
+#   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
+#   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
+#   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
 #
 # No row can run the host out of memory: each row is stopped (and reported in
 # stopped.jsonl, with the row's last progress line) when the memory left falls under
@@ -38,7 +34,7 @@ if [ "${SIZE:-}" = small ]; then
   W=128; L8=2; LBIG=4; SEQB="32 2"; STEPS=2; MIB=16; T=300
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 else
-  . bench/tpu/setup.sh || exit 1
+  [ -n "${DRY:-}" ] || . bench/tpu/setup.sh || exit 1
   W=2048; L8=8; LBIG=40; SEQB="1024 4"; STEPS=6; MIB=1024; T=170
 fi
 
@@ -59,8 +55,9 @@ left_gib() {  # the memory left for rows, in GiB: the least of the three measure
 }
 
 row() {  # SECONDS SCRIPT ARGS...: one process, stopped if the host runs low on memory
-  local limit=$1 log pid left
+  local limit=$1 log pid left stopped=""
   shift
+  [ -n "${DRY:-}" ] && { echo "$*"; return; }
   log=$(mktemp)
   ROW_SECONDS=$((limit - 15)) setsid timeout "$limit" "${PYTHON:-python3}" -W ignore "$@" > "$log" 2>&1 &
   pid=$!
@@ -70,29 +67,34 @@ row() {  # SECONDS SCRIPT ARGS...: one process, stopped if the host runs low on 
       kill -9 -- "-$pid" 2> /dev/null
       { grep '^{' "$log" | tail -1; echo "{\"row\": \"$*\", \"error\": \"stopped: the memory left fell to $left GiB\"}"; } \
         | tee -a "$OUT/stopped.jsonl"
+      stopped=1
     fi
     sleep 0.5
   done
   wait "$pid"
   grep '^{' "$log" | tail -1 | cut -c1-1200
+  if [ -z "$stopped" ] && ! grep -q '^{' "$log"; then  # (a row that made no JSON line)
+    echo "{\"row\": \"$*\", \"error\": \"no result: $(tail -1 "$log" | tr -d '"\\' | cut -c1-300)\"}" \
+      | tee -a "$OUT/failed.jsonl"
+  fi
   rm -f "$log"
 }
 
-C="bench/tpu/capacity_chip.py"
-TP="bench/tpu/throughput.py"
+R="bench/train.py"  # MODE WIDTH LAYERS STEPS SEQ BATCH [--micro K] [--file NAME]
+TP="--file throughput"
 call1() {  # the update in the backward pass against the normal step, 542M, 4k tokens
-  row $T $TP fp32 $W $L8 1 $STEPS $SEQB
-  row $T $TP state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-backward $W $L8 1 $STEPS $SEQB
-  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
-  row $T $TP +activations $W $L8 1 $STEPS $SEQB
-  row $T $TP +activations-backward $W $L8 1 $STEPS $SEQB
+  row $T $R fp32 $W $L8 $STEPS $SEQB $TP
+  row $T $R state $W $L8 $STEPS $SEQB $TP
+  row $T $R state-backward $W $L8 $STEPS $SEQB $TP
+  row $T $R state-int8state $W $L8 $STEPS $SEQB $TP
+  row $T $R +activations $W $L8 $STEPS $SEQB $TP
+  row $T $R +activations-backward $W $L8 $STEPS $SEQB $TP
 }
 call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward update past 2B
-  row $T $TP fp32 $W $L8 16 4 $SEQB
-  row $T $TP state $W $L8 16 4 $SEQB
-  row $T $TP state-backward $W $L8 16 4 $SEQB
-  row $T $C state-backward $W $LBIG 4 $SEQB
+  row $T $R fp32 $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state-backward $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state-backward $W $LBIG 4 $SEQB
 }
 # The capacity rows' sizes: the next depth past what trained on 2026-12-06
 # (bench/results/tpu-v5e-2026-12-06b/: fp32 state 24 layers, bf16 state 38 layers, with
@@ -102,69 +104,44 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
 call3() {  # capacity with everything in host memory: 20 steps each
   local l2=40 l4=26 t=$((T + 90))
   [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
-  row $t $C +activations-bf16state-backward $W $l2 20 $SEQB
-  row $t $C +activations-backward $W $l4 20 $SEQB
+  row $t $R +activations-bf16state-backward $W $l2 20 $SEQB
+  row $t $R +activations-backward $W $l4 20 $SEQB
 }
 call5() {  # 8-bit state: a capacity row, and 542M's step on the normal step and in backward
   local l8=44
   [ "${SIZE:-}" = small ] && l8=2
-  row $((T + 90)) $C +activations-int8state-backward $W $l8 20 $SEQB
-  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
+  row $((T + 90)) $R +activations-int8state-backward $W $l8 20 $SEQB
+  row $T $R state-int8state $W $L8 $STEPS $SEQB $TP
+  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
 }
-call6() {  # where the host's resident memory goes: primitives, then each start-up program
-  row $T bench/tpu/host_rss.py primitives $MIB
-  row $T bench/tpu/host_rss.py startup +activations-bf16state $W $L8 2
-  row $T bench/tpu/host_rss.py startup state $W $L8 2
+call6() {  # where the host's resident memory goes: primitives, then each mode's start-up
+  row $T bench/host_rss.py primitives $MIB
+  row $T bench/host_rss.py startup +activations-bf16state $W $L8 2
+  row $T bench/host_rss.py startup state $W $L8 2
 }
 call4() {  # start-up: new pinned memory by route
-  for route in threads numpy fresh; do row 90 bench/tpu/startup_probe.py $route $MIB 4; done
+  for route in threads numpy fresh; do
+    row 90 bench/startup_probe.py $route $MIB 4
+  done
 }
-call7() {  # the 8-bit codec on the chip; plain, state and 8-bit state steps in one run;
-  # fp32 weights stored once as their master with 8-bit moments, past the bf16 row's 2.19B
-  local l=48
-  [ "${SIZE:-}" = small ] && l=2
-  row 90 bench/tpu/codec_check.py
-  row $T $TP fp32 $W $L8 1 $STEPS $SEQB
-  row $T $TP state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
-  row $((T + 30)) $C +activations-once-int8state-backward $W $l 12 $SEQB
-  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
-}
-call8() {  # 8-bit state inside the backward pass (refused at init before 2026-12-06c);
-  # each parameter stored once: fp32 (33 layers, 1.83B), fp32 master + 8-bit moments (30)
-  local l32=33 l8=30
-  [ "${SIZE:-}" = small ] && { l32=2; l8=2; }
-  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
-  row $((T + 30)) $C +activations-once-backward $W $l32 20 $SEQB
-  row $((T + 30)) $C +activations-once-int8state-backward $W $l8 12 $SEQB
-}
-call10() {  # the streamed update with a stack's pieces taking turns (2026-12-06d): the
-  # update alone at lookahead 1, 2, 4 and 8-bit (against call 5's 377.2, 324.9, 295.4 ms),
-  # then plain, state, 8-bit state and state in the backward pass, 542M, in one run
-  local o="bench/tpu/overlap.py --target chip --no-plan --width $W --ffn $((W * 11 / 4)) --layers $L8"
-  for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
-  row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
-  row $T $TP fp32 $W $L8 1 $STEPS $SEQB
-  row $T $TP state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-int8state $W $L8 1 $STEPS $SEQB
-  row $T $TP state-backward $W $L8 1 $STEPS $SEQB
-}
-[ "$CALL" = 10 ] && { call10; echo "results: $OUT"; exit 0; }
-call9() {  # 8-bit state written into its donated host arrays in the backward pass: the 542M
-  # step (3.73 s on 2026-12-06c, its whole state copied in host memory each step); each
-  # parameter stored once, fp32 master with 8-bit moments, everything in host memory, 66
-  # layers (3.52B; the v5e plan: about 21 GB in host memory, 1.3 GB of it temporaries;
-  # at the 1.83B row's 1.11x the process holds ~38 GB of the guard's 40 GiB less 3), 20 steps
+call9() {  # fp32 master + 8-bit moments stored once, in host memory, 3.52B (66 layers; the
+  # v5e plan: 21.8 GB in host memory); the 542M 8-bit step with the update in backward
   local l=66
   [ "${SIZE:-}" = small ] && l=2
-  row $T $TP state-int8state-backward $W $L8 1 $STEPS $SEQB
-  row $((T + 160)) $C +activations-once-int8state-backward $W $l 20 $SEQB
+  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
+  row $((T + 160)) $R +activations-once-int8state-backward $W $l 20 $SEQB
+}
+call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M steps in one run
+  local o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W"
+  o="$o --ffn $((W * 11 / 4)) --layers $L8"
+  for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
+  row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
+  for m in fp32 state state-int8state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
 }
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 7) call7 ;; 8) call8 ;;
-  9) call9 ;;
-  all) call1; call2; call3; call4; call5; call6; call7; call8; call9 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|all" >&2; exit 2 ;;
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
+  10) call10 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|all" >&2; exit 2 ;;
 esac
-echo "results: $OUT"
+[ -n "${DRY:-}" ] || echo "results: $OUT"

@@ -21,7 +21,8 @@ What the chip showed, and the model keeps:
 - The copies run under the compute (XLA schedules them there): the step takes the
   longer of the two.
 
-A model, not a measurement: the chip is the judge (`bench/tpu/plan_vs_chip.py --llama`).
+A model, not a measurement: the chip is the judge
+(`bench/results/tpu-v5e-2026-12-06/plan_vs_chip.py --llama`).
 """
 
 import math

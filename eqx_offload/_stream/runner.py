@@ -42,7 +42,8 @@ class Runner(Evaluation):
             # Updates are not fenced: XLA then fuses them into their consumer
             # (typically `apply_updates`, in place). Fenced, they would all be
             # materialised and live until the end: on an H200, 1216 MiB at the peak
-            # instead of 256 MiB (16 x 64 MiB params, Adam; bench/gpu_peak.py).
+            # instead of 256 MiB (16 x 64 MiB params, Adam;
+            # bench/results/h200-2026-11-29/gpu_peak.py).
             fenced, state, _ = optimization_barrier(
                 ([vals[k] for k in keys], env.read_all(incoming), after)
             )

@@ -67,7 +67,8 @@ class Mode:
         correctness check: the run fails if they do not).
     - `default`: measured when `--modes` is not given.
     - `options`: for a mode of `offloaded`, its keyword arguments (so that other
-        scripts, such as `bench/gpu_peak.py`, measure the same transformation).
+        scripts, such as `bench/results/h200-2026-11-29/gpu_peak.py`, measure the same
+        transformation).
     """
 
     description: str

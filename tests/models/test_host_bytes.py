@@ -41,19 +41,19 @@ def host_bytes_worker(mode: str, steps: int) -> dict[str, Any]:
     from eqx_offload._models import make
 
     sys.path.insert(0, BENCH)
+    from harness import bytes_by_kind, step_of, tokens_of, train, trainer
     from llama import LlamaShape
-    from startup import bytes_by_kind, start_for, step_for, train
 
     shape = LlamaShape("rss", width=512, layers=8, heads=4, kv_heads=4, ffn=1536,
                        vocab=2048, seq=16, batch=1)
-    start, update = start_for(shape, mode)
+    start, grad_step = trainer(shape, mode)
     # The same programs both times (`filter_make` is `make.run(make.route(...))`).
-    route, step = make.route(start, (jax.random.key(0),), {}), step_for(update)
+    route, step = make.route(start, (jax.random.key(0),), {}), step_of(grad_step)
 
     def run(peaks: list[int]) -> tuple[Any, Any]:
         model, state = jax.block_until_ready(make.run(route))
         peaks.append(_resident("VmHWM"))
-        model, state, losses, _ = train(step, model, state, shape, steps)
+        model, state, losses, _ = train(step, model, state, tokens_of(shape), steps)
         assert losses[-1] < losses[0]
         return jax.block_until_ready((model, state))
 

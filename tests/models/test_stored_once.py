@@ -144,21 +144,22 @@ def test_fp32_master_in_host_memory_with_8_bit_moments_updated_in_backward() -> 
 
 @pytest.mark.once  # (a script of the repository, as tests/test_chip_script.py)
 def test_the_chips_mode_trains_and_stores_each_parameter_once() -> None:
-    """`bench/tpu/capacity_chip.py`'s `+activations-once-int8state[-backward]` at a
+    """`bench/train.py`'s `+activations-once-int8state[-backward]` at a
     small size: the blocks' fp32 weights in host memory and no bf16 copy of them; the
     update in the backward pass bitwise the normal step; the loss falls."""
     import pathlib
     import sys
 
     bench = pathlib.Path(__file__).resolve().parents[2] / "bench"
-    sys.path[:0] = [str(bench), str(bench / "tpu")]
-    import capacity_chip
+    sys.path.insert(0, str(bench))
+    import harness
+    import train
 
-    normal = capacity_chip.main("+activations-once-int8state", 128, 2, 3, 16, 1)
-    fused = capacity_chip.main("+activations-once-int8state-backward", 128, 2, 3, 16, 1)
+    normal = train.main("+activations-once-int8state", 128, 2, 3, 16, 1)
+    fused = train.main("+activations-once-int8state-backward", 128, 2, 3, 16, 1)
     assert fused["losses"] == normal["losses"] and fused["falls"]
     assert fused["stored"]["pinned_host"] == normal["stored"]["pinned_host"]
-    shape = capacity_chip.shape_of(128, 2, 16, 1)
+    shape = harness.llama_shape(128, 2, 16, 1)
     blocks = 2 * shape.block_params
     # fp32 weights (4 bytes) and packed 8-bit moments (about 2) of the blocks, and the
     # embeddings' moments, in host memory; the embeddings' fp32 weights on the device.

@@ -31,8 +31,8 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         "PYTHONPATH": os.pathsep.join([SUITE, os.environ.get("PYTHONPATH", "")]),
         "EQX_OFFLOAD_SUITE_REPORT": str(report),
         "JAX_PLATFORMS": "cpu",
-        # This process's compilation cache (optax's eager `lax.cond`s compile one program
-        # each step); a hit is still logged as a compilation, as optax's checks expect.
+        # The run's compilation cache (optax's eager `lax.cond`s compile one program each
+        # step); a hit is still logged as a compilation, as optax's checks expect.
         "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir
         or str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

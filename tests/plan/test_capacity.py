@@ -23,6 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import capacity  # (bench/: scripts of the repository, not of the package)
 import capacity_batch
 import capacity_run
+import harness
 import llama
 
 
@@ -113,7 +114,7 @@ def test_search_starts_where_a_mode_that_keeps_more_ended():
     ladder = list(llama.ladder())
     point = capacity.CapacityPoint(ladder[3], "state", "h100", 1, 1, 2, 0, 1, 1, True, 0, 0, {},
                                    0.0, 0.0, 0.0, None, 0.0)
-    modes = capacity.MODES_BY_NAME
+    modes = harness.MODES_BY_NAME
     done = [capacity.Capacity(modes["state"], "h100", 1, point, None, (point,))]
     assert capacity_run._start(done, modes["+master"], "h100", 1, ladder) == [3]
     assert capacity_run._start(done, modes["state"], "h200", 1, ladder) == [3]  # more memory
@@ -211,7 +212,7 @@ def test_smallest_batch_is_the_first_power_of_two_within_the_limit():
 def test_batch_step_moves_the_state_once_per_optimizer_step():
     """State and master weights cross once per K micro-batches; K = 2 and 4 predict K = 8."""
     shape = capacity_run.QUICK_LADDER[0]
-    mode = capacity.MODES_BY_NAME["+master"]
+    mode = harness.MODES_BY_NAME["+master"]
     row = capacity_batch.batch_row(shape, mode, 2, "h100")
     eight = capacity_batch.plan_batch_point(shape, mode, 8, "h100")
     points = (row.low, row.high, eight)
@@ -232,7 +233,7 @@ def test_node_plan_shards_the_state_over_the_devices():
     """8 deviceless H100s: FSDP weights, the state offloaded shard by shard, bytes per device."""
     shape = llama.LlamaShape("tiny", 128, 2, 4, 2, 256, 512, seq=64)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
-    step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"], mesh)
+    step, args = capacity.training_step(shape, harness.MODES_BY_NAME["+master"], mesh)
     mu = args[1].inner_state.inner_state[0].mu.blocks.mlp.up.weight
     assert mu.sharding.memory_kind == "pinned_host"
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data", None)
@@ -254,17 +255,17 @@ def test_a_step_whose_arguments_alone_do_not_fit_is_not_compiled(monkeypatch):
         raise AssertionError("compiled a step whose arguments alone do not fit")
 
     monkeypatch.setattr(eqx_offload, "plan", no_compile)  # (what plan_point calls)
-    step, args = capacity.training_step(shape, capacity.MODES_BY_NAME["+master"])
+    step, args = capacity.training_step(shape, harness.MODES_BY_NAME["+master"])
     device, host = capacity.argument_bytes(args)
     # bf16 weights (and tokens, counters) on the device; fp32 master weights, mu, nu on the host.
     assert 2 * shape.params < device < 2 * shape.params + 1024
     assert host == 3 * 4 * shape.params
-    tight_host = capacity.plan_point(shape, capacity.MODES_BY_NAME["+master"], "h100",
+    tight_host = capacity.plan_point(shape, harness.MODES_BY_NAME["+master"], "h100",
                                      host_memory=host - 1)
     assert tight_host.from_arguments and not tight_host.fits
     assert tight_host.host_bytes == host
     assert "not compiled" in capacity_run._why_not(tight_host)
-    tight_device = capacity.plan_point(shape, capacity.MODES_BY_NAME["fp32"], "h100",
+    tight_device = capacity.plan_point(shape, harness.MODES_BY_NAME["fp32"], "h100",
                                        device_memory=3 * 4 * shape.params)
     assert tight_device.from_arguments and not tight_device.fits  # weights, mu, nu, count
 
@@ -315,7 +316,7 @@ def test_published_capacity_table_is_the_json_and_meets_the_goals():
     root = pathlib.Path(__file__).parents[2]
     results = json.loads((root / "docs/bench/gpu/capacity.json").read_text())
     best = {(r["target"], r["n_devices"], r["mode"]): r["largest"] for r in results}
-    assert len(best) == 3 * len(capacity.CAPACITY_MODES)
+    assert len(best) == 3 * len(harness.MODES)
     for largest in best.values():
         assert largest is not None and largest["fits"]
         assert largest["device_peak_bytes"] <= largest["device_memory_bytes"]
@@ -357,7 +358,7 @@ def test_a_gradient_sum_in_host_memory_trains_as_one_on_the_device():
     """3 micro-batches summed in host memory (each, or kept and summed once) train bitwise."""
     shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
     mw = eqx_offload.master_weights(optax.adamw(1e-2))
-    update = capacity._master_update(mw)  # update(model, state, grads), as the table's
+    update = harness.builder(harness.mode_of("bf16"), mw).update  # as the table's
     tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
     results = {}
     for where in ("device", "host", "host-stack"):  # a fresh model and state: the step donates
@@ -376,7 +377,7 @@ def test_a_gradient_sum_made_in_the_backward_scan_trains_as_the_bf16_sum():
     not compiled) where the blocks' weights wait in host memory."""
     shape = llama.LlamaShape("tiny", 32, 2, 4, 2, 64, 50, seq=16)
     mw = eqx_offload.master_weights(optax.adamw(1e-2))
-    update = capacity._master_update(mw)
+    update = harness.builder(harness.mode_of("bf16"), mw).update
     tokens = jax.random.randint(jax.random.key(1), (3, 2, shape.seq + 1), 0, shape.vocab)
     results = {}
     for where in ("device", "device-fused"):  # a fresh model and state: the step donates
@@ -386,7 +387,7 @@ def test_a_gradient_sum_made_in_the_backward_scan_trains_as_the_bf16_sum():
     for a, b in zip(results["device-fused"], results["device"], strict=True):
         assert a.sharding.memory_kind == b.sharding.memory_kind
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    refused = capacity_batch.plan_batch_point(shape, capacity.MODES_BY_NAME["+params"], 2,
+    refused = capacity_batch.plan_batch_point(shape, harness.MODES_BY_NAME["+params"], 2,
                                               accumulate_in="device-fused")
     assert not refused.fits and "blocks' weights on the device" in refused.error
 
@@ -398,7 +399,7 @@ def test_a_host_gradient_sum_crosses_as_xla_plans_it():
     shape, state = capacity_run.QUICK_LADDER[0], 3 * 4 * capacity_run.QUICK_LADDER[0].params
     for where, down, up in (("host-stack", 0, 2), ("host", 4, 6)):
         low, high = (capacity_batch.plan_batch_point(
-            shape, capacity.MODES_BY_NAME["+master"], k, "h100", accumulate_in=where)
+            shape, harness.MODES_BY_NAME["+master"], k, "h100", accumulate_in=where)
             for k in (2, 4))
         assert low.error is None and low.fits and high.fits
         assert (high.bytes_to_device - low.bytes_to_device) / 2 == down * shape.params, where
@@ -418,7 +419,7 @@ def test_a_row_prints_the_settings_of_its_plan_summary(monkeypatch):
         plans.append(real(*args, **kwargs))
         return plans[-1]
     monkeypatch.setattr(eqx_offload, "plan", recording)
-    mode = capacity.MODES_BY_NAME["+master"]
+    mode = harness.MODES_BY_NAME["+master"]
     point = capacity.plan_point(capacity_run.QUICK_LADDER[0], mode, "h100")
     [plan] = plans
     [line] = [x for x in plan.summary().splitlines() if x.startswith("  run with: ")]

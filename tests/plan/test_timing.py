@@ -106,7 +106,7 @@ def test_the_recorded_schedule_of_the_state_step_is_within_15_percent_of_the_chi
     assert predicted is not None and abs(predicted / 0.5641 - 1) <= 0.15
 
 
-# The v5e plans of issue 56's rows (`python bench/tpu/plan_vs_chip.py --llama ROW`, JAX
+# The v5e plans of issue 56's rows (`python bench/results/tpu-v5e-2026-12-06/plan_vs_chip.py --llama ROW`, JAX
 # 0.10.2: bytes to the device and to the host, host temporaries, compute floor in
 # seconds) and the step the chip took (2026-12-06, docs/gpu-plan.md "The step time a
 # plan predicts"). `plain-8` calibrated `COMPUTE_EFFICIENCY`, `activations-8`

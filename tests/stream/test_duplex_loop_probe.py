@@ -1,4 +1,4 @@
-"""The chip's probe of both copy directions in a loop (`bench/tpu/duplex_loop.py`) at a
+"""The chip's probe of both copy directions in a loop (`bench/results/tpu-v5e-2026-12-06c/duplex_loop.py`) at a
 tiny size on the CPU: every form and program runs, writes its host outputs in place, and
 makes a JSON row."""
 
@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_the_probe_runs_every_form_at_a_tiny_size() -> None:
     done = subprocess.run(
-        [sys.executable, "bench/tpu/duplex_loop.py", "--total-mib", "0.5", "--copy-mib",
+        [sys.executable, "bench/results/tpu-v5e-2026-12-06c/duplex_loop.py", "--total-mib", "0.5", "--copy-mib",
          "0.125", "--per-iter", "1,2", "--reps", "2"],
         cwd=ROOT, check=True, timeout=600, capture_output=True, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})

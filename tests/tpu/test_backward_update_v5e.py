@@ -1,5 +1,5 @@
 """The update inside the backward pass on a TPU v5e, planned without one: the `state`
-step (AdamW state in host memory) of a Llama-style decoder (bench/llama.py) compiles for
+step (AdamW state in host memory) of a Llama-style decoder (bench/harness.py) compiles for
 a v5e with `eqx_offload.update_in_backward`, and at width 256 (4 layers) its device peak
 is within one layer's state of the normal step's, which holds the whole stack's gradient.
 (At small widths XLA:TPU plans the pipeline's buffers about level with, or above, the
@@ -25,16 +25,29 @@ PACKAGE = str(pathlib.Path(eqx_offload.__file__).resolve().parents[1])
 WIDTH, LAYERS, SEQ, BATCH = 256, 4, 128, 2
 
 
+def abstract_step(mode: str, width: int, layers: int, seq: int, batch: int) -> Any:
+    """(In a child.) The donated step of `mode` (`bench/harness.py`) of the decoder at
+    this size, and its abstract arguments."""
+    sys.path.insert(0, BENCH)
+    import harness
+    import jax
+    import jax.numpy as jnp
+
+    start, grad_step = harness.trainer(harness.llama_shape(width, layers, seq, batch), mode)
+    model, state = eqx_offload.checkpoint.filter_eval_shape(start, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=(
+        jax.sharding.make_single_device_sharding(jax.devices()[0])))
+    return harness.step_of(grad_step), (model, state, tokens)
+
+
 def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
     """(In a child, with `TPU_ENV`.) The v5e plan of the normal and the fused step:
     `{name: [device peak, host bytes, stored state bytes]}`."""
-    sys.path.insert(0, BENCH)
-    from backward_plan import shape_of, steps
-
     import jax
 
     found = {}
-    for name, (step, args) in steps(shape_of(width, layers, seq, batch)).items():
+    for name, mode in (("normal", "state"), ("in_backward", "state-backward")):
+        step, args = abstract_step(mode, width, layers, seq, batch)
         plan = eqx_offload.plan(step, *args, target="v5e")
         stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1])
                      if x.sharding.memory_kind == "pinned_host")
@@ -70,24 +83,14 @@ def test_the_fused_step_plans_level_with_the_normal_step(tpu: Any) -> None:
 
 def plan_modes(modes: list[str], width: int, layers: int, seq: int,
                batch: int) -> dict[str, Any]:
-    """(In a child, with `TPU_ENV`.) For each mode of `bench/tpu/capacity_chip.py`: the
-    v5e plan's unaliased host output bytes and host argument bytes of its donated step,
-    and the bytes it stores in host memory; or the error."""
-    sys.path.insert(0, BENCH)
-    sys.path.insert(0, BENCH + "/tpu")
-    import capacity_chip
+    """(In a child, with `TPU_ENV`.) For each mode of `bench/harness.py`: the v5e plan's
+    unaliased host output bytes and host argument bytes of its donated step, and the
+    bytes it stores in host memory; or the error."""
     import jax
-    import jax.numpy as jnp
 
     found: dict[str, Any] = {}
     for mode in modes:
-        start, grad_step = capacity_chip.trainer(
-            capacity_chip.shape_of(width, layers, seq, batch), mode)
-        model, state = eqx_offload.checkpoint.filter_eval_shape(start, jax.random.key(0))
-        step = eqx_offload.filter_jit(donate=("model", "state"))(
-            lambda model, state, tokens: grad_step(model, state, tokens, None))
-        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=(
-            jax.sharding.make_single_device_sharding(jax.devices()[0])))
+        step, (model, state, tokens) = abstract_step(mode, width, layers, seq, batch)
         try:
             plan = eqx_offload.plan(step, model, state, tokens, target="v5e")
         except eqx_offload.errors.PlanError as e:
@@ -127,14 +130,13 @@ def _assert_compiled_and_aliased(modes: list[str]) -> None:
 
 def plan_start_up(mode: str, width: int, layers: int) -> Any:
     """(In a child, with `TPU_ENV`.) The v5e plan of the start-up of MODE of
-    `bench/tpu/capacity_chip.py` (`filter_make`'s route): whether it fits and the host
-    bytes it stores, or the error."""
+    `bench/harness.py` (`filter_make`'s route): whether it fits and the host bytes it
+    stores, or the error."""
     sys.path.insert(0, BENCH)
-    sys.path.insert(0, BENCH + "/tpu")
-    import capacity_chip
+    import harness
     import jax
 
-    start, _ = capacity_chip.trainer(capacity_chip.shape_of(width, layers, 128, 2), mode)
+    start, _ = harness.trainer(harness.llama_shape(width, layers, 128, 2), mode)
     try:
         planned = eqx_offload.planner.plan_startup(start, jax.random.key(0), target="v5e")
     except eqx_offload.errors.OffloadError as e:

@@ -5,7 +5,7 @@ the map and the midpoint count.
 XLA:TPU treats float32 arithmetic as real numbers (it rewrote `m * a + m * b` as
 `m * (a + b)`): this checks that no such rewrite reaches an op that rounds. (How the
 chip runs each op, a fused multiply-add for instance, is left to
-`bench/tpu/codec_check.py` on the chip.)"""
+`bench/results/tpu-v5e-2026-12-06c/codec_check.py` on the chip.)"""
 
 import re
 import warnings

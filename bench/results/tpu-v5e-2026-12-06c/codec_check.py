@@ -1,6 +1,6 @@
 """The 8-bit state's codec on the default backend: exact, and how fast.
 
-    python bench/tpu/codec_check.py [VALUES]
+    python bench/results/tpu-v5e-2026-12-06c/codec_check.py [VALUES]
 
 Decodes all 256 codes of each map (`quantize.lookup`, and `_decoded` itself) and encodes
 every midpoint, its float32 neighbours, the map's entries, special values and 1M random

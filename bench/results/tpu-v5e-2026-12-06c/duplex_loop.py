@@ -31,12 +31,12 @@ program the largest number of copies each way in flight at once in the compiled
 schedule of its entry computation and loop bodies (`in_flight`). Stops starting new
 rows after `--budget-s`.
 
-    python bench/tpu/duplex_loop.py                          # on the chip, <= 2 min
-    python bench/tpu/duplex_loop.py --copy-mib 64 --per-iter 1 --forms fori
-    JAX_PLATFORMS=cpu python bench/tpu/duplex_loop.py --total-mib 1 --copy-mib 0.25 \
+    python bench/results/tpu-v5e-2026-12-06c/duplex_loop.py                          # on the chip, <= 2 min
+    python bench/results/tpu-v5e-2026-12-06c/duplex_loop.py --copy-mib 64 --per-iter 1 --forms fori
+    JAX_PLATFORMS=cpu python bench/results/tpu-v5e-2026-12-06c/duplex_loop.py --total-mib 1 --copy-mib 0.25 \
         --per-iter 1,2 --reps 2                              # the CPU, a smoke run
     JAX_PLATFORMS=cpu TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost \
-        TPU_SKIP_MDS_QUERY=1 python bench/tpu/duplex_loop.py --compile-only  # no chip
+        TPU_SKIP_MDS_QUERY=1 python bench/results/tpu-v5e-2026-12-06c/duplex_loop.py --compile-only  # no chip
 """
 
 import argparse

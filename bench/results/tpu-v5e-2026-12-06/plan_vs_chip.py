@@ -11,7 +11,7 @@
   peak and host bytes, and the step time the plan predicts (`Plan.predicted_step_seconds`)
   beside the chip's. One row per process (a 24-layer plan takes minutes and ~3 GB):
 
-      JAX_PLATFORMS=cpu python bench/tpu/plan_vs_chip.py --llama ROW [--hlo FILE]
+      JAX_PLATFORMS=cpu python bench/tpu/plan_vs_chip.py --llama ROW
 
   ROW is one of `LLAMA_ROWS`. Prints one JSON line.
 
@@ -112,26 +112,13 @@ def llama_step(row: str) -> tuple[Any, tuple[Any, ...]]:
             (model, state, capacity.abstract_tokens(shape, None)))
 
 
-def llama_row(row: str, hlo: Optional[str] = None) -> dict[str, Any]:
+def llama_row(row: str) -> dict[str, Any]:
     """Plan a row of `LLAMA_ROWS` for a v5e: what it moves and holds, and the step time
-    the plan predicts beside the chip's."""
-    from eqx_offload._plan import tpu as _tpu
-
+    the plan predicts beside the chip's. (Its `--hlo FILE` option, which patched a
+    private function of the package to keep the scheduled HLO, is not kept.)"""
     start = time.perf_counter()
     step, args = llama_step(row)
-    compile_for = _tpu.compile_for
-
-    def keep_hlo(*a: Any, **k: Any) -> Any:
-        lowered, options, compiled = compile_for(*a, **k)
-        if hlo:
-            pathlib.Path(hlo).write_text("\n".join(m.to_string() for m in compiled.hlo_modules()))
-        return lowered, options, compiled
-
-    _tpu.compile_for = keep_hlo
-    try:
-        planned = eqx_offload.plan(step, *args, target="v5e")
-    finally:
-        _tpu.compile_for = compile_for
+    planned = eqx_offload.plan(step, *args, target="v5e")
     measured = LLAMA_ROWS[row][-1]
     predicted = planned.predicted_step_seconds
     return {"row": row, "measured_s": measured,
@@ -178,9 +165,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bench_json", nargs="?", default=str(RESULTS / "bench.json"))
     parser.add_argument("--llama", choices=sorted(LLAMA_ROWS), help="plan this Llama row")
-    parser.add_argument("--hlo", help="(with --llama) write the scheduled HLO here")
     options = parser.parse_args()
     if options.llama:
-        print(json.dumps(llama_row(options.llama, options.hlo)), flush=True)
+        print(json.dumps(llama_row(options.llama)), flush=True)
     else:
         main(options.bench_json)

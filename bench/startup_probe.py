@@ -1,7 +1,7 @@
 """How fast can a process put arrays into `pinned_host` at start-up? One route per process
 (the host allocator's state must not carry over between routes), JAX and NumPy only:
 
-    python bench/tpu/startup_probe.py ROUTE [MIB] [COUNT]
+    python bench/startup_probe.py ROUTE [MIB] [COUNT]
 
 Routes:
 - `fresh`: COUNT arrays of MIB MiB made by a jit whose `out_shardings` are in
@@ -23,13 +23,15 @@ of each array, GB/s, the process's resident memory and the host's available memo
 before JAX starts, after it starts and at the end (the runtime's own share).
 """
 
-import json
 import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # (bench/)
 
 
 def meminfo() -> dict[str, int]:
@@ -39,11 +41,7 @@ def meminfo() -> dict[str, int]:
             key, value = line.split(":")
             if key in ("MemAvailable", "MemFree"):
                 out[key] = int(value.split()[0]) * 1024
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                out["VmRSS"] = int(line.split()[1]) * 1024
-    return out
+    return {**out, "VmRSS": harness.resident()}
 
 
 def sharding(kind: str) -> jax.sharding.Sharding:
@@ -129,19 +127,10 @@ def main(route: str, mib: int, count: int) -> dict:
     record["seconds"] = times
     record["gbps"] = [mib * 2**20 / t / 1e9 for t in times]
     record["mem_end"] = meminfo()
-    return record
+    return harness.record(**record)
 
 
 if __name__ == "__main__":
-    route = sys.argv[1]
-    mib = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
-    count = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    try:
-        rec = main(route, mib, count)
-    except Exception as e:  # noqa: BLE001 - one row's failure is that row's result
-        rec = {"route": route, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-    line = json.dumps(rec)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "startup.jsonl"), "a") as f:
-            f.write(line + "\n")
+    args = sys.argv[1:]
+    mib, count = (int(a) for a in (args[1:] + ["1024", "3"][len(args) - 1:])[:2])
+    harness.run_row("startup", {"route": args[0]}, lambda: main(args[0], mib, count))
