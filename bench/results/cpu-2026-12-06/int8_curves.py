@@ -16,7 +16,7 @@ the same batches with each optimizer state:
 Writes `int8_curves.json` (the training loss of every step, the held-out loss every
 `--eval-every` steps) and `int8_curves.png` if matplotlib is installed:
 
-    JAX_PLATFORMS=cpu python bench/int8_curves.py --steps 3000 --out docs/bench/cpu
+    JAX_PLATFORMS=cpu python bench/results/cpu-2026-12-06/int8_curves.py --steps 3000 --out docs/bench/cpu
 """
 
 import argparse
@@ -36,9 +36,8 @@ import optax
 
 import eqx_offload
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tpu"))
-from capacity_chip import in_bf16
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # (bench/)
+from harness import in_bf16
 from llama import Llama, llama_loss, LlamaShape
 
 
