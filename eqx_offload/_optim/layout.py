@@ -154,8 +154,8 @@ def _as_computed(codec: AbstractCodec, layers: Optional[int], state: Any,
 
 
 def _is_stored(leaf: Any, stored: jax.ShapeDtypeStruct) -> bool:
-    return (getattr(leaf, "dtype", None) == stored.dtype
-            and tuple(getattr(leaf, "shape", ())) == stored.shape)
+    return bool(getattr(leaf, "dtype", None) == stored.dtype
+                and tuple(getattr(leaf, "shape", ())) == stored.shape)
 
 
 def _computed(codec: AbstractCodec, leaf: Any, spec: Any) -> jax.ShapeDtypeStruct:

@@ -362,7 +362,7 @@ def _encoded(scaled: Any, signed: bool) -> Any:
     return count
 
 
-def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
+def quantize(x: Any, signed: bool, rows: bool = False) -> jax.Array:
     """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device (with
     `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`)."""
     if rows:
