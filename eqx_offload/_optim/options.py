@@ -10,7 +10,8 @@ import numpy as np
 from .._core.errors import OptionError
 from .._core.memory import check_host_kind
 from .._core.types import Where
-
+from .codec import AbstractCodec, Cast, Identity
+from .quantize import Blockwise8Bit
 
 
 Compute = Literal["device", "host"]
@@ -26,15 +27,10 @@ class Options:
     group_bytes: Union[int, str, None]  # None: not streamed; "auto": streamed where it can be
     lookahead: int  # streamed: groups brought to the device ahead of the one updated
     compute: str
-    host_dtype: Optional[np.dtype]  # None: state keeps its dtype on host; uint8: 8-bit
+    codec: AbstractCodec  # how state is kept in host memory (`host_dtype`'s)
     # The state is of this many stacked layers (`update_in_backward`'s): 8-bit state
     # packs each layer apart (`quantize`). Not an argument of `offloaded`.
     stacked: Optional[int] = None
-
-    @property
-    def quantized(self) -> bool:
-        """Whether Adam's moments are kept 8-bit block-wise quantised (`quantize`)."""
-        return self.host_dtype is not None and self.host_dtype == np.uint8
 
 
 def normalise(
@@ -59,7 +55,7 @@ def normalise(
             "brought to the device ahead of the one being updated; 0 streams one group "
             "at a time)."
         )
-    dtype = None if host_dtype is None else _host_dtype(host_dtype, compute)
+    codec = _codec(host_dtype, compute)
     streaming: Union[int, str, None] = None
     if group_bytes == "auto":
         streaming = "auto"
@@ -71,7 +67,7 @@ def normalise(
         group_bytes=streaming,
         lookahead=int(lookahead),
         compute=str(compute),
-        host_dtype=dtype,
+        codec=codec,
     )
 
 
@@ -95,27 +91,32 @@ def _check_group_bytes(group_bytes: Any, compute: object) -> None:
         )
 
 
-def _host_dtype(host_dtype: object, compute: object) -> np.dtype:
-    """`host_dtype` as a floating NumPy dtype, or `uint8` for 8-bit block-wise
-    quantised moments (given as `jnp.int8`, `jnp.uint8` or their names), with
-    `compute="device"`."""
-    dtype: Optional[np.dtype]
-    try:
-        dtype = np.dtype(host_dtype)  # type: ignore[call-overload]  # checked just below
-    except TypeError:
-        dtype = None
-    if dtype is not None and dtype in (np.int8, np.uint8):
-        dtype = np.dtype(np.uint8)  # the codes' dtype (`quantize`)
-    elif dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise OptionError(
-            f"offloaded(host_dtype={host_dtype!r}): host_dtype must be a floating "
-            "dtype such as jnp.bfloat16, jnp.int8 for 8-bit block-wise quantised "
-            "moments, or None to keep each leaf's dtype."
-        )
+def _codec(host_dtype: object, compute: object) -> AbstractCodec:
+    """The codec `host_dtype` names, with `compute="device"`: `None`, the identity; a
+    floating dtype, a cast to it; `jnp.int8` or `jnp.uint8` (or their names), 8-bit
+    block-wise quantised moments; a codec, itself."""
+    if host_dtype is None:
+        return Identity()
+    codec: Optional[AbstractCodec] = host_dtype if isinstance(host_dtype, AbstractCodec) else None
+    if codec is None:
+        try:
+            dtype = np.dtype(host_dtype)  # type: ignore[call-overload]  # checked just below
+        except TypeError:
+            dtype = None
+        if dtype is not None and dtype in (np.int8, np.uint8):
+            codec = Blockwise8Bit()
+        elif dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            codec = Cast(dtype)
+        else:
+            raise OptionError(
+                f"offloaded(host_dtype={host_dtype!r}): host_dtype must be a floating "
+                "dtype such as jnp.bfloat16, jnp.int8 for 8-bit block-wise quantised "
+                "moments, or None to keep each leaf's dtype."
+            )
     if compute == "host":
         raise OptionError(
             "offloaded(host_dtype=..., compute='host'): with compute='host' the state "
             "never crosses to the device, so there is nothing to narrow; pass one of "
             "them."
         )
-    return dtype
+    return codec

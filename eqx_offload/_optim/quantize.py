@@ -1,4 +1,5 @@
-"""8-bit block-wise quantised optimizer state (`offloaded(..., host_dtype=jnp.int8)`).
+"""8-bit block-wise quantised optimizer state (`offloaded(..., host_dtype=jnp.int8)`): the
+codec `Blockwise8Bit` (`codec`), and its arithmetic.
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (arXiv:2110.02861), as
 bitsandbytes and torchao implement it: each block of `BLOCK` (256) consecutive values is
@@ -33,12 +34,16 @@ dtype.
 import dataclasses
 import functools
 import math
-from typing import Any, Optional
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
+from jax.typing import ArrayLike
+
+from .._core.leaves import KeyPath
+from .codec import AbstractCodec
 
 
 BLOCK = 256
@@ -137,12 +142,33 @@ def spec_for(path: tuple[Any, ...], leaf: Any,
     return None
 
 
-def specs_for(treedef: Any, leaves: list[Any],
-              layers: Optional[int] = None) -> list[Optional[Quantized]]:
-    """`spec_for` of each of `leaves` (flat, of a tree of structure `treedef`)."""
-    placeholders = jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-    paths = [p for p, _ in jtu.tree_flatten_with_path(placeholders)[0]]
-    return [spec_for(p, x, layers) for p, x in zip(paths, leaves, strict=True)]
+class Blockwise8Bit(AbstractCodec):
+    """Adam's moments kept 8-bit block-wise quantised (`host_dtype=jnp.int8`): a leaf's
+    spec is its `Quantized` (`spec_for`), its stored form `quantize`'s packed words."""
+
+    fences_init: ClassVar[bool] = True  # (quantising is ~80 operations a value)
+
+    def specs(self, paths: Sequence[KeyPath], leaves: Sequence[Any],
+              layers: Optional[int]) -> list[Optional[Hashable]]:
+        return [spec_for(p, x, layers) for p, x in zip(paths, leaves, strict=True)]
+
+    def narrow(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
+        assert isinstance(spec, Quantized)
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return quantize(leaf, spec.signed, spec.rows)
+        return leaf
+
+    def widen(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
+        assert isinstance(spec, Quantized)
+        return dequantize(leaf, spec) if getattr(leaf, "dtype", None) == CODE_DTYPE else leaf
+
+    def computes_in(self, dtype: Any, spec: Hashable) -> Any:
+        assert isinstance(spec, Quantized)
+        return spec.spec if dtype == CODE_DTYPE else dtype
+
+    def stored(self, spec: Hashable) -> jax.ShapeDtypeStruct:
+        assert isinstance(spec, Quantized)
+        return jax.ShapeDtypeStruct(spec.packed, CODE_DTYPE)
 
 
 def _blocks(x: Any) -> Any:
@@ -336,7 +362,7 @@ def _encoded(scaled: Any, signed: bool) -> Any:
     return count
 
 
-def quantize(x: Any, signed: bool, rows: bool = False) -> Any:
+def quantize(x: Any, signed: bool, rows: bool = False) -> jax.Array:
     """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device (with
     `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`)."""
     if rows:
