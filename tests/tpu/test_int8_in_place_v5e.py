@@ -1,6 +1,6 @@
 """8-bit state inside the backward pass, written in place, on a TPU v5e planned without
 one: at the benchmark's real shape (bench/llama.py's decoder, vocabulary 32000, width
-2048, 8 layers; `bench/tpu/capacity_chip.py`'s fp32 master with 8-bit moments,
+2048, 8 layers; `bench/harness.py`'s fp32 master with 8-bit moments,
 everything in host memory, `update_in_backward`), the step writes each layer's new
 packed state into the donated host arrays it read. The host holds what is stored, the
 layer inputs kept for the backward pass and at most one layer's packed state more: no
@@ -10,14 +10,11 @@ import pathlib
 import sys
 from typing import Any
 
-import pytest
 from helpers import TPU_ENV
 from isolated import result_of, run_isolated
 
 import eqx_offload
 
-
-pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
 
 BENCH = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
 PACKAGE = str(pathlib.Path(eqx_offload.__file__).resolve().parents[1])
@@ -31,13 +28,11 @@ def plan_host_bytes(mode: str, width: int, layers: int, seq: int, batch: int) ->
     temporaries, unaliased host outputs, host arguments; the bytes it stores in host
     memory, and one layer's share of its stacked packed (`uint32`) state."""
     sys.path.insert(0, BENCH)
-    sys.path.insert(0, BENCH + "/tpu")
-    import capacity_chip
+    import harness
     import jax
     import jax.numpy as jnp
 
-    start, grad_step = capacity_chip.trainer(
-        capacity_chip.shape_of(width, layers, seq, batch), mode)
+    start, grad_step = harness.trainer(harness.llama_shape(width, layers, seq, batch), mode)
     model, state = eqx_offload.checkpoint.filter_eval_shape(start, jax.random.key(0))
     step = eqx_offload.filter_jit(donate=("model", "state"))(
         lambda model, state, tokens: grad_step(model, state, tokens, None))
