@@ -264,13 +264,13 @@ def _next_acc_grads(step: _Step, updates: Any, state: optax.MultiStepsState,
     zeros on the applying one. With the accumulator in host memory, one computation on
     the host CPU (`compute_on("device_host")`): the gradients cross once, to host, and
     the sum stays there (two computations would bring the sum back in between)."""
-    dtype = step.parts.accumulator_dtype
-
     def next_acc(acc_grads: Any, updates: Any, n_acc: Any, emit: Any) -> Any:
-        def reset(ga: Any) -> Any:
-            return jnp.astype((1 - emit) * ga, dtype)
+        def reset(ga: Any, stored: Any) -> Any:
+            # (in the dtype it is stored in: MultiSteps' `accumulator_dtype`, or where
+            # it lives in host memory, `host_dtype`'s)
+            return jnp.astype((1 - emit) * ga, stored.dtype)
 
-        return jax.tree.map(reset, _add(step.parts, acc_grads, updates, n_acc))
+        return jax.tree.map(reset, _add(step.parts, acc_grads, updates, n_acc), acc_grads)
 
     acc_mask = step.layout.mask[step.acc]
     if not any(acc_mask):

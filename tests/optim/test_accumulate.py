@@ -170,6 +170,30 @@ def test_host_dtype_narrows_the_inner_state():
                for u in jax.tree.leaves(updates) if u.ndim)
 
 
+def test_host_dtype_with_the_accumulator_in_host_memory():
+    """`host_dtype=jnp.bfloat16` with `accumulator="host"` (refused by `lax.cond` before:
+    the new sum came out in float32 where the stored one is bf16): the sum stays bf16 in
+    host memory (on the device, `accumulator="device"`, it is float32), and the updates
+    are those of the float32 sum to bf16's precision."""
+    params = _params()
+    results = {}
+    for accumulator, dtype, kind in (("host", jnp.bfloat16, "pinned_host"),
+                                     ("device", jnp.float32, "device")):
+        opt = eqx_offload.offloaded(optax.MultiSteps(optax.adam(1e-2), 2),
+                                    host_dtype=jnp.bfloat16, accumulator=accumulator)
+        state = opt.init(params)
+        found = []
+        for i in range(4):
+            updates, state = eqx_offload.filter_jit(opt.update)(_grads(params, i), state, params)
+            found.append(updates)
+        acc = state.inner_state.acc_grads["w"]
+        assert acc.dtype == dtype and acc.sharding.memory_kind == kind
+        results[accumulator] = found
+    for host, device in zip(jax.tree.leaves(results["host"]), jax.tree.leaves(results["device"])):
+        np.testing.assert_allclose(host, device, rtol=2e-2, atol=1e-6)
+    assert any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(results["host"]))
+
+
 def test_other_modes_keep_the_whole_wrapper_offloaded():
     """`compute="host"` and `group_bytes=N` offload the whole `MultiSteps`, accumulator too."""
     for options in ({"compute": "host"}, {"group_bytes": 1 << 20}):
