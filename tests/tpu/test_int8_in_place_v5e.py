@@ -43,19 +43,24 @@ def plan_host_bytes(mode: str, width: int, layers: int, seq: int, batch: int) ->
             if x.sharding.memory_kind == "pinned_host"]
     packed = sum(x.size * x.dtype.itemsize for x in host
                  if x.dtype == jnp.uint32 and x.ndim == 3 and x.shape[0] == layers)
+    rest = sum(x.size * x.dtype.itemsize for x in host if x.dtype == jnp.uint32 and x.ndim == 2)
     return {"temp": plan.host_temp_bytes, "unaliased": plan.unaliased_host_output_bytes,
             "arguments": plan.host_argument_bytes,
             "stored": sum(x.size * x.dtype.itemsize for x in host),
-            "layer_packed": packed // layers}
+            "layer_packed": packed // layers, "rest_packed": rest}
 
 
 def test_8_bit_state_is_written_into_its_donated_host_arrays(tpu: Any) -> None:
     # (the real width compiles in about 3 CPU minutes)
     found = result_of(run_isolated(plan_host_bytes, MODE, WIDTH, LAYERS, SEQ, BATCH,
                                    timeout=1800, env={**TPU_ENV, "PYTHONPATH": PACKAGE}))
-    # (8 layers of 51M parameters: a layer's two moments packed are 104 MB)
-    assert found["layer_packed"] > 100e6, found
+    # (8 layers of 51M parameters: a layer's two moments packed are 104 MB; the
+    # embedding's and the head's, updated after the backward pass, 266 MB)
+    assert found["layer_packed"] > 64 * 2**20, found
     assert found["unaliased"] == 0, found
     assert found["stored"] <= found["arguments"] <= found["stored"] + found["stored"] // 100
-    inputs = LAYERS * BATCH * SEQ * WIDTH * 4  # (each layer's input, kept in host memory)
-    assert found["temp"] <= inputs + found["layer_packed"], found
+    # Each layer's input, kept in host memory, and what the update of the embedding and
+    # the head may hold: far below one copy of the layers' state (835 MB; a float32 view
+    # of it converted in host memory, or its relayout, held 1.83 GB).
+    inputs = LAYERS * BATCH * SEQ * WIDTH * 4
+    assert found["temp"] <= inputs + found["rest_packed"] < LAYERS * found["layer_packed"], found
