@@ -53,14 +53,15 @@ def piece_values(runner: Evaluation, j: int, p: Piece) -> dict[Any, Any]:
             local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
         return local[v]
 
-    # The piece's new state is made once and its update reads it, as the whole update's
-    # does. Unfenced, XLA:CPU may make it a second time inside the update's fusion,
-    # where LLVM can contract its multiply-adds otherwise (JAX 0.12.1: Adam's moments,
-    # 1 ulp in the update).
+    # On the CPU the piece's new state is made once and its update reads it, as the
+    # whole update's does. Unfenced, XLA:CPU may make it a second time inside the
+    # update's fusion, where LLVM can contract its multiply-adds otherwise (JAX 0.12.1:
+    # Adam's moments, 1 ulp in the update). Elsewhere the fence would only hold the
+    # values longer (a TPU's temporaries grow).
     state = {runner.jaxpr.outvars[k] for k in unit.outputs if k >= runner.n_updates}
     for eqn in unit.eqns:
         out = bind(eqn, [read(v) for v in eqn.invars])
-        local.update((v, optimization_barrier(x) if v in state else x)
+        local.update((v, _fenced_on_cpu(x) if v in state else x)
                      for v, x in zip(eqn.outvars, out, strict=True))
     return local
 
@@ -130,3 +131,8 @@ def write_state_rows(runner: Evaluation, j: int, i: int, p: Piece, value: Any,
         runner.vals.update(zip(ahead, reads, strict=True))
     runner.vals[key] = jax.lax.dynamic_update_slice_in_dim(runner.vals[key], rows, p.rows[0], axis=0)
     return key
+
+
+def _fenced_on_cpu(x: Any) -> Any:
+    """`x` behind an optimization barrier where the program is lowered for a CPU."""
+    return jax.lax.platform_dependent(x, cpu=optimization_barrier, default=lambda y: y)
