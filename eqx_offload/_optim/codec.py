@@ -38,6 +38,7 @@ KEPT_FIELDS = frozenset({"master"})
 `master_dtype`, float32 by default). A narrowed master is `master_dtype`'s choice."""
 
 
+# pytype: disable=ignored-abstractmethod,bad-return-type  # (eqx.Module's abstract methods)
 class AbstractCodec(eqx.Module):
     """How state leaves are kept in host memory (`offloaded(..., host_dtype=...)`).
 
@@ -121,8 +122,8 @@ class Cast(AbstractCodec):
 
     def widen(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
         assert isinstance(leaf, (jax.Array, np.ndarray, np.generic))  # (it has a spec)
-        wide = self.computes_in(leaf.dtype, spec)
-        return leaf if wide == leaf.dtype else leaf.astype(wide)
+        wide = self.computes_in(leaf.dtype, spec)  # pytype: disable=attribute-error
+        return leaf if wide == leaf.dtype else leaf.astype(wide)  # pytype: disable=attribute-error
 
     def computes_in(self, dtype: Any, spec: Hashable) -> Any:
         assert isinstance(spec, jax.ShapeDtypeStruct)

@@ -135,4 +135,8 @@ def write_state_rows(runner: Evaluation, j: int, i: int, p: Piece, value: Any,
 
 def _fenced_on_cpu(x: Any) -> Any:
     """`x` behind an optimization barrier where the program is lowered for a CPU."""
-    return jax.lax.platform_dependent(x, cpu=optimization_barrier, default=lambda y: y)
+    return jax.lax.platform_dependent(x, cpu=optimization_barrier, default=_as_is)
+
+
+def _as_is(x: Any) -> Any:
+    return x
