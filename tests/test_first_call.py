@@ -31,8 +31,9 @@ def _script() -> dict[str, object]:
     return runpy.run_path(str(ROOT / "scripts" / "trace_calls.py"))
 
 
-@pytest.mark.once
 def test_each_call_runs_within_its_bounds() -> None:
+    # (the oldest environment's JAX, 0.10.2: BOUNDS were counted there; another JAX
+    # takes other paths through `_core/compat`)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_calls.py")],
