@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
-from jax.experimental.layout import Layout, with_layout_constraint  # pytype: disable=import-error
+from jax.experimental.layout import Layout, with_layout_constraint  # pytype: disable=import-error  # (no stub of it)
 
 from .._core.errors import (
     CompositionError, not_a_transformation_error, OptionError, StateError,

@@ -122,8 +122,8 @@ class Cast(AbstractCodec):
 
     def widen(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
         assert isinstance(leaf, (jax.Array, np.ndarray, np.generic))  # (it has a spec)
-        wide = self.computes_in(leaf.dtype, spec)  # pytype: disable=attribute-error
-        return leaf if wide == leaf.dtype else leaf.astype(wide)  # pytype: disable=attribute-error
+        wide = self.computes_in(leaf.dtype, spec)  # pytype: disable=attribute-error  # (an array: the assert)
+        return leaf if wide == leaf.dtype else leaf.astype(wide)  # pytype: disable=attribute-error  # (as above)
 
     def computes_in(self, dtype: Any, spec: Hashable) -> Any:
         assert isinstance(spec, jax.ShapeDtypeStruct)
