@@ -282,14 +282,7 @@ def test_stacked_rows_read_ahead_of_writes() -> None:
         updates, state = jax.jit(opt.update)(g, state, params)
         assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
         assert_placed(state)
-    narrow = dict(host_dtype=jnp.bfloat16, lookahead=2)
-    sliced = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=0, **narrow)
-    whole = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=None, **narrow)
-    a, b = sliced.init(params), whole.init(params)
-    for g in grads:
-        ua, a = jax.jit(sliced.update)(g, a)
-        ub, b = jax.jit(whole.update)(g, b)
-        assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
+    a = _sliced_equals_whole(params, grads, host_dtype=jnp.bfloat16, lookahead=2)
     assert a.inner_state[0].mu["w"].dtype == jnp.bfloat16
     assert a.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
 
@@ -317,14 +310,7 @@ def test_stacked_leaves_take_turns(lookahead: int) -> None:
         updates, state = jax.jit(opt.update)(g, state, params)
         assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
         assert_placed(state)
-    narrow = dict(host_dtype=jnp.int8, lookahead=lookahead)
-    sliced = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=0, **narrow)
-    whole = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=None, **narrow)
-    a, b = sliced.init(params), whole.init(params)
-    for g in grads:
-        ua, a = jax.jit(sliced.update)(g, a)
-        ub, b = jax.jit(whole.update)(g, b)
-        assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
+    _sliced_equals_whole(params, grads, host_dtype=jnp.int8, lookahead=lookahead)
 
 
 @pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
@@ -381,3 +367,16 @@ def test_state_copies_to_the_device_wait_for_what_they_must(group_bytes: Any) ->
     assert len(operands) == n_state
     free = [op for op in operands if op.startswith("%arg")]
     assert len(free) == (0 if group_bytes is None else 2)  # mu, nu of the first group
+
+
+def _sliced_equals_whole(params: Any, grads: list[Any], **options: Any) -> Any:
+    """`offloaded(adam, **options)` streamed by rows (`group_bytes=0`) against the whole
+    state at once: equal updates and state at every step; the streamed state."""
+    sliced = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=0, **options)
+    whole = eqx_offload.offloaded(optax.adam(1e-2), group_bytes=None, **options)
+    a, b = sliced.init(params), whole.init(params)
+    for g in grads:
+        ua, a = jax.jit(sliced.update)(g, a)
+        ub, b = jax.jit(whole.update)(g, b)
+        assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
+    return a
