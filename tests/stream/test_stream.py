@@ -276,12 +276,7 @@ def test_stacked_rows_read_ahead_of_writes() -> None:
     grads = [make_grads(params, step) for step in range(2)]
     ref, opt = optax.adamw(1e-2), eqx_offload.offloaded(
         optax.adamw(1e-2), group_bytes=2 * 16 * 16 * 4, lookahead=2)
-    ref_state, state = ref.init(params), opt.init(params)
-    for g in grads:
-        ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, params)
-        updates, state = jax.jit(opt.update)(g, state, params)
-        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
-        assert_placed(state)
+    _bitwise_the_unwrapped(ref, opt, params, grads)
     a = _sliced_equals_whole(params, grads, host_dtype=jnp.bfloat16, lookahead=2)
     assert a.inner_state[0].mu["w"].dtype == jnp.bfloat16
     assert a.inner_state[0].mu["w"].sharding.memory_kind == "pinned_host"
@@ -304,12 +299,7 @@ def test_stacked_leaves_take_turns(lookahead: int) -> None:
                                           params, group_bytes=2 * 16 * 16 * 4)
     firsts = [group[0].split("/")[2][0] for group in plan.groups]
     assert firsts[:5] == ["v", "w", "u", "w", "u"], plan.groups
-    ref_state, state = ref.init(params), opt.init(params)
-    for g in grads:
-        ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, params)
-        updates, state = jax.jit(opt.update)(g, state, params)
-        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
-        assert_placed(state)
+    _bitwise_the_unwrapped(ref, opt, params, grads)
     _sliced_equals_whole(params, grads, host_dtype=jnp.int8, lookahead=lookahead)
 
 
@@ -380,3 +370,14 @@ def _sliced_equals_whole(params: Any, grads: list[Any], **options: Any) -> Any:
         ub, b = jax.jit(whole.update)(g, b)
         assert_tree_equal((ua, a.inner_state), (ub, b.inner_state))
     return a
+
+
+def _bitwise_the_unwrapped(ref: Any, opt: Any, params: Any, grads: list[Any]) -> None:
+    """`opt` (an `offloaded(ref)`) jitted: bitwise `ref`'s updates and state at every
+    step, its state placed as the layout says."""
+    ref_state, state = ref.init(params), opt.init(params)
+    for g in grads:
+        ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, params)
+        updates, state = jax.jit(opt.update)(g, state, params)
+        assert_tree_equal((updates, state.inner_state), (ref_updates, ref_state))
+        assert_placed(state)
