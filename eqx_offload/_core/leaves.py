@@ -2,11 +2,12 @@
 
 One path convention for the whole package: a leaf's key path as `/`-joined keys from the
 root (`"1/0/mu/layers/0/weight"`: dict keys, sequence indices, attribute names), the form
-`pattern` matches, errors print and `memory_report` lists. `path_parts` is the same path
-as a tuple, which `filter_jit` compares from the end to pair outputs with inputs.
+`pattern` matches, errors print and `memory_report` lists. `paths_parts` gives paths
+as tuples, which `filter_jit` compares from the end to pair outputs with inputs.
 `format_bytes` is how every message and report prints a size.
 """
 
+from collections.abc import Sequence
 from typing import Any, Union
 
 import jax
@@ -31,15 +32,15 @@ def key_to_str(key: Any) -> str:
     return str(key)
 
 
-def path_parts(path: KeyPath) -> tuple[str, ...]:
-    """A key path as a tuple of strings, e.g. `("1", "0", "mu", "weight")`."""
-    return tuple(key_to_str(k) for k in path)
+def paths_parts(paths: Sequence[KeyPath]) -> list[tuple[str, ...]]:
+    """Each key path as a tuple of strings, e.g. `("1", "0", "mu", "weight")`."""
+    return [tuple(map(key_to_str, path)) for path in paths]
 
 
 def path_to_str(path: KeyPath) -> str:
     """A key path as a `/`-separated string, e.g. `"1/0/mu/layers/0/weight"` (the form
     that axlearn's `pattern` matches against)."""
-    return "/".join(path_parts(path))
+    return "/".join(map(key_to_str, path))
 
 
 def call_argument(path: KeyPath) -> tuple[Union[int, str], str]:

@@ -3,6 +3,7 @@ targets), and the public movers on it: `to_host`, `to_device`, `filter_shard`. E
 module that moves arrays between memories goes through `put` (the layout's `fetch` and
 `store`, the streamed and host-compute updates through `move`)."""
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, TypeVar
@@ -13,7 +14,8 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 
 from .compat import device_put, HOST_OUTPUT_COPY_FAILS
-from .errors import nothing_to_move_message, OffloadWarning, OptionError, TreeError
+from .errors import nothing_to_move_message, OffloadError, OffloadWarning, OptionError
+from .errors import TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, default_kind
 from .placement import (
@@ -85,17 +87,29 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
             "treats as one opaque leaf, so nothing in it would move. Pass a pytree "
             "(e.g. `list(...)` or `tuple(...)` of it)."
         )
-    keyed_leaves, treedef = jtu.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in keyed_leaves]
+    leaves, treedef = jtu.tree_flatten(tree)
     mask = leaf_mask(tree, where)
-    if caller is not None:
+    if caller is not None and not any(mask):  # (a selected leaf is an array: it moves)
         _warn_if_nothing_moves(tree, leaves, where, mask, caller)
-    targets = [destination(leaf, memory_kind, argument, path_to_str(path)) if selected
-               else None for (path, leaf), selected in zip(keyed_leaves, mask, strict=True)]
-    moved = put(leaves, targets, memory_kind, argument,
-                lambda i: path_to_str(keyed_leaves[i][0]))
-    out: _T = jtu.tree_unflatten(treedef, moved)
+    path_of = functools.partial(_path_of, tree)
+    targets = [_destination(leaf, memory_kind, argument, path_of, i) if selected else None
+               for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True))]
+    out: _T = jtu.tree_unflatten(treedef, put(leaves, targets, memory_kind, argument, path_of))
     return out
+
+
+def _path_of(tree: Any, i: int) -> str:
+    """The path of leaf `i` of `tree` (a walk of the tree: for an error only)."""
+    return path_to_str(jtu.tree_flatten_with_path(tree)[0][i][0])
+
+
+def _destination(leaf: Any, memory_kind: Optional[str], argument: str,
+                 path_of: Callable[[int], str], i: int) -> Optional[Destination]:
+    """`destination`, its error naming the leaf's path (`path_of(i)`) when it fails."""
+    try:
+        return destination(leaf, memory_kind, argument, "")
+    except OffloadError:
+        return destination(leaf, memory_kind, argument, path_of(i))
 
 
 def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],

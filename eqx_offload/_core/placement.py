@@ -4,7 +4,7 @@
 - `destination`: the sharding (eagerly) or memory space (traced) a move sends a leaf to.
 - `input_shardings` / `output_shardings`: the concrete shardings, memory kinds
   included, that `filter_jit` compiles for and `abstract_init` restores into.
-- `retype_host` / `typed_sharding`: the one workaround for JAX typing some host arrays
+- `retype_hosts` / `typed_sharding`: the one workaround for JAX typing some host arrays
   as device memory.
 
 Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` and
@@ -153,19 +153,17 @@ def typed_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sharding
 
 
-def is_mistyped_host(leaf: Any) -> bool:
-    """A `pinned_host` array whose JAX type says device memory."""
-    return (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, Tracer)
-        and leaf.sharding.memory_kind == "pinned_host"
-        and jax.typeof(leaf).memory_space != jax.memory.Space.Host
-    )
-
-
-def retype_host(leaf: jax.Array) -> jax.Array:
-    """A correctly typed copy (host to host, same sharding) of a mistyped host array."""
-    return copy(leaf)
+def retype_hosts(leaves: list[Any]) -> dict[int, jax.Array]:
+    """Each `pinned_host` array of `leaves` whose JAX type says device memory replaced
+    (in place) by a correctly typed copy (host to host, same sharding). Returns index ->
+    the mistyped original."""
+    retyped = {i: x for i, x in enumerate(leaves)
+               if isinstance(x, jax.Array) and not isinstance(x, Tracer)
+               and x.sharding.memory_kind == "pinned_host"
+               and jax.typeof(x).memory_space != jax.memory.Space.Host}
+    for i, x in retyped.items():
+        leaves[i] = copy(x)
+    return retyped
 
 
 # ----------------------------------------------------------------------------------------
@@ -240,7 +238,7 @@ def output_shardings(
     state shaped like the old ones) -- of several, the one whose path in the arguments
     ends like the output's path in the result (`(model, state)` in, `(model, state)`
     out), then one of the same dtype; replicated over the inputs' mesh; the default
-    device. Paths are `path_parts` of the argument tuple / the result.
+    device. Paths are `paths_parts` of the argument tuple / the result.
 
     (An `Auto`-axes mesh gives every traced value an all-`None` spec, so only an
     explicit-axes mesh's spec is trusted: trusting the other would replicate every

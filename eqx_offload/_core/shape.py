@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .leaves import path_parts
+from .leaves import paths_parts
 from .memory import check_tree_fits_host_pool, host_pool_limit, platform_of
 from .placement import input_shardings, output_shardings, typed_sharding
 
@@ -105,15 +105,15 @@ def filter_eval_shape(fun: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         call_args, call_kwargs = eqx.combine(jtu.tree_unflatten(treedef, flat), static)
         dynamic_out, static_out = eqx.partition(fun(*call_args, **call_kwargs), eqx.is_array)
         keyed, out_treedef = jtu.tree_flatten_with_path(dynamic_out)
-        out_parts[:] = [static_out, out_treedef, [path_parts(p) for p, _ in keyed]]
+        out_parts[:] = [static_out, out_treedef, paths_parts([p for p, _ in keyed])]
         return [x for _, x in keyed]
 
     out_avals = jax.jit(flat_fun).trace(*abstract_in).jaxpr.out_avals
     static_out, out_treedef, out_paths = out_parts
     # The paths as `filter_jit` sees them (`(0, ...)`: the first argument), so that the
     # layouts chosen here are those a jitted call chooses (`offloaded`'s `init`).
-    in_paths = [path_parts(p)[1:] for p, _ in jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, leaves), is_leaf=is_abstract)[0]]
+    in_paths = paths_parts([p[1:] for p, _ in jtu.tree_flatten_with_path(
+        jtu.tree_unflatten(treedef, leaves), is_leaf=is_abstract)[0]])
     out_shardings = output_shardings(
         out_avals, out_paths, [jax.typeof(x) for x in abstract_in], in_paths, in_shardings
     )

@@ -254,6 +254,9 @@ def structure_divergence(
 
     Returns `None` if it is a prefix (every `is_leaf` node of `prefix` stands on some
     subtree of `tree`), else the path where they diverge and a description."""
+    structure: Any = jtu.tree_structure(prefix)  # (`PyTreeDef` is typed without `__eq__`)
+    if structure == jtu.tree_structure(tree):  # (the usual answer, at once)
+        return None
     return _divergence(prefix, tree, (), is_leaf)
 
 
@@ -344,6 +347,8 @@ def leaf_mask(tree: Any, where: Any, argument: str = "where") -> list[bool]:
                 f"another tree; this one has {count} leaves."
             )
         return list(where.flags)
+    if isinstance(where, (bool, Filter)) and not isinstance(where, eqx.Module):  # (a spec leaf)
+        return jtu.tree_leaves(_expand_spec(argument, (), where, tree))
     expand = functools.partial(_expand_spec, argument)
     try:
         mask_tree = jtu.tree_map_with_path(expand, where, tree, is_leaf=_is_spec_leaf)

@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from .._core.compat import copy, is_single_device_sharding
 from .._core.errors import deleted_array_error, OffloadWarning
 from .._core.leaves import call_argument
-from .._core.placement import input_shardings, is_mistyped_host, retype_host
+from .._core.placement import input_shardings, retype_hosts
 from .donation import Donation
 
 
@@ -94,17 +94,10 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation
             flags[i] = False
     if not abstract:
         _check_not_deleted(all_leaves, args, kwargs, donate, name)
-    leaves: list[Any] = []
-    donated: list[int] = []
-    for x, a, d in zip(all_leaves, is_array, flags, strict=True):
-        if a:
-            if d:
-                donated.append(len(leaves))
-            leaves.append(x)
+    leaves = [x for x, a in zip(all_leaves, is_array, strict=True) if a]
+    donated = [i for i, d in enumerate(d for d, a in zip(flags, is_array, strict=True) if a) if d]
     shared = _unshare(leaves, donated) if donated else {}
-    retyped = {i: x for i, x in enumerate(leaves) if is_mistyped_host(x)}
-    for i, x in retyped.items():
-        leaves[i] = retype_host(x)
+    retyped = retype_hosts(leaves)
     shardings = input_shardings(leaves)
     key = Signature(
         treedef,

@@ -18,7 +18,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._core.errors import OptionError
-from .jit import filter_jit, Lowered
+from .jit import AsMethod, filter_jit, Lowered
 
 
 _P = ParamSpec("_P")
@@ -81,7 +81,7 @@ def _call(fun: Callable[..., Any], fixed: tuple[Any, dict[str, Any]],
     return _python_scalars_as_arrays(out)
 
 
-class _Jit(Generic[_P, _T]):
+class _Jit(AsMethod, Generic[_P, _T]):
     """What `jit` returns."""
 
     def __init__(self, fun: Callable[_P, _T], static_argnums: Any, static_argnames: Any,
@@ -147,11 +147,6 @@ class _Jit(Generic[_P, _T]):
         `as_text()`; call the `jit` function itself to run it."""
         layout, kept, donated = self._sort(args, kwargs)
         return self._jitted.lower((layout, kept), donated)
-
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        if instance is None:
-            return self
-        return functools.partial(self, instance)
 
 
 @overload

@@ -4,17 +4,17 @@ host-resident state to, with an ahead-of-time API (`.lower(...).compile()`).
 One call goes one way, as one record (`call.Call`): flattened once
 (`call.flatten_call`: array leaves are traced, everything else is static), its
 `Signature` looked up in the cache (kept here, above `jax.jit`: the donation abort needs
-the shardings `jax.jit` is given), compiled on a miss (`stage.compile_call`: its
-`lower_call`, shared with `lower` and `lower_for`, traces the function once with the
-arguments' shardings, analyses the program with `analysis.analyse`, and lowers it with
-input *and* output shardings that carry memory kinds, so JAX pairs a donated input only
-with an output in the same memory), and run (`stage.run`: the executable, the output
-rebuilt). The user's function runs once per compilation.
+the shardings `jax.jit` is given), compiled on a miss (`stage.lower_call`, shared with
+`lower` and `lower_for`, traces the function once with the arguments' shardings,
+analyses the program with `stage.analyse`, and lowers it with input *and* output
+shardings that carry memory kinds, so JAX pairs a donated input only with an output in
+the same memory; `stage.compile_program` compiles it), and run (`stage.run`: the
+executable, the output rebuilt). The user's function runs once per compilation.
 """
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Optional, overload, ParamSpec, TypeVar, Union
+from typing import Any, cast, Generic, Optional, overload, ParamSpec, TypeVar, Union
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -25,7 +25,7 @@ from .._core.types import Donate
 from .call import Call, flatten_call, FUN, over_one_device_meshes, Signature
 from .call import warn_changed_number
 from .donation import Donation, parse_donate
-from .stage import compile_call, compile_program, Executable, export_call, lower_call, Program, run
+from .stage import compile_program, Executable, export_call, lower_call, Program, run
 
 
 _P = ParamSpec("_P")
@@ -109,7 +109,17 @@ class Lowered:
         return self._program.lowered.compiler_ir(dialect)
 
 
-class _FilterJit(Generic[_P, _T]):
+class AsMethod:
+    """A callable object that binds an instance as a function does, when it stands as a
+    method in a class (`filter_jit` and `jit` as decorators of methods)."""
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        if instance is None:
+            return self
+        return functools.partial(cast(Callable[..., Any], self), instance)  # (a subclass's)
+
+
+class _FilterJit(AsMethod, Generic[_P, _T]):
     """What `filter_jit` returns: call it, or `.lower(...)` it."""
 
     def __init__(self, fun: Callable[_P, _T], donate: Donation,
@@ -167,8 +177,8 @@ class _FilterJit(Generic[_P, _T]):
         if executable is None:
             if not self._warned and self._cache:
                 self._warned = warn_changed_number(self._cache, call, self._donate, self._name)
-            executable = compile_call(self._traced, self._name, call, silence,
-                                      self._compiler_options)
+            program = lower_call(self._traced, self._name, call, silence, self._compiler_options)
+            executable = compile_program(program, program.compiler_options, silence)
             self._cache[call.key] = executable
         return run(executable, call, silence)
 
@@ -251,12 +261,6 @@ class _FilterJit(Generic[_P, _T]):
         program = lower_call(self._traced, self._name, call, self._donate.silence,
                              self._compiler_options, platforms)
         return Lowered(program, call.key, self._donate, self._name, self._fun_arrays)
-
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        # As a method: bind the instance like a function would.
-        if instance is None:
-            return self
-        return functools.partial(self, instance)
 
 
 @overload

@@ -1,5 +1,5 @@
 """A `filter_jit` call's program, from its `call.Call`: traced once for the call's
-arguments, analysed (`analysis.analyse`), lowered by a `jax.jit` given input *and*
+arguments, analysed (`analyse`), lowered by a `jax.jit` given input *and*
 output shardings with memory kinds (so JAX pairs a donated input only with an output
 in the same memory) and JAX's trace of the first `jax.jit` (`lower_call`; `export_call` too);
 compiled (`compile_program`); run on a call, its result rebuilt (`run`)."""
@@ -13,16 +13,16 @@ from typing import Any, Optional
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, Literal
 
-from .._core.leaves import path_parts
+from .._core.compat import scopes
+from .._core.leaves import paths_parts
 from .._core.placement import output_shardings
 from .._core.target import lowering_for
-from .analysis import analyse
 from .call import Call
 from .compiler_options import default_compiler_options
 from .donation import UNUSABLE_DONATION
-from .lint import host_weights_leaf, memory_space_error, weight_leaf
+from .lint import check_no_host_compute, host_weights_leaf, memory_space_error, weight_leaf
 
 
 @dataclasses.dataclass
@@ -79,6 +79,43 @@ def _silenced(silence: bool) -> Iterator[None]:
             warnings.filterwarnings("ignore", message=UNUSABLE_DONATION)
         yield
 
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """What `analyse` read from a traced program."""
+
+    streamed: bool
+    prefetched: bool
+    whole: bool
+    out_constraints: tuple[Optional[Any], ...]  # per output: its sharding constraint, or None
+
+
+def analyse(closed: Any, name: str,
+            weights: Callable[[], Optional[str]] = lambda: None) -> Analysis:
+    """One pass over a step's traced program `closed` (a closed jaxpr): what
+    `filter_jit` must know about it before it compiles, read from the program itself.
+    It computes on no host-resident array (`lint.check_no_host_compute`: a
+    `CompositionError` naming `name`, and `weights()`, a host weight among the
+    arguments, otherwise); the scopes it marks (`compat.scopes`): whether it streams,
+    prefetches or fetches an `offloaded` state whole (the GPU's default options depend
+    on it); and the sharding constraints on its outputs (`eqx.filter_shard` at the end
+    of a step says where an output lives)."""
+    jaxpr = closed.jaxpr
+    check_no_host_compute(jaxpr, name, weights)
+    constraints = {
+        eqn.outvars[0]: eqn.params["sharding"] for eqn in jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint" and not eqn.params.get("unconstrained_dims")
+    }
+    kinds = scopes(jaxpr)
+    return Analysis(
+        streamed="streamed" in kinds,
+        prefetched="prefetched" in kinds,
+        whole="whole" in kinds,
+        out_constraints=tuple(None if isinstance(v, Literal) else constraints.get(v)
+                              for v in jaxpr.outvars),
+    )
+
+
 def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..., Any]:
     """`fun` on the call's array leaves alone (the static ones are `call`'s); records how
     to rebuild the result and the output paths in `found` when traced. Traced again
@@ -98,7 +135,7 @@ def _flat_fun(fun: Callable[..., Any], call: Call, found: _Trace) -> Callable[..
         positions = [i for i, (_, x) in enumerate(keyed_out) if eqx.is_array(x)]
         out_leaves = [None if eqx.is_array(x) else x for _, x in keyed_out]
         found.output = Output(out_treedef, out_leaves, positions)
-        found.out_paths = [path_parts(keyed_out[i][0]) for i in positions]
+        found.out_paths = paths_parts([keyed_out[i][0] for i in positions])
         return [keyed_out[i][1] for i in positions]
 
     # JAX names the executable (and its compile events, `jax.monitoring`) after this.
@@ -112,7 +149,7 @@ def _stage(fun: Callable[..., Any], name: str, call: Call,
     default update reads: `target.lowering_platforms`), and analyse the program: the
     `jax.jit` that lowers it with memory-kind-aware shardings (its trace is JAX's cached
     first one), how to rebuild the result, the closed jaxpr, and the
-    `analysis.Analysis`."""
+    `Analysis`."""
     found = _Trace()
     flat_fun = _flat_fun(fun, call, found)
     weights = lambda: host_weights_leaf(jtu.tree_unflatten(call.treedef, call.all_leaves))  # noqa: E731
@@ -129,7 +166,7 @@ def _stage(fun: Callable[..., Any], name: str, call: Call,
     # An argument's path without the leading args/kwargs index: `(0, ...)` is the
     # first positional argument, as `(0, ...)` is the first element of a tuple result.
     keyed_in = jtu.tree_flatten_with_path(jtu.tree_unflatten(call.treedef, call.all_leaves))[0]
-    in_paths = [path_parts(keyed_in[i][0][1:]) for i, a in enumerate(call.is_array) if a]
+    in_paths = paths_parts([keyed_in[i][0][1:] for i, a in enumerate(call.is_array) if a])
     out_shardings = output_shardings(
         closed.out_avals, found.out_paths, [jax.typeof(x) for x in call.leaves], in_paths,
         call.in_shardings, list(analysis.out_constraints),
@@ -160,12 +197,12 @@ def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
     """`fun`'s program for `call`, lowered for `platforms` (default: the arguments' own;
     `gpu_plan` lowers for `("cuda",)` with CPU arguments), with `filter_jit`'s default
     XLA options for the first platform and this program, and `compiler_options`."""
+    platform = platforms[0] if platforms else _platform_of(call)
     with _silenced(silence):
-        jitted, output, closed, found = _stage(fun, name, call, platforms or (_platform_of(call),))
+        jitted, output, closed, found = _stage(fun, name, call, platforms or (platform,))
         traced = jitted.trace(*call.leaves)
         lowered = traced.lower() if platforms is None else traced.lower(
             lowering_platforms=platforms)
-    platform = platforms[0] if platforms else _platform_of(call)
     options = {**default_compiler_options(platform, found.streamed, found.prefetched,
                                           found.whole), **(compiler_options or {})}
     return Program(lowered, output, closed, options)
@@ -183,14 +220,6 @@ def compile_program(program: Program, compiler_options: dict[str, Any],
     `jit.Lowered.compile` can add to)."""
     with _silenced(silence):
         return Executable(program.lowered.compile(compiler_options or None), program.output)
-
-
-def compile_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
-                 compiler_options: Optional[dict[str, Any]]) -> Executable:
-    """`lower_call` then `compile_program`, with the program's own options: a call's
-    executable, on a miss of `filter_jit`'s cache."""
-    program = lower_call(fun, name, call, silence, compiler_options)
-    return compile_program(program, program.compiler_options, silence)
 
 
 def export_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,

@@ -30,7 +30,7 @@ from .checks import (
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
 from .state import OffloadedState
-from .strategies import Call, choose, Strategy
+from .strategies import Call, choose
 
 
 def offloaded(
@@ -140,12 +140,28 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
 
     def update_fn(
         updates: optax.Updates,
-        state: optax.OptState,  # an `OffloadedState`, checked by `_update`
+        state: Any,  # (`check_is_offloaded` names a wrong state better than a type hint)
         params: Optional[optax.Params] = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, OffloadedState]:
-        return _update(inner, options, strategy, cache, updates, state, params, extra_args,
-                       in_layer)
+        check_is_offloaded(state)
+        layout, leaves, traced = layout_for(inner, options, cache, state, updates, params,
+                                            extra_args)
+        if traced:
+            check_trace(layout.treedef, leaves, layout.mask)
+        else:
+            check_state_not_deleted(leaves, state)
+        if not cache.warned:  # the cheap part: a memory kind per selected leaf, no walk
+            i = first_on_device(leaves, layout.mask)
+            if i is not None:
+                cache.warned = warn_on_device(layout.treedef, leaves, i, options.memory_kind)
+        updates, new_state = strategy(Call(inner, layout, traced), updates, state.inner_state,
+                                      params, **extra_args)
+        # One layer inside the backward pass: the new state stays on the device
+        # (narrowed), and the backward scan writes it into the stacked host arrays, one copy.
+        if traced and in_layer:
+            return updates, OffloadedState(layout.narrow(new_state))
+        return updates, OffloadedState(layout.store(new_state))
 
     # Errors leave these with the package's frames hidden (`compat.boundary`).
     update = boundary(update_fn)
@@ -197,28 +213,3 @@ def _init(inner: optax.GradientTransformationExtraArgs, options: Options, jitted
     # `unpinned_host` is only reachable eagerly: the jitted part ends at `pinned_host`.
     return store_tree(options, state, options.memory_kind)
 
-
-def _update(
-    inner: optax.GradientTransformationExtraArgs, options: Options, strategy: Strategy,
-    cache: Cache, updates: Any, state: Any, params: Any, extra_args: dict[str, Any],
-    in_layer: bool = False,
-) -> tuple[Any, OffloadedState]:
-    # (`state: Any`: `check_is_offloaded` names a wrong state better than a type hint.)
-    check_is_offloaded(state)
-    layout, leaves, traced = layout_for(inner, options, cache, state, updates, params,
-                                        extra_args)
-    if traced:
-        check_trace(layout.treedef, leaves, layout.mask)
-    else:
-        check_state_not_deleted(leaves, state)
-    if not cache.warned:  # the cheap part: a memory kind per selected leaf, no walk
-        i = first_on_device(leaves, layout.mask)
-        if i is not None:
-            cache.warned = warn_on_device(layout.treedef, leaves, i, options.memory_kind)
-    updates, new_state = strategy(Call(inner, layout, traced), updates, state.inner_state, params,
-                                  **extra_args)
-    # One layer inside the backward pass: the new state stays on the device (narrowed),
-    # and the backward scan writes it into the stacked host arrays, one copy.
-    if traced and in_layer:
-        return updates, OffloadedState(layout.narrow(new_state))
-    return updates, OffloadedState(layout.store(new_state))

@@ -9,9 +9,9 @@ import pytest
 
 import eqx_offload
 from eqx_offload._core.compat import marked
-from eqx_offload._jit.analysis import analyse
 from eqx_offload._jit.call import flatten_call, Signature
 from eqx_offload._jit.donation import parse_donate
+from eqx_offload._jit.stage import analyse
 from eqx_offload._optim.checks import foreign_donation
 
 
