@@ -8,7 +8,7 @@
 #   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
 #   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
-#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
+#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): stored once, 3.52B 8-bit, 1.83B fp32
 #   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
 #   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
@@ -121,15 +121,16 @@ call6() {  # where the host's resident memory goes: primitives, then each mode's
 }
 call4() {  # start-up: new pinned memory by route
   for route in threads numpy fresh; do
-    row 90 bench/startup_probe.py $route $MIB 4
+    row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
   done
 }
-call9() {  # fp32 master + 8-bit moments stored once, in host memory, 3.52B (66 layers; the
-  # v5e plan: 21.8 GB in host memory); the 542M 8-bit step with the update in backward
-  local l=66
-  [ "${SIZE:-}" = small ] && l=2
-  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
-  row $((T + 160)) $R +activations-once-int8state-backward $W $l 20 $SEQB
+call9() {  # issue 63's two rows, everything in host memory, each parameter stored once:
+  # fp32 master + 8-bit moments at 3.52B (66 layers; 20.72 GB in host memory on the chip)
+  # and fp32 weights + fp32 moments at 1.83B (33 layers; 12 bytes a parameter, 21.9 GB)
+  local l8=66 l32=33
+  [ "${SIZE:-}" = small ] && { l8=2; l32=2; }
+  row $((T + 100)) $R +activations-once-int8state-backward $W $l8 20 $SEQB
+  row $((T + 100)) $R +activations-once-backward $W $l32 20 $SEQB
 }
 call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M steps in one run
   local o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W"
