@@ -68,12 +68,18 @@ def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
     del lowered
     took.update(compile_s=time.perf_counter() - began, resident_after_compile=harness.resident(),
                 resident_peak_compile=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # (glibc: return the freed heap to the system)
+    trim()
     analysis = compiled.memory_analysis()
     took.update(resident_after_trim=harness.resident(),
                 compiled={f: getattr(analysis, f, None) for f in ANALYSIS})
     return compiled, abstract, took
+
+
+def trim() -> None:
+    """Free what Python and glibc's heap hold unused (`malloc_trim(0)` returns it to the
+    system)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def v5e() -> Any:
@@ -95,8 +101,11 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                                          v5e() if plan else jax.devices()[0])
     row.update(took)
     print(json.dumps({**row, "phase": "compiled"}), flush=True)
-    if plan:
-        return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]))
+    if plan:  # (and what the process holds without the executable)
+        del step
+        trim()
+        return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
+                              resident_without_executable=harness.resident())
     on = abstract[2].sharding
     began = time.perf_counter()
     made = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
