@@ -38,7 +38,7 @@ def test_every_row_of_every_call_parses(size: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "DRY": "1", "SIZE": size})
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert len(rows) == 31, listed.stdout
+    assert len(rows) == 32, listed.stdout
     modes = set()
     for script, *args in rows:
         assert (ROOT / script).is_file(), script
@@ -49,8 +49,9 @@ def test_every_row_of_every_call_parses(size: str) -> None:
         elif script == "bench/host_rss.py" and args[0] == "startup":
             modes.add(args[1])
             assert len(args) == 5 and harness.mode_of(args[1])
-    # the stored-once rows of call 9 (8-bit and fp32 moments) among them
-    assert {"+activations-once-int8state-backward", "+activations-once-backward",
+    # the stored-once rows of calls 9 and 11 (8-bit and fp32 moments) among them
+    assert {"+activations-once-int8state-backward", "+params-once-int8state-backward",
+            "+activations-once-backward",
             "state-int8state-backward", "+activations-bf16state"} <= modes
     with pytest.raises(SystemExit):  # (a mode the harness does not know fails to parse)
         train.parse(["+activations-int4state", "128", "2"])
@@ -82,11 +83,11 @@ def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None
     assert rows and all("stopped" in r.get("error", "") for r in rows)
 
 
-@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9"])
+@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9", "11"])
 def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
         call: str, tmp_path: pathlib.Path) -> None:
     rows = _next(call, tmp_path)
-    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2}[call]
+    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2, "11": 1}[call]
     for row in rows:
         assert "error" not in row, row
         if row["file"] == "startup":  # (new pinned memory by route)
