@@ -119,9 +119,10 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                resident_after_startup=harness.resident())
     tokens = jax.device_put(harness.tokens_of(shape, micro), on)
     compiles: list[str] = []  # (during the steps: none, the step is compiled)
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_, **__: compiles.append(event) if event.endswith("backend_compile_duration")
-        else None)
+
+    def count(event: str, *_: Any, **__: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
 
     def progress(losses: list[float], times: list[float]) -> None:
         if len(times) == 1:
@@ -131,8 +132,12 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
 
     progress([], [])
     seconds = float(os.environ.get("ROW_SECONDS", "inf")) - (time.perf_counter() - STARTED)
-    model, state, losses, times = harness.train(
-        step, model, state, tokens, steps, seconds, progress)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        model, state, losses, times = harness.train(
+            step, model, state, tokens, steps, seconds, progress)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
     return harness.record(**row, losses=losses, step_s=times, falls=losses[-1] < losses[0],
                           compiles_in_steps=len(compiles),
                           **harness.timing(times, row["tokens_per_step"]))
