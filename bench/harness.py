@@ -281,10 +281,10 @@ def train(step: Any, model: Any, state: Any, tokens: jax.Array, steps: int,
 
 
 def bytes_by_kind(tree: Any) -> dict[str, int]:
-    """The bytes of `tree`'s arrays by memory kind."""
+    """The bytes of `tree`'s arrays (or `jax.ShapeDtypeStruct`s) by memory kind."""
     out: dict[str, int] = {}
     for x in jax.tree.leaves(tree):
-        if eqx.is_array(x):
+        if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
             kind = str(x.sharding.memory_kind)
             out[kind] = out.get(kind, 0) + x.size * x.dtype.itemsize
     return out

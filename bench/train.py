@@ -3,24 +3,33 @@ where each array lives (`eqx_offload.filter_make`) and trained on one batch of r
 tokens. One process per row (the device's peak cannot be reset within one):
 
     python bench/train.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH] [--micro K] [--file NAME]
+    JAX_PLATFORMS=cpu python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] --plan
 
 STEPS (default 20) optimizer steps at sequence SEQ (1024) and batch BATCH (4); with
 `--micro K`, each sums the gradients of K micro-batches in a scan and updates once.
+The step is compiled first, from abstract arguments, before the model and state are
+made (the compiler's memory is not added to theirs), and each step runs that executable.
 Prints a progress line a step and one JSON record (`harness.record`, appended to
 $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): the seconds of the
-start-up and of each step, tokens a second, the losses, the bytes stored by memory kind.
-It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
+compile, the start-up and each step, tokens a second, the losses, the bytes stored by
+memory kind, XLA's memory analysis and the resident memory before and after the compile,
+after the start-up and after the first step. `--plan` compiles for a TPU v5e without
+one (libtpu) and stops there. It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
 a row reports the steps it ran rather than being killed.
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
 
@@ -29,42 +38,120 @@ import harness  # (bench/)
 
 
 STARTED = time.perf_counter()
+ANALYSIS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes",
+            "host_alias_size_in_bytes", "host_temp_size_in_bytes")
+# What libtpu needs to compile for a v5e without one (as tests/helpers.py's `TPU_ENV`).
+TPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
+           "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
+                  device: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The donated step compiled for `device` before anything is allocated, from
+    `filter_eval_shape` of `start` and the tokens' shape, every array over a one-device
+    mesh (an abstract `pinned_host` array of a `SingleDeviceSharding` traces as device
+    memory). Returns the compiled step, its abstract `(model, state, tokens)` and what
+    it took: seconds, resident memory before, at the peak and after (again after
+    `gc.collect()` and glibc's `malloc_trim(0)`), and XLA's memory analysis."""
+    on = NamedSharding(Mesh([device], ("_",)), P())
+    key, tokens = jax.eval_shape(lambda: (jax.random.key(0), harness.tokens_of(shape, micro)))
+    model, state = eqx_offload.checkpoint.filter_eval_shape(
+        start, jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=on))
+    abstract = (model, state, jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=on))
+    took: dict[str, Any] = {"resident_before_compile": harness.resident()}
+    began = time.perf_counter()
+    lowered = harness.step_of(grad_step, micro).lower_for((device.platform,), abstract, {})
+    took.update(lower_s=time.perf_counter() - began, resident_after_lower=harness.resident())
+    began = time.perf_counter()
+    compiled = lowered.compile()
+    del lowered
+    took.update(compile_s=time.perf_counter() - began, resident_after_compile=harness.resident(),
+                resident_peak_compile=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    trim()
+    analysis = compiled.memory_analysis()
+    took.update(resident_after_trim=harness.resident(),
+                compiled={f: getattr(analysis, f, None) for f in ANALYSIS})
+    return compiled, abstract, took
+
+
+def trim() -> None:
+    """Free what Python and glibc's heap hold unused (`malloc_trim(0)` returns it to the
+    system)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def v5e() -> Any:
+    """The first chip of a v5e topology, compile-only (libtpu, no TPU needed)."""
+    from jax.experimental import topologies
+    os.environ.update(TPU_ENV)
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
 
 
 def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
-         batch: int = 4, micro: int = 1) -> dict[str, Any]:
+         batch: int = 4, micro: int = 1, plan: bool = False) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
     row: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                            "seq": seq, "batch": batch, "micro_batches": micro,
                            "tokens_per_step": micro * batch * seq,
-                           "backend": jax.default_backend()}
+                           "backend": "tpu v5e (compile only)" if plan else jax.default_backend()}
     start, grad_step = harness.trainer(shape, name)
+    step, abstract, took = compile_ahead(start, grad_step, shape, micro,
+                                         v5e() if plan else jax.devices()[0])
+    row.update(took)
+    print(json.dumps({**row, "phase": "compiled"}), flush=True)
+    if plan:  # (and what the process holds without the executable)
+        del step
+        trim()
+        return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
+                              resident_without_executable=harness.resident())
+    on = abstract[2].sharding
     began = time.perf_counter()
-    model, state = jax.block_until_ready(eqx_offload.filter_make(start, jax.random.key(0)))
+    # (each array's buffer as made, given the compiled step's sharding: one device, the
+    # same memory kind, over a one-device mesh; `filter_make` gives some a
+    # `SingleDeviceSharding`, which the executable would refuse)
+    model, state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding, may_alias=True),
+                                eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on)),
+                                abstract[:2])
+    model, state = jax.block_until_ready((model, state))
     row.update(startup_s=time.perf_counter() - began, stored=harness.bytes_by_kind((model, state)),
                resident_after_startup=harness.resident())
+    tokens = jax.device_put(harness.tokens_of(shape, micro), on)
+    compiles: list[str] = []  # (during the steps: none, the step is compiled)
+
+    def count(event: str, *_: Any, **__: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
 
     def progress(losses: list[float], times: list[float]) -> None:
+        if len(times) == 1:
+            row["resident_after_first_step"] = harness.resident()
         print(json.dumps({**row, "losses": losses, "step_s": times, "phase": f"step {len(times)}",
                           "resident": harness.resident()}), flush=True)
 
     progress([], [])
     seconds = float(os.environ.get("ROW_SECONDS", "inf")) - (time.perf_counter() - STARTED)
-    model, state, losses, times = harness.train(
-        harness.step_of(grad_step, micro), model, state, harness.tokens_of(shape, micro),
-        steps, seconds, progress)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        model, state, losses, times = harness.train(
+            step, model, state, tokens, steps, seconds, progress)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
     return harness.record(**row, losses=losses, step_s=times, falls=losses[-1] < losses[0],
+                          compiles_in_steps=len(compiles),
                           **harness.timing(times, row["tokens_per_step"]))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line's arguments: `mode` (read by `harness.mode_of`), `numbers`
-    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro` and `file`."""
+    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file` and `plan`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode")
     parser.add_argument("numbers", type=int, nargs="+", metavar="WIDTH LAYERS [STEPS SEQ BATCH]")
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--file", default="capacity")
+    parser.add_argument("--plan", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= len(args.numbers) <= 5:
         parser.error("give WIDTH LAYERS, then up to STEPS SEQ BATCH")
@@ -79,4 +166,5 @@ if __name__ == "__main__":
     args = parse(sys.argv[1:])
     width, layers, *rest = args.numbers
     harness.run_row(args.file, {"mode": args.mode, "width": width, "layers": layers},
-                    lambda: main(args.mode, width, layers, *rest, micro=args.micro))
+                    lambda: main(args.mode, width, layers, *rest, micro=args.micro,
+                                 plan=args.plan))

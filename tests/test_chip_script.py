@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tpu_plan_marks
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import harness  # (bench/: scripts of the repository)
@@ -37,7 +38,7 @@ def test_every_row_of_every_call_parses(size: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "DRY": "1", "SIZE": size})
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert len(rows) == 31, listed.stdout
+    assert len(rows) == 32, listed.stdout
     modes = set()
     for script, *args in rows:
         assert (ROOT / script).is_file(), script
@@ -48,8 +49,9 @@ def test_every_row_of_every_call_parses(size: str) -> None:
         elif script == "bench/host_rss.py" and args[0] == "startup":
             modes.add(args[1])
             assert len(args) == 5 and harness.mode_of(args[1])
-    # the stored-once and 8-bit rows of call 9 among them
-    assert {"+activations-once-int8state-backward",
+    # the stored-once rows of calls 9 and 11 (8-bit and fp32 moments) among them
+    assert {"+activations-once-int8state-backward", "+params-once-int8state-backward",
+            "+activations-once-backward",
             "state-int8state-backward", "+activations-bf16state"} <= modes
     with pytest.raises(SystemExit):  # (a mode the harness does not know fails to parse)
         train.parse(["+activations-int4state", "128", "2"])
@@ -63,6 +65,10 @@ def test_the_first_call_runs_every_row_at_a_small_size(tmp_path: pathlib.Path) -
     for row in rows:
         assert "error" not in row, row
         assert len(row["losses"]) == 2 and row["falls"] and row["startup_s"] > 0
+        # compiled ahead, before the start-up: the steps run that executable, none other
+        assert row["compiles_in_steps"] == 0 and row["compile_s"] > 0
+        assert row["resident_before_compile"] <= row["resident_peak_compile"]
+        assert row["resident_after_startup"] > 0 and row["resident_after_first_step"] > 0
     # the modes store what they say: the state (and more) in host memory but for plain;
     # with everything in host memory, more there than on the device
     assert [("pinned_host" in r["stored"]) for r in rows] == [False] + [True] * 5
@@ -77,11 +83,11 @@ def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None
     assert rows and all("stopped" in r.get("error", "") for r in rows)
 
 
-@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9"])
+@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9", "11"])
 def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
         call: str, tmp_path: pathlib.Path) -> None:
     rows = _next(call, tmp_path)
-    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2}[call]
+    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2, "11": 1}[call]
     for row in rows:
         assert "error" not in row, row
         if row["file"] == "startup":  # (new pinned memory by route)
@@ -90,3 +96,20 @@ def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
             assert row["stages"] and all(s["rss_gb"] >= 0 for s in row["stages"])
         else:
             assert len(row["losses"]) == {"throughput": 2, "capacity": 20}[row["file"]]
+
+
+@pytest.mark.parametrize("mode", [pytest.param(  # (libtpu compiles for a v5e)
+    "+activations-once-int8state-backward", marks=tpu_plan_marks())])
+def test_a_row_plans_its_step_for_a_v5e_without_one(mode: str) -> None:
+    """`--plan`: the row's step compiled for a v5e (libtpu, no chip), the compiler's
+    resident memory and XLA's memory analysis recorded: the host arguments are what the
+    model and state store in host memory (the chip's tiles pad them a little)."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "bench/train.py", mode, "128", "2", "2",
+                           "32", "2", "--plan"], cwd=ROOT, check=True, capture_output=True,
+                          text=True, timeout=1500, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    row = json.loads(done.stdout.splitlines()[-1])
+    assert "error" not in row and "losses" not in row, row
+    stored, compiled = row["stored"]["pinned_host"], row["compiled"]
+    assert stored <= compiled["host_argument_size_in_bytes"] <= stored * 11 // 10, row
+    assert compiled["host_alias_size_in_bytes"] == compiled["host_argument_size_in_bytes"]
+    assert row["resident_before_compile"] < row["resident_peak_compile"], row

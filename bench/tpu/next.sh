@@ -10,6 +10,7 @@
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
 #   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
 #   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
+#   bash bench/tpu/next.sh 11   # call 11 (<= 5 min): fp32 weights + moments, 1.83B
 #   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
@@ -121,15 +122,22 @@ call6() {  # where the host's resident memory goes: primitives, then each mode's
 }
 call4() {  # start-up: new pinned memory by route
   for route in threads numpy fresh; do
-    row 90 bench/startup_probe.py $route $MIB 4
+    row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
   done
 }
-call9() {  # fp32 master + 8-bit moments stored once, in host memory, 3.52B (66 layers; the
-  # v5e plan: 21.8 GB in host memory); the 542M 8-bit step with the update in backward
+call9() {  # fp32 master + 8-bit moments stored once in host memory, 3.52B (66 layers; the
+  # v5e plan: 20.72 GB stored), the layer inputs in host memory (1.11 GB more there while a
+  # step runs), then on the device (0.13 GB: what the host can spare past the compile's ~2 GB)
   local l=66
   [ "${SIZE:-}" = small ] && l=2
-  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
-  row $((T + 160)) $R +activations-once-int8state-backward $W $l 20 $SEQB
+  row $((T + 95)) $R +activations-once-int8state-backward $W $l 20 $SEQB
+  row $((T + 95)) $R +params-once-int8state-backward $W $l 20 $SEQB
+}
+call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers; 12 bytes a block
+  # parameter, 21.40 GB stored; it trained on 2026-12-06c, compiled after its start-up)
+  local l=33
+  [ "${SIZE:-}" = small ] && l=2
+  row $((T + 95)) $R +activations-once-backward $W $l 20 $SEQB
 }
 call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M steps in one run
   local o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W"
@@ -140,8 +148,8 @@ call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M st
 }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|all" >&2; exit 2 ;;
+  10) call10 ;; 11) call11 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"

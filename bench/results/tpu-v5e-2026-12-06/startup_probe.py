@@ -1,7 +1,7 @@
 """How fast can a process put arrays into `pinned_host` at start-up? One route per process
 (the host allocator's state must not carry over between routes), JAX and NumPy only:
 
-    python bench/startup_probe.py ROUTE [MIB] [COUNT]
+    python bench/results/tpu-v5e-2026-12-06/startup_probe.py ROUTE [MIB] [COUNT]
 
 Routes:
 - `fresh`: COUNT arrays of MIB MiB made by a jit whose `out_shardings` are in
@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import harness  # (bench/)
 
 
