@@ -26,7 +26,7 @@ def run_piece(runner: Evaluation, j: int, p: Piece,
     for k in runner.schedule.sliced[p.root].outputs:
         value = local[runner.jaxpr.outvars[k]]
         if k in runner.into:
-            updates.append(write_update(runner, k, p, local[runner.into[k][0]]))
+            updates.append(write_update(runner, k, p, _fenced_on_cpu(local[runner.into[k][0]])))
         elif k in runner.into_host:
             updates.append(write_host_update(runner, k, p, value))
         elif k < runner.n_updates:
@@ -42,7 +42,18 @@ def piece_values(runner: Evaluation, j: int, p: Piece) -> dict[Any, Any]:
     without the state, and what its equations make of them."""
     unit = runner.schedule.sliced[p.root]
     a, b = p.rows
-    local = {runner.state_invars[i]: runner.vals[("read", j, p.root, p.index, i)] for i in unit.read}
+    # On the CPU the piece's rows of state come in, and its new state and its update
+    # go out, as buffers of their own (fenced; the update in `run_piece`): XLA:CPU then
+    # compiles the piece's arithmetic as it compiles the whole update's. Unfenced, a
+    # fusion that reads rows of two buffers at a row offset (a later piece's state and
+    # gradient) may be vectorised otherwise, its multiply-adds left uncontracted (JAX
+    # 0.12 on AVX-512: Adam's second moment, 1 ulp); the new state may be made a second
+    # time inside the update's fusion, contracted otherwise (JAX 0.12.1: Adam's
+    # moments, 1 ulp in the update); and the update, fused into its write into the
+    # gradient's buffer, may be rounded otherwise (JAX 0.12 at LLVM -O1: Lion, RMSProp).
+    # Elsewhere the fences would only hold the values longer (a TPU's temporaries grow).
+    local = {runner.state_invars[i]: _fenced_on_cpu(runner.vals[("read", j, p.root, p.index, i)])
+             for i in unit.read}
 
     def read(v: Any) -> Any:
         if not is_var(v):
@@ -53,11 +64,6 @@ def piece_values(runner: Evaluation, j: int, p: Piece) -> dict[Any, Any]:
             local[v] = jax.lax.slice_in_dim(x, a, b, axis=0) if np.ndim(x) else x
         return local[v]
 
-    # On the CPU the piece's new state is made once and its update reads it, as the
-    # whole update's does. Unfenced, XLA:CPU may make it a second time inside the
-    # update's fusion, where LLVM can contract its multiply-adds otherwise (JAX 0.12.1:
-    # Adam's moments, 1 ulp in the update). Elsewhere the fence would only hold the
-    # values longer (a TPU's temporaries grow).
     state = {runner.jaxpr.outvars[k] for k in unit.outputs if k >= runner.n_updates}
     for eqn in unit.eqns:
         out = bind(eqn, [read(v) for v in eqn.invars])

@@ -18,6 +18,9 @@ from helpers import REJECTED_STREAMING
 import eqx_offload
 
 
+pytestmark = pytest.mark.both  # (bitwise claims an XLA release can break: the newest too)
+
+
 @pytest.mark.parametrize("name", ["apply_if_finite", "multi_steps"])
 def test_host_compute_rejects_control_flow_on_state(name: str) -> None:
     params = make_params()
@@ -301,6 +304,33 @@ def test_stacked_leaves_take_turns(lookahead: int) -> None:
     assert firsts[:5] == ["v", "w", "u", "w", "u"], plan.groups
     _bitwise_the_unwrapped(ref, opt, params, grads)
     _sliced_equals_whole(params, grads, host_dtype=jnp.int8, lookahead=lookahead)
+
+
+def test_stacked_pieces_fenced_on_the_cpu_only() -> None:
+    """Lowered for the CPU, each piece's rows of state come in, and its new rows and its
+    update go out, through a barrier of their own (XLA:CPU then compiles a piece's
+    arithmetic as the whole update's: the bitwise tests around this one); lowered for a
+    TPU or a GPU, the pieces add no barrier (their temporaries stay as they are)."""
+    params = {"w": committed(np.ones((6, 16, 16))), "u": committed(np.ones((6, 16, 8)))}
+    opt = eqx_offload.offloaded(optax.adamw(1e-2), group_bytes=2 * 16 * 16 * 4)
+    traced = jax.jit(opt.update).trace(make_grads(params, 0), opt.init(params), params)
+    cpu, tpu, cuda = (traced.lower(lowering_platforms=(platform,)).as_text()
+                      .count("stablehlo.optimization_barrier") for platform in ("cpu", "tpu", "cuda"))
+    assert tpu == cuda
+    # 6 pieces of `w` (a row each), 3 of `u` (two rows); each reads and writes mu and nu,
+    # and writes its rows of the update
+    assert cpu - tpu == (6 + 3) * (2 + 2 + 1)
+
+
+def test_stacked_pieces_of_rmsprop() -> None:
+    """RMSProp's pieces (one moment: pieces of 2 and 4 rows) stay bitwise the unwrapped
+    update, its rows of the update written into the gradient's buffer as computed."""
+    rng = np.random.default_rng(5)
+    params = {"w": committed(rng.standard_normal((6, 16, 16))),
+              "u": committed(rng.standard_normal((6, 16, 8)))}
+    grads = [make_grads(params, step) for step in range(2)]
+    opt = eqx_offload.offloaded(optax.rmsprop(1e-2), group_bytes=2 * 16 * 16 * 4)
+    _bitwise_the_unwrapped(optax.rmsprop(1e-2), opt, params, grads)
 
 
 @pytest.mark.parametrize("spec", [(None, "x"), ("x",)], ids=["columns", "rows"])
