@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._core.compat import optimization_barrier
 from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host, stacked_packed_vector
@@ -110,11 +111,13 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     """The backward pass of `scan` with `update` in it (`whole`: per state leaf, updated
     on the device whole: see `update_scan`). From the last layer down, a pipeline of
     three stages per iteration `i`: layer `i`'s VJP (while layer `i - 1`'s host weights
-    come to the device), the update of layer `i + 1` (with the gradient the iteration
-    before made: it runs beside the VJP), and the write of layer `i + 2`'s new weights
-    and state into the stacked arrays (the loop's carry). The last two stages of the
-    first layer run after the loop. Returns `(new weights, cotangent of x, cotangents
-    of consts, new state)`.
+    and layer `i`'s state come to the device), the update of layer `i + 1` (with the
+    gradient and the state the iteration before fetched: it runs beside the VJP), and
+    the write of layer `i + 2`'s new weights and state into the stacked arrays (the
+    loop's carry). The last two stages of the first layer run after the loop. Returns
+    `(new weights, cotangent of x, cotangents of consts, new state)`. Layer `i`'s state
+    is read before layer `i + 2`'s is written (`_exchanged`): the state's copies to the
+    device and to host run at once.
 
     The stages are apart so that each update is its own computation on whole operands,
     as in the normal step: XLA:CPU compiles an update fused into the slices it reads or
@@ -126,9 +129,10 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     state = [fetch(s) if w else s for s, w in zip(state, whole, strict=True)]
 
     def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
-                  state: list[Any], h: Any) -> Any:
-        """Layer `i`'s gradient and the update's inputs, the cotangents of its input
-        and consts, and layer `i - 1`'s fetched host weights."""
+                  state_slices: list[Any], h: Any) -> Any:
+        """Layer `i`'s gradient and the update's inputs (its state: `state_slices`),
+        the cotangents of its input and consts, and layer `i - 1`'s fetched host
+        weights."""
         host_weights, device_weights = scan.split(weights)
         preceding = fetch_layer(host_weights, jnp.maximum(i - 1, 0))
         device_slices = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
@@ -138,8 +142,7 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
         if acc is not None:  # the sum of the earlier micro-batches, plus this one's
             g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
                        for a, d in zip(acc, g_layer, strict=True)]
-        todo = (i, [a[None] for a in g_layer], [a[None] for a in layer],
-                _state_slices(state, whole, i))
+        todo = (i, [a[None] for a in g_layer], [a[None] for a in layer], state_slices)
         return todo, g_h, g_c, preceding
 
     def update_stage(todo: Any) -> Any:
@@ -148,9 +151,10 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
         g, current, g_consts, weights, state, todo, done = carry
         i, h = xs
-        weights, state = _written(weights, state, done)
+        weights = _write_layer(weights, done[0], done[1])
+        state, slices = _exchanged(state, whole, i, done)
         done = update_stage(todo)
-        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, state, h)
+        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices, h)
         g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
         return (g_h, preceding, g_consts, weights, state, todo, done), None
 
@@ -190,8 +194,46 @@ def _written(weights: list[Any], state: list[Any], done: Any) -> tuple[list[Any]
     """`weights` and `state` with the layer `done` holds (`(i, layer, state slice)`,
     each leaf with a leading axis of 1) written at `i`."""
     i, layer, slices = done
-    return ([_write(a, i, to_host(w) if is_host(a) else w) for a, w in zip(weights, layer, strict=True)],
-            [_write(a, i, to_host(s) if is_host(a) else s) for a, s in zip(state, slices, strict=True)])
+    return _write_layer(weights, i, layer), _write_layer(state, i, slices)
+
+
+def _write_layer(stacks: list[Any], i: Any, pieces: list[Any]) -> list[Any]:
+    """`stacks` with `pieces` (one layer's leaves, leading axis 1) written at layer `i`."""
+    return [_write(a, i, to_host(p) if is_host(a) else p)
+            for a, p in zip(stacks, pieces, strict=True)]
+
+
+_LAG = 4
+"""A state leaf's fetch waits for the write of the leaf `_LAG` before it (`_exchanged`).
+Without a wait, XLA:TPU fetches a whole layer before the written one has left: one
+layer's state more on the device; a shorter wait idles the link more."""
+
+
+def _exchanged(state: list[Any], whole: list[bool], i: Any,
+               done: Any) -> tuple[list[Any], list[Any]]:
+    """`state` with the layer `done` holds written (as `_written`), and layer `i`'s
+    state slices (as `_state_slices`), each read before its leaf's write: no fetch
+    waits for a write into its own leaf, so the copies to the device and to host run
+    at once (a read then a write of one host leaf, in place, take turns: the write
+    waits for the read, behind an optimization barrier, with no copy of the leaf).
+    The fetch of a leaf waits for the write `_LAG` leaves before it, so that the
+    fetched layer and the written one are on the device together a few leaves at a
+    time, not whole."""
+    j, _, pieces = done
+    written: list[Any] = []  # (the host leaves, after their writes)
+    new_state, slices = [], []
+    for s, w, p in zip(state, whole, pieces, strict=True):
+        if w:
+            slices.append(to_host(layer_slice(s, i)))
+            new_state.append(_write(s, j, p))
+            continue
+        if len(written) >= _LAG:
+            s, _ = optimization_barrier((s, written[-_LAG]))
+        s, piece = optimization_barrier((s, layer_slice(s, i)))
+        slices.append(piece)
+        new_state.append(_write(s, j, to_host(p) if is_host(s) else p))
+        written.append(new_state[-1])
+    return new_state, slices
 
 
 def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], Any],
