@@ -16,9 +16,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # between files. The cached and eager calls do not grow; the first call's goals are 450
 # lines, 14 files and 600 moves.
 BOUNDS = {
-    "first": {"lines": 749, "files": 21, "moves": 733},
+    # (first and eager +12 lines: the CPU fences of a streamed piece's rows of state and
+    # update, bitwise on JAX 0.12 with AVX-512; first +4: the backward loop's read of
+    # each layer's state before the write into its leaf)
+    "first": {"lines": 765, "files": 21, "moves": 737},
     "cached": {"lines": 85, "files": 5, "moves": 10},
-    "eager": {"lines": 484, "files": 15, "moves": 565},
+    "eager": {"lines": 496, "files": 15, "moves": 569},
 }
 
 
