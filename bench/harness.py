@@ -306,7 +306,14 @@ def record(**fields: Any) -> dict[str, Any]:
     return {**fields, "device_peak": stats.get("peak_bytes_in_use"),
             "device_limit": stats.get("bytes_limit"), "resident": resident(),
             "resident_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "machine": machine_info()}
+            "machine": machine()}
+
+
+@functools.cache
+def machine() -> dict[str, Any]:
+    """`machine_info()`, once: a row asks for it before it fills host memory, since it
+    forks (`uname`), and a fork of a process holding tens of GB counts twice in `ps`."""
+    return machine_info()
 
 
 def run_row(file: str, what: dict[str, Any], fun: Callable[[], dict[str, Any]]) -> None:

@@ -92,6 +92,7 @@ def v5e() -> Any:
 def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
          batch: int = 4, micro: int = 1, plan: bool = False) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
+    harness.machine()  # (before the host fills: see `harness.machine`)
     row: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                            "seq": seq, "batch": batch, "micro_batches": micro,
                            "tokens_per_step": micro * batch * seq,
