@@ -146,13 +146,16 @@ newest() {
 }
 
 # The fast tier: the library's tests without the slow and once ones, and without the
-# heaviest files, on 2 workers, in .venv as it is (installed if missing). Left out, 4,200
-# of the rest's 5,300 test-seconds (--durations=0, a busy machine): the ported programs
-# (test_programs, test_ports), the streamed update's (test_stream) and the LLVM-level
-# canary. The bitwise matrix (test_equivalence) marks its heavy cases slow, as the saving
-# and soak checks (test_checkpoint) do; its common optimizers and hypothesis tests stay.
+# heaviest files, on 2 workers, in .venv as it is (installed if missing). Left out (they
+# run in `oldest`): the ported programs (test_programs, test_ports), the streamed update's
+# (test_stream), the LLVM-level canary, and the XLA:TPU compiles through libtpu (tests/tpu,
+# the v5e plans and the start-up plan: half the rest's CPU time, --durations=0) and the
+# resident-memory measurements (test_host_bytes). The bitwise matrix (test_equivalence)
+# marks its heavy cases slow, as the saving and soak checks (test_checkpoint) do; its
+# common optimizers and hypothesis tests stay.
 FAST_IGNORE=(jit/test_programs.py optim/test_ports.py stream/test_stream.py
-             upstream/test_upstream_llvm_level.py)
+             upstream/test_upstream_llvm_level.py tpu plan/test_tpu_plan.py
+             plan/test_startup_plan.py models/test_host_bytes.py)
 fast() {
   if ! in_env .venv python -c 'import eqx_offload, xdist' 2>/dev/null; then
     stage "oldest: venv and install" install oldest .venv "$PY_OLDEST"

@@ -17,7 +17,7 @@ bitwise what the same remat without offload computes; on a GPU, XLA moves it to
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Any, cast, Optional, TypeVar
+from typing import Any, cast, Optional, TypeVar, Union
 
 import equinox as eqx
 import jax
@@ -58,16 +58,32 @@ def _check_names(names: tuple[Any, ...], argument: str) -> frozenset[str]:
     return frozenset(names)
 
 
+_Choice = Union[frozenset[str], str, None]
+"""Which named values a policy chooses: a set of names, a regular expression that a name
+must match in full, or none."""
+
+
+def _chooses(choice: _Choice, name: str) -> bool:
+    if isinstance(choice, frozenset):
+        return name in choice
+    return choice is not None and re.fullmatch(choice, name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class _ByName:
-    offload: frozenset[str]
-    save: frozenset[str]
+    """Keeps a named value on the device where `save` chooses it, in host memory where
+    `offload` does, and recomputes the rest (every unnamed value too)."""
+
+    offload: _Choice
+    save: _Choice
 
     def __call__(self, prim: Any, *_: Any, **params: Any) -> Any:
         name = _name_of(prim, params)
-        if name in self.save:
+        if name is None:
+            return Recompute
+        if _chooses(self.save, name):
             return Saveable
-        if name in self.offload:
+        if _chooses(self.offload, name):
             return _OFFLOAD
         return Recompute
 
@@ -112,22 +128,6 @@ def offload_names(*names: str, save: tuple[str, ...] = ()) -> Policy:
     return _ByName(offload, saved)
 
 
-@dataclasses.dataclass(frozen=True)
-class _ByRegex:
-    offload: Optional[str]
-    save: Optional[str]
-
-    def __call__(self, prim: Any, *_: Any, **params: Any) -> Any:
-        name = _name_of(prim, params)
-        if name is None:
-            return Recompute
-        if self.save is not None and re.fullmatch(self.save, name):
-            return Saveable
-        if self.offload is not None and re.fullmatch(self.offload, name):
-            return _OFFLOAD
-        return Recompute
-
-
 def offload_regex(offload: Optional[str], *, save: Optional[str] = None) -> Policy:
     """A remat policy that chooses named values by regular expression (axlearn's
     `save_and_offload_only_these_names_regex`): names that fully match `offload` are
@@ -161,7 +161,7 @@ def offload_regex(offload: Optional[str], *, save: Optional[str] = None) -> Poli
         except re.error as e:
             raise OptionError(f"offload_regex({argument}={regex!r}) is not a valid "
                               f"regular expression: {e}.") from e
-    return _ByRegex(offload, save)
+    return _ByName(offload, save)
 
 
 def offload_dots() -> Policy:

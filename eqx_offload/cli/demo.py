@@ -24,18 +24,19 @@ from .tables import format_bytes
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Options of `python -m eqx_offload demo`."""
+    """Options of `python -m eqx_offload demo` (their defaults are the command line's,
+    `add_arguments`)."""
 
-    width: int = 512
-    depth: int = 4
-    features: int = 32
-    batch: int = 64
-    steps: int = 200
-    optimizer: str = "adamw"
-    learning_rate: float = 1e-3
-    seed: int = 0
-    progress: bool = True
-    perturb: bool = False
+    width: int
+    depth: int
+    features: int
+    batch: int
+    steps: int
+    optimizer: str
+    learning_rate: float
+    seed: int
+    progress: bool
+    perturb: bool
 
 
 @dataclasses.dataclass

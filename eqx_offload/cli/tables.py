@@ -1,5 +1,6 @@
 """The benchmark's results as Markdown (for the docs) and as console tables (rich)."""
 
+from collections.abc import Iterable
 from typing import Any, Optional, Union
 
 
@@ -21,8 +22,8 @@ def _ratio(r: Optional[dict[str, float]]) -> str:
     return "–" if r is None else f"{r['median']:.3f}"
 
 
-def _gbps(v: Optional[float]) -> str:
-    return "–" if v is None else f"{v:.1f}"
+def _gbps(v: Optional[float], digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
 
 
 def _params(p: dict[str, Any]) -> str:
@@ -36,7 +37,7 @@ def floors(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The results as Markdown tables (for the README and the docs)."""
-    lines = [_run_line(result), ""] + _point_lines(result["points"])
+    lines = [_run_line(result)] + _point_lines(result["points"])
     lines += _plan_lines(result["points"])
     lines += _floor_lines(result["points"])
     if result["movers"]:
@@ -64,57 +65,66 @@ def _run_line(result: dict[str, Any]) -> str:
         f"{m.get('load_average_end')} at the end.")
 
 
+def _table_lines(intro: tuple[str, ...], columns: tuple[str, ...], align: str,
+                 rows: Iterable[str]) -> list[str]:
+    """A Markdown table after a blank line and the paragraphs of `intro` (each followed by
+    a blank line): a header of `columns`, left-aligned where `align` has `l`, right-aligned
+    where it has `r`, then `rows`."""
+    header = "| " + " | ".join(columns) + " |"
+    rule = "| " + " | ".join({"l": "---", "r": "---:"}[a] for a in align) + " |"
+    return ["", *(line for paragraph in intro for line in (paragraph, "")), header, rule, *rows]
+
+
+def _failed(head: str, error: str, empty: int) -> str:
+    """A row that ends in `failed: <error>` after the cells of `head`, then `empty` empty cells."""
+    return f"{head} failed: {error.replace('|', '/')} " + " ".join("|" * empty)
+
+
 def _point_lines(points: list[dict[str, Any]]) -> list[str]:
     """The main table: a row per point and mode (step time, ratios, bytes, compiles)."""
-    lines = [
-        "| workload | optimizer | params | mode | step ms (median [p25, p75]) | × baseline | "
-        "× estimate | × baseline, process CPU time | device bytes: params + opt state | "
-        "opt state on host | compilations | compile s | temp / peak (memory_analysis) |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for p in points:
-        head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} |"
-        if p.get("error") is not None:
-            lines.append(f"{head} failed: {p['error'].replace('|', '/')} "
-                         "| | | | | | | | |")
-            continue
-        s = p["step_seconds"]
-        ma = p["memory_analysis"] or {}
-        temp, peak = ma.get("temp_size_in_bytes"), ma.get("peak_memory_in_bytes")
-        mem = (f"{format_bytes(temp) if temp is not None else '–'} / "
-               f"{format_bytes(peak) if peak is not None else '–'}")
-        lines.append(
-            f"{head} {_ms(s['median'])} [{_ms(s['p25'])}, {_ms(s['p75'])}] | "
+    columns = ("workload", "optimizer", "params", "mode", "step ms (median [p25, p75])",
+               "× baseline", "× estimate", "× baseline, process CPU time",
+               "device bytes: params + opt state", "opt state on host", "compilations",
+               "compile s", "temp / peak (memory_analysis)")
+    return _table_lines((), columns, "llrl" + "r" * 9, map(_point_row, points))
+
+
+def _point_row(p: dict[str, Any]) -> str:
+    head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} |"
+    if p.get("error") is not None:
+        return _failed(head, p["error"], 9)
+    s = p["step_seconds"]
+    ma = p["memory_analysis"] or {}
+    temp, peak = ma.get("temp_size_in_bytes"), ma.get("peak_memory_in_bytes")
+    mem = (f"{format_bytes(temp) if temp is not None else '–'} / "
+           f"{format_bytes(peak) if peak is not None else '–'}")
+    return (f"{head} {_ms(s['median'])} [{_ms(s['p25'])}, {_ms(s['p75'])}] | "
             f"{_ratio(p['ratio_to_baseline'])} | {_ratio(p['ratio_to_floor'])} | "
             f"{_ratio(p['cpu_ratio_to_baseline'])} | "
             f"{format_bytes(p['params_device_bytes'] + p['opt_state_device_bytes'])} | "
             f"{format_bytes(p['opt_state_host_bytes'])} | {p['compilations']} | "
             f"{p['compile_seconds']:.2f} | {mem} |")
-    return lines
 
 
 def _floor_lines(points: list[dict[str, Any]]) -> list[str]:
     """What × estimate means, and the copy estimate of each baseline point."""
-    lines = [
-        "",
+    intro = (
         "× estimate: the step over the copy estimate `max(baseline step, one-way copy)` "
         "of the same repetition (median of the per-repetition ratios): what a step whose "
         "copies overlap fully would take if a copy inside the step cost what a bare "
         "`jax.device_put` does. Not a lower bound: a step can beat it (on the CPU a copy "
         "inside the program costs less than an eager one). JSON: `ratio_to_floor`.",
-        "",
         "Copy estimate per point: one bare copy of the optimizer state's offloaded "
         "leaves each way (`jax.device_put`, pinned_host ↔ device), interleaved with the "
         "steps:",
-        "",
-        "| workload | optimizer | params | state bytes | to device ms (GB/s) | "
-        "to host ms (GB/s) | baseline ms | estimate: full duplex ms | no overlap ms | "
-        "serial ms | baseline / one-way copy |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    )
+    columns = ("workload", "optimizer", "params", "state bytes", "to device ms (GB/s)",
+               "to host ms (GB/s)", "baseline ms", "estimate: full duplex ms", "no overlap ms",
+               "serial ms", "baseline / one-way copy")
+    rows = []
     for p in floors(points):
         f = p["floor"]
-        lines.append(
+        rows.append(
             f"| {p['workload']} | {p['optimizer']} | {_params(p)} | "
             f"{format_bytes(f['state_bytes'])} | "
             f"{_ms(f['to_device_seconds']['median'])} ({_gbps(f['to_device_gbps'])}) | "
@@ -122,51 +132,37 @@ def _floor_lines(points: list[dict[str, Any]]) -> list[str]:
             f"{_ms(p['step_seconds']['median'])} | {_ms(f['full_duplex_seconds']['median'])} | "
             f"{_ms(f['no_overlap_seconds']['median'])} | {_ms(f['serial_seconds']['median'])} | "
             f"{f['baseline_over_one_way']:.2f} |")
-    return lines
+    return _table_lines(intro, columns, "ll" + "r" * 9, rows)
 
 
 def _mover_lines(movers: list[dict[str, Any]], repeats: int) -> list[str]:
     """The eager movers' bandwidth beside NumPy's copies."""
-    lines = [
-        "",
-        f"Eager movers, GB/s (best of {repeats} interleaved "
-        "repetitions):",
-        "",
-        "| array | to_host | to_device | to_host, 8 leaves | NumPy copy | "
-        "NumPy copy, no huge pages | NumPy copyto (preallocated) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for mv in movers:
-        def g(key: str) -> str:
-            v = mv.get(key + "_gbps")
-            return "–" if v is None else f"{v:.2f}"
-        lines.append(f"| {mv['mib']} MiB | {g('to_host')} | {g('to_device')} | "
-                     f"{g('to_host_8_leaves')} | {g('numpy_copy')} | "
-                     f"{g('numpy_copy_no_hugepages')} | {g('numpy_copyto')} |")
-    return lines
+    keys = ("to_host", "to_device", "to_host_8_leaves", "numpy_copy", "numpy_copy_no_hugepages",
+            "numpy_copyto")
+    columns = ("array", "to_host", "to_device", "to_host, 8 leaves", "NumPy copy",
+               "NumPy copy, no huge pages", "NumPy copyto (preallocated)")
+    rows = [f"| {mv['mib']} MiB | " + " | ".join(_gbps(mv.get(k + "_gbps"), 2) for k in keys)
+            + " |" for mv in movers]
+    return _table_lines((f"Eager movers, GB/s (best of {repeats} interleaved repetitions):",),
+                        columns, "r" * 7, rows)
 
 
 def _curve_lines(curves: list[dict[str, Any]]) -> list[str]:
     """The loss curves' final values against the baseline's."""
-    lines = [
-        "",
-        "Loss curves against the baseline (same model, data and initialisation):",
-        "",
-        "| workload | optimizer | mode | steps | final loss, baseline | final loss, mode | "
-        "relative difference | max abs difference | bitwise equal |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
+    columns = ("workload", "optimizer", "mode", "steps", "final loss, baseline",
+               "final loss, mode", "relative difference", "max abs difference", "bitwise equal")
+    rows = []
     for c in curves:
+        head = f"| {c['workload']} | {c['optimizer']} | {c['mode']} |"
         if c.get("error") is not None:
-            lines.append(f"| {c['workload']} | {c['optimizer']} | {c['mode']} | "
-                         f"failed: {c['error'].replace('|', '/')} | | | | | |")
+            rows.append(_failed(head, c["error"], 6))
             continue
-        lines.append(
-            f"| {c['workload']} | {c['optimizer']} | {c['mode']} | {c['steps']} | "
-            f"{c['baseline_final']:.6g} | {c['final']:.6g} | "
+        rows.append(
+            f"{head} {c['steps']} | {c['baseline_final']:.6g} | {c['final']:.6g} | "
             f"{c['final_relative_difference']:+.3%} | {c['max_abs_difference']:.3g} | "
             f"{c['bitwise_equal']} |")
-    return lines
+    return _table_lines(("Loss curves against the baseline (same model, data and "
+                         "initialisation):",), columns, "lllrrrrrl", rows)
 
 
 def _plan_lines(points: list[dict[str, Any]]) -> list[str]:
@@ -174,28 +170,28 @@ def _plan_lines(points: list[dict[str, Any]]) -> list[str]:
     planned = [p for p in points if p.get("error") is None and p.get("plan")]
     if not planned:
         return []
-    lines = ["", "XLA's plan for the GPU of each point (`eqx_offload.planner.gpu_plan`, compiled without "
-             "a GPU: a plan, not a measurement):", "",
-             "| workload | optimizer | params | mode | GPU | device peak | × baseline's | "
-             "host | copies to device overlapped | copies to host overlapped |",
-             "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     baselines = {(p["workload"], p["optimizer"], p["params"]): p["plan"] for p in planned
                  if p["mode"] == "baseline"}
+    rows = []
     for p in planned:
         for target, plan in p["plan"].items():
             head = f"| {p['workload']} | {p['optimizer']} | {_params(p)} | {p['mode']} | {target} |"
             if "error" in plan:
-                lines.append(f"{head} failed: {plan['error'].replace('|', '/')} | | | | |")
+                rows.append(_failed(head, plan["error"], 5))
                 continue
             base = baselines.get((p["workload"], p["optimizer"], p["params"]), {}).get(target)
             ratio = ("–" if not base or "error" in base
                      else f"{plan['device_peak_bytes'] / base['device_peak_bytes']:.2f}")
-            lines.append(
+            rows.append(
                 f"{head} {format_bytes(plan['device_peak_bytes'])} | {ratio} | "
                 f"{format_bytes(plan['host_bytes'])} | "
                 f"{plan['overlapped_to_device']}/{plan['copies_to_device']} | "
                 f"{plan['overlapped_to_host']}/{plan['copies_to_host']} |")
-    return lines
+    columns = ("workload", "optimizer", "params", "mode", "GPU", "device peak", "× baseline's",
+               "host", "copies to device overlapped", "copies to host overlapped")
+    intro = ("XLA's plan for the GPU of each point (`eqx_offload.planner.gpu_plan`, compiled "
+             "without a GPU: a plan, not a measurement):",)
+    return _table_lines(intro, columns, "llrll" + "r" * 5, rows)
 
 
 def _short(p: dict[str, Any]) -> str:
