@@ -452,21 +452,30 @@ def unpack(packed: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
     Column `c` of a row is byte `c // w` of its word `c % w` (`quantize`): each quarter
     of the row is its words shifted, the four side by side."""
     *_, r, n = (1, *shape) if len(shape) == 1 else shape
-    lead = packed.shape[:-2]
     words = packed[..., :r, :]
     codes = jnp.concatenate([(words >> np.uint32(8 * k)) & np.uint32(0xFF) for k in range(4)],
                             axis=-1)[..., :n].astype(jnp.int32)
-    blocks = -(-n // BLOCK)
+    return codes, _stored_scales(packed, r, n)
+
+
+def _stored_scales(packed: Any, r: int, n: int) -> Any:
+    """The float32 scales `(..., r, blocks)` of a packed array of rows of `n` values."""
+    lead, blocks = packed.shape[:-2], -(-n // BLOCK)
     flat = packed[..., r:, :].reshape(*lead, -1)[..., :r * blocks]
-    scales = jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
-    return codes, scales
+    return jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
 
 
 def dequantize(packed: Any, spec: Quantized) -> Any:
     """A packed array (of `spec`'s leaf, or rows of it) back in `spec.dtype`:
     `map[code] * scale`, as torchao's `dequant_with_qmap`."""
-    codes, scales = unpack(packed, spec.unpacked)
-    values = lookup(codes, spec.signed) * _spread(scales, codes.shape, 0)
+    *_, r, n = (1, *spec.unpacked) if len(spec.unpacked) == 1 else spec.unpacked
+    # (`unpack`'s codes, as each column's byte shifted out of its word repeated four times:
+    # XLA fuses that into the decoding, where it wrote `unpack`'s four slabs out first)
+    repeated = jnp.concatenate([packed[..., :r, :]] * 4, axis=-1)[..., :n]
+    column = jax.lax.broadcasted_iota(jnp.int32, repeated.shape, repeated.ndim - 1)
+    codes = ((repeated >> (column // packed.shape[-1] * 8).astype(jnp.uint32))
+             & np.uint32(0xFF)).astype(jnp.int32)
+    values = lookup(codes, spec.signed) * _spread(_stored_scales(packed, r, n), codes.shape, 0)
     if spec.rows:
         return values[..., 0, :].astype(spec.dtype)
     return (values if len(spec.shape) > 1 else values[0]).astype(spec.dtype)

@@ -159,6 +159,9 @@ def test_a_word_holds_a_code_of_each_quarter_of_its_row() -> None:
     assert np.all(quarters[:, 3, -2:] == 0)
     np.testing.assert_array_equal(packed[3, :15], scales.reshape(-1).view(np.uint32))
     assert np.all(packed[3, 15:] == 0)
+    unpacked = q.unpack(jnp.asarray(packed), x.shape)
+    np.testing.assert_array_equal(unpacked[0], codes)
+    np.testing.assert_array_equal(unpacked[1], scales)
 
 
 @pytest.mark.parametrize("shape", [(3, 1030), (2, 5632), (2, 3, 300)])
