@@ -12,7 +12,10 @@ without gathers, which XLA:TPU runs slowly: `codes_and_scales`, `lookup`).
 
 How a quantised leaf `(..., r, n)` is stored: one `uint32` array `(..., r + e,
 ceil(n / 4))` (`packed_shape`): its rows of one-byte codes, four a word, then `e` rows
-that hold the rows' float32 scales. 32-bit words, and a last axis of `n / 4` words:
+that hold the rows' float32 scales. Word `j` of a row of `w` words holds the codes of
+columns `j`, `j + w`, `j + 2w` and `j + 3w`, from its lowest byte: each quarter of a row
+is a slab of whole words, so that packing and unpacking are shifts of whole slabs, along
+the lanes of a TPU, where four neighbouring bytes a word took a transposition. 32-bit words, and a last axis of `n / 4` words:
 XLA:TPU did not compile some other forms (a uint8 `(32000, 2080)` moment, whose host
 and device memories tile it differently; a uint32 `(8, 2048, 1430)` moment read a layer
 at a time, codes and scales along one axis). Blocks run along the last axis (a row's last block may be
@@ -192,11 +195,64 @@ def codes_and_scales(x: Any, signed: bool) -> tuple[Any, Any]:
     torchao's `scale_tensor`, blocked along the last axis; each code is the nearest
     entry of the map, a tie going up, as torchao's `quantize_8bit_with_qmap` rounds:
     the number of midpoints (`midpoints`) the value reaches."""
-    n = x.shape[-1]
-    blocks = _blocks(x.astype(jnp.float32))
-    scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(1e-12))
-    scaled = (blocks / scales[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
-    return _encoded(scaled, signed).astype(jnp.uint8), scales
+    x = x.astype(jnp.float32)
+    scales = _scales(x)
+    return _encoded(x / _spread(scales, x.shape, 0), signed).astype(jnp.uint8), scales
+
+
+# A row's blocks are lanes of it: so that XLA:TPU keeps a row's values along lanes, as
+# they come, an accelerator blocks a row of at most `_SLICED` blocks by slices of its
+# last axis (each block's largest magnitude a reduction of one slice, each value's scale
+# a select among its neighbours' blocks); reshaped to `(..., blocks, BLOCK)` (and so
+# transposed by XLA:TPU), the values were copied twice more. The CPU, and any longer row,
+# reshapes (the same values: on the CPU the update inside the backward pass is bitwise the
+# normal step's with it, and XLA:CPU rounded Adam's moments otherwise around slices).
+_SLICED = 128
+
+
+def _scales(x: Any) -> Any:
+    """Each block's largest magnitude (at least 1e-12), float32 (..., blocks)."""
+    if -(-x.shape[-1] // BLOCK) > _SLICED:
+        return _reshaped_scales(x)
+    return jax.lax.platform_dependent(x, cpu=_reshaped_scales, default=_sliced_scales)
+
+
+def _reshaped_scales(x: Any) -> Any:
+    return jnp.maximum(jnp.max(jnp.abs(_blocks(x)), axis=-1), jnp.float32(1e-12))
+
+
+def _sliced_scales(x: Any) -> Any:
+    blocks = -(-x.shape[-1] // BLOCK)
+    largest = jnp.concatenate([jnp.max(jnp.abs(x[..., b * BLOCK:(b + 1) * BLOCK]), axis=-1,
+                                       keepdims=True) for b in range(blocks)], axis=-1)
+    return jnp.maximum(largest, jnp.float32(1e-12))
+
+
+def _spread(scales: Any, shape: tuple[int, ...], start: int) -> Any:
+    """The scale of each value of columns `start ..` of a row (`shape`: those columns'),
+    from the rows' `scales` (..., blocks); a column past the last block takes its scale."""
+    reshaped = functools.partial(_reshaped_spread, shape=shape, start=start)
+    if scales.shape[-1] > _SLICED:
+        return reshaped(scales)
+    return jax.lax.platform_dependent(scales, cpu=reshaped, default=functools.partial(
+        _sliced_spread, shape=shape, start=start))
+
+
+def _reshaped_spread(scales: Any, shape: tuple[int, ...], start: int) -> Any:
+    blocks = scales.shape[-1]
+    spread = jnp.broadcast_to(scales[..., None], (*scales.shape, BLOCK)).reshape(
+        *scales.shape[:-1], blocks * BLOCK)
+    return jnp.pad(spread, [(0, 0)] * (len(shape) - 1) + [(0, BLOCK)])[..., start:start + shape[-1]]
+
+
+def _sliced_spread(scales: Any, shape: tuple[int, ...], start: int) -> Any:
+    blocks, width = scales.shape[-1], shape[-1]
+    first, last = start // BLOCK, min((start + width - 1) // BLOCK, blocks - 1)
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) + start
+    spread = jnp.broadcast_to(scales[..., first:first + 1], shape)
+    for b in range(first + 1, last + 1):
+        spread = jnp.where(column >= b * BLOCK, scales[..., b:b + 1], spread)
+    return spread
 
 
 def _searched(scaled: Any, mids: Any) -> Any:
@@ -364,41 +420,62 @@ def _encoded(scaled: Any, signed: bool) -> Any:
 
 def quantize(x: Any, signed: bool, rows: bool = False) -> jax.Array:
     """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device (with
-    `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`)."""
+    `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`).
+    Word `j` of a row holds the codes of columns `j`, `j + w`, `j + 2w` and `j + 3w` (`w`
+    words a row), in its bytes from the lowest: each quarter of the row a whole slab of
+    words, four shifts apart (columns past the row's end: code 0)."""
     if rows:
         x = x[:, None, :]
-    codes, scales = codes_and_scales(x if x.ndim > 1 else x[None], signed)
-    *lead, r, n = codes.shape
+    x = (x if x.ndim > 1 else x[None]).astype(jnp.float32)
+    *lead, r, n = x.shape
+    scales = _scales(x)
     words = -(-n // 4)
-    quads = jnp.pad(codes, [(0, 0)] * (len(lead) + 1) + [(0, -n % 4)])
-    coded = jax.lax.bitcast_convert_type(quads.reshape(*lead, r, words, 4), jnp.uint32)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * words - n)])
+    coded: Any = None
+    for k in range(4):
+        part = padded[..., k * words:(k + 1) * words]
+        codes = _encoded(part / _spread(scales, part.shape, k * words), signed)
+        if (k + 1) * words > n:
+            column = jax.lax.broadcasted_iota(jnp.int32, part.shape, x.ndim - 1)
+            codes = jnp.where(column < n - k * words, codes, 0)
+        shifted = codes.astype(jnp.uint32) << np.uint32(8 * k)
+        coded = shifted if coded is None else coded | shifted
     flat = jax.lax.bitcast_convert_type(scales, jnp.uint32).reshape(*lead, -1)
     extra = -(-flat.shape[-1] // words)
     flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, extra * words - flat.shape[-1])])
-    packed = jnp.concatenate([coded, flat.reshape(*lead, extra, words)], axis=-2)
-    return packed
+    return jnp.concatenate([coded, flat.reshape(*lead, extra, words)], axis=-2)
 
 
 def unpack(packed: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
-    """The uint8 codes `(..., r, n)` and float32 scales `(..., r, blocks)` of a packed
-    array (of a leaf of `shape`, or of rows along its first axis); a vector is one row."""
+    """The codes `(..., r, n)` (int32) and float32 scales `(..., r, blocks)` of a packed
+    array (of a leaf of `shape`, or of rows along its first axis); a vector is one row.
+    Column `c` of a row is byte `c // w` of its word `c % w` (`quantize`): each quarter
+    of the row is its words shifted, the four side by side."""
     *_, r, n = (1, *shape) if len(shape) == 1 else shape
-    lead = packed.shape[:-2]
-    codes = jax.lax.bitcast_convert_type(packed[..., :r, :], jnp.uint8)  # (..., r, words, 4)
-    codes = codes.reshape(*lead, r, -1)[..., :n]
-    blocks = -(-n // BLOCK)
+    words = packed[..., :r, :]
+    codes = jnp.concatenate([(words >> np.uint32(8 * k)) & np.uint32(0xFF) for k in range(4)],
+                            axis=-1)[..., :n].astype(jnp.int32)
+    return codes, _stored_scales(packed, r, n)
+
+
+def _stored_scales(packed: Any, r: int, n: int) -> Any:
+    """The float32 scales `(..., r, blocks)` of a packed array of rows of `n` values."""
+    lead, blocks = packed.shape[:-2], -(-n // BLOCK)
     flat = packed[..., r:, :].reshape(*lead, -1)[..., :r * blocks]
-    scales = jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
-    return codes, scales
+    return jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
 
 
 def dequantize(packed: Any, spec: Quantized) -> Any:
     """A packed array (of `spec`'s leaf, or rows of it) back in `spec.dtype`:
     `map[code] * scale`, as torchao's `dequant_with_qmap`."""
-    codes, scales = unpack(packed, spec.unpacked)
-    n = codes.shape[-1]
-    values = _blocks(lookup(codes, spec.signed))
-    values = (values * scales[..., None]).reshape(*codes.shape[:-1], -1)[..., :n]
+    *_, r, n = (1, *spec.unpacked) if len(spec.unpacked) == 1 else spec.unpacked
+    # (`unpack`'s codes, as each column's byte shifted out of its word repeated four times:
+    # XLA fuses that into the decoding, where it wrote `unpack`'s four slabs out first)
+    repeated = jnp.concatenate([packed[..., :r, :]] * 4, axis=-1)[..., :n]
+    column = jax.lax.broadcasted_iota(jnp.int32, repeated.shape, repeated.ndim - 1)
+    codes = ((repeated >> (column // packed.shape[-1] * 8).astype(jnp.uint32))
+             & np.uint32(0xFF)).astype(jnp.int32)
+    values = lookup(codes, spec.signed) * _spread(_stored_scales(packed, r, n), codes.shape, 0)
     if spec.rows:
         return values[..., 0, :].astype(spec.dtype)
     return (values if len(spec.shape) > 1 else values[0]).astype(spec.dtype)

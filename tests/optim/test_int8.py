@@ -146,6 +146,40 @@ def test_round_trip_within_half_a_step_of_the_map(signed: bool) -> None:
     assert nearest.max() <= (0.0071 if signed else 0.0036)
 
 
+def test_a_word_holds_a_code_of_each_quarter_of_its_row() -> None:
+    """Rows of 1030 values in 258 words: word j holds the codes of columns j, j + 258, j +
+    516 and j + 774 from its lowest byte (columns past 1030: code 0); then the rows'
+    scales, a word each, in rows of 258."""
+    x = _samples((3, 1030), seed=5)
+    codes, scales = (np.asarray(a) for a in q.codes_and_scales(jnp.asarray(x), True))
+    packed = np.asarray(q.quantize(jnp.asarray(x), True))
+    assert packed.shape == q.packed_shape(x.shape) == (4, 258)
+    quarters = np.pad(codes, [(0, 0), (0, 2)]).reshape(3, 4, 258).astype(np.uint32)
+    np.testing.assert_array_equal(packed[:3], sum(quarters[:, k] << (8 * k) for k in range(4)))
+    assert np.all(quarters[:, 3, -2:] == 0)
+    np.testing.assert_array_equal(packed[3, :15], scales.reshape(-1).view(np.uint32))
+    assert np.all(packed[3, 15:] == 0)
+    unpacked = q.unpack(jnp.asarray(packed), x.shape)
+    np.testing.assert_array_equal(unpacked[0], codes)
+    np.testing.assert_array_equal(unpacked[1], scales)
+
+
+@pytest.mark.parametrize("shape", [(3, 1030), (2, 5632), (2, 3, 300)])
+def test_rows_blocked_by_slices_or_by_a_reshape_are_the_same(shape) -> None:
+    """An accelerator blocks a row by slices of it, the CPU by a reshape: the same
+    scales and the same scale for each value, bitwise (with infinities and -0.0)."""
+    x = _samples(shape, seed=6)
+    x.reshape(-1)[[600, 900, 1000]] = [np.inf, -np.inf, -0.0]
+    scales = q._sliced_scales(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(scales).view(np.uint32),
+                                  np.asarray(q._reshaped_scales(jnp.asarray(x))).view(np.uint32))
+    words = -(-shape[-1] // 4)
+    for start in range(0, 4 * words, words):
+        part = (*shape[:-1], words)
+        np.testing.assert_array_equal(q._sliced_spread(scales, part, start),
+                                      q._reshaped_spread(scales, part, start))
+
+
 # ----------------------------------------------------------------------------------------
 # `offloaded(..., host_dtype=jnp.int8)`
 
