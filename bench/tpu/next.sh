@@ -10,6 +10,7 @@
 #   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
 #   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
 #   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
+#   bash bench/tpu/next.sh 12   # call 12 (<= 6 min): 542M steps, each mode, one run
 #   bash bench/tpu/next.sh 11   # call 11 (<= 5 min): fp32 weights + moments, 1.83B
 #   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
@@ -144,12 +145,17 @@ call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M st
   o="$o --ffn $((W * 11 / 4)) --layers $L8"
   for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
   row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
-  for m in fp32 state state-int8state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
+  call12
+}
+call12() {  # 542M's step in each mode of issue 62's ratios, one run
+  for m in fp32 state state-int8state state-backward state-int8state-backward; do
+    row $T $R $m $W $L8 $STEPS $SEQB $TP
+  done
 }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;;
   all) call1; call2; call3; call4; call5; call6; call9; call10; call11 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|all" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
