@@ -221,7 +221,7 @@ def _exchanged(state: list[Any], whole: list[bool], i: Any,
     time, not whole."""
     j, _, pieces = done
     written: list[Any] = []  # (the host leaves, after their writes)
-    new_state, slices = [], []
+    new_state, slices = list[Any](), list[Any]()
     for s, w, p in zip(state, whole, pieces, strict=True):
         if w:
             slices.append(to_host(layer_slice(s, i)))

@@ -30,8 +30,8 @@ import eqx_offload
 from eqx_offload._optim import quantize as q
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-import harness  # noqa: E402
-from llama import Llama  # noqa: E402
+import harness
+from llama import Llama
 
 
 CLOCK = 1.5e9
