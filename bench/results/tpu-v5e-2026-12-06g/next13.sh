@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The chip's rows for this round, most telling first, one process per row, each result a
+# JSON line under $OUT (capacity, throughput, startup, host_rss, stopped and failed .jsonl).
+#
+#   bash bench/tpu/next.sh 1    # call 1 (<= 9 min): the update in the backward pass, 542M
+#   bash bench/tpu/next.sh 2    # call 2 (<= 9 min): 64k tokens a step; past 2B; 8-bit
+#   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): capacity, everything in host, bf16/fp32
+#   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
+#   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
+#   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
+#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
+#   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
+#   bash bench/tpu/next.sh 12   # call 12 (<= 6 min): 542M steps, each mode, one run
+#   bash bench/tpu/next.sh 11   # call 11 (<= 5 min): fp32 weights + moments, 1.83B
+#   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
+#   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
+#   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
+#
+# No row can run the host out of memory: each row is stopped (and reported in
+# stopped.jsonl, with the row's last progress line) when the memory left falls under
+# FLOOR_GIB (default 3): the least of the host's MemAvailable, the cgroup's limit less its
+# use, and the machine's RAM_GIB (default 40, what the device machine is lent) less the
+# resident memory of every process of this user. (On 2026-12-06 a row was lost with
+# MemAvailable still high: the machine counts resident memory against its 40 GiB, and the
+# TPU runtime's process holds ~14 GB resident.)
+set -u
+cd "$(dirname "$0")/.."
+CALL=${1:-1}
+OUT=${OUT:-$(mktemp -d)}
+export OUT
+FLOOR_GIB=${FLOOR_GIB:-3}
+RAM_GIB=${RAM_GIB:-40}
+if [ "${SIZE:-}" = small ]; then
+  # Every row's script, at a size the CPU runs in seconds: width 128, 2 layers,
+  # sequence 32, batch 2 (4 layers where a row tests a larger model).
+  W=128; L8=2; LBIG=4; SEQB="32 2"; STEPS=2; MIB=16; T=300
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+else
+  [ -n "${DRY:-}" ] || . bench/tpu/setup.sh || exit 1
+  W=2048; L8=8; LBIG=40; SEQB="1024 4"; STEPS=6; MIB=1024; T=170
+fi
+
+left_gib() {  # the memory left for rows, in GiB: the least of the three measures above
+  local kib rss d lim use
+  kib=$(awk '/MemAvailable/ { print $2 }' /proc/meminfo)
+  for d in "/sys/fs/cgroup$(awk -F: '$1 == "0" { print $3 }' /proc/self/cgroup)" \
+           "/sys/fs/cgroup/memory$(awk -F: '$2 == "memory" { print $3 }' /proc/self/cgroup)"; do
+    lim=$(cat "$d/memory.max" "$d/memory.limit_in_bytes" 2> /dev/null | head -1)
+    use=$(cat "$d/memory.current" "$d/memory.usage_in_bytes" 2> /dev/null | head -1)
+    if [ -n "$lim" ] && [ "$lim" != max ] && [ "${#lim}" -lt 16 ] && [ -n "$use" ]; then
+      kib=$(( (lim - use) / 1024 < kib ? (lim - use) / 1024 : kib ))
+    fi
+  done
+  rss=$(ps -u "$(id -u)" -o rss= | awk '{ s += $1 } END { print s + 0 }')
+  kib=$(( RAM_GIB * 1048576 - rss < kib ? RAM_GIB * 1048576 - rss : kib ))
+  echo $(( kib / 1048576 ))
+}
+
+row() {  # SECONDS SCRIPT ARGS...: one process, stopped if the host runs low on memory
+  local limit=$1 log pid left stopped=""
+  shift
+  [ -n "${DRY:-}" ] && { echo "$*"; return; }
+  log=$(mktemp)
+  ROW_SECONDS=$((limit - 15)) setsid timeout "$limit" "${PYTHON:-python3}" -W ignore "$@" > "$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2> /dev/null; do
+    left=$(left_gib)
+    if [ "$left" -lt "$FLOOR_GIB" ]; then
+      kill -9 -- "-$pid" 2> /dev/null
+      { grep '^{' "$log" | tail -1; echo "{\"row\": \"$*\", \"error\": \"stopped: the memory left fell to $left GiB\"}"; } \
+        | tee -a "$OUT/stopped.jsonl"
+      stopped=1
+    fi
+    sleep 0.5
+  done
+  wait "$pid"
+  grep '^{' "$log" | tail -1 | cut -c1-1200
+  if [ -z "$stopped" ] && ! grep -q '^{' "$log"; then  # (a row that made no JSON line)
+    echo "{\"row\": \"$*\", \"error\": \"no result: $(tail -1 "$log" | tr -d '"\\' | cut -c1-300)\"}" \
+      | tee -a "$OUT/failed.jsonl"
+  fi
+  rm -f "$log"
+}
+
+R="bench/train.py"  # MODE WIDTH LAYERS STEPS SEQ BATCH [--micro K] [--file NAME]
+TP="--file throughput"
+call1() {  # the update in the backward pass against the normal step, 542M, 4k tokens
+  row $T $R fp32 $W $L8 $STEPS $SEQB $TP
+  row $T $R state $W $L8 $STEPS $SEQB $TP
+  row $T $R state-backward $W $L8 $STEPS $SEQB $TP
+  row $T $R state-int8state $W $L8 $STEPS $SEQB $TP
+  row $T $R +activations $W $L8 $STEPS $SEQB $TP
+  row $T $R +activations-backward $W $L8 $STEPS $SEQB $TP
+}
+call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward update past 2B
+  row $T $R fp32 $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state-backward $W $L8 4 $SEQB --micro 16 $TP
+  row $T $R state-backward $W $LBIG 4 $SEQB
+}
+# The capacity rows' sizes: the next depth past what trained on 2026-12-06
+# (bench/results/tpu-v5e-2026-12-06b/: fp32 state 24 layers, bf16 state 38 layers, with
+# the update in the backward pass; the process then held 37.5 and 35.3 GB resident, of
+# the guard's 40 GiB less 3, about 1.3x what it stored above the runtime's 14.2 GB), and
+# 8-bit state (about 8 bytes a parameter) at 44 layers (2.39B).
+call3() {  # capacity with everything in host memory: 20 steps each
+  local l2=40 l4=26 t=$((T + 90))
+  [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
+  row $t $R +activations-bf16state-backward $W $l2 20 $SEQB
+  row $t $R +activations-backward $W $l4 20 $SEQB
+}
+call5() {  # 8-bit state: a capacity row, and 542M's step on the normal step and in backward
+  local l8=44
+  [ "${SIZE:-}" = small ] && l8=2
+  row $((T + 90)) $R +activations-int8state-backward $W $l8 20 $SEQB
+  row $T $R state-int8state $W $L8 $STEPS $SEQB $TP
+  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
+}
+call6() {  # where the host's resident memory goes: primitives, then each mode's start-up
+  row $T bench/host_rss.py primitives $MIB
+  row $T bench/host_rss.py startup +activations-bf16state $W $L8 2
+  row $T bench/host_rss.py startup state $W $L8 2
+}
+call4() {  # start-up: new pinned memory by route
+  for route in threads numpy fresh; do
+    row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
+  done
+}
+call9() {  # fp32 master + 8-bit moments stored once in host memory, 3.52B (66 layers; the
+  # v5e plan: 20.72 GB stored), the layer inputs in host memory (1.11 GB more there while a
+  # step runs), then on the device (0.13 GB: what the host can spare past the compile's ~2 GB)
+  local l=66
+  [ "${SIZE:-}" = small ] && l=2
+  row $((T + 95)) $R +activations-once-int8state-backward $W $l 20 $SEQB
+  row $((T + 95)) $R +params-once-int8state-backward $W $l 20 $SEQB
+}
+call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers; 12 bytes a block
+  # parameter, 21.40 GB stored; it trained on 2026-12-06c, compiled after its start-up)
+  local l=33
+  [ "${SIZE:-}" = small ] && l=2
+  row $((T + 95)) $R +activations-once-backward $W $l 20 $SEQB
+}
+call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M steps in one run
+  local o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W"
+  o="$o --ffn $((W * 11 / 4)) --layers $L8"
+  for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
+  row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
+  call12
+}
+call12() {  # 542M's step in each mode of issue 62's ratios, one run
+  for m in fp32 state state-int8state state-backward state-int8state-backward; do
+    row $T $R $m $W $L8 $STEPS $SEQB $TP
+  done
+}
+case $CALL in
+  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W --ffn $((W * 11 / 4)) --layers $L8"; call12; row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl" ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|all" >&2; exit 2 ;;
+esac
+[ -n "${DRY:-}" ] || echo "results: $OUT"
