@@ -109,12 +109,8 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                               resident_without_executable=harness.resident())
     on = abstract[2].sharding
     began = time.perf_counter()
-    # (each array's buffer as made, given the compiled step's sharding: one device, the
-    # same memory kind, over a one-device mesh; `filter_make` gives some a
-    # `SingleDeviceSharding`, which the executable would refuse)
-    model, state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding, may_alias=True),
-                                eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on)),
-                                abstract[:2])
+    # (every array with the sharding `filter_eval_shape` gave it: the compiled step's)
+    model, state = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
     model, state = jax.block_until_ready((model, state))
     row.update(startup_s=time.perf_counter() - began, stored=harness.bytes_by_kind((model, state)),
                resident_after_startup=harness.resident())

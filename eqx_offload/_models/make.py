@@ -251,6 +251,13 @@ def _host_zeros(x: Any) -> jax.Array:
     return _zeros(x)
 
 
+def _placed(made: jax.Array, like: Any) -> jax.Array:
+    """`made` with `like`'s sharding where it has one (what `filter_eval_shape` says: a
+    program with no inputs would otherwise give its output the default device's)."""
+    sharding = getattr(like, "sharding", None)
+    return made if sharding is None else jax.lax.with_sharding_constraint(made, sharding)
+
+
 def _buffers_program(leaves: Sequence[Any]) -> Any:
     """Zeros of each leaf's shape in its memory: those in host memory made by the
     host's CPU (`compute_on("device_host")`), so no byte of them is on the device, one
@@ -258,7 +265,7 @@ def _buffers_program(leaves: Sequence[Any]) -> Any:
     about one more output in host memory, which the runtime's host allocator keeps)."""
     host = [_on_host(x) for x in leaves]
     device = [x for x, h in zip(leaves, host, strict=True) if not h]
-    on_device = filter_jit(lambda: [_zeros(x) for x in device])
+    on_device = filter_jit(lambda: [_placed(_zeros(x), x) for x in device])
 
     def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
         del layer, dynamic
@@ -286,8 +293,9 @@ def _buffers_plan(leaves: Sequence[Any]) -> Any:
 
 def _host_program(x: Any) -> Any:
     """The program that makes `_host_zeros(x)` in host memory, on the host's CPU."""
-    return filter_jit(host_compute(lambda: _host_zeros(x), compute_type="device_host",
-                                   out_memory_spaces=_HOST))
+    made = host_compute(lambda: _host_zeros(x), compute_type="device_host",
+                        out_memory_spaces=_HOST)
+    return filter_jit(lambda: _placed(made(), x))
 
 
 def _layers_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]) -> Any:
@@ -364,7 +372,10 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
 
     **Returns:**
 
-    `fun(*args, **kwargs)`, computed as `eqx.filter_jit(fun)(*args, **kwargs)`.
+    `fun(*args, **kwargs)`, computed as `eqx.filter_jit(fun)(*args, **kwargs)`, each
+    array leaf with the sharding and memory kind that
+    `eqx_offload.checkpoint.filter_eval_shape(fun, *args, **kwargs)` gives it (so a step
+    compiled ahead of time from that takes the result as it is).
 
     !!! Example
 
