@@ -262,15 +262,17 @@ def _buffers_program(leaves: Sequence[Any]) -> Any:
     """Zeros of each leaf's shape in its memory: those in host memory made by the
     host's CPU (`compute_on("device_host")`), so no byte of them is on the device, one
     program a leaf (on a TPU, a program of several host outputs held a temporary of
-    about one more output in host memory, which the runtime's host allocator keeps)."""
+    about one more output in host memory, which the runtime's host allocator keeps),
+    compiled once for the leaves of one shape, dtype and sharding."""
     host = [_on_host(x) for x in leaves]
     device = [x for x, h in zip(leaves, host, strict=True) if not h]
     on_device = filter_jit(lambda: [_placed(_zeros(x), x) for x in device])
+    programs = {x: _host_program(x) for x, h in zip(leaves, host, strict=True) if h}
 
     def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
         del layer, dynamic
         made = iter(on_device() if device else [])
-        return [_host_program(x)() if h else next(made) for x, h in zip(leaves, host, strict=True)]
+        return [programs[x]() if h else next(made) for x, h in zip(leaves, host, strict=True)]
     return buffers
 
 
