@@ -13,25 +13,32 @@ Prints a progress line a step and one JSON record (`harness.record`, appended to
 $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): the seconds of the
 compile, the start-up and each step, tokens a second, the losses, the bytes stored by
 memory kind, XLA's memory analysis and the resident memory before and after the compile,
-after the start-up and after the first step. `--plan` compiles for a TPU v5e without
-one (libtpu) and stops there. It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
+after the start-up and after the first step; `fill_gbps`, new `pinned_host` memory
+filled by `filter_make`'s route (up to 1 GiB, freed before the start-up), and
+`startup_over_fill`, the start-up over what the host bytes take at that rate.
+`--cache DIR` turns on JAX's persistent compilation cache there, every program cached:
+a second run compiles nothing (`cache`: its events' counts). `--plan` compiles for a
+TPU v5e without one (libtpu) and stops there. It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
 a row reports the steps it ran rather than being killed.
 """
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
+from eqx_offload._models.make import _host_program  # (filter_make's own, not a copy)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # (bench/)
@@ -75,6 +82,25 @@ def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
     return compiled, abstract, took
 
 
+def count_cache(events: dict[str, int], event: str, **_: Any) -> None:
+    """Counts the persistent compilation cache's `event`s in `events`, by last name."""
+    if event.startswith("/jax/compilation_cache/"):
+        events[event.split("/")[-1]] = events.get(event.split("/")[-1], 0) + 1
+
+
+def fill_gbps(abstract: Any) -> float:
+    """GB/s of new `pinned_host` memory made as `filter_make` makes a stacked leaf's
+    buffer (zeros by the host's CPU; compiled first): 1 GiB, or the row's host bytes if
+    fewer. The array is freed after."""
+    size = min(1 << 30, harness.bytes_by_kind(abstract).get("pinned_host", 0)) // 4
+    on = abstract[2].sharding.with_memory_kind("pinned_host")
+    program = _host_program(jax.ShapeDtypeStruct((max(size, 1),), jnp.float32,
+                                                 sharding=on)).lower().compile()
+    began = time.perf_counter()
+    jax.block_until_ready(program()).delete()
+    return max(size, 1) * 4 / 1e9 / (time.perf_counter() - began)
+
+
 def trim() -> None:
     """Free what Python and glibc's heap hold unused (`malloc_trim(0)` returns it to the
     system)."""
@@ -90,8 +116,15 @@ def v5e() -> Any:
 
 
 def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
-         batch: int = 4, micro: int = 1, plan: bool = False) -> dict[str, Any]:
+         batch: int = 4, micro: int = 1, plan: bool = False,
+         cache: Optional[str] = None) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
+    events: dict[str, int] = {}  # (the persistent cache's events: cache_hits, ...)
+    if cache:  # (every program cached, however short its compile)
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        jax.monitoring.register_event_listener(functools.partial(count_cache, events))
     harness.machine()  # (before the host fills: see `harness.machine`)
     row: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                            "seq": seq, "batch": batch, "micro_batches": micro,
@@ -100,7 +133,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
     start, grad_step = harness.trainer(shape, name)
     step, abstract, took = compile_ahead(start, grad_step, shape, micro,
                                          v5e() if plan else jax.devices()[0])
-    row.update(took)
+    row.update(took, cache_after_compile=dict(events))
     print(json.dumps({**row, "phase": "compiled"}), flush=True)
     if plan:  # (and what the process holds without the executable)
         del step
@@ -108,12 +141,15 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
         return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
                               resident_without_executable=harness.resident())
     on = abstract[2].sharding
+    row["fill_gbps"] = fill_gbps(abstract)
     began = time.perf_counter()
     # (every array with the sharding `filter_eval_shape` gave it: the compiled step's)
     model, state = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
     model, state = jax.block_until_ready((model, state))
     row.update(startup_s=time.perf_counter() - began, stored=harness.bytes_by_kind((model, state)),
-               resident_after_startup=harness.resident())
+               resident_after_startup=harness.resident(), cache_after_startup=dict(events))
+    host_s = row["stored"].get("pinned_host", 0) / 1e9 / row["fill_gbps"]
+    row["startup_over_fill"] = row["startup_s"] / host_s if host_s else None
     tokens = jax.device_put(harness.tokens_of(shape, micro), on)
     compiles: list[str] = []  # (during the steps: none, the step is compiled)
 
@@ -136,18 +172,19 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     return harness.record(**row, losses=losses, step_s=times, falls=losses[-1] < losses[0],
-                          compiles_in_steps=len(compiles),
+                          compiles_in_steps=len(compiles), cache=events,
                           **harness.timing(times, row["tokens_per_step"]))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line's arguments: `mode` (read by `harness.mode_of`), `numbers`
-    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file` and `plan`."""
+    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache` and `plan`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode")
     parser.add_argument("numbers", type=int, nargs="+", metavar="WIDTH LAYERS [STEPS SEQ BATCH]")
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--file", default="capacity")
+    parser.add_argument("--cache", metavar="DIR")
     parser.add_argument("--plan", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= len(args.numbers) <= 5:
@@ -164,4 +201,4 @@ if __name__ == "__main__":
     width, layers, *rest = args.numbers
     harness.run_row(args.file, {"mode": args.mode, "width": width, "layers": layers},
                     lambda: main(args.mode, width, layers, *rest, micro=args.micro,
-                                 plan=args.plan))
+                                 plan=args.plan, cache=args.cache))

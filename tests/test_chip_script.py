@@ -38,7 +38,7 @@ def test_every_row_of_every_call_parses(size: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "DRY": "1", "SIZE": size})
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert len(rows) == 33, listed.stdout
+    assert len(rows) == 35, listed.stdout
     modes = set()
     for script, *args in rows:
         assert (ROOT / script).is_file(), script
@@ -96,6 +96,21 @@ def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
             assert row["stages"] and all(s["rss_gb"] >= 0 for s in row["stages"])
         else:
             assert len(row["losses"]) == {"throughput": 2, "capacity": 20}[row["file"]]
+
+
+def test_a_second_run_with_the_cache_compiles_nothing(tmp_path: pathlib.Path) -> None:
+    """Call 14: the same row twice with `--cache`: the second run's compiles (the step's,
+    ahead of the start-up, and the start-up's) are all hits of the first's entries; each
+    run measures the fill rate and its start-up over it."""
+    first, second = _next("14", tmp_path)
+    for row in (first, second):
+        assert "error" not in row and len(row["losses"]) == 3, row
+        assert row["fill_gbps"] > 0 and row["startup_over_fill"] > 0
+    assert first["cache"]["cache_misses"] > 0 and "cache_hits" not in first["cache"]
+    assert "cache_misses" not in second["cache"], second["cache"]
+    assert second["cache_after_compile"]["cache_hits"] > 0
+    assert second["cache"]["cache_hits"] == first["cache"]["cache_misses"]
+    assert second["losses"] == first["losses"]
 
 
 @pytest.mark.parametrize("mode", [pytest.param(  # (libtpu compiles for a v5e)

@@ -2,16 +2,7 @@
 # The chip's rows for this round, most telling first, one process per row, each result a
 # JSON line under $OUT (capacity, throughput, startup, host_rss, stopped and failed .jsonl).
 #
-#   bash bench/tpu/next.sh 1    # call 1 (<= 9 min): the update in the backward pass, 542M
-#   bash bench/tpu/next.sh 2    # call 2 (<= 9 min): 64k tokens a step; past 2B; 8-bit
-#   bash bench/tpu/next.sh 3    # call 3 (<= 9 min): capacity, everything in host, bf16/fp32
-#   bash bench/tpu/next.sh 4    # call 4 (<= 9 min): start-up routes, threads
-#   bash bench/tpu/next.sh 5    # call 5 (<= 9 min): 8-bit state: capacity row, 542M step
-#   bash bench/tpu/next.sh 6    # call 6 (<= 9 min): where the host's resident memory goes
-#   bash bench/tpu/next.sh 9    # call 9 (<= 9 min): fp32 master + 8-bit moments, 3.52B
-#   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
-#   bash bench/tpu/next.sh 12   # call 12 (<= 6 min): 542M steps, each mode, one run
-#   bash bench/tpu/next.sh 11   # call 11 (<= 5 min): fp32 weights + moments, 1.83B
+#   bash bench/tpu/next.sh N    # call N, at most 9 minutes (what it runs: `callN` below)
 #   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
@@ -147,6 +138,13 @@ call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M st
   row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
   call12
 }
+call14() {  # the 3.52B stored-once row twice, 3 steps, with JAX's persistent compilation
+  # cache: the second run's compiles (the step's and the start-up's) are cache hits
+  local l=66 c=/tmp/jaxcache
+  [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
+  [ -n "${DRY:-}" ] || rm -rf "$c"
+  for run in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
+}
 call12() {  # 542M's step in each mode of issue 62's ratios, one run
   for m in fp32 state state-int8state state-backward state-int8state-backward; do
     row $T $R $m $W $L8 $STEPS $SEQB $TP
@@ -154,8 +152,8 @@ call12() {  # 542M's step in each mode of issue 62's ratios, one run
 }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;; 12) call12 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10; call11 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|all" >&2; exit 2 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;; 14) call14 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call14 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|14|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
