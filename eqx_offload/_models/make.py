@@ -252,10 +252,10 @@ def _host_zeros(x: Any) -> jax.Array:
 
 
 def _placed(made: jax.Array, like: Any) -> jax.Array:
-    """`made` with `like`'s sharding where it has one (what `filter_eval_shape` says: a
+    """`made` with the sharding of `like`, a leaf of `filter_eval_shape`'s result (a
     program with no inputs would otherwise give its output the default device's)."""
-    sharding = getattr(like, "sharding", None)
-    return made if sharding is None else jax.lax.with_sharding_constraint(made, sharding)
+    placed: jax.Array = jax.lax.with_sharding_constraint(made, like.sharding)
+    return placed
 
 
 def _buffers_program(leaves: Sequence[Any]) -> Any:
