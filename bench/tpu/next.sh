@@ -143,7 +143,7 @@ call14() {  # the 3.52B stored-once row twice, 3 steps, with JAX's persistent co
   local l=66 c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"
-  for run in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
+  for _ in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
 }
 call12() {  # 542M's step in each mode of issue 62's ratios, one run
   for m in fp32 state state-int8state state-backward state-int8state-backward; do
