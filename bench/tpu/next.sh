@@ -12,6 +12,7 @@
 #   bash bench/tpu/next.sh 10   # call 10 (<= 9 min): the streamed update; 542M steps
 #   bash bench/tpu/next.sh 12   # call 12 (<= 6 min): 542M steps, each mode, one run
 #   bash bench/tpu/next.sh 11   # call 11 (<= 5 min): fp32 weights + moments, 1.83B
+#   bash bench/tpu/next.sh 13   # call 13 (<= 8 min): profiles of 542M steps; 2.19B, bf16 moments
 #   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
@@ -152,10 +153,18 @@ call12() {  # 542M's step in each mode of issue 62's ratios, one run
     row $T $R $m $W $L8 $STEPS $SEQB $TP
   done
 }
+call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in the backward pass,
+  # and 8-bit in the backward pass; then 2.19B with everything in host memory, the fp32
+  # master stored once and bf16 moments
+  local p=bench/results/tpu-v5e-2026-12-07/profile.py m=state-backward
+  [ "${SIZE:-}" = small ] && [ -z "${DRY:-}" ] && { row $T $p $m $W $L8 $SEQB; return; }
+  for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
+  row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
+}
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;; 12) call12 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10; call11 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|all" >&2; exit 2 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call13 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|13|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
