@@ -23,8 +23,8 @@ a row reports the steps it ran rather than being killed.
 """
 
 import argparse
+import collections
 import ctypes
-import functools
 import gc
 import json
 import os
@@ -82,12 +82,6 @@ def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
     return compiled, abstract, took
 
 
-def count_cache(events: dict[str, int], event: str, **_: Any) -> None:
-    """Counts the persistent compilation cache's `event`s in `events`, by last name."""
-    if event.startswith("/jax/compilation_cache/"):
-        events[event.split("/")[-1]] = events.get(event.split("/")[-1], 0) + 1
-
-
 def fill_gbps(abstract: Any) -> float:
     """GB/s of new `pinned_host` memory made as `filter_make` makes a stacked leaf's
     buffer (zeros by the host's CPU; compiled first): 1 GiB, or the row's host bytes if
@@ -119,12 +113,13 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
          batch: int = 4, micro: int = 1, plan: bool = False,
          cache: Optional[str] = None) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
-    events: dict[str, int] = {}  # (the persistent cache's events: cache_hits, ...)
+    events: collections.Counter[str] = collections.Counter()  # (the persistent cache's)
     if cache:  # (every program cached, however short its compile)
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        jax.monitoring.register_event_listener(functools.partial(count_cache, events))
+        jax.monitoring.register_event_listener(lambda event, **_: events.update(
+            [event.split("/")[-1]] if event.startswith("/jax/compilation_cache/") else []))
     harness.machine()  # (before the host fills: see `harness.machine`)
     row: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                            "seq": seq, "batch": batch, "micro_batches": micro,

@@ -38,7 +38,7 @@ def test_every_row_of_every_call_parses(size: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "DRY": "1", "SIZE": size})
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert len(rows) == 35, listed.stdout
+    assert len(rows) == 39, listed.stdout
     modes = set()
     for script, *args in rows:
         assert (ROOT / script).is_file(), script
@@ -83,17 +83,19 @@ def test_a_row_is_stopped_when_the_host_runs_low(tmp_path: pathlib.Path) -> None
     assert rows and all("stopped" in r.get("error", "") for r in rows)
 
 
-@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9", "11"])
+@pytest.mark.parametrize("call", ["3", "4", "5", "6", "9", "11", "13"])
 def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
         call: str, tmp_path: pathlib.Path) -> None:
     rows = _next(call, tmp_path)
-    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2, "11": 1}[call]
+    assert len(rows) == {"3": 2, "4": 3, "5": 3, "6": 3, "9": 2, "11": 1, "13": 1}[call]
     for row in rows:
         assert "error" not in row, row
         if row["file"] == "startup":  # (new pinned memory by route)
             assert len(row["gbps"]) >= 1 and all(g > 0 for g in row["gbps"])
         elif row["file"] == "host_rss":  # (resident memory, stage by stage)
             assert row["stages"] and all(s["rss_gb"] >= 0 for s in row["stages"])
+        elif row["file"] == "profile":  # (a step's time, from `jax.profiler`)
+            assert len(row["step_s"]) == 4 and row["xplane_bytes"] > 0
         else:
             assert len(row["losses"]) == {"throughput": 2, "capacity": 20}[row["file"]]
 

@@ -89,11 +89,8 @@ call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward upda
   row $T $R state-backward $W $L8 4 $SEQB --micro 16 $TP
   row $T $R state-backward $W $LBIG 4 $SEQB
 }
-# The capacity rows' sizes: the next depth past what trained on 2026-12-06
-# (bench/results/tpu-v5e-2026-12-06b/: fp32 state 24 layers, bf16 state 38 layers, with
-# the update in the backward pass; the process then held 37.5 and 35.3 GB resident, of
-# the guard's 40 GiB less 3, about 1.3x what it stored above the runtime's 14.2 GB), and
-# 8-bit state (about 8 bytes a parameter) at 44 layers (2.39B).
+# The capacity rows' sizes: the next depth past what trained on 2026-12-06 (fp32 and bf16
+# state: bench/results/tpu-v5e-2026-12-06b/), and 8-bit state at 44 layers (2.39B).
 call3() {  # capacity with everything in host memory: 20 steps each
   local l2=40 l4=26 t=$((T + 90))
   [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
@@ -117,9 +114,8 @@ call4() {  # start-up: new pinned memory by route
     row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
   done
 }
-call9() {  # fp32 master + 8-bit moments stored once in host memory, 3.52B (66 layers; the
-  # v5e plan: 20.72 GB stored), the layer inputs in host memory (1.11 GB more there while a
-  # step runs), then on the device (0.13 GB: what the host can spare past the compile's ~2 GB)
+call9() {  # fp32 master + 8-bit moments stored once in host memory, 3.52B (66 layers, 20.72
+  # GB there), the layer inputs in host memory (1.11 GB more), then on the device (0.13 GB)
   local l=66
   [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-int8state-backward $W $l 20 $SEQB
@@ -138,22 +134,29 @@ call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M st
   row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
   call12
 }
-call14() {  # the 3.52B stored-once row twice, 3 steps, with JAX's persistent compilation
-  # cache: the second run's compiles (the step's and the start-up's) are cache hits
-  local l=66 c=/tmp/jaxcache
-  [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
-  [ -n "${DRY:-}" ] || rm -rf "$c"
-  for _ in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
-}
 call12() {  # 542M's step in each mode of issue 62's ratios, one run
   for m in fp32 state state-int8state state-backward state-int8state-backward; do
     row $T $R $m $W $L8 $STEPS $SEQB $TP
   done
 }
+call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in the backward pass,
+  # and 8-bit in the backward pass; then 2.19B with everything in host memory, the fp32
+  # master stored once and bf16 moments
+  local p=bench/results/tpu-v5e-2026-12-07/profile.py m=state-backward
+  [ "${SIZE:-}" = small ] && [ -z "${DRY:-}" ] && { row $T $p $m $W $L8 $SEQB; return; }
+  for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
+  row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
+}
+call14() {  # call 9's second row twice, 3 steps, with JAX's persistent compilation cache
+  local l=66 c=/tmp/jaxcache
+  [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
+  [ -n "${DRY:-}" ] || rm -rf "$c"
+  for _ in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
+}
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;; 12) call12 ;; 14) call14 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call14 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|14|all" >&2; exit 2 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;; 14) call14 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call13; call14 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|13|14|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
