@@ -30,9 +30,18 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 
+ESTIMATE_SCALE = 0.783
+"""The time a v5e takes for a step's device work over XLA:TPU's estimate of it (the
+`estimated_cycles` of its instructions at `CLOCK_HZ`): the plain 8-layer Llama step
+(d=2048, seq 1024, batch 4) took 192.6 ms against 246.0 ms estimated (2026-12-06g)."""
+
+CLOCK_HZ = 1.5e9
+"""A v5e's clock: its 197 TFLOP/s of bf16 over 4 matrix units of 128 x 128."""
+
 COMPUTE_EFFICIENCY = 0.446
-"""The plain 8-layer Llama step (d=2048, seq 1024, batch 4) on a v5e: its plan's compute
-floor 78.3 ms against the 175.4 ms the chip took (2026-12-06)."""
+"""For a plan without XLA:TPU's estimates: the plain 8-layer Llama step (d=2048, seq
+1024, batch 4) on a v5e, its plan's compute floor 78.3 ms against the 175.4 ms the chip
+took (2026-12-06)."""
 
 NEW_HOST_BYTES_PER_S = 0.625e9
 """The device writing into host memory allocated for the step on a v5e: fitted to the
@@ -65,41 +74,81 @@ def duplex_slowdown(in_flight: int) -> float:
     return DUPLEX[-1][1]
 
 
-def replay_seconds(copies: Sequence[Any], bandwidth: float) -> float:
-    """The link's time for the copies of one computation, replayed in schedule order:
-    each direction a lane of `bandwidth` bytes/s shared by the copies moving on it; a
-    copy starts moving at its start, and at its completion the schedule waits for it.
-    While both lanes move bytes each runs `duplex_slowdown(n)` times slower, `n` the
-    most copies moving on either. A copy of unknown position (`start` of -1) is in
-    flight from the computation's start to its end."""
-    end = max([c.done for c in copies] + [0]) + 1
-    events = sorted([(c.start if c.start >= 0 else 0, 0, k) for k, c in enumerate(copies)]
-                    + [(c.done if c.start >= 0 else end, 1, k) for k, c in enumerate(copies)])
+def replay_seconds(copies: Sequence[Any], bandwidth: float,
+                   kernels: Sequence[tuple[int, float]] = ()) -> float:
+    """The time of one computation's copies and device work, replayed in schedule
+    order: `kernels` are `(position, seconds)` of its device work, run one after the
+    other; each direction of the link is a lane of `bandwidth` bytes/s shared by the
+    copies moving on it, moving while the kernels run; a copy starts moving at its
+    start, and at its completion the schedule waits for it. While both lanes move bytes
+    each runs `duplex_slowdown(n)` times slower, `n` the most copies moving on either. A
+    copy of unknown position (`start` of -1) is in flight from the computation's start
+    to its end."""
+    end = max([c.done for c in copies] + [p for p, _ in kernels] + [0]) + 1
+    events = sorted([(c.start if c.start >= 0 else 0, 0, k, 0.0) for k, c in enumerate(copies)]
+                    + [(c.done if c.start >= 0 else end, 1, k, 0.0) for k, c in enumerate(copies)]
+                    + [(p, 2, -1, seconds) for p, seconds in kernels])
     lanes: dict[str, set[int]] = {"to_device": set(), "to_host": set()}  # copies moving
     left = [float(c.nbytes) for c in copies]
     clock = 0.0
 
-    def advance(until: Optional[int]) -> None:
+    def advance(until: Optional[int] = None, seconds: float = math.inf) -> None:
+        """Move the copies until copy `until` is done (all, for `None`), or for
+        `seconds` of device work."""
         nonlocal clock
+        stop = clock + seconds
         while any(lanes.values()) and (until is None or any(until in q for q in lanes.values())):
             busy = [q for q in lanes.values() if q]
             slowdown = duplex_slowdown(max(map(len, busy))) if len(busy) == 2 else 1.0
             rates = {id(q): bandwidth / slowdown / len(q) for q in busy}
-            step = min(left[k] / rates[id(q)] for q in busy for k in q)
+            step = min([left[k] / rates[id(q)] for q in busy for k in q] + [stop - clock])
             clock += step
             for q in busy:
                 for k in list(q):
                     left[k] -= step * rates[id(q)]
                     if left[k] <= 1e-6 * max(1.0, copies[k].nbytes):
                         q.discard(k)
+            if clock >= stop:
+                return
+        if math.isfinite(stop):
+            clock = stop
 
-    for _, is_done, k in events:
-        if is_done:
+    for _, kind, k, seconds in events:
+        if kind == 2:
+            advance(seconds=seconds)
+        elif kind == 1:
             advance(k)
         elif copies[k].nbytes > 0:
             lanes[copies[k].direction].add(k)
-    advance(None)
+    advance()
     return clock
+
+
+def schedule_seconds(plan: Any) -> float:
+    """The step's time from its schedule: each computation's copies and kernels
+    replayed together (`replay_seconds`), a kernel taking XLA:TPU's estimate of it at
+    `ESTIMATE_SCALE`, a loop its body's time times its trips, a conditional its
+    costliest branch's."""
+    bandwidth = float(plan.chip.host_link_bandwidth)
+    copies: dict[str, list[Any]] = {}
+    for c in plan.copies:
+        copies.setdefault(c.computation, []).append(c)
+    kernels: dict[str, list[Any]] = {}
+    for k in plan.kernels:
+        kernels.setdefault(k.computation, []).append(k)
+    called = {c for k in plan.kernels for c in k.calls}
+    seconds: dict[str, float] = {}
+
+    def run(name: str) -> float:
+        if name not in seconds:
+            seconds[name] = 0.0  # (a loop that reached itself)
+            seconds[name] = replay_seconds(copies.get(name, []), bandwidth, [
+                (k.position, max(map(run, k.calls)) * k.trips if k.calls
+                 else k.cycles / CLOCK_HZ * ESTIMATE_SCALE) for k in kernels.get(name, [])])
+        return seconds[name]
+
+    return float(sum(run(name) * max([c.count for c in copies.get(name, [])] + [1])
+                     for name in sorted(set(copies) | set(kernels)) if name not in called))
 
 
 def new_host_bytes(plan: Any) -> int:
@@ -108,25 +157,35 @@ def new_host_bytes(plan: Any) -> int:
     return int(plan.host_temp_bytes + plan.unaliased_host_output_bytes)
 
 
+def slow_write_seconds(plan: Any) -> float:
+    """The time the bytes written into new host memory (`new_host_bytes`, at most the
+    bytes copied to the host) take beyond the link's: they go at
+    `NEW_HOST_BYTES_PER_S`."""
+    slow = min(new_host_bytes(plan), plan.bytes_moved("to_host"))
+    return float(slow * (1 / NEW_HOST_BYTES_PER_S - 1 / float(plan.chip.host_link_bandwidth)))
+
+
 def link_seconds(plan: Any) -> float:
-    """The link's time for the step's copies: each computation's copies replayed
-    (`replay_seconds`) at the chip's `host_link_bandwidth`, times the runs of that
-    computation (a loop body's trips); the bytes written into new host memory at
-    `NEW_HOST_BYTES_PER_S` instead."""
+    """The link's time for the step's copies alone: each computation's copies replayed
+    (`replay_seconds`, no kernels) at the chip's `host_link_bandwidth`, times the runs
+    of that computation (a loop body's trips), and `slow_write_seconds`."""
     bandwidth = float(plan.chip.host_link_bandwidth)
     by_computation: dict[str, list[Any]] = {}
     for c in plan.copies:
         by_computation.setdefault(c.computation, []).append(c)
     replayed = sum(replay_seconds(cs, bandwidth) * max(c.count for c in cs)
                    for cs in by_computation.values())
-    slow = min(new_host_bytes(plan), plan.bytes_moved("to_host"))
-    return float(replayed + slow * (1 / NEW_HOST_BYTES_PER_S - 1 / bandwidth))
+    return float(replayed + slow_write_seconds(plan))
 
 
 def predict_seconds(plan: Any) -> Optional[float]:
     """The step time the model predicts for a plan (seconds), or `None` for a chip the
-    model was not calibrated on."""
+    model was not calibrated on: its schedule replayed (`schedule_seconds`) with
+    `slow_write_seconds`; for a plan without XLA:TPU's estimates, the longer of its
+    compute floor over `COMPUTE_EFFICIENCY` and `link_seconds`."""
     if plan.chip is None or getattr(plan.chip, "name", None) not in CALIBRATED_CHIPS:
         return None
+    if plan.kernels:
+        return float(schedule_seconds(plan) + slow_write_seconds(plan))
     compute = plan.compute_floor_seconds / COMPUTE_EFFICIENCY
     return float(max(compute, link_seconds(plan)))
