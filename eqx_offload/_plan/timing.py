@@ -1,28 +1,28 @@
-"""The step time a TPU v5e plan predicts (`Plan.predicted_step_seconds`): a model of the
-step from what the plan counts, with constants measured on a v5e and calibrated against
-its training steps (issue 56's rows; `docs/gpu-plan.md` gives each row's prediction
+"""The step time a TPU v5e plan predicts (`Plan.predicted_step_seconds`): the step's
+schedule replayed, its device work beside its copies, with constants measured on a v5e
+(`docs/results.md`, "The step time a plan predicts", gives each row's prediction
 against the chip and the method).
 
-What the chip showed, and the model keeps:
+What the chip showed, and the model keeps, a term per cause:
 
-- The compute runs at a fixed share of the plan's compute floor (`COMPUTE_EFFICIENCY`,
-  from the plain step, which moves nothing).
+- The device work takes XLA:TPU's own estimate of it (the `estimated_cycles` it writes
+  on each instruction, `PlannedKernel`) at `ESTIMATE_SCALE`, from the plain step,
+  which moves nothing: the kernels run one after the other, a loop its body's trips.
 - Each direction of the link runs at 14 GB/s, and both run at once: with up to 4
   copies each way in flight, both directions together take 1.10x one direction's time;
   with more, the copies queue (1.51x at 8 each way, 1.73x at 16, 1.85x at 32; `DUPLEX`,
-  from `../shared/tpu-results/2026-12-06b/duplex.py`). So the link's time is the
-  schedule's: its copies are replayed in XLA's order (`link_seconds`), each direction a
-  lane, a copy queued on its lane at its start, the schedule waiting at its completion,
-  and the lanes slowed by `duplex_slowdown` while both are busy. A schedule that moves
-  one direction and then the other takes the sum of both directions' bytes.
+  from `../shared/tpu-results/2026-12-06b/duplex.py`).
+- The copies move while the kernels run; at a copy's completion the schedule waits for
+  it (`replay_seconds`). So a copy XLA scheduled under enough compute costs nothing,
+  and one the next kernel needs stalls the device.
 - The device writes into host memory allocated for the step (host temporaries, and
   host outputs that do not reuse a donated input's buffer) at `NEW_HOST_BYTES_PER_S`,
-  over twenty times slower than into a donated buffer.
-- The copies run under the compute (XLA schedules them there): the step takes the
-  longer of the two.
+  over twenty times slower than into a donated buffer (`slow_write_seconds`, added).
 
-A model, not a measurement: the chip is the judge
-(`bench/results/tpu-v5e-2026-12-06/plan_vs_chip.py --llama`).
+A plan without XLA:TPU's estimates (a schedule recorded without them) takes the longer
+of its compute floor over `COMPUTE_EFFICIENCY` and its copies replayed alone.
+
+A model, not a measurement: the chip is the judge.
 """
 
 import math
@@ -33,7 +33,8 @@ from typing import Any, Optional
 ESTIMATE_SCALE = 0.783
 """The time a v5e takes for a step's device work over XLA:TPU's estimate of it (the
 `estimated_cycles` of its instructions at `CLOCK_HZ`): the plain 8-layer Llama step
-(d=2048, seq 1024, batch 4) took 192.6 ms against 246.0 ms estimated (2026-12-06g)."""
+(d=2048, seq 1024, batch 4) took 192.6 ms against 246.0 ms estimated (2026-12-06,
+`bench/results/tpu-v5e-2026-12-06g/`)."""
 
 CLOCK_HZ = 1.5e9
 """A v5e's clock: its 197 TFLOP/s of bf16 over 4 matrix units of 128 x 128."""
