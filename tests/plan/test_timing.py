@@ -212,3 +212,16 @@ def test_the_schedule_model_is_within_10_percent_of_the_chip(name: str) -> None:
     predicted = timing.predict_seconds(_recorded(row))
     assert predicted == pytest.approx(row["predicted_seconds"], rel=1e-9)
     assert abs(predicted / row["measured_seconds"] - 1) <= 0.10
+
+
+def test_the_replay_writes_unaliased_host_outputs_slowly_and_temporaries_at_link_speed(
+        ) -> None:
+    """With XLA:TPU's kernels, only the host outputs that reuse no donated buffer go at
+    `NEW_HOST_BYTES_PER_S`."""
+    work = (PlannedKernel("main", 0, 15 * 10**8),)  # a second at 1.5 GHz, scaled
+    base = dataclasses.replace(_plan(0, 14 * 10**9), kernels=work)
+    fast = timing.predict_seconds(base)
+    temps = timing.predict_seconds(dataclasses.replace(base, host_temp_bytes=10**9))
+    unaliased = timing.predict_seconds(dataclasses.replace(base, host_output_bytes=10**9))
+    assert fast == temps == pytest.approx(timing.ESTIMATE_SCALE + 1.0)
+    assert unaliased == pytest.approx(fast + 10**9 / timing.NEW_HOST_BYTES_PER_S - 10**9 / 14e9)
