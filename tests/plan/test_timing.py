@@ -4,6 +4,7 @@ the model's arithmetic, and its error against the steps measured on a v5e."""
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import pytest
 
@@ -194,7 +195,7 @@ def test_the_kernels_are_xla_tpu_s_estimates_with_loops_and_conditionals() -> No
 SCHEDULES = json.loads((pathlib.Path(__file__).parent / "v5e_schedules.json").read_text())
 
 
-def _recorded(row: dict) -> Plan:
+def _recorded(row: dict[str, Any]) -> Plan:
     copies = tuple(PlannedCopy(d, n, True, 1, f"copy{k}", count, computation=str(c),
                                start=a, done=b)
                    for k, (d, n, count, c, a, b) in enumerate(row["copies"]))
@@ -223,5 +224,5 @@ def test_the_replay_writes_unaliased_host_outputs_slowly_and_temporaries_at_link
     fast = timing.predict_seconds(base)
     temps = timing.predict_seconds(dataclasses.replace(base, host_temp_bytes=10**9))
     unaliased = timing.predict_seconds(dataclasses.replace(base, host_output_bytes=10**9))
-    assert fast == temps == pytest.approx(timing.ESTIMATE_SCALE + 1.0)
+    assert fast is not None and fast == temps == pytest.approx(timing.ESTIMATE_SCALE + 1.0)
     assert unaliased == pytest.approx(fast + 10**9 / timing.NEW_HOST_BYTES_PER_S - 10**9 / 14e9)
