@@ -51,12 +51,11 @@ NEW_HOST_BYTES_PER_S = 0.625e9
 copies at 14 GB/s, leaves 1.53 s for its 0.956 GB of host temporaries). Alone, a copy
 into a newly made `pinned_host` buffer ran at 0.46-0.47 GB/s (2026-12-06,
 `../shared/tpu-results/2026-12-06/README.md`); in the step part of it runs beside the
-link's other copies. That fit was made without the schedule's replay, on a tree whose
-steps no longer exist; the schedule's replay of the current steps with host
-temporaries (the 1.83B step's 0.55 GB of layer inputs, the 3.52B step's 0.13 GB) meets
-the chip within 4% with the temporaries at the link's speed, and overshoots by 35% and
-9% with them at this rate. So the replay counts only unaliased host outputs here, and
-a plan without estimates keeps the fit."""
+link's other copies. That fit was made without the schedule's replay; the replay of
+the steps measured since with host temporaries (0.13 to 1.11 GB of them) meets the chip
+within 4% with the temporaries at the link's speed and overshoots by 9 to 49% with them
+at this rate (`docs/results.md`). So the replay counts only unaliased host outputs
+here, and a plan without estimates keeps the fit."""
 
 CALIBRATED_CHIPS = frozenset({"TPU v5 lite"})
 """The chips whose steps calibrated the model (a plan for another predicts nothing)."""
