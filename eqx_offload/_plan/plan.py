@@ -18,6 +18,7 @@ from . import deviceless as _deviceless, tpu as _tpu
 from .arguments import check_abstract_arguments, check_options
 from .flops import matmul_flops
 from .hlo import scheduled_collectives, scheduled_copies
+from .kernels import scheduled_kernels
 from .._core.memory import client_memory_fraction
 from .result import Plan
 from .targets import GpuTarget, resolve_target, Target, TpuTarget
@@ -231,5 +232,6 @@ def _read_plan(executable: _Stats, jaxpr: Any, resolved: Target, options: dict[s
         host_output_bytes=int(stats.host_output_size_in_bytes),
         host_alias_bytes=int(stats.host_alias_size_in_bytes),
         host_temp_bytes=int(stats.host_temp_size_in_bytes),
+        kernels=scheduled_kernels(text),
     )
     return dataclasses.replace(planned, predicted_step_seconds=predict_seconds(planned))

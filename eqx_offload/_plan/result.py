@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 
 from .._core.memory import run_settings
 from .hlo import Direction, PlannedCollective, PlannedCopy
+from .kernels import PlannedKernel
 from .summary import summary_text
 from .targets import GPU_TARGETS, GpuTarget, Target
 
@@ -56,8 +57,10 @@ class Plan:
     - `chip`: the `GpuTarget` or `TpuTarget` planned for (its rates give the floors).
     - `compiler_options`: the XLA options the step was compiled with.
     - `predicted_step_seconds`: on a TPU, the step time the calibrated schedule model
-        predicts from this plan (`timing.predict_seconds`; `docs/gpu-plan.md` gives its
+        predicts from this plan (`timing.predict_seconds`; `docs/results.md` gives its
         error against the chip); `None` for a GPU. A model, not a measurement.
+    - `kernels`: on a TPU, the device work of XLA:TPU's schedule (its estimated
+        cycles, and its loops) that the prediction replays beside the copies.
     - `memory_fraction`: the share of `device_memory_size` a JAX process can allocate
         (on a GPU `XLA_CLIENT_MEM_FRACTION`, default 0.75, read when the plan is made;
         1.0 on a TPU, and for a `device_memory` given to `plan`, which is taken as what
@@ -88,6 +91,7 @@ class Plan:
     host_alias_bytes: int = 0
     host_temp_bytes: int = 0
     predicted_step_seconds: Optional[float] = None
+    kernels: tuple[PlannedKernel, ...] = ()
 
     @property
     def unaliased_host_output_bytes(self) -> int:

@@ -84,5 +84,5 @@ def _notes(plan: Any) -> list[str]:
     if plan.predicted_step_seconds is not None:
         notes.append(
             f"  predicted step {plan.predicted_step_seconds * 1e3:.1f} ms (the calibrated "
-            "schedule model, `docs/gpu-plan.md`: a model, not a measurement)")
+            "schedule model, `docs/results.md`: a model, not a measurement)")
     return notes
