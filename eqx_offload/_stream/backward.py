@@ -114,10 +114,12 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     and layer `i`'s state come to the device), the update of layer `i + 1` (with the
     gradient and the state the iteration before fetched: it runs beside the VJP), and
     the write of layer `i + 2`'s new weights and state into the stacked arrays (the
-    loop's carry). The last two stages of the first layer run after the loop. Returns
-    `(new weights, cotangent of x, cotangents of consts, new state)`. Layer `i`'s state
-    is read before layer `i + 2`'s is written (`_exchanged`): the state's copies to the
-    device and to host run at once.
+    loop's carry). The top two layers' iterations, with nothing to write yet, are a
+    loop of their own (`head`): no iteration moves a layer that is not updated. The
+    last two stages of the first layer run after the loops. Returns `(new weights,
+    cotangent of x, cotangents of consts, new state)`. Layer `i`'s state is read before
+    layer `i + 2`'s is written (`_exchanged`): the state's copies to the device and to
+    host run at once.
 
     The stages are apart so that each update is its own computation on whole operands,
     as in the normal step: XLA:CPU compiles an update fused into the slices it reads or
@@ -129,7 +131,7 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     state = [fetch(s) if w else s for s, w in zip(state, whole, strict=True)]
 
     def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
-                  state_slices: list[Any], h: Any) -> Any:
+                  state_slices: list[Any]) -> Any:
         """Layer `i`'s gradient and the update's inputs (its state: `state_slices`),
         the cotangents of its input and consts, and layer `i - 1`'s fetched host
         weights."""
@@ -138,6 +140,7 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
         device_slices = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
                          for a in device_weights]
         layer = merge(current, device_slices, scan.on_host)
+        h = jtu.tree_map(lambda a: fetch_layer([a], i)[0], inputs)  # (as `lax.scan` slices)
         g_layer, g_h, g_c = scan.layer_vjp(i, g, layer, h, consts, batched)
         if acc is not None:  # the sum of the earlier micro-batches, plus this one's
             g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
@@ -145,35 +148,62 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
         todo = (i, [a[None] for a in g_layer], [a[None] for a in layer], state_slices)
         return todo, g_h, g_c, preceding
 
-    def update_stage(todo: Any) -> Any:
-        return _update_layer(update, todo, shared)
+    def stages(i: Any, g: Any, current: list[Any], g_consts: Any, weights: list[Any],
+               slices: list[Any], todo: Any) -> Any:
+        """An iteration's update (of `todo`) and VJP (of layer `i`): `(cotangent of
+        layer i's input, layer i - 1's host weights, cotangents of consts, layer i's
+        update's inputs, todo's update)`."""
+        done = _update_layer(update, todo, shared)
+        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices)
+        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
+        return g_h, preceding, g_consts, todo, done
 
-    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+    def head(carry: Any, i: Any) -> tuple[Any, None]:
+        g, current, g_consts, todo, _ = carry
+        return stages(i, g, current, g_consts, weights, _state_slices(state, whole, i),
+                      todo), None
+
+    def body(carry: Any, i: Any) -> tuple[Any, None]:
         g, current, g_consts, weights, state, todo, done = carry
-        i, h = xs
         weights = _write_layer(weights, done[0], done[1])
         state, slices = _exchanged(state, whole, i, done)
-        done = update_stage(todo)
-        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices, h)
-        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
+        g_h, preceding, g_consts, todo, done = stages(i, g, current, g_consts, weights,
+                                                      slices, todo)
         return (g_h, preceding, g_consts, weights, state, todo, done), None
 
-    # The first iteration's stages 2 and 3 have nothing to do: they update the last
-    # layer with zeros and write it unchanged; the real update of the last layer is
-    # written over that one later. (Running the last layer's VJP before the loop
+    # The top layer's iteration has no update to make: it updates zeros (with the top
+    # layer's state), and its result is never written. (Running the top layer's VJP outside a loop
     # instead would compile it apart from the others, with other roundings.)
-    pieces = [jnp.zeros((1,) + a.shape[1:], a.dtype) for a in leaves]
+    def zeros(a: Any) -> Any:
+        return jnp.zeros((1,) + a.shape[1:], a.dtype)
+
+    pieces, slices = [zeros(a) for a in leaves], [zeros(s) for s in state]
     todo = (top, pieces, pieces, _state_slices(state, whole, top))
-    done = (top, fetch([layer_slice(a, top) for a in weights]),
-            fetch([layer_slice(s, top) for s in state]))
     g_consts = zeros_like_inexact(eqx.filter(consts, eqx.is_inexact_array))
-    (g_x, _, g_consts, weights, state, todo, done), _ = jax.lax.scan(
-        body, (g, last, g_consts, weights, list(state), todo, done),
-        (jnp.arange(scan.length), inputs), reverse=True, unroll=scan.unroll)
-    weights, state = _written(weights, state, done)
-    weights, state = _written(weights, state, _apart(update_stage, todo))
+    g, current, g_consts, todo, done = _down(
+        head, (g, last, g_consts, todo, (top, pieces, slices)), max(top - 1, 0), top + 1)
+    if top > 1:
+        g, _, g_consts, weights, state, todo, done = _down(
+            body, (g, current, g_consts, weights, list(state), todo, done), 0, top - 1,
+            scan.unroll)
+    if top > 0:  # (`done`: layer 1's update)
+        weights, state = _written(weights, state, done)
+    last_update = _apart(lambda todo: _update_layer(update, todo, shared), todo)
+    weights, state = _written(weights, state, last_update)
     state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
-    return weights, g_x, g_consts, state
+    return weights, g, g_consts, state
+
+
+def _down(body: Callable[[Any, Any], tuple[Any, None]], carry: Any, start: int, stop: int,
+          unroll: int = 1) -> Any:
+    """`carry` after `body(carry, i)` for `i` from `stop - 1` down to `start`, in a loop
+    (of one iteration too: XLA would inline a `lax.scan` of one, compiled apart from the
+    loops' bodies, with other roundings; its trip count is hidden from it)."""
+    if stop - start != 1:
+        return jax.lax.scan(body, carry, jnp.arange(start, stop), reverse=True,
+                            unroll=unroll)[0]
+    hidden = optimization_barrier(jnp.int32(start))
+    return jax.lax.fori_loop(hidden, hidden + 1, lambda _, c: body(c, hidden)[0], carry)
 
 
 def _apart(update: Callable[[Any], Any], todo: Any) -> Any:
