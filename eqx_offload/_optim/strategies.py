@@ -77,7 +77,7 @@ def update_on_device(call: Call, updates: Any, state: Any, params: Any = None, /
                      **extra_args: Any) -> tuple[Any, Any]:
     """The whole state to the device, then `inner.update`, in one program with no
     ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
-    memory makes the step compile with `compiler_options.GPU_WHOLE_STATE_OPTIONS`, so
+    memory makes the step compile with `stage.GPU_WHOLE_STATE_OPTIONS`, so
     that XLA's scheduler does not start every copy before the forward pass. No barrier orders the
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
