@@ -14,12 +14,13 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 
 from .compat import device_put, HOST_OUTPUT_COPY_FAILS
-from .errors import nothing_to_move_message, OffloadError, OffloadWarning, OptionError
+from .errors import nothing_to_move_message, OffloadWarning, OptionError
 from .errors import TreeError
 from .leaves import is_traced, path_to_str
-from .memory import check_host_kind, default_kind
+from .memory import check_host_kind, HOST_MEMORY_KINDS
 from .placement import (
-    Destination, destination, is_host, memory_kind_of, space_of, traced_move_error,
+    default_kind, Destination, destination, destinations, is_host, memory_kind_of, space_of,
+    traced_move_error,
 )
 from .types import HostMemoryKind, Where
 from .where import leaf_mask, warn_if_selects_nothing
@@ -39,7 +40,7 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     out = list(leaves)
     indices: list[int] = []
     chosen: list[Any] = []
-    destinations: list[Destination] = []
+    targeted: list[Destination] = []
     # The source of a traced device leaf: JAX moves a cotangent back to the source (a
     # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
     sources: list[Any] = []
@@ -47,17 +48,18 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
         if target is not None:
             indices.append(i)
             chosen.append(leaves[i])
-            destinations.append(target)
+            targeted.append(target)
             sources.append(DEVICE if isinstance(leaves[i], Tracer) and jax.typeof(
                 leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
     # (`jax.device_put` itself where JAX copies every array: `compat.HOST_OUTPUT_COPY_FAILS`.)
     moved = (device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put)(
-        chosen, destinations, src=sources)
+        chosen, targeted, src=sources)
+    space = space_of(memory_kind)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
-                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)
+                and jax.typeof(leaf).memory_space != space):  # the eager path)
             raise traced_move_error(str(memory_kind), argument, path_of(i))
         out[i] = leaf
     return out
@@ -92,8 +94,7 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
     if caller is not None and not any(mask):  # (a selected leaf is an array: it moves)
         _warn_if_nothing_moves(tree, leaves, where, mask, caller)
     path_of = functools.partial(_path_of, tree)
-    targets = [_destination(leaf, memory_kind, argument, path_of, i) if selected else None
-               for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True))]
+    targets = destinations(leaves, mask, memory_kind, argument, path_of)
     out: _T = jtu.tree_unflatten(treedef, put(leaves, targets, memory_kind, argument, path_of))
     return out
 
@@ -101,15 +102,6 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
 def _path_of(tree: Any, i: int) -> str:
     """The path of leaf `i` of `tree` (a walk of the tree: for an error only)."""
     return path_to_str(jtu.tree_flatten_with_path(tree)[0][i][0])
-
-
-def _destination(leaf: Any, memory_kind: Optional[str], argument: str,
-                 path_of: Callable[[int], str], i: int) -> Optional[Destination]:
-    """`destination`, its error naming the leaf's path (`path_of(i)`) when it fails."""
-    try:
-        return destination(leaf, memory_kind, argument, "")
-    except OffloadError:
-        return destination(leaf, memory_kind, argument, path_of(i))
 
 
 def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],
@@ -170,7 +162,8 @@ def to_host(
         assert state[0].mu["w"].sharding.memory_kind == "pinned_host"
         ```
     """
-    check_host_kind(memory_kind, "memory_kind")
+    if memory_kind not in HOST_MEMORY_KINDS:  # (the check, where it fails)
+        check_host_kind(memory_kind, "memory_kind")
     return move(tree, where, memory_kind, "memory_kind", "to_host")
 
 

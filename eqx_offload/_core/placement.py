@@ -11,17 +11,18 @@ Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` an
 `offloaded`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+import equinox as eqx
 import jax
 from jax.core import Tracer
 import numpy as np
 
 from .compat import copy, is_single_device_sharding, single_device_sharding
-from .errors import TracedMoveError
+from .errors import OffloadError, TracedMoveError
 from .leaves import shown
-from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
+from .memory import check_devices_offer, default_device, HOST_MEMORY_KINDS
 from .types import Device
 
 
@@ -90,6 +91,11 @@ def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveE
     )
 
 
+def default_kind(device: Device) -> str:
+    """The memory kind arrays land in on `device` when no kind is asked for."""
+    return str(device.default_memory().kind)
+
+
 def space_of(memory_kind: Optional[str]) -> Any:
     """The `jax.memory.Space` a traced move to `memory_kind` targets (`None`: the
     device's default memory)."""
@@ -122,6 +128,36 @@ def destination(
     if isinstance(leaf, jax.Array) and sharding.memory_kind == target_kind:
         return None
     return sharding.with_memory_kind(target_kind)
+
+
+def destinations(
+    leaves: Sequence[Any], selected: Sequence[bool], memory_kind: Optional[str], argument: str,
+    path_of: Callable[[int], str], cache: Optional[dict[Any, Any]] = None,
+) -> list[Optional[Destination]]:
+    """The `destination` of each selected array leaf (`None` for the others), its error
+    naming the leaf's path, `path_of(i)` (a walk of the tree: for an error only).
+    `cache` keeps the destinations of concrete leaves by (sharding, memory kind), each
+    checked once."""
+    def one(i: int, leaf: Any) -> Optional[Destination]:
+        try:
+            return destination(leaf, memory_kind, argument, "")
+        except OffloadError:  # again, naming the leaf
+            return destination(leaf, memory_kind, argument, path_of(i))
+
+    out: list[Optional[Destination]] = []
+    for i, (leaf, chosen) in enumerate(zip(leaves, selected, strict=True)):
+        if not chosen or not eqx.is_array(leaf):
+            out.append(None)
+        elif cache is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+            out.append(one(i, leaf))
+        else:
+            key = (leaf.sharding, memory_kind)
+            if key not in cache:
+                if len(cache) >= 256:
+                    cache.clear()
+                cache[key] = one(i, leaf)
+            out.append(cache[key])
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -205,12 +241,6 @@ def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     return result
 
 
-def _kind_of_aval(aval: Any, device: Device) -> str:
-    if aval.memory_space == jax.memory.Space.Host:
-        return "pinned_host"
-    return default_kind(device)
-
-
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     n = 0
     for x, y in zip(reversed(a), reversed(b)):
@@ -256,7 +286,9 @@ def output_shardings(
         by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
     if constrained is None:
         constrained = [None] * len(out_avals)
-    return [_output_sharding(aval, out_path, constraint, _kind_of_aval(aval, device),
+    on_device = default_kind(device)
+    return [_output_sharding(aval, out_path, constraint, "pinned_host"
+                             if aval.memory_space == jax.memory.Space.Host else on_device,
                              by_shape, mesh, device)
             for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True)]
 
