@@ -11,7 +11,7 @@ Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` an
 `offloaded`.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import equinox as eqx
@@ -57,6 +57,24 @@ def memory_kind_of(leaf: Any) -> Optional[str]:
 def is_host(leaf: Any) -> bool:
     """Whether a leaf is a JAX array in host memory (see `memory_kind_of`)."""
     return memory_kind_of(leaf) in HOST_MEMORY_KINDS
+
+
+def any_on_host(leaves: Iterable[Any]) -> bool:
+    """Whether any of `leaves` is a JAX array in host memory (`is_host`)."""
+    return any(memory_kind_of(x) in HOST_MEMORY_KINDS for x in leaves)
+
+
+def first_on_device(leaves: Sequence[Any], mask: Sequence[bool]) -> Optional[int]:
+    """The index of the first leaf `mask` selects that is a JAX array in device memory,
+    or `None`."""
+    for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True)):
+        if selected and isinstance(leaf, jax.Array):
+            if isinstance(leaf, Tracer):
+                if memory_kind_of(leaf) == "device":
+                    return i
+            elif leaf.sharding.memory_kind in (None, "device"):
+                return i
+    return None
 
 
 # ----------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import optax
 from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
 from .._core.move import place_like
-from .._core.placement import is_host
+from .._core.placement import any_on_host, is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
@@ -82,7 +82,7 @@ def update_on_device(call: Call, updates: Any, state: Any, params: Any = None, /
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
     layout, leaves = call.layout, jtu.tree_leaves(state)
-    if call.traced and any(is_host(x) for x in leaves):
+    if call.traced and any_on_host(leaves):
         with marked("whole"):  # (read by `filter_jit`: `compat.scopes`)
             leaves = _after_gradients(leaves, updates)
             fetched = layout.fetch(leaves)
