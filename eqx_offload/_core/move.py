@@ -89,12 +89,25 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
             "treats as one opaque leaf, so nothing in it would move. Pass a pytree "
             "(e.g. `list(...)` or `tuple(...)` of it)."
         )
-    leaves, treedef = jtu.tree_flatten(tree)
     mask = leaf_mask(tree, where)
     if caller is not None and not any(mask):  # (a selected leaf is an array: it moves)
-        _warn_if_nothing_moves(tree, leaves, where, mask, caller)
+        _warn_if_nothing_moves(tree, where, mask, caller)
+    return _moved(tree, mask, memory_kind, argument)
+
+
+def fetch(tree: _T) -> _T:
+    """Every array leaf of `tree` in the device's default memory (those there already
+    are not copied): the library's own `to_device`."""
+    return _moved(tree, None, None, "to_device")
+
+
+def _moved(tree: _T, mask: Optional[Sequence[bool]], memory_kind: Optional[str],
+           argument: str) -> _T:
+    """The array leaves of `tree` that `mask` selects (default all) moved to
+    `memory_kind`, in one `put`."""
+    leaves, treedef = jtu.tree_flatten(tree)
     path_of = functools.partial(_path_of, tree)
-    targets = destinations(leaves, mask, memory_kind, argument, path_of)
+    targets = destinations(leaves, mask or [True] * len(leaves), memory_kind, argument, path_of)
     out: _T = jtu.tree_unflatten(treedef, put(leaves, targets, memory_kind, argument, path_of))
     return out
 
@@ -104,13 +117,13 @@ def _path_of(tree: Any, i: int) -> str:
     return path_to_str(jtu.tree_flatten_with_path(tree)[0][i][0])
 
 
-def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],
-                           caller: str) -> None:
+def _warn_if_nothing_moves(tree: Any, where: Where, mask: list[bool], caller: str) -> None:
     """`OffloadWarning`s for a call that is valid but moves nothing it was surely meant
     to: leaves none of which is an array (`to_host([1, 2, 3])`, whose leaves JAX would
     make arrays of), or a `where` that selects none of the arrays. Converting instead
     would break the promise that non-array leaves come back as they are (the Python
     floats and functions of an `eqx.Module`)."""
+    leaves = jtu.tree_leaves(tree)
     if leaves and not any(map(eqx.is_array, leaves)):
         warnings.warn(nothing_to_move_message(caller, len(leaves)), OffloadWarning,
                       stacklevel=4)
