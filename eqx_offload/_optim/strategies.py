@@ -106,11 +106,8 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
     def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
-    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
-    chosen: list[Any] = by_platform(unfenced, fenced, [leaves[i] for i in arrays], updates)
-    result = list(leaves)
-    for i, x in zip(arrays, chosen, strict=True):
-        result[i] = x
+    arrays, values = eqx.partition(leaves, eqx.is_array)  # (not Python values)
+    result: list[Any] = eqx.combine(by_platform(unfenced, fenced, arrays, updates), values)
     return result
 
 
