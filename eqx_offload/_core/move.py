@@ -14,12 +14,12 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 
 from .compat import device_put, HOST_OUTPUT_COPY_FAILS
-from .errors import nothing_to_move_message, OffloadWarning, OptionError
+from .errors import nothing_to_move_message, OffloadError, OffloadWarning, OptionError
 from .errors import TreeError
 from .leaves import is_traced, path_to_str
 from .memory import check_host_kind, HOST_MEMORY_KINDS
 from .placement import (
-    default_kind, Destination, destination, destinations, is_host, memory_kind_of, space_of,
+    default_kind, Destination, destination, is_host, memory_kind_of, space_of,
     traced_move_error,
 )
 from .types import HostMemoryKind, Where
@@ -40,7 +40,7 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     out = list(leaves)
     indices: list[int] = []
     chosen: list[Any] = []
-    targeted: list[Destination] = []
+    destinations: list[Destination] = []
     # The source of a traced device leaf: JAX moves a cotangent back to the source (a
     # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
     sources: list[Any] = []
@@ -48,21 +48,49 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
         if target is not None:
             indices.append(i)
             chosen.append(leaves[i])
-            targeted.append(target)
+            destinations.append(target)
             sources.append(DEVICE if isinstance(leaves[i], Tracer) and jax.typeof(
                 leaves[i]).memory_space == DEVICE else None)
     if not indices:
         return out
     # (`jax.device_put` itself where JAX copies every array: `compat.HOST_OUTPUT_COPY_FAILS`.)
     moved = (device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put)(
-        chosen, targeted, src=sources)
-    space = space_of(memory_kind)
+        chosen, destinations, src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
-                and jax.typeof(leaf).memory_space != space):  # the eager path)
+                and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)
             raise traced_move_error(str(memory_kind), argument, path_of(i))
         out[i] = leaf
     return out
+
+
+def put_selected(leaves: Sequence[Any], selected: Sequence[bool], memory_kind: Optional[str],
+                 argument: str, path_of: Callable[[int], str],
+                 cache: Optional[dict[Any, Any]] = None) -> list[Any]:
+    """`put` of the array leaves `selected` picks to `memory_kind`, each sent where
+    `destination` says, its error naming the leaf's path, `path_of(i)` (a walk of the
+    tree: for an error only). `cache` keeps the destinations of concrete leaves by
+    (sharding, memory kind), each checked once."""
+    def one(i: int, leaf: Any) -> Optional[Destination]:
+        try:
+            return destination(leaf, memory_kind, argument, "")
+        except OffloadError:  # again, naming the leaf
+            return destination(leaf, memory_kind, argument, path_of(i))
+
+    targets: list[Optional[Destination]] = []
+    for i, (leaf, chosen) in enumerate(zip(leaves, selected, strict=True)):
+        if not chosen or not eqx.is_array(leaf):
+            targets.append(None)
+        elif cache is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+            targets.append(one(i, leaf))
+        else:
+            key = (leaf.sharding, memory_kind)
+            if key not in cache:
+                if len(cache) >= 256:
+                    cache.clear()
+                cache[key] = one(i, leaf)
+            targets.append(cache[key])
+    return put(leaves, targets, memory_kind, argument, path_of)
 
 
 def place_like(tree: _T, like: Any) -> _T:
@@ -107,8 +135,8 @@ def _moved(tree: _T, mask: Optional[Sequence[bool]], memory_kind: Optional[str],
     `memory_kind`, in one `put`."""
     leaves, treedef = jtu.tree_flatten(tree)
     path_of = functools.partial(_path_of, tree)
-    targets = destinations(leaves, mask or [True] * len(leaves), memory_kind, argument, path_of)
-    out: _T = jtu.tree_unflatten(treedef, put(leaves, targets, memory_kind, argument, path_of))
+    out: _T = jtu.tree_unflatten(treedef, put_selected(
+        leaves, mask or [True] * len(leaves), memory_kind, argument, path_of))
     return out
 
 

@@ -11,16 +11,15 @@ Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` an
 `offloaded`.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
-import equinox as eqx
 import jax
 from jax.core import Tracer
 import numpy as np
 
 from .compat import copy, is_single_device_sharding, single_device_sharding
-from .errors import OffloadError, TracedMoveError
+from .errors import TracedMoveError
 from .leaves import shown
 from .memory import check_devices_offer, default_device, HOST_MEMORY_KINDS
 from .types import Device
@@ -62,19 +61,6 @@ def is_host(leaf: Any) -> bool:
 def any_on_host(leaves: Iterable[Any]) -> bool:
     """Whether any of `leaves` is a JAX array in host memory (`is_host`)."""
     return any(memory_kind_of(x) in HOST_MEMORY_KINDS for x in leaves)
-
-
-def first_on_device(leaves: Sequence[Any], mask: Sequence[bool]) -> Optional[int]:
-    """The index of the first leaf `mask` selects that is a JAX array in device memory,
-    or `None`."""
-    for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True)):
-        if selected and isinstance(leaf, jax.Array):
-            if isinstance(leaf, Tracer):
-                if memory_kind_of(leaf) == "device":
-                    return i
-            elif leaf.sharding.memory_kind in (None, "device"):
-                return i
-    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -146,36 +132,6 @@ def destination(
     if isinstance(leaf, jax.Array) and sharding.memory_kind == target_kind:
         return None
     return sharding.with_memory_kind(target_kind)
-
-
-def destinations(
-    leaves: Sequence[Any], selected: Sequence[bool], memory_kind: Optional[str], argument: str,
-    path_of: Callable[[int], str], cache: Optional[dict[Any, Any]] = None,
-) -> list[Optional[Destination]]:
-    """The `destination` of each selected array leaf (`None` for the others), its error
-    naming the leaf's path, `path_of(i)` (a walk of the tree: for an error only).
-    `cache` keeps the destinations of concrete leaves by (sharding, memory kind), each
-    checked once."""
-    def one(i: int, leaf: Any) -> Optional[Destination]:
-        try:
-            return destination(leaf, memory_kind, argument, "")
-        except OffloadError:  # again, naming the leaf
-            return destination(leaf, memory_kind, argument, path_of(i))
-
-    out: list[Optional[Destination]] = []
-    for i, (leaf, chosen) in enumerate(zip(leaves, selected, strict=True)):
-        if not chosen or not eqx.is_array(leaf):
-            out.append(None)
-        elif cache is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
-            out.append(one(i, leaf))
-        else:
-            key = (leaf.sharding, memory_kind)
-            if key not in cache:
-                if len(cache) >= 256:
-                    cache.clear()
-                cache[key] = one(i, leaf)
-            out.append(cache[key])
-    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from .._core.compat import enclosing_donating_jit, named_axes
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
                             none_leaf_error, OffloadWarning, StateError)
 from .._core.leaves import is_none, path_to_str
-from .._core.placement import any_on_host, first_on_device
+from .._core.placement import any_on_host, memory_kind_of
 from .._core.where import structure_divergence
 from .state import OffloadedState
 
@@ -204,6 +204,19 @@ def leaf_path(treedef: Any, i: int) -> str:
 
 # ----------------------------------------------------------------------------------------
 # Placement: checked while tracing, and eagerly until a warning is shown.
+
+
+def first_on_device(leaves: Sequence[Any], mask: Sequence[bool]) -> Optional[int]:
+    """The index of the first leaf `mask` selects for host memory that is in device
+    memory, or `None`."""
+    for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True)):
+        if selected and isinstance(leaf, jax.Array):
+            if isinstance(leaf, Tracer):
+                if memory_kind_of(leaf) == "device":
+                    return i
+            elif leaf.sharding.memory_kind in (None, "device"):
+                return i
+    return None
 
 
 def check_trace(treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]) -> None:

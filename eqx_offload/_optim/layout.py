@@ -15,8 +15,7 @@ import jax.tree_util as jtu
 from jax.core import Tracer
 
 from .._core.compat import optimization_barrier
-from .._core.move import put
-from .._core.placement import destinations
+from .._core.move import put_selected
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .codec import AbstractCodec, specs_of
@@ -227,9 +226,8 @@ def narrowed(options: Options, leaves: Sequence[Any], specs: Sequence[Any]) -> l
 def _put(leaves: Sequence[Any], mask: Optional[Sequence[bool]], memory_kind: Optional[str],
          argument: str, treedef: Any, targets: Optional[dict[Any, Any]]) -> list[Any]:
     """`put` of the arrays `mask` selects (default all) to `memory_kind`."""
-    path_of = functools.partial(leaf_path, treedef)
-    return put(leaves, destinations(leaves, mask or [True] * len(leaves), memory_kind, argument,
-                                    path_of, targets), memory_kind, argument, path_of)
+    return put_selected(leaves, mask or [True] * len(leaves), memory_kind, argument,
+                        functools.partial(leaf_path, treedef), targets)
 
 
 def widened_dtype(options: Options, dtype: Any, spec: Any) -> Any:

@@ -20,12 +20,12 @@ from .accumulate import (
 from .._core.compat import boundary
 from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
-from .._core.placement import first_on_device
 from .._core.types import HostMemoryKind, Where
 from .._core.where import leaf_mask, min_ndim, pattern, warn_if_selects_nothing
 from .._jit.jit import filter_jit
 from .checks import (
-    check_is_offloaded, check_not_deleted, check_state_not_deleted, check_trace, warn_on_device,
+    check_is_offloaded, check_not_deleted, check_state_not_deleted, check_trace,
+    first_on_device, warn_on_device,
 )
 from .layout import Cache, layout_for, store_tree
 from .options import Compute, normalise, Options
