@@ -95,11 +95,6 @@ def check_devices_offer(
             )
 
 
-def default_kind(device: Device) -> str:
-    """The memory kind arrays land in on `device` when no kind is asked for."""
-    return str(device.default_memory().kind)
-
-
 # ----------------------------------------------------------------------------------------
 # The pinned host pool of XLA's GPU client
 

@@ -17,9 +17,10 @@ from .compat import device_put, HOST_OUTPUT_COPY_FAILS
 from .errors import nothing_to_move_message, OffloadError, OffloadWarning, OptionError
 from .errors import TreeError
 from .leaves import is_traced, path_to_str
-from .memory import check_host_kind, default_kind
+from .memory import check_host_kind, HOST_MEMORY_KINDS
 from .placement import (
-    Destination, destination, is_host, memory_kind_of, space_of, traced_move_error,
+    default_kind, Destination, destination, is_host, memory_kind_of, space_of,
+    traced_move_error,
 )
 from .types import HostMemoryKind, Where
 from .where import leaf_mask, warn_if_selects_nothing
@@ -63,6 +64,35 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     return out
 
 
+def put_selected(leaves: Sequence[Any], selected: Sequence[bool], memory_kind: Optional[str],
+                 argument: str, path_of: Callable[[int], str],
+                 cache: Optional[dict[Any, Any]] = None) -> list[Any]:
+    """`put` of the array leaves `selected` picks to `memory_kind`, each sent where
+    `destination` says, its error naming the leaf's path, `path_of(i)` (a walk of the
+    tree: for an error only). `cache` keeps the destinations of concrete leaves by
+    (sharding, memory kind), each checked once."""
+    def one(i: int, leaf: Any) -> Optional[Destination]:
+        try:
+            return destination(leaf, memory_kind, argument, "")
+        except OffloadError:  # again, naming the leaf
+            return destination(leaf, memory_kind, argument, path_of(i))
+
+    targets: list[Optional[Destination]] = []
+    for i, (leaf, chosen) in enumerate(zip(leaves, selected, strict=True)):
+        if not chosen or not eqx.is_array(leaf):
+            targets.append(None)
+        elif cache is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+            targets.append(one(i, leaf))
+        else:
+            key = (leaf.sharding, memory_kind)
+            if key not in cache:
+                if len(cache) >= 256:
+                    cache.clear()
+                cache[key] = one(i, leaf)
+            targets.append(cache[key])
+    return put(leaves, targets, memory_kind, argument, path_of)
+
+
 def place_like(tree: _T, like: Any) -> _T:
     """Each array leaf of `tree` moved to the host memory kind of the leaf of `like` at
     the same place, if that one is in host memory (one `put`)."""
@@ -87,14 +117,26 @@ def move(tree: _T, where: Where, memory_kind: Optional[str], argument: str,
             "treats as one opaque leaf, so nothing in it would move. Pass a pytree "
             "(e.g. `list(...)` or `tuple(...)` of it)."
         )
-    leaves, treedef = jtu.tree_flatten(tree)
     mask = leaf_mask(tree, where)
     if caller is not None and not any(mask):  # (a selected leaf is an array: it moves)
-        _warn_if_nothing_moves(tree, leaves, where, mask, caller)
+        _warn_if_nothing_moves(tree, where, mask, caller)
+    return _moved(tree, mask, memory_kind, argument)
+
+
+def fetch(tree: _T) -> _T:
+    """Every array leaf of `tree` in the device's default memory (those there already
+    are not copied): the library's own `to_device`."""
+    return _moved(tree, None, None, "to_device")
+
+
+def _moved(tree: _T, mask: Optional[Sequence[bool]], memory_kind: Optional[str],
+           argument: str) -> _T:
+    """The array leaves of `tree` that `mask` selects (default all) moved to
+    `memory_kind`, in one `put`."""
+    leaves, treedef = jtu.tree_flatten(tree)
     path_of = functools.partial(_path_of, tree)
-    targets = [_destination(leaf, memory_kind, argument, path_of, i) if selected else None
-               for i, (leaf, selected) in enumerate(zip(leaves, mask, strict=True))]
-    out: _T = jtu.tree_unflatten(treedef, put(leaves, targets, memory_kind, argument, path_of))
+    out: _T = jtu.tree_unflatten(treedef, put_selected(
+        leaves, mask or [True] * len(leaves), memory_kind, argument, path_of))
     return out
 
 
@@ -103,22 +145,13 @@ def _path_of(tree: Any, i: int) -> str:
     return path_to_str(jtu.tree_flatten_with_path(tree)[0][i][0])
 
 
-def _destination(leaf: Any, memory_kind: Optional[str], argument: str,
-                 path_of: Callable[[int], str], i: int) -> Optional[Destination]:
-    """`destination`, its error naming the leaf's path (`path_of(i)`) when it fails."""
-    try:
-        return destination(leaf, memory_kind, argument, "")
-    except OffloadError:
-        return destination(leaf, memory_kind, argument, path_of(i))
-
-
-def _warn_if_nothing_moves(tree: Any, leaves: list[Any], where: Where, mask: list[bool],
-                           caller: str) -> None:
+def _warn_if_nothing_moves(tree: Any, where: Where, mask: list[bool], caller: str) -> None:
     """`OffloadWarning`s for a call that is valid but moves nothing it was surely meant
     to: leaves none of which is an array (`to_host([1, 2, 3])`, whose leaves JAX would
     make arrays of), or a `where` that selects none of the arrays. Converting instead
     would break the promise that non-array leaves come back as they are (the Python
     floats and functions of an `eqx.Module`)."""
+    leaves = jtu.tree_leaves(tree)
     if leaves and not any(map(eqx.is_array, leaves)):
         warnings.warn(nothing_to_move_message(caller, len(leaves)), OffloadWarning,
                       stacklevel=4)
@@ -170,7 +203,8 @@ def to_host(
         assert state[0].mu["w"].sharding.memory_kind == "pinned_host"
         ```
     """
-    check_host_kind(memory_kind, "memory_kind")
+    if memory_kind not in HOST_MEMORY_KINDS:  # (the check, where it fails)
+        check_host_kind(memory_kind, "memory_kind")
     return move(tree, where, memory_kind, "memory_kind", "to_host")
 
 

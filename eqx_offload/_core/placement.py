@@ -11,7 +11,7 @@ Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` an
 `offloaded`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
 import jax
@@ -21,7 +21,7 @@ import numpy as np
 from .compat import copy, is_single_device_sharding, single_device_sharding
 from .errors import TracedMoveError
 from .leaves import shown
-from .memory import check_devices_offer, default_device, default_kind, HOST_MEMORY_KINDS
+from .memory import check_devices_offer, default_device, HOST_MEMORY_KINDS
 from .types import Device
 
 
@@ -58,6 +58,11 @@ def is_host(leaf: Any) -> bool:
     return memory_kind_of(leaf) in HOST_MEMORY_KINDS
 
 
+def any_on_host(leaves: Iterable[Any]) -> bool:
+    """Whether any of `leaves` is a JAX array in host memory (`is_host`)."""
+    return any(memory_kind_of(x) in HOST_MEMORY_KINDS for x in leaves)
+
+
 # ----------------------------------------------------------------------------------------
 # Where a leaf goes
 
@@ -88,6 +93,11 @@ def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveE
         "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
         "memory_kind='pinned_host' under `jit`, or call this eagerly."
     )
+
+
+def default_kind(device: Device) -> str:
+    """The memory kind arrays land in on `device` when no kind is asked for."""
+    return str(device.default_memory().kind)
 
 
 def space_of(memory_kind: Optional[str]) -> Any:
@@ -205,12 +215,6 @@ def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
     return result
 
 
-def _kind_of_aval(aval: Any, device: Device) -> str:
-    if aval.memory_space == jax.memory.Space.Host:
-        return "pinned_host"
-    return default_kind(device)
-
-
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     n = 0
     for x, y in zip(reversed(a), reversed(b)):
@@ -256,7 +260,9 @@ def output_shardings(
         by_shape.setdefault(aval.shape, []).append((aval.dtype, path, in_sharding))
     if constrained is None:
         constrained = [None] * len(out_avals)
-    return [_output_sharding(aval, out_path, constraint, _kind_of_aval(aval, device),
+    on_device = default_kind(device)
+    return [_output_sharding(aval, out_path, constraint, "pinned_host"
+                             if aval.memory_space == jax.memory.Space.Host else on_device,
                              by_shape, mesh, device)
             for aval, out_path, constraint in zip(out_avals, out_paths, constrained, strict=True)]
 

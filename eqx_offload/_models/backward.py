@@ -26,7 +26,7 @@ from .._core.errors import (
 )
 from .._core.inner import as_transformation
 from .._core.move import to_host
-from .._core.placement import is_host
+from .._core.placement import any_on_host, is_host
 from .._optim.quantize import CODE_DTYPE
 from .._optim.backward import (
     BackwardState, check_not_accumulating, check_separable, DOCS, halves, per_layer,
@@ -132,7 +132,7 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
         if isinstance(self._rest, (MasterWeights, HostWeightsOptimizer)):
             return self._rest.update(grads, state, params)
         updates, state = self._rest.update(grads, state, params)
-        if any(is_host(p) for p in jtu.tree_leaves(params)):
+        if any_on_host(jtu.tree_leaves(params)):
             return apply_updates(params, updates), state
         # (`eqx.apply_updates`, as the normal step: XLA:CPU may fuse the two otherwise.)
         return eqx.apply_updates(params, updates), state

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._core.compat import marked
 from .._core.errors import CompositionError, docs_link, OptionError, see
-from .._core.placement import is_host, stacked_packed_vector
+from .._core.placement import any_on_host, is_host, stacked_packed_vector
 from .._stream import hook_for, layer_scan, offload_input as _offload_input, update_scan
 from .params import fetch
 from .remat import in_a_scan, LAYER_INPUT, offload_names, Policy, union
@@ -207,7 +207,7 @@ def _has_a_next_layer(dynamic: Any) -> bool:
     loops of one step, which XLA inlines and fuses otherwise than the plain scan's, so
     the result would not be bitwise that of `prefetch=False`.)"""
     leaves = jtu.tree_leaves(dynamic)
-    return any(is_host(a) for a in leaves) and leaves[0].shape[0] > 1
+    return any_on_host(leaves) and leaves[0].shape[0] > 1
 
 
 def _fetch_packed_vectors(dynamic: Any) -> Any:
@@ -238,7 +238,7 @@ def _check_accumulate(dynamic: Any, accumulate: Any, policy: Optional[Policy]) -
             for a, b in zip(leaves, jtu.tree_leaves(acc), strict=True)):
         raise OptionError(fix + "pass a sum of the structure of eqx.filter(layers, "
                           "eqx.is_array), each leaf of its layer leaf's shape and dtype.")
-    if any(is_host(a) for a in leaves):
+    if any_on_host(leaves):
         raise OptionError(
             "Sum the gradients of layers in host memory in the step instead: "
             "`total + eqx_offload.to_device(g)` in the micro-batch scan's carry "

@@ -18,7 +18,7 @@ from .._core.compat import enclosing_donating_jit, named_axes
 from .._core.errors import (deleted_array_error, device_state_error, foreign_donation_error,
                             none_leaf_error, OffloadWarning, StateError)
 from .._core.leaves import is_none, path_to_str
-from .._core.placement import is_host, memory_kind_of
+from .._core.placement import any_on_host, memory_kind_of
 from .._core.where import structure_divergence
 from .state import OffloadedState
 
@@ -222,7 +222,7 @@ def first_on_device(leaves: Sequence[Any], mask: Sequence[bool]) -> Optional[int
 def check_trace(treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]) -> None:
     """The checks of a traced update: no donating jit around a host-resident state, and
     no state leaf brought to device memory by `pmap` or `shard_map`."""
-    if any(isinstance(x, Tracer) for x in leaves) and any(is_host(x) for x in leaves):
+    if any(isinstance(x, Tracer) for x in leaves) and any_on_host(leaves):
         _check_no_foreign_donation()
     if named_axes():
         i = first_on_device(leaves, mask)

@@ -10,15 +10,12 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast, Optional
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 
 from .._core.compat import optimization_barrier
-from .._core.errors import OffloadError
-from .._core.move import put
-from .._core.placement import destination
+from .._core.move import put_selected
 from .._core.where import leaf_mask
 from .checks import check_new_state, leaf_path
 from .codec import AbstractCodec, specs_of
@@ -229,33 +226,8 @@ def narrowed(options: Options, leaves: Sequence[Any], specs: Sequence[Any]) -> l
 def _put(leaves: Sequence[Any], mask: Optional[Sequence[bool]], memory_kind: Optional[str],
          argument: str, treedef: Any, targets: Optional[dict[Any, Any]]) -> list[Any]:
     """`put` of the arrays `mask` selects (default all) to `memory_kind`."""
-    if mask is None:
-        mask = [True] * len(leaves)
-    destinations = [_target(x, memory_kind, argument, treedef, i, targets)
-                    if selected and eqx.is_array(x) else None
-                    for i, (x, selected) in enumerate(zip(leaves, mask, strict=True))]
-    return put(leaves, destinations, memory_kind, argument,
-               lambda i: leaf_path(treedef, i))
-
-
-def _target(leaf: Any, memory_kind: Optional[str], argument: str, treedef: Any, i: int,
-            targets: Optional[dict[Any, Any]]) -> Any:
-    if targets is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
-        return _destination(leaf, memory_kind, argument, treedef, i)
-    key = (leaf.sharding, memory_kind)
-    if key not in targets:
-        if len(targets) >= 256:
-            targets.clear()
-        targets[key] = _destination(leaf, memory_kind, argument, treedef, i)
-    return targets[key]
-
-
-def _destination(leaf: Any, memory_kind: Optional[str], argument: str, treedef: Any,
-                 i: int) -> Any:
-    try:
-        return destination(leaf, memory_kind, argument, "")
-    except OffloadError:  # again, naming the leaf (its path costs a walk of the tree)
-        return destination(leaf, memory_kind, argument, leaf_path(treedef, i))
+    return put_selected(leaves, mask or [True] * len(leaves), memory_kind, argument,
+                        functools.partial(leaf_path, treedef), targets)
 
 
 def widened_dtype(options: Options, dtype: Any, spec: Any) -> Any:

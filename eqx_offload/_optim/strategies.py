@@ -36,7 +36,7 @@ import optax
 from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
 from .._core.move import place_like
-from .._core.placement import is_host
+from .._core.placement import any_on_host, is_host
 from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
@@ -77,12 +77,12 @@ def update_on_device(call: Call, updates: Any, state: Any, params: Any = None, /
                      **extra_args: Any) -> tuple[Any, Any]:
     """The whole state to the device, then `inner.update`, in one program with no
     ordering of its own. Under `filter_jit` for a GPU, a state with leaves in host
-    memory makes the step compile with `compiler_options.GPU_WHOLE_STATE_OPTIONS`, so
+    memory makes the step compile with `stage.GPU_WHOLE_STATE_OPTIONS`, so
     that XLA's scheduler does not start every copy before the forward pass. No barrier orders the
     copies after the gradients: one changes how XLA's CPU backend fuses a bias's
     gradient reduction, and with it the last bits of the result."""
     layout, leaves = call.layout, jtu.tree_leaves(state)
-    if call.traced and any(is_host(x) for x in leaves):
+    if call.traced and any_on_host(leaves):
         with marked("whole"):  # (read by `filter_jit`: `compat.scopes`)
             leaves = _after_gradients(leaves, updates)
             fetched = layout.fetch(leaves)
@@ -106,11 +106,8 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
     def unfenced(leaves: list[Any], updates: Any) -> list[Any]:
         return leaves
 
-    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # not Python values
-    chosen: list[Any] = by_platform(unfenced, fenced, [leaves[i] for i in arrays], updates)
-    result = list(leaves)
-    for i, x in zip(arrays, chosen, strict=True):
-        result[i] = x
+    arrays, values = eqx.partition(leaves, eqx.is_array)  # (not Python values)
+    result: list[Any] = eqx.combine(by_platform(unfenced, fenced, arrays, updates), values)
     return result
 
 

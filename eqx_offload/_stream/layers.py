@@ -28,13 +28,8 @@ import jax.tree_util as jtu
 
 from .._core.errors import CompositionError
 from .._core.leaves import is_none
-from .._core.move import move, to_host
+from .._core.move import fetch as fetch, to_host  # (fetch: `backward` imports it here)
 from .._core.placement import is_host, packed_vector
-
-
-def fetch(tree: Any) -> Any:
-    """Every array leaf of `tree` on the device."""
-    return move(tree, True, None, "to_device")
 
 
 def fetch_layer(host_leaves: list[Any], i: Any) -> list[Any]:

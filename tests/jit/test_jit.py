@@ -296,7 +296,7 @@ def test_default_compiler_options_only_for_an_accelerator_step_that_streams():
     """GPU scheduler options for a streamed update, others for a whole host state in one
     update (streamed wins); a TPU's for a streamed update alone; none on the CPU, whose
     program is unchanged."""
-    from eqx_offload._jit.compiler_options import (default_compiler_options, GPU_STREAMED_OPTIONS,
+    from eqx_offload._jit.stage import (default_compiler_options, GPU_STREAMED_OPTIONS,
                                                GPU_WHOLE_STATE_OPTIONS, TPU_STREAMED_OPTIONS)
 
     assert default_compiler_options("tpu", True) == TPU_STREAMED_OPTIONS
@@ -331,7 +331,7 @@ def test_default_compiler_options_only_for_an_accelerator_step_that_streams():
 
 def test_filter_jit_raises_the_copy_limit_for_a_prefetching_step_on_a_gpu() -> None:
     """Only a prefetching host-weight GPU step raises the async copy limit."""
-    from eqx_offload._jit.compiler_options import GPU_PREFETCHED_OPTIONS
+    from eqx_offload._jit.stage import GPU_PREFETCHED_OPTIONS
 
     def defaults(layers: Any, prefetch: bool, platform: str = "cuda") -> dict[str, Any]:
         step = eqx_offload.filter_jit(jax.grad(lambda s, x: scan_loss(s, x, prefetch=prefetch)))
