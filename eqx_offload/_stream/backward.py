@@ -132,15 +132,14 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
 
     def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
                   state_slices: list[Any]) -> Any:
-        """Layer `i`'s gradient and the update's inputs (its state: `state_slices`),
-        the cotangents of its input and consts, and layer `i - 1`'s fetched host
-        weights."""
+        # Layer i's gradient and the update's inputs (its state: `state_slices`), the
+        # cotangents of its input and consts, and layer i - 1's fetched host weights.
         host_weights, device_weights = scan.split(weights)
         preceding = fetch_layer(host_weights, jnp.maximum(i - 1, 0))
         device_slices = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
                          for a in device_weights]
         layer = merge(current, device_slices, scan.on_host)
-        h = jtu.tree_map(lambda a: fetch_layer([a], i)[0], inputs)  # (as `lax.scan` slices)
+        h = jtu.tree_map(functools.partial(_layer_of, i=i), inputs)  # (as `lax.scan` slices)
         g_layer, g_h, g_c = scan.layer_vjp(i, g, layer, h, consts, batched)
         if acc is not None:  # the sum of the earlier micro-batches, plus this one's
             g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
@@ -150,9 +149,7 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
 
     def stages(i: Any, g: Any, current: list[Any], g_consts: Any, weights: list[Any],
                slices: list[Any], todo: Any) -> Any:
-        """An iteration's update (of `todo`) and VJP (of layer `i`): `(cotangent of
-        layer i's input, layer i - 1's host weights, cotangents of consts, layer i's
-        update's inputs, todo's update)`."""
+        # An iteration's update (of `todo`) and VJP (of layer i).
         done = _update_layer(update, todo, shared)
         todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices)
         g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
@@ -171,13 +168,9 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
                                                       slices, todo)
         return (g_h, preceding, g_consts, weights, state, todo, done), None
 
-    # The top layer's iteration has no update to make: it updates zeros (with the top
-    # layer's state), and its result is never written. (Running the top layer's VJP outside a loop
-    # instead would compile it apart from the others, with other roundings.)
-    def zeros(a: Any) -> Any:
-        return jnp.zeros((1,) + a.shape[1:], a.dtype)
-
-    pieces, slices = [zeros(a) for a in leaves], [zeros(s) for s in state]
+    # The top layer's iteration updates zeros, never written (its VJP outside a loop
+    # would compile apart from the others', with other roundings).
+    pieces, slices = [_zeros_layer(a) for a in leaves], [_zeros_layer(s) for s in state]
     todo = (top, pieces, pieces, _state_slices(state, whole, top))
     g_consts = zeros_like_inexact(eqx.filter(consts, eqx.is_inexact_array))
     g, current, g_consts, todo, done = _down(
@@ -186,12 +179,31 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
         g, _, g_consts, weights, state, todo, done = _down(
             body, (g, current, g_consts, weights, list(state), todo, done), 0, top - 1,
             scan.unroll)
-    if top > 0:  # (`done`: layer 1's update)
+    weights, state = _last_two(update, shared, whole, weights, state, todo,
+                               done if top > 0 else None)
+    return weights, g, g_consts, state
+
+
+def _last_two(update: Update, shared: list[Any], whole: list[bool], weights: list[Any],
+              state: list[Any], todo: Any, done: Any) -> tuple[list[Any], list[Any]]:
+    """`weights` and `state` with the pipeline's last two stages written: `done` (layer
+    1's update, where there is one) and the update of `todo` (layer 0's); each `whole`
+    state leaf back to host."""
+    if done is not None:
         weights, state = _written(weights, state, done)
     last_update = _apart(lambda todo: _update_layer(update, todo, shared), todo)
     weights, state = _written(weights, state, last_update)
-    state = [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
-    return weights, g, g_consts, state
+    return weights, [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
+
+
+def _zeros_layer(a: Any) -> Any:
+    """Zeros of one layer of the stacked `a` (leading axis 1)."""
+    return jnp.zeros((1,) + a.shape[1:], a.dtype)
+
+
+def _layer_of(a: Any, i: Any) -> Any:
+    """Layer `i` of the stacked `a` on the device (`fetch_layer`)."""
+    return fetch_layer([a], i)[0]
 
 
 def _down(body: Callable[[Any, Any], tuple[Any, None]], carry: Any, start: int, stop: int,
@@ -203,7 +215,11 @@ def _down(body: Callable[[Any, Any], tuple[Any, None]], carry: Any, start: int, 
         return jax.lax.scan(body, carry, jnp.arange(start, stop), reverse=True,
                             unroll=unroll)[0]
     hidden = optimization_barrier(jnp.int32(start))
-    return jax.lax.fori_loop(hidden, hidden + 1, lambda _, c: body(c, hidden)[0], carry)
+
+    def once(_: Any, carry: Any) -> Any:
+        return body(carry, hidden)[0]
+
+    return jax.lax.fori_loop(hidden, hidden + 1, once, carry)
 
 
 def _apart(update: Callable[[Any], Any], todo: Any) -> Any:
