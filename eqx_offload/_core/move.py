@@ -71,26 +71,29 @@ def put_selected(leaves: Sequence[Any], selected: Sequence[bool], memory_kind: O
     `destination` says, its error naming the leaf's path, `path_of(i)` (a walk of the
     tree: for an error only). `cache` keeps the destinations of concrete leaves by
     (sharding, memory kind), each checked once."""
-    def one(i: int, leaf: Any) -> Optional[Destination]:
-        try:
-            return destination(leaf, memory_kind, argument, "")
-        except OffloadError:  # again, naming the leaf
-            return destination(leaf, memory_kind, argument, path_of(i))
-
     targets: list[Optional[Destination]] = []
     for i, (leaf, chosen) in enumerate(zip(leaves, selected, strict=True)):
         if not chosen or not eqx.is_array(leaf):
             targets.append(None)
         elif cache is None or not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
-            targets.append(one(i, leaf))
+            targets.append(_destination_of(leaf, memory_kind, argument, path_of, i))
         else:
             key = (leaf.sharding, memory_kind)
             if key not in cache:
                 if len(cache) >= 256:
                     cache.clear()
-                cache[key] = one(i, leaf)
+                cache[key] = _destination_of(leaf, memory_kind, argument, path_of, i)
             targets.append(cache[key])
     return put(leaves, targets, memory_kind, argument, path_of)
+
+
+def _destination_of(leaf: Any, memory_kind: Optional[str], argument: str,
+                    path_of: Callable[[int], str], i: int) -> Optional[Destination]:
+    """`destination` of leaf `i`, its error naming the leaf's path (walked only then)."""
+    try:
+        return destination(leaf, memory_kind, argument, "")
+    except OffloadError:  # again, naming the leaf
+        return destination(leaf, memory_kind, argument, path_of(i))
 
 
 def place_like(tree: _T, like: Any) -> _T:
