@@ -448,3 +448,19 @@ def assert_same_run(plain: Any, ported: Any) -> None:
     assert not plain.placements and ported.placements == [expected] * len(ported.losses)
     # (The plain run may compile twice: its `init` returns uncommitted arrays, upstream.)
     assert ported.compiles[1:] == [0] * (len(ported.compiles) - 1), ported.compiles
+
+
+def host_layer_stack(n: int, d: int) -> tuple[Any, Callable[[Any, jax.Array], jax.Array]]:
+    """`n` stacked `d`x`d` linear layers in host memory, and a forward pass over them by
+    `scan_layers` without prefetch (one layer fetched a loop trip)."""
+    import eqx_offload
+
+    keys = jax.random.split(jax.random.key(0), n)
+    layers = eqx_offload.to_host(eqx.filter_vmap(
+        lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k))(keys))
+
+    def forward(layers: Any, x: jax.Array) -> jax.Array:
+        return eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(jax.vmap(layer)(h)),
+                                       prefetch=False)
+
+    return layers, forward

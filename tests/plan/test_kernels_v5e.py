@@ -2,15 +2,11 @@
 estimated kernels and loops, which `Plan.predicted_step_seconds` replays beside the
 copies."""
 
-from typing import Any
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import pytest
-from helpers import tpu_plan_marks
+from helpers import host_layer_stack, tpu_plan_marks
 
-import eqx_offload
 from eqx_offload._plan import timing
 from eqx_offload.planner import plan, TPU_TARGETS
 
@@ -23,13 +19,7 @@ def test_a_scan_over_host_layers_plans_its_loop_and_its_kernels() -> None:
     the loop (6 trips) around the layer's fetch and matrix product, each with XLA:TPU's
     estimate, and the prediction replays them with the fetch."""
     n, d = 6, 1024
-    keys = jax.random.split(jax.random.key(0), n)
-    layers = eqx_offload.to_host(eqx.filter_vmap(
-        lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k))(keys))
-
-    def forward(layers: Any, x: jax.Array) -> jax.Array:
-        return eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(jax.vmap(layer)(h)),
-                                       prefetch=False)
+    layers, forward = host_layer_stack(n, d)
 
     planned = plan(forward, layers, jnp.ones((256, d)), target="v5e")
     (fetch,) = planned.copies_to("to_device")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import tpu_plan_marks
+from helpers import host_layer_stack, tpu_plan_marks
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
@@ -119,13 +119,7 @@ def test_a_copy_inside_a_loop_counts_once_per_trip() -> None:
     XLA:TPU's loop fetches one layer per trip (an asynchronous `dynamic-slice-start`,
     with no trip count written in the HLO), so the step moves the whole stack once."""
     n, d = 6, 256
-    keys = jax.random.split(jax.random.key(0), n)
-    layers = eqx_offload.to_host(eqx.filter_vmap(
-        lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k))(keys))
-
-    def forward(layers: Any, x: jax.Array) -> jax.Array:
-        return eqx_offload.scan_layers(layers, x, lambda layer, h: jnp.tanh(jax.vmap(layer)(h)),
-                                       prefetch=False)
+    layers, forward = host_layer_stack(n, d)
 
     planned = plan(forward, layers, jnp.ones((8, d)), target="v5e")
     (fetch,) = planned.copies_to("to_device")
