@@ -151,7 +151,13 @@ call14() {  # call 9's second row twice, 3 steps, with JAX's persistent compilat
   local l=66 c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"
-  for _ in 1 2; do row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"; done
+  row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"  # (cold)
+  row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"
+}
+call16() {  # 2.19B with everything in host memory, the fp32 master stored once and bf16
+  # moments (host memory against what it stores); then 542M's step, normal and in backward
+  row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
+  for m in fp32 state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
 }
 call15() {  # 64k tokens per optimizer step with narrowed moments, against plain in one run
   for m in fp32 state state-int8state state-bf16state; do
@@ -161,8 +167,8 @@ call15() {  # 64k tokens per optimizer step with narrowed moments, against plain
 }
 case $CALL in
   1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;; 14) call14 ;; 15) call15 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call13; call14; call15 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|13|14|15|all" >&2; exit 2 ;;
+  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;; 14) call14 ;; 15) call15 ;; 16) call16 ;;
+  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call13; call14; call15; call16 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|13|14|15|16|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
