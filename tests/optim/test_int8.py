@@ -146,6 +146,25 @@ def test_round_trip_within_half_a_step_of_the_map(signed: bool) -> None:
     assert nearest.max() <= (0.0071 if signed else 0.0036)
 
 
+def test_the_codec_is_traced_once_per_shape() -> None:
+    """Many leaves of one shape (a layer's pieces, each moment) call one traced
+    `quantize` and one `dequantize`, whose encoding is traced once for its four quarters."""
+    spec = q.Quantized(np.dtype(np.float32), (8, 1030), True)
+
+    def step(xs: list[jax.Array]) -> list[jax.Array]:
+        return [q.dequantize(q.quantize(x, True), spec) for x in xs]
+
+    jaxpr = jax.make_jaxpr(step)([jnp.zeros(spec.shape)] * 3)
+    calls = [e for e in jaxpr.eqns if "jaxpr" in e.params]
+    for name in ("quantize", "dequantize"):
+        inner = {id(e.params["jaxpr"]) for e in calls if e.params.get("name") == name}
+        assert len(inner) == 1
+    quantize = next(e for e in calls if e.params["name"] == "quantize").params["jaxpr"]
+    encoded = [e for e in quantize.eqns if e.params.get("name") == "_encoded"]
+    assert len(encoded) == 4 and len({id(e.params["jaxpr"]) for e in encoded}) == 1
+    assert len([e for e in calls if e.params.get("name") == "quantize"]) == 3
+
+
 def test_a_word_holds_a_code_of_each_quarter_of_its_row() -> None:
     """Rows of 1030 values in 258 words: word j holds the codes of columns j, j + 258, j +
     516 and j + 774 from its lowest byte (columns past 1030: code 0); then the rows'
