@@ -44,6 +44,7 @@ def _host_bytes(tree: Any) -> int:
                if x.sharding.memory_kind == "pinned_host")
 
 
+@pytest.mark.slow  # (XLA:TPU plans of minutes: first, with the other long tests)
 def test_the_start_up_holds_a_layer_not_the_model() -> None:
     startup = plan_startup(_start, _key(), target="v5e", host_memory=40 * 10**9)
     whole = plan(_start, _key(), target="v5e")  # the model made by one program
@@ -61,6 +62,7 @@ def test_the_start_up_holds_a_layer_not_the_model() -> None:
     assert "start-up" in startup.summary()
 
 
+@pytest.mark.slow  # (XLA:TPU plans of minutes: first, with the other long tests)
 def test_the_runtime_share_counts_against_the_host() -> None:
     peak = plan_startup(_start, _key(), target="v5e", runtime_host_memory=0).host_peak_bytes
     arrays = _host_bytes(eqx_offload.checkpoint.filter_eval_shape(_start, _key()))

@@ -16,11 +16,15 @@ import pytest
 from helpers import tpu_plan_marks, v5e
 
 
+@pytest.hookimpl(tryfirst=True)  # (before tests/conftest.py's, which runs `slow` first)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # (A conftest's hook sees every collected item: this folder's are the tier's.)
+    # (A conftest's hook sees every collected item: this folder's are the tier's.) Every
+    # test of the tier is `slow`: its XLA:TPU compiles (most in a child process) take
+    # minutes, and run first, beside the other long tests, not at the end of the run
+    # where one worker would compile alone while the others idle.
     for item in items:
         if item.path.parent == pathlib.Path(__file__).parent:
-            for mark in tpu_plan_marks():
+            for mark in [pytest.mark.slow, *tpu_plan_marks()]:
                 item.add_marker(mark)
 
 

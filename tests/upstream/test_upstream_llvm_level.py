@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import eqx_offload
 from helpers import hex_bits
@@ -48,6 +49,7 @@ def train_bits() -> list[str]:
 O1_IS_BITWISE = jax.__version_info__ < (0, 12, 1)  # (the bound in conftest.py)
 
 
+@pytest.mark.slow  # (two child processes, each training: first, with the other long tests)
 def test_o1_computes_the_bits_of_the_default_level_where_the_suite_uses_it():
     at_o1 = call_isolated(train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=1"})
     at_default = call_isolated(train_bits, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"})
