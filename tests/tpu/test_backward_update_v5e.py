@@ -16,7 +16,6 @@ from isolated import call_isolated
 import eqx_offload
 
 
-pytestmark = pytest.mark.both  # (libtpu pins its JAX: both environments)
 
 BENCH = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
 PACKAGE = str(pathlib.Path(eqx_offload.__file__).resolve().parents[1])
@@ -57,6 +56,7 @@ def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.both  # (libtpu pins its JAX: the newest's plan too; the mode matrix: oldest)
 def test_the_fused_step_plans_level_with_the_normal_step(tpu: Any) -> None:
     found = call_isolated(plan_both, WIDTH, LAYERS, SEQ, BATCH,
                           env={**TPU_ENV, "PYTHONPATH": PACKAGE})
