@@ -158,7 +158,8 @@ class Blockwise8Bit(AbstractCodec):
     def narrow(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
         assert isinstance(spec, Quantized)
         if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return quantize(leaf, spec.signed, spec.rows)
+            packed: jax.Array = quantize(leaf, spec.signed, spec.rows)  # (a jit: Any)
+            return packed
         return leaf
 
     def widen(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:

@@ -16,7 +16,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
