@@ -3,7 +3,6 @@
 # JSON line under $OUT (capacity, throughput, startup, host_rss, stopped and failed .jsonl).
 #
 #   bash bench/tpu/next.sh N    # call N, at most 9 minutes (what it runs: `callN` below)
-#   (calls 7 and 8 of 2026-12-06c: bench/results/tpu-v5e-2026-12-06c/README.md)
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
 #
@@ -11,9 +10,7 @@
 # stopped.jsonl, with the row's last progress line) when the memory left falls under
 # FLOOR_GIB (default 3): the least of the host's MemAvailable, the cgroup's limit less its
 # use, and the machine's RAM_GIB (default 40, what the device machine is lent) less the
-# resident memory of every process of this user. (On 2026-12-06 a row was lost with
-# MemAvailable still high: the machine counts resident memory against its 40 GiB, and the
-# TPU runtime's process holds ~14 GB resident.)
+# resident memory of every process of this user (the TPU runtime holds ~14 GB resident).
 set -u
 cd "$(dirname "$0")/../.."
 CALL=${1:-1}
@@ -83,12 +80,6 @@ call1() {  # the update in the backward pass against the normal step, 542M, 4k t
   row $T $R +activations $W $L8 $STEPS $SEQB $TP
   row $T $R +activations-backward $W $L8 $STEPS $SEQB $TP
 }
-call2() {  # 64k tokens per optimizer step (16 micro-batches); the backward update past 2B
-  row $T $R fp32 $W $L8 4 $SEQB --micro 16 $TP
-  row $T $R state $W $L8 4 $SEQB --micro 16 $TP
-  row $T $R state-backward $W $L8 4 $SEQB --micro 16 $TP
-  row $T $R state-backward $W $LBIG 4 $SEQB
-}
 # The capacity rows' sizes: the next depth past what trained on 2026-12-06 (fp32 and bf16
 # state: bench/results/tpu-v5e-2026-12-06b/), and 8-bit state at 44 layers (2.39B).
 call3() {  # capacity with everything in host memory: 20 steps each
@@ -139,9 +130,8 @@ call12() {  # 542M's step in each mode of issue 62's ratios, one run
     row $T $R $m $W $L8 $STEPS $SEQB $TP
   done
 }
-call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in the backward pass,
-  # and 8-bit in the backward pass; then 2.19B with everything in host memory, the fp32
-  # master stored once and bf16 moments
+call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in backward, 8-bit in
+  # backward; then 2.19B all in host memory (fp32 master stored once, bf16 moments)
   local p=bench/results/tpu-v5e-2026-12-07/profile.py m=state-backward
   [ "${SIZE:-}" = small ] && [ -z "${DRY:-}" ] && { row $T $p $m $W $L8 $SEQB; return; }
   for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
@@ -154,21 +144,21 @@ call14() {  # call 9's second row twice, 3 steps, with JAX's persistent compilat
   row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"  # (cold)
   row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"
 }
-call16() {  # 2.19B with everything in host memory, the fp32 master stored once and bf16
-  # moments (host memory against what it stores); then 542M's step, normal and in backward
+call16() {  # 2.19B: all in host memory (fp32 master once, bf16 moments); `state` in backward
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
+  row $T $R state-backward $W $LBIG 4 $SEQB  # (then 542M's step, normal and in backward)
   for m in fp32 state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
 }
-call15() {  # 64k tokens per optimizer step with narrowed moments, against plain in one run
-  for m in fp32 state state-int8state state-bf16state; do
+call15() {  # 64k tokens per optimizer step (16 micro-batches), each mode against plain
+  for m in fp32 state state-int8state state-bf16state state-backward; do
     row $T $R $m $W $L8 4 $SEQB --micro 16 $TP
   done
   row $((T + 90)) $R state-int8state-backward $W $L8 4 $SEQB --micro 16 $TP  # (~103 s compile)
 }
 case $CALL in
-  1) call1 ;; 2) call2 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
+  1) call1 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
   10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;; 14) call14 ;; 15) call15 ;; 16) call16 ;;
-  all) call1; call2; call3; call4; call5; call6; call9; call10; call11; call13; call14; call15; call16 ;;
-  *) echo "usage: $0 1|2|3|4|5|6|9|10|11|12|13|14|15|16|all" >&2; exit 2 ;;
+  all) call1; call3; call4; call5; call6; call9; call10; call11; call13; call14; call15; call16 ;;
+  *) echo "usage: $0 1|3|4|5|6|9|10|11|12|13|14|15|16|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"
