@@ -372,7 +372,7 @@ def _decoded(codes: Any, signed: bool) -> Any:
     return jnp.where(codes < 127, -value, value) if signed else value
 
 
-@functools.partial(jax.jit, static_argnames=("signed",))  # (`quantize` calls it 4 times a shape)
+@jax.jit(static_argnames=("signed",))  # (`quantize` calls it 4 times a shape)
 def _encoded(scaled: Any, signed: bool) -> Any:
     """The number of midpoints (`midpoints`) at or below each float32 value (`_counted`)
     bitwise, elementwise: its level from 8 comparisons with the midpoints that bound
@@ -424,7 +424,7 @@ def _encoded(scaled: Any, signed: bool) -> Any:
 # a step that stores many leaves of a few shapes (a layer's pieces, the moments) calls
 # that one jaxpr (XLA inlines the calls: the same program). Traced per call, the ~80
 # operations a value took most of the tracing of a step with 8-bit state.
-@functools.partial(jax.jit, static_argnames=("signed", "rows"))
+@jax.jit(static_argnames=("signed", "rows"))
 def quantize(x: Any, signed: bool, rows: bool = False) -> jax.Array:
     """`x` in its packed form, uint32 of `packed_shape(x.shape)`, on `x`'s device (with
     `rows`, a stack of vectors `(L, n)` packed a layer at a time: `Quantized.packed`).
@@ -472,7 +472,7 @@ def _stored_scales(packed: Any, r: int, n: int) -> Any:
     return jax.lax.bitcast_convert_type(flat, jnp.float32).reshape(*lead, r, blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+@jax.jit(static_argnames=("spec",))
 def dequantize(packed: Any, spec: Quantized) -> Any:
     """A packed array (of `spec`'s leaf, or rows of it) back in `spec.dtype`:
     `map[code] * scale`, as torchao's `dequant_with_qmap`."""
