@@ -158,7 +158,7 @@ class Blockwise8Bit(AbstractCodec):
     def narrow(self, leaf: ArrayLike, spec: Hashable) -> ArrayLike:
         assert isinstance(spec, Quantized)
         if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating):
-            packed: jax.Array = quantize(leaf, spec.signed, spec.rows)  # (a jit: Any)
+            packed: jax.Array = quantize(leaf, spec.signed, spec.rows)  # (jitted: Any)
             return packed
         return leaf
 

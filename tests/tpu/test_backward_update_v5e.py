@@ -17,7 +17,6 @@ from isolated import call_isolated
 import eqx_offload
 
 
-
 BENCH = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
 PACKAGE = str(pathlib.Path(eqx_offload.__file__).resolve().parents[1])
 # Small enough to compile in a minute (the layers' gradient: 4 layers of 3.4M fp32
