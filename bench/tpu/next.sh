@@ -144,16 +144,16 @@ call14() {  # call 9's second row twice, 3 steps, with JAX's persistent compilat
   row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"  # (cold)
   row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"
 }
-call16() {  # 2.19B: all in host memory (fp32 master once, bf16 moments); `state` in backward
-  row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
-  row $T $R state-backward $W $LBIG 4 $SEQB  # (then 542M's step, normal and in backward)
-  for m in fp32 state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
-}
 call15() {  # 64k tokens per optimizer step (16 micro-batches), each mode against plain
   for m in fp32 state state-int8state state-bf16state state-backward; do
     row $T $R $m $W $L8 4 $SEQB --micro 16 $TP
   done
   row $((T + 90)) $R state-int8state-backward $W $L8 4 $SEQB --micro 16 $TP  # (~103 s compile)
+}
+call16() {  # 2.19B: all in host memory, and `state` in backward; 542M: normal, in backward
+  row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
+  row $T $R state-backward $W $LBIG 4 $SEQB
+  for m in fp32 state state-backward; do row $T $R $m $W $L8 $STEPS $SEQB $TP; done
 }
 case $CALL in
   1) call1 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;

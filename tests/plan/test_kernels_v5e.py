@@ -2,7 +2,6 @@
 estimated kernels and loops, which `Plan.predicted_step_seconds` replays beside the
 copies."""
 
-
 import jax.numpy as jnp
 import pytest
 from helpers import host_layer_stack, tpu_plan_marks
