@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._core.compat import optimization_barrier
+from .._core.compat import marked, optimization_barrier
 from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host, stacked_packed_vector
@@ -272,36 +272,25 @@ def _write_layer(stacks: list[Any], i: Any, pieces: list[Any]) -> list[Any]:
             for a, p in zip(stacks, pieces, strict=True)]
 
 
-_LAG = 4
-"""A state leaf's fetch waits for the write of the leaf `_LAG` before it (`_exchanged`).
-Without a wait, XLA:TPU fetches a whole layer before the written one has left: one
-layer's state more on the device; a shorter wait idles the link more."""
-
-
 def _exchanged(state: list[Any], whole: list[bool], i: Any,
                done: Any) -> tuple[list[Any], list[Any]]:
     """`state` with the layer `done` holds written (as `_written`), and layer `i`'s
     state slices (as `_state_slices`), each read before its leaf's write: no fetch
     waits for a write into its own leaf, so the copies to the device and to host run
     at once (a read then a write of one host leaf, in place, take turns: the write
-    waits for the read, behind an optimization barrier, with no copy of the leaf).
-    The fetch of a leaf waits for the write `_LAG` leaves before it, so that the
-    fetched layer and the written one are on the device together a few leaves at a
-    time, not whole."""
+    waits for the read, behind an optimization barrier, with no copy of the leaf). No
+    fetch waits for another leaf's write: XLA:TPU then keeps the link busier both ways
+    (a fetch that waited for the write four leaves before it planned a slower step)."""
     j, _, pieces = done
-    written: list[Any] = []  # (the host leaves, after their writes)
     new_state, slices = list[Any](), list[Any]()
     for s, w, p in zip(state, whole, pieces, strict=True):
         if w:
             slices.append(to_host(layer_slice(s, i)))
             new_state.append(_write(s, j, p))
             continue
-        if len(written) >= _LAG:
-            s, _ = optimization_barrier((s, written[-_LAG]))
         s, piece = optimization_barrier((s, layer_slice(s, i)))
         slices.append(piece)
         new_state.append(_write(s, j, to_host(p) if is_host(s) else p))
-        written.append(new_state[-1])
     return new_state, slices
 
 
@@ -322,4 +311,10 @@ def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], An
     hook.calls += 1
     return layer_scan(dynamic, static, x, call, save_input, unroll, batched_layers,
                       hook.accumulated, hook.state, hook.shared,
-                      functools.partial(_backward, hook.update, whole), hook.stored)
+                      functools.partial(_marked_backward, hook.update, whole), hook.stored)
+
+
+def _marked_backward(*args: Any) -> Any:
+    """`_backward`, marked for `filter_jit` (`compat.scopes`: its options for a TPU)."""
+    with marked("in_backward"):
+        return _backward(*args)
