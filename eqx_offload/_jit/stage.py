@@ -336,7 +336,8 @@ def default_compiler_options(platform: str, streamed: bool, prefetched: bool = F
         and the other direction's after them, one direction at a time; with 1 it pairs
         each copy to the device with one to host, so both directions of the link run at
         once (the docs page "Streamed update" has the counts from XLA:TPU's schedule).
-        2 where the step updates layers inside the backward pass (`update_in_backward`):
+        2 where the step updates layers inside the backward pass (`update_in_backward`,
+        but for 8-bit state):
         each iteration's reads and writes of a layer's state then run two at a time
         under its VJP, and the time model (`plan(...).predicted_step_seconds`) plans
         the step faster.

@@ -311,10 +311,15 @@ def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], An
     hook.calls += 1
     return layer_scan(dynamic, static, x, call, save_input, unroll, batched_layers,
                       hook.accumulated, hook.state, hook.shared,
-                      functools.partial(_marked_backward, hook.update, whole), hook.stored)
+                      functools.partial(_marked_backward, hook.stored is None, hook.update,
+                                        whole), hook.stored)
 
 
-def _marked_backward(*args: Any) -> Any:
-    """`_backward`, marked for `filter_jit` (`compat.scopes`: its options for a TPU)."""
+def _marked_backward(mark: bool, *args: Any) -> Any:
+    """`_backward`, with `mark` marked for `filter_jit` (`compat.scopes`: its options for
+    a TPU). Not for state stored in another dtype (8-bit): the time model plans that
+    step slower with them."""
+    if not mark:
+        return _backward(*args)
     with marked("in_backward"):
         return _backward(*args)
