@@ -12,7 +12,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # most of the suite's CPU time, and what the tests check is decided in XLA's HLO passes
 # before LLVM; the numbers are bitwise those of -O3 up to JAX 0.12.0.1
 # (`upstream/test_upstream_llvm_level.py`); from JAX 0.12.1, where they are not, the
-# suite runs at the default level. Child processes inherit it.
+# suite runs at the default level. Child processes inherit it. Two programs of other
+# shapes can still round otherwise at -O1 alone: tests comparing such programs' bits run
+# them at the default level (`models/test_backward_programs.py`'s `_at_default_level`).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and tuple(
         int(part) for part in re.findall(r"\d+", importlib.metadata.version("jax"))[:3]) < (0, 12, 1):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"

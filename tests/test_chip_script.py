@@ -38,7 +38,7 @@ def test_every_row_of_every_call_parses(size: str) -> None:
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "DRY": "1", "SIZE": size})
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert len(rows) == 46, listed.stdout
+    assert len(rows) == 47, listed.stdout
     modes = set()
     for script, *args in rows:
         assert (ROOT / script).is_file(), script

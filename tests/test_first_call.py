@@ -20,10 +20,12 @@ BOUNDS = {
     # update, bitwise on JAX 0.12 with AVX-512; first +4: the backward loop's read of
     # each layer's state before the write into its leaf; first and eager +16 lines and
     # +65 moves: the top two layers' loop of the backward update, traced apart, so that
-    # no iteration writes a layer it does not update)
-    "first": {"lines": 766, "files": 19, "moves": 714},
+    # no iteration writes a layer it does not update; first and eager +17 lines and +25
+    # moves: the top layer's VJP in a loop of its own, so that its state is read once,
+    # and the backward pass marked for its TPU compiler options)
+    "first": {"lines": 783, "files": 19, "moves": 739},
     "cached": {"lines": 77, "files": 5, "moves": 10},
-    "eager": {"lines": 506, "files": 15, "moves": 548},
+    "eager": {"lines": 521, "files": 15, "moves": 573},
 }
 
 

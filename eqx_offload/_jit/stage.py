@@ -87,6 +87,7 @@ class Analysis:
     streamed: bool
     prefetched: bool
     whole: bool
+    in_backward: bool
     out_constraints: tuple[Optional[Any], ...]  # per output: its sharding constraint, or None
 
 
@@ -111,6 +112,7 @@ def analyse(closed: Any, name: str,
         streamed="streamed" in kinds,
         prefetched="prefetched" in kinds,
         whole="whole" in kinds,
+        in_backward="in_backward" in kinds,
         out_constraints=tuple(None if isinstance(v, Literal) else constraints.get(v)
                               for v in jaxpr.outvars),
     )
@@ -204,7 +206,8 @@ def lower_call(fun: Callable[..., Any], name: str, call: Call, silence: bool,
         lowered = traced.lower() if platforms is None else traced.lower(
             lowering_platforms=platforms)
     options = {**default_compiler_options(platform, found.streamed, found.prefetched,
-                                          found.whole), **(compiler_options or {})}
+                                          found.whole, found.in_backward),
+               **(compiler_options or {})}
     return Program(lowered, output, closed, options)
 
 
@@ -281,11 +284,17 @@ TPU_STREAMED_OPTIONS: dict[str, Any] = {
 """What `filter_jit` compiles with by default for a TPU when the step streams an
 offloaded state (see `default_compiler_options`)."""
 
+TPU_IN_BACKWARD_OPTIONS: dict[str, Any] = {
+    "xla_tpu_host_transfer_overlap_limit": 2,
+}
+"""What `filter_jit` compiles with by default for a TPU when the step updates layers
+inside the backward pass (`update_in_backward`; see `default_compiler_options`)."""
+
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 
-def default_compiler_options(platform: str, streamed: bool,
-                             prefetched: bool = False, whole: bool = False) -> dict[str, Any]:
+def default_compiler_options(platform: str, streamed: bool, prefetched: bool = False,
+                             whole: bool = False, in_backward: bool = False) -> dict[str, Any]:
     """The XLA options `filter_jit` compiles with unless its `compiler_options` (or
     `.compile(...)`'s) say otherwise: none, except for a GPU when the step runs
     `offloaded`'s streamed update (its default under `jit`, or `group_bytes=N`), or
@@ -327,10 +336,17 @@ def default_compiler_options(platform: str, streamed: bool,
         and the other direction's after them, one direction at a time; with 1 it pairs
         each copy to the device with one to host, so both directions of the link run at
         once (the docs page "Streamed update" has the counts from XLA:TPU's schedule).
+        2 where the step updates layers inside the backward pass (`update_in_backward`,
+        but for 8-bit state):
+        each iteration's reads and writes of a layer's state then run two at a time
+        under its VJP, and the time model (`plan(...).predicted_step_seconds`) plans
+        the step faster.
 
     What each option does to the plans of the benchmark's workloads: the "GPU plan"
     docs page."""
     if platform.lower() == "tpu":
+        if in_backward:
+            return dict(TPU_IN_BACKWARD_OPTIONS)
         return dict(TPU_STREAMED_OPTIONS) if streamed else {}
     if platform.lower() not in _GPU_PLATFORMS:
         return {}

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._core.compat import optimization_barrier
+from .._core.compat import marked, optimization_barrier
 from .._core.leaves import is_none
 from .._core.move import to_host
 from .._core.placement import is_host, stacked_packed_vector
@@ -114,12 +114,14 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     and layer `i`'s state come to the device), the update of layer `i + 1` (with the
     gradient and the state the iteration before fetched: it runs beside the VJP), and
     the write of layer `i + 2`'s new weights and state into the stacked arrays (the
-    loop's carry). The top two layers' iterations, with nothing to write yet, are a
-    loop of their own (`head`): no iteration moves a layer that is not updated. The
-    last two stages of the first layer run after the loops. Returns `(new weights,
-    cotangent of x, cotangents of consts, new state)`. Layer `i`'s state is read before
-    layer `i + 2`'s is written (`_exchanged`): the state's copies to the device and to
-    host run at once.
+    loop's carry). The top two layers' iterations, with nothing to write yet, are
+    loops of their own: the top layer's VJP alone (`first`, with that layer's state,
+    sliced before it, in its `todo`), then the next layer's VJP beside the top layer's
+    update (`second`): no iteration moves a layer that is not updated, and each layer's
+    state is read once (`_loops`). The last two stages of the first layer run after the
+    loops. Returns `(new weights, cotangent of x, cotangents of consts, new state)`.
+    Layer `i`'s state is read before layer `i + 2`'s is written (`_exchanged`): the
+    state's copies to the device and to host run at once.
 
     The stages are apart so that each update is its own computation on whole operands,
     as in the normal step: XLA:CPU compiles an update fused into the slices it reads or
@@ -155,7 +157,13 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
         g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
         return g_h, preceding, g_consts, todo, done
 
-    def head(carry: Any, i: Any) -> tuple[Any, None]:
+    def first(carry: Any, i: Any) -> tuple[Any, None]:
+        g, current, g_consts, (_, _, _, slices) = carry
+        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices)
+        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
+        return (g_h, preceding, g_consts, todo), None
+
+    def second(carry: Any, i: Any) -> tuple[Any, None]:
         g, current, g_consts, todo, _ = carry
         return stages(i, g, current, g_consts, weights, _state_slices(state, whole, i),
                       todo), None
@@ -168,20 +176,35 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
                                                       slices, todo)
         return (g_h, preceding, g_consts, weights, state, todo, done), None
 
-    # The top layer's iteration updates zeros, never written (its VJP outside a loop
-    # would compile apart from the others', with other roundings).
-    pieces, slices = [_zeros_layer(a) for a in leaves], [_zeros_layer(s) for s in state]
-    todo = (top, pieces, pieces, _state_slices(state, whole, top))
     g_consts = zeros_like_inexact(eqx.filter(consts, eqx.is_inexact_array))
+    pieces = [_zeros_layer(a) for a in leaves]
+    todo = (top, pieces, pieces, _state_slices(state, whole, top))
+    g, g_consts, weights, state, todo, done = _loops(
+        first, second, body, (g, last, g_consts, todo), weights, state, top, scan.unroll)
+    weights, state = _last_two(update, shared, whole, weights, state, todo, done)
+    return weights, g, g_consts, state
+
+
+def _loops(first: Callable[[Any, Any], Any], second: Callable[[Any, Any], Any],
+           body: Callable[[Any, Any], Any], carry: Any, weights: list[Any],
+           state: list[Any], top: int, unroll: int) -> Any:
+    """The backward pass's loops, from `carry` (`(g, last, g_consts, todo)`): `first`
+    (the top layer, `top`), `second` (the next) and `body` (the rest but the first
+    layer). Returns `(g, g_consts, weights, state, todo, done)` (`done`: `None` for one
+    layer). Each loop's carry holds what it makes, so `todo` and `done` go in as zeros
+    of their types, never read, but for `todo`'s state slices: the top layer's, which
+    `first` passes on (a host array of zeros breaks XLA:TPU's compile)."""
+    g, current, g_consts, todo = _down(first, carry, top, top + 1)
+    if top == 0:
+        return g, g_consts, weights, state, todo, None
+    done = (top, carry[3][1], [_zeros_layer(s) for s in state])
     g, current, g_consts, todo, done = _down(
-        head, (g, last, g_consts, todo, (top, pieces, slices)), max(top - 1, 0), top + 1)
+        second, (g, current, g_consts, todo, done), top - 1, top)
     if top > 1:
         g, _, g_consts, weights, state, todo, done = _down(
             body, (g, current, g_consts, weights, list(state), todo, done), 0, top - 1,
-            scan.unroll)
-    weights, state = _last_two(update, shared, whole, weights, state, todo,
-                               done if top > 0 else None)
-    return weights, g, g_consts, state
+            unroll)
+    return g, g_consts, weights, state, todo, done
 
 
 def _last_two(update: Update, shared: list[Any], whole: list[bool], weights: list[Any],
@@ -249,36 +272,25 @@ def _write_layer(stacks: list[Any], i: Any, pieces: list[Any]) -> list[Any]:
             for a, p in zip(stacks, pieces, strict=True)]
 
 
-_LAG = 4
-"""A state leaf's fetch waits for the write of the leaf `_LAG` before it (`_exchanged`).
-Without a wait, XLA:TPU fetches a whole layer before the written one has left: one
-layer's state more on the device; a shorter wait idles the link more."""
-
-
 def _exchanged(state: list[Any], whole: list[bool], i: Any,
                done: Any) -> tuple[list[Any], list[Any]]:
     """`state` with the layer `done` holds written (as `_written`), and layer `i`'s
     state slices (as `_state_slices`), each read before its leaf's write: no fetch
     waits for a write into its own leaf, so the copies to the device and to host run
     at once (a read then a write of one host leaf, in place, take turns: the write
-    waits for the read, behind an optimization barrier, with no copy of the leaf).
-    The fetch of a leaf waits for the write `_LAG` leaves before it, so that the
-    fetched layer and the written one are on the device together a few leaves at a
-    time, not whole."""
+    waits for the read, behind an optimization barrier, with no copy of the leaf). No
+    fetch waits for another leaf's write: XLA:TPU then keeps the link busier both ways
+    (a fetch that waited for the write four leaves before it planned a slower step)."""
     j, _, pieces = done
-    written: list[Any] = []  # (the host leaves, after their writes)
     new_state, slices = list[Any](), list[Any]()
     for s, w, p in zip(state, whole, pieces, strict=True):
         if w:
             slices.append(to_host(layer_slice(s, i)))
             new_state.append(_write(s, j, p))
             continue
-        if len(written) >= _LAG:
-            s, _ = optimization_barrier((s, written[-_LAG]))
         s, piece = optimization_barrier((s, layer_slice(s, i)))
         slices.append(piece)
         new_state.append(_write(s, j, to_host(p) if is_host(s) else p))
-        written.append(new_state[-1])
     return new_state, slices
 
 
@@ -299,4 +311,15 @@ def update_scan(dynamic: Any, static: Any, x: Any, call: Callable[[Any, Any], An
     hook.calls += 1
     return layer_scan(dynamic, static, x, call, save_input, unroll, batched_layers,
                       hook.accumulated, hook.state, hook.shared,
-                      functools.partial(_backward, hook.update, whole), hook.stored)
+                      functools.partial(_marked_backward, hook.stored is None, hook.update,
+                                        whole), hook.stored)
+
+
+def _marked_backward(mark: bool, *args: Any) -> Any:
+    """`_backward`, with `mark` marked for `filter_jit` (`compat.scopes`: its options for
+    a TPU). Not for state stored in another dtype (8-bit): the time model plans that
+    step slower with them."""
+    if not mark:
+        return _backward(*args)
+    with marked("in_backward"):
+        return _backward(*args)

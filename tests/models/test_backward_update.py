@@ -503,3 +503,28 @@ def test_updated_in_the_backward_pass_the_master_stays_fp32() -> None:
     assert (master.dtype, master.sharding.memory_kind) == (jnp.dtype(jnp.float32), "pinned_host")
     assert (mu.dtype, mu.sharding.memory_kind) == (jnp.dtype(jnp.bfloat16), "pinned_host")
     assert_tree_equal(fused, normal)
+
+
+def test_a_tpu_step_compiles_with_two_copies_in_flight_each_way() -> None:
+    """`filter_jit` lowers a step that updates inside the backward pass for a TPU with
+    `xla_tpu_host_transfer_overlap_limit=2` (its own marked scope), but with 8-bit state,
+    and the normal step, with `offloaded`'s 1; the CPU's program gets neither."""
+    optimizer = eqx_offload.offloaded(optax.adam(1e-2))
+    fused = eqx_offload.update_in_backward(optimizer, layers=lambda m: m.blocks)
+    model, state = fused.init(make_model())
+    step = eqx_offload.filter_jit(functools.partial(fused.step, loss))
+    normal_model, normal_state = _init_normal(optimizer, make_model())
+    normal = _normal_step(optimizer, False)
+    eight_bit = eqx_offload.update_in_backward(
+        eqx_offload.offloaded(optax.adam(1e-2), host_dtype=jnp.int8), layers=lambda m: m.blocks)
+    wide = Wide(eqx.filter_vmap(WideBlock)(jax.random.split(jax.random.key(0), 3)),
+                eqx.nn.Linear(64, 1, key=jax.random.key(1)))
+    wide, wide_state = eight_bit.init(wide)
+    limit = "xla_tpu_host_transfer_overlap_limit"
+    for jitted, args, expected in (
+            (step, (model, state, batch(0)), 2),
+            (normal, (normal_model, normal_state, batch(0)), 1),
+            (eqx_offload.filter_jit(functools.partial(eight_bit.step, loss)),
+             (wide, wide_state, jnp.ones((BATCH, 64))), 1)):
+        assert jitted.lower_for(("tpu",), args, {}).compiler_options[limit] == expected
+        assert limit not in jitted.lower_for(("cpu",), args, {}).compiler_options
