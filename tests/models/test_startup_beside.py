@@ -2,7 +2,8 @@
 `filter_eval_shape` of the function that makes the model, in a thread while
 `filter_make` makes it, the executable takes `filter_make`'s arrays as they are (no
 further compile), and its result is bitwise the sequential route's (the model made,
-then the step called)."""
+then the step called); for a v5e, the step lowered so keeps the host leaves in host
+memory."""
 
 import concurrent.futures
 from typing import Any
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import assert_tree_equal, count_compiles
+from helpers import assert_tree_equal, count_compiles, tpu_plan_marks, v5e
 
 import eqx_offload
 
@@ -79,3 +80,20 @@ def test_a_step_compiled_beside_filter_make_takes_its_arrays(placed: str) -> Non
         sequential = _step(model, state, x)
     assert len(compiles) == 1
     assert_tree_equal(beside, sequential)
+
+
+@pytest.mark.parametrize("target", [pytest.param("v5e", marks=tpu_plan_marks())])
+def test_the_step_compiled_ahead_for_a_v5e_keeps_host_leaves_in_host_memory(target: str) -> None:
+    """For a v5e without one (libtpu): the abstract model and state of a key on the chip
+    (a `SingleDeviceSharding`, as on a TPU's default device) give host leaves over a
+    one-device mesh, which the step lowered from them takes in host memory."""
+    on = jax.sharding.SingleDeviceSharding(v5e())
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=on)
+    abstract = eqx_offload.checkpoint.filter_eval_shape(_start, key)
+    x = jax.ShapeDtypeStruct((4, 32), jnp.bfloat16, sharding=on)
+    lowered = _step.lower(*abstract, x)
+    kinds = [a.sharding.memory_kind for a in jax.tree.leaves((*abstract, x))]
+    spaces = [a.memory_space for a in lowered.jaxpr.in_avals]
+    assert "pinned_host" in kinds and spaces == [
+        jax.memory.Space.Host if k == "pinned_host" else jax.memory.Space.Device for k in kinds]
+    assert lowered.compile().memory_analysis().host_argument_size_in_bytes > 0
