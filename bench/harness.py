@@ -5,8 +5,7 @@ results format. Every script of `bench/` builds on it.
 - The modes: `MODES`, from nothing offloaded (`fp32`) to everything in host memory
   (`+activations`); `mode_of` reads a mode's name with its suffixes.
 - The builder: `trainer(shape, name)`, the model and AdamW state made where each array
-  lives, and the step's update.
-- The train loop: `train`.
+  lives, and the step's update; the train loop: `train`.
 - The results: one JSON record a row (`record`, `run_row`), with the machine's date and
   versions and the step times summarised (`timing`) as the command line's benchmark
   (`python -m eqx_offload bench`) records them: `eqx_offload.cli.measure`.

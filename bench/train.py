@@ -3,27 +3,27 @@ where each array lives (`eqx_offload.filter_make`) and trained on one batch of r
 tokens. One process per row (the device's peak cannot be reset within one):
 
     python bench/train.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH] [--micro K] [--file NAME]
+        [--cache DIR] [--beside]
     JAX_PLATFORMS=cpu python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] --plan
 
 STEPS (default 20) optimizer steps at sequence SEQ (1024) and batch BATCH (4); with
 `--micro K`, each sums the gradients of K micro-batches in a scan and updates once.
-The step is compiled first, from abstract arguments, before the model and state are
-made (the compiler's memory is not added to theirs), and each step runs that executable.
-Prints a progress line a step and one JSON record (`harness.record`, appended to
-$OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): the seconds of the
-compile, the start-up and each step, tokens a second, the losses, the bytes stored by
-memory kind, XLA's memory analysis and the resident memory before and after the compile,
-after the start-up and after the first step; `fill_gbps`, new `pinned_host` memory
-filled by `filter_make`'s route (up to 1 GiB, freed before the start-up), and
-`startup_over_fill`, the start-up over what the host bytes take at that rate.
-`--cache DIR` turns on JAX's persistent compilation cache there, every program cached:
-a second run compiles nothing (`cache`: its events' counts). `--plan` compiles for a
-TPU v5e without one (libtpu) and stops there. It stops stepping before it would pass ROW_SECONDS (set by `bench/tpu/next.sh`), so that
-a row reports the steps it ran rather than being killed.
-"""
+The step is compiled from abstract arguments before the model and state are made (the
+compiler's memory apart from theirs); with `--beside`, in a thread while `filter_make`
+makes them (docs/startup.md). Prints a progress line a step and one JSON record
+(`harness.record`, appended to $OUT/NAME.jsonl when OUT is set; NAME defaults to
+`capacity`): seconds (the compile, `filter_make`'s `startup_s`, `startup_total_s` from
+before tracing to the model made and the step compiled, each step), tokens a second, the
+losses, the bytes stored by memory kind, XLA's memory analysis, the resident memory
+before and after the compile, the start-up and the first step, `fill_gbps` and each
+start-up over what the host bytes take at that rate (`startup_over_fill`,
+`startup_total_over_fill`). `--cache DIR`: JAX's persistent compilation cache there,
+every program cached (`cache`: its events). `--plan` compiles for a TPU v5e without one
+(libtpu) and stops. Steps stop before they would pass ROW_SECONDS (next.sh's)."""
 
 import argparse
 import collections
+import concurrent.futures
 import ctypes
 import gc
 import json
@@ -38,30 +38,27 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
-from eqx_offload._models.make import _host_program  # (filter_make's own, not a copy)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # (bench/)
 
 
 STARTED = time.perf_counter()
-ANALYSIS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes",
-            "host_alias_size_in_bytes", "host_temp_size_in_bytes")
+ANALYSIS = tuple(f"{host}{what}_size_in_bytes" for host in ("", "host_")
+                 for what in ("argument", "output", "alias", "temp"))
 # What libtpu needs to compile for a v5e without one (as tests/helpers.py's `TPU_ENV`).
 TPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
            "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
-                  device: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """The donated step compiled for `device` before anything is allocated, from
-    `filter_eval_shape` of `start` and the tokens' shape, every array over a one-device
-    mesh (an abstract `pinned_host` array of a `SingleDeviceSharding` traces as device
-    memory). Returns the compiled step, its abstract `(model, state, tokens)` and what
-    it took: seconds, resident memory before, at the peak and after (again after
-    `gc.collect()` and glibc's `malloc_trim(0)`), and XLA's memory analysis."""
-    on = NamedSharding(Mesh([device], ("_",)), P())
+                  on: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The donated step compiled for the device of `on` (a one-device mesh: an abstract
+    `pinned_host` array of a `SingleDeviceSharding` traces as device memory) from
+    `filter_eval_shape` of `start` and the tokens' shape, allocating nothing. Returns it,
+    its abstract `(model, state, tokens)` and what it took: seconds, resident memory
+    before, at the peak and after (again after `trim`), and XLA's memory analysis."""
+    (device,) = on.device_set
     key, tokens = jax.eval_shape(lambda: (jax.random.key(0), harness.tokens_of(shape, micro)))
     model, state = eqx_offload.checkpoint.filter_eval_shape(
         start, jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=on))
@@ -82,22 +79,22 @@ def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
     return compiled, abstract, took
 
 
-def fill_gbps(abstract: Any) -> float:
-    """GB/s of new `pinned_host` memory made as `filter_make` makes a stacked leaf's
-    buffer (zeros by the host's CPU; compiled first): 1 GiB, or the row's host bytes if
-    fewer. The array is freed after."""
-    size = min(1 << 30, harness.bytes_by_kind(abstract).get("pinned_host", 0)) // 4
-    on = abstract[2].sharding.with_memory_kind("pinned_host")
-    program = _host_program(jax.ShapeDtypeStruct((max(size, 1),), jnp.float32,
-                                                 sharding=on)).lower().compile()
-    began = time.perf_counter()
-    jax.block_until_ready(program()).delete()
-    return max(size, 1) * 4 / 1e9 / (time.perf_counter() - began)
+def fill_gbps(nbytes: int, on: Any, timed: list[tuple[str, float]]) -> float:
+    """GB/s at which `filter_make` makes new `pinned_host` memory: a stacked leaf of 8
+    float32 layers, `nbytes` (at most 1 GiB; a row passes its fp32 bytes, the same in
+    every run) made by its route (host zeros, each layer then written in), less its
+    tracing and compiles (`timed`: JAX's events, as `main` records them). Freed after."""
+    rows = max(min(nbytes, 1 << 30) // 32, 1)
+    made = lambda keys: eqx_offload.to_host(eqx_offload.stack_layers(  # noqa: E731
+        lambda _: jnp.zeros((rows,), jnp.float32), keys))
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), on)
+    before, began = len(timed), time.perf_counter()
+    jax.block_until_ready(eqx_offload.filter_make(made, keys)).delete()
+    return rows * 32 / 1e9 / (time.perf_counter() - began - sum(s for _, s in timed[before:]))
 
 
 def trim() -> None:
-    """Free what Python and glibc's heap hold unused (`malloc_trim(0)` returns it to the
-    system)."""
+    """Free what Python and glibc's heap hold unused (`malloc_trim(0)`: to the system)."""
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -111,9 +108,12 @@ def v5e() -> Any:
 
 def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
          batch: int = 4, micro: int = 1, plan: bool = False,
-         cache: Optional[str] = None) -> dict[str, Any]:
+         cache: Optional[str] = None, beside: bool = False) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
     events: collections.Counter[str] = collections.Counter()  # (the persistent cache's)
+    timed: list[tuple[str, float]] = []  # (JAX's tracing, lowering and compiles)
+    jax.monitoring.register_event_duration_secs_listener(lambda event, seconds, **_: timed.extend(
+        [(event, seconds)] * event.startswith("/jax/core/compile/")))
     if cache:  # (every program cached, however short its compile)
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -123,34 +123,41 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
     harness.machine()  # (before the host fills: see `harness.machine`)
     row: dict[str, Any] = {"mode": name, "shape": shape.name, "params": shape.params,
                            "seq": seq, "batch": batch, "micro_batches": micro,
-                           "tokens_per_step": micro * batch * seq,
+                           "tokens_per_step": micro * batch * seq, "beside": beside,
                            "backend": "tpu v5e (compile only)" if plan else jax.default_backend()}
     start, grad_step = harness.trainer(shape, name)
-    step, abstract, took = compile_ahead(start, grad_step, shape, micro,
-                                         v5e() if plan else jax.devices()[0])
-    row.update(took, cache_after_compile=dict(events))
-    print(json.dumps({**row, "phase": "compiled"}), flush=True)
-    if plan:  # (and what the process holds without the executable)
-        del step
-        trim()
-        return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
-                              resident_without_executable=harness.resident())
-    on = abstract[2].sharding
-    row["fill_gbps"] = fill_gbps(abstract)
+    on = NamedSharding(Mesh([v5e() if plan else jax.devices()[0]], ("_",)), P())
+    if beside:  # (the fill rate first)
+        row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
     began = time.perf_counter()
-    # (every array with the sharding `filter_eval_shape` gave it: the compiled step's)
-    model, state = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
-    model, state = jax.block_until_ready((model, state))
-    row.update(startup_s=time.perf_counter() - began, stored=harness.bytes_by_kind((model, state)),
-               resident_after_startup=harness.resident(), cache_after_startup=dict(events))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = pool.submit(compile_ahead, start, grad_step, shape, micro, on)
+        if not beside:
+            step, abstract, took = compiling.result()
+            ahead_s = time.perf_counter() - began
+            row.update(took, cache_after_compile=dict(events))
+            print(json.dumps({**row, "phase": "compiled"}), flush=True)
+            if plan:  # (and what the process holds without the executable)
+                del step, compiling
+                trim()
+                return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
+                                      resident_without_executable=harness.resident())
+            row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
+        filling = time.perf_counter()
+        # (every array with the sharding `filter_eval_shape` gave it: the compiled step's)
+        model, state = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
+        model, state = jax.block_until_ready((model, state))
+        row.update(startup_s=time.perf_counter() - filling, cache_after_startup=dict(events),
+                   stored=harness.bytes_by_kind((model, state)),
+                   resident_after_startup=harness.resident())
+        step, abstract, took = compiling.result()
+    if beside:  # (the compile's fields, and the cache's events, after both)
+        row.update(took, cache_after_compile=dict(events))
+    row["startup_total_s"] = time.perf_counter() - began if beside else ahead_s + row["startup_s"]
     host_s = row["stored"].get("pinned_host", 0) / 1e9 / row["fill_gbps"]
-    row["startup_over_fill"] = row["startup_s"] / host_s if host_s else None
+    for what in ("startup", "startup_total"):
+        row[f"{what}_over_fill"] = row[f"{what}_s"] / host_s if host_s else None
     tokens = jax.device_put(harness.tokens_of(shape, micro), on)
-    compiles: list[str] = []  # (during the steps: none, the step is compiled)
-
-    def count(event: str, *_: Any, **__: Any) -> None:
-        if event.endswith("backend_compile_duration"):
-            compiles.append(event)
 
     def progress(losses: list[float], times: list[float]) -> None:
         if len(times) == 1:
@@ -159,21 +166,18 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                           "resident": harness.resident()}), flush=True)
 
     progress([], [])
-    seconds = float(os.environ.get("ROW_SECONDS", "inf")) - (time.perf_counter() - STARTED)
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
-        model, state, losses, times = harness.train(
-            step, model, state, tokens, steps, seconds, progress)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
+    left = float(os.environ.get("ROW_SECONDS", "inf")) - (time.perf_counter() - STARTED)
+    before = len(timed)  # (compiles during the steps: none, the step is compiled)
+    model, state, losses, times = harness.train(step, model, state, tokens, steps, left, progress)
     return harness.record(**row, losses=losses, step_s=times, falls=losses[-1] < losses[0],
-                          compiles_in_steps=len(compiles), cache=events,
+                          compiles_in_steps=sum(e.endswith("backend_compile_duration")
+                                                for e, _ in timed[before:]), cache=events,
                           **harness.timing(times, row["tokens_per_step"]))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line's arguments: `mode` (read by `harness.mode_of`), `numbers`
-    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache` and `plan`."""
+    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache`, `plan`, `beside`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode")
     parser.add_argument("numbers", type=int, nargs="+", metavar="WIDTH LAYERS [STEPS SEQ BATCH]")
@@ -181,9 +185,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--file", default="capacity")
     parser.add_argument("--cache", metavar="DIR")
     parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--beside", action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= len(args.numbers) <= 5:
         parser.error("give WIDTH LAYERS, then up to STEPS SEQ BATCH")
+    if args.plan and args.beside:
+        parser.error("--beside makes the model while the step compiles: not with --plan")
     try:
         harness.mode_of(args.mode)  # (an unknown mode fails here, before JAX starts)
     except ValueError as error:
@@ -196,4 +203,4 @@ if __name__ == "__main__":
     width, layers, *rest = args.numbers
     harness.run_row(args.file, {"mode": args.mode, "width": width, "layers": layers},
                     lambda: main(args.mode, width, layers, *rest, micro=args.micro,
-                                 plan=args.plan, cache=args.cache))
+                                 plan=args.plan, cache=args.cache, beside=args.beside))

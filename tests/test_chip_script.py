@@ -102,12 +102,16 @@ def test_the_capacity_start_up_and_host_memory_calls_run_at_a_small_size(
 
 def test_a_second_run_with_the_cache_compiles_nothing(tmp_path: pathlib.Path) -> None:
     """Call 14: the same row twice with `--cache`: the second run's compiles (the step's,
-    ahead of the start-up, and the start-up's) are all hits of the first's entries; each
-    run measures the fill rate and its start-up over it."""
+    beside the start-up, and the start-up's) are all hits of the first's entries; each
+    run measures the fill rate and its start-up over it, the fill alone and in all
+    (tracing and compiles: in sequence in the first run, beside the fill in the second)."""
     first, second = _next("14", tmp_path)
+    assert (first["beside"], second["beside"]) == (False, True)
     for row in (first, second):
         assert "error" not in row and len(row["losses"]) == 3, row
         assert row["fill_gbps"] > 0 and row["startup_over_fill"] > 0
+        assert row["startup_total_s"] > row["startup_s"] and row["compiles_in_steps"] == 0
+        assert row["startup_total_over_fill"] > row["startup_over_fill"]
     assert first["cache"]["cache_misses"] > 0 and "cache_hits" not in first["cache"]
     assert "cache_misses" not in second["cache"], second["cache"]
     assert second["cache_after_compile"]["cache_hits"] > 0

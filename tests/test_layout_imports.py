@@ -1,6 +1,7 @@
 """The package's layers import in one direction only: each subpackage imports from the
 ones before it in `LAYERS`, never from one after it (docs/architecture.md draws the map).
-Read from the source, imports inside functions included."""
+Read from the source, imports inside functions included. The scripts of `bench/` import
+the public API only."""
 
 import ast
 import pathlib
@@ -109,3 +110,29 @@ def test_no_test_file_imports_another(tmp_path: pathlib.Path) -> None:
     assert _test_imports(pathlib.Path(__file__).resolve().parent) == []
     (tmp_path / "test_a.py").write_text("from test_b import x\n")
     assert _test_imports(tmp_path) == ["test_a.py:1 test_b"]
+
+
+def _private_imports(folder: pathlib.Path) -> list[str]:
+    """`file:line module` for every import of a private module or name of the package
+    (a part that starts with `_`) by a script of `folder`, its dated `results/` aside."""
+    found = []
+    for path in sorted(p for p in folder.rglob("*.py")
+                       if "results" not in p.relative_to(folder).parts):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(folder)}:{node.lineno} {name}" for name in names
+                      if name.split(".")[0] == "eqx_offload"
+                      and any(p.startswith("_") for p in name.split(".")[1:])]
+    return found
+
+
+def test_no_bench_script_imports_a_private_module(tmp_path: pathlib.Path) -> None:
+    """`bench/` runs on the public API only (its dated `results/` folders aside)."""
+    assert _private_imports(PACKAGE.parent / "bench") == []
+    (tmp_path / "a.py").write_text("import eqx_offload\nfrom eqx_offload._models.make import f\n")
+    assert _private_imports(tmp_path) == ["a.py:2 eqx_offload._models.make.f"]

@@ -6,11 +6,9 @@
 #   SIZE=small bash bench/tpu/next.sh all   # every row at a size the CPU runs (the tests)
 #   DRY=1 bash bench/tpu/next.sh all        # print each row (script and arguments), run none
 #
-# No row can run the host out of memory: each row is stopped (and reported in
-# stopped.jsonl, with the row's last progress line) when the memory left falls under
-# FLOOR_GIB (default 3): the least of the host's MemAvailable, the cgroup's limit less its
-# use, and the machine's RAM_GIB (default 40, what the device machine is lent) less the
-# resident memory of every process of this user (the TPU runtime holds ~14 GB resident).
+# A row is stopped (reported in stopped.jsonl with its last progress line) when the memory
+# left falls under FLOOR_GIB (default 3): the least of MemAvailable, the cgroup's limit less
+# its use, and RAM_GIB (default 40, the device machine's) less this user's resident memory.
 set -u
 cd "$(dirname "$0")/../.."
 CALL=${1:-1}
@@ -19,8 +17,7 @@ export OUT
 FLOOR_GIB=${FLOOR_GIB:-3}
 RAM_GIB=${RAM_GIB:-40}
 if [ "${SIZE:-}" = small ]; then
-  # Every row's script, at a size the CPU runs in seconds: width 128, 2 layers,
-  # sequence 32, batch 2 (4 layers where a row tests a larger model).
+  # Every row at a size the CPU runs in seconds: width 128, 2 layers (4: a larger model), 32x2
   W=128; L8=2; LBIG=4; SEQB="32 2"; STEPS=2; MIB=16; T=300
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 else
@@ -80,8 +77,7 @@ call1() {  # the update in the backward pass against the normal step, 542M, 4k t
   row $T $R +activations $W $L8 $STEPS $SEQB $TP
   row $T $R +activations-backward $W $L8 $STEPS $SEQB $TP
 }
-# The capacity rows' sizes: the next depth past what trained on 2026-12-06 (fp32 and bf16
-# state: bench/results/tpu-v5e-2026-12-06b/), and 8-bit state at 44 layers (2.39B).
+# Capacity: the depth past 2026-12-06b's largest (fp32, bf16 state); 8-bit at 44 layers (2.39B)
 call3() {  # capacity with everything in host memory: 20 steps each
   local l2=40 l4=26 t=$((T + 90))
   [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
@@ -105,15 +101,13 @@ call4() {  # start-up: new pinned memory by route
     row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
   done
 }
-call9() {  # fp32 master + 8-bit moments stored once in host memory, 3.52B (66 layers, 20.72
-  # GB there), the layer inputs in host memory (1.11 GB more), then on the device (0.13 GB)
+call9() {  # 3.52B stored once (fp32 master, 8-bit moments; 66 layers): inputs on host, then not
   local l=66
   [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-int8state-backward $W $l 20 $SEQB
   row $((T + 95)) $R +params-once-int8state-backward $W $l 20 $SEQB
 }
-call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers; 12 bytes a block
-  # parameter, 21.40 GB stored; it trained on 2026-12-06c, compiled after its start-up)
+call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers, 21.40 GB stored)
   local l=33
   [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-backward $W $l 20 $SEQB
@@ -137,12 +131,12 @@ call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in backwa
   for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
 }
-call14() {  # call 9's second row twice, 3 steps, with JAX's persistent compilation cache
+call14() {  # call 9's second row twice, 3 steps, JAX's compilation cache; the second --beside
   local l=66 c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"
   row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"  # (cold)
-  row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"
+  row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c" --beside
 }
 call15() {  # 64k tokens per optimizer step (16 micro-batches), each mode against plain
   for m in fp32 state state-int8state state-bf16state state-backward; do

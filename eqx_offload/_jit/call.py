@@ -80,10 +80,10 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation
                  abstract: bool = False, name: str = "fun",
                  flat: Optional[tuple[list[Any], Any]] = None) -> Call:
     """The call's arguments, flattened once (or `flat`, their `jtu.tree_flatten`).
-    With `abstract` (`gpu_plan`), a `jax.ShapeDtypeStruct` leaf stands for an array
-    too: the step is traced and compiled for it, and nothing is allocated (a caller
-    checks it has a sharding). The leaves of keyword argument `FUN` (the jitted
-    function's own arrays, `filter_jit(model)`) are traced and never donated."""
+    With `abstract` (`lower`, `lower_for`), a `jax.ShapeDtypeStruct` leaf stands for an
+    array too: the step is traced and compiled for it, and nothing is allocated. The
+    leaves of keyword argument `FUN` (the jitted function's own arrays,
+    `filter_jit(model)`) are traced and never donated."""
     all_leaves, treedef = flat if flat is not None else jtu.tree_flatten((args, kwargs))
     is_array = tuple(
         eqx.is_array(x) or (abstract and isinstance(x, jax.ShapeDtypeStruct)) for x in all_leaves)
@@ -92,8 +92,7 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], donate: Donation
         start = len(jtu.tree_leaves(args))
         for i in range(start, start + len(jtu.tree_leaves(kwargs[FUN]))):
             flags[i] = False
-    if not abstract:
-        _check_not_deleted(all_leaves, args, kwargs, donate, name)
+    _check_not_deleted(all_leaves, args, kwargs, donate, name)
     leaves = [x for x, a in zip(all_leaves, is_array, strict=True) if a]
     donated = [i for i, d in enumerate(d for d, a in zip(flags, is_array, strict=True) if a) if d]
     shared = _unshare(leaves, donated) if donated else {}

@@ -152,7 +152,8 @@ class _FilterJit(AsMethod, Generic[_P, _T]):
         # (The arguments reach `flatten_call` from here and from `_run`, where they are
         # typed as what they are, not as `_P.args`: pytype cannot record a call trace
         # with `ParamSpecArgs`.)
-        return flatten_call(args, self._with_fun(kwargs), self._donate, name=self._name)
+        return flatten_call(args, self._with_fun(kwargs), self._donate, abstract=True,
+                            name=self._name)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         out: _T = self._run(args, kwargs)
@@ -186,7 +187,12 @@ class _FilterJit(AsMethod, Generic[_P, _T]):
         """Lowers the function for these arguments without running it (ahead-of-time
         compilation). `.compile()` on the result gives a callable `Compiled` with
         `memory_analysis()`, `cost_analysis()` and `as_text()`. The function's call
-        cache is not touched."""
+        cache is not touched. As in `jax.jit(f).lower`, a `jax.ShapeDtypeStruct`
+        stands for an array of its shape, dtype and sharding: a step can be compiled
+        from `eqx_offload.checkpoint.filter_eval_shape` of the model and state, before
+        (or while) `filter_make` makes them. (A spec in host memory on one device
+        needs the sharding `filter_eval_shape` gives it, over a one-device mesh: JAX
+        traces one of a `SingleDeviceSharding` as device memory.)"""
         return self._lower(self._flatten(args, kwargs))
 
     def export(self, platforms: Optional[Sequence[str]] = None) -> Callable[..., Any]:

@@ -133,7 +133,8 @@ class Program:
     kind: str
     indices: tuple[int, ...]
     layers: int = 1
-    planned: Any = None  # what a plan compiles in its place (the buffers: one program)
+    planned: Any = None  # what a plan compiles in its place (the buffers: one program;
+    # a whole group: without the placement on this machine's device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,8 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     by_layer = {i: n for i, n in stacked.items() if full[i].ndim >= 3 or (
         full[i].ndim == 2 and full[i].dtype.itemsize >= 4)}
     whole = [i for i, x in enumerate(full) if is_abstract(x) and i not in by_layer]
-    programs = [Program(f"leaves {g}", _whole_program(fun, static, g), "whole", tuple(g))
+    programs = [Program(f"leaves {g}", _whole_program(fun, static, g, [full[i] for i in g]),
+                        "whole", tuple(g), planned=_whole_program(fun, static, g))
                 for g in _groups(whole, full, group_bytes)]
     for n in sorted(set(by_layer.values())):
         indices = tuple(i for i, m in by_layer.items() if m == n)
@@ -223,11 +225,20 @@ def _layered(fun: Callable[..., _T]) -> Callable[..., _T]:
     return one_layer
 
 
-def _whole_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]) -> Any:
+def _whole_program(fun: Callable[..., Any], static: Any, indices: Sequence[int],
+                   likes: Optional[Sequence[Any]] = None) -> Any:
+    """The program that makes the leaves at `indices` whole. With `likes` (their
+    `filter_eval_shape` leaves), each one-device host leaf is placed with its sharding
+    there (a one-device mesh, which a step compiled from it expects; a `filter_jit`
+    output would have its device's); without (a plan, for another device), as it is."""
     def whole(layer: jax.Array, dynamic: Any) -> list[Any]:
         del layer  # (an argument for every program: it names the device to plan on)
         args, kwargs = eqx.combine(dynamic, static)
-        return _flat_call(fun, indices, None, args, kwargs)
+        made = _flat_call(fun, indices, None, args, kwargs)
+        if likes is None:
+            return made
+        return [_placed(x, like) if _on_host(like) and len(like.sharding.device_set) == 1
+                else x for x, like in zip(made, likes, strict=True)]
     return filter_jit(whole)
 
 

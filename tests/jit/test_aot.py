@@ -43,6 +43,26 @@ def test_lower_compile_call_equals_the_call() -> None:
     assert mu.sharding.memory_kind == "pinned_host"
 
 
+def test_lower_from_shape_dtype_structs_takes_the_arrays() -> None:
+    """`lower` from `jax.ShapeDtypeStruct`s (as `jax.jit(f).lower`): a spec stands for
+    an array of its shape, dtype and sharding (a host one over a one-device mesh, as
+    `filter_eval_shape` gives it, is traced in host memory), and the executable takes
+    the arrays themselves with the call's result."""
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("_",))
+    host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind="pinned_host")
+    w = jax.device_put(jnp.arange(16.0).reshape(4, 4), host)
+    x = jax.device_put(jnp.ones(4), jax.devices()[0])
+
+    def forward(w: jax.Array, x: jax.Array) -> jax.Array:
+        return eqx_offload.to_device(w) @ x
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in (w, x)]
+    lowered = eqx_offload.filter_jit(forward).lower(*specs)
+    assert [a.memory_space for a in lowered.jaxpr.in_avals] == [
+        jax.memory.Space.Host, jax.memory.Space.Device]
+    assert_tree_equal(lowered.compile()(w, x), eqx_offload.filter_jit(forward)(w, x))
+
+
 def test_user_function_traced_once_per_compilation() -> None:
     """The step runs once per compilation (so do `offloaded`'s update path and its `where`
     resolution); `.lower(...).compile()` does not fill the call's cache, and its executable

@@ -161,19 +161,23 @@ def test_trains_after_filter_make() -> None:
     assert new_state.inner_state.master.blocks.mlp.up.weight.sharding.memory_kind == "pinned_host"
 
 
-def test_made_arrays_are_what_filter_eval_shape_says_and_a_compiled_step_takes() -> None:
+@pytest.mark.parametrize("mesh", [True, False])
+def test_made_arrays_are_what_filter_eval_shape_says_and_a_compiled_step_takes(
+        mesh: bool) -> None:
     """Every leaf made with the sharding and memory kind `filter_eval_shape` gives it (a
-    key over a one-device mesh: the stacked leaves' buffers too), so a step compiled
-    ahead of time from the abstract model and state takes the made arrays as they are."""
+    key over a one-device mesh: the stacked leaves' buffers too; a key on the default
+    device: the host leaves made whole too), so a step compiled ahead of time from the
+    abstract model and state takes the made arrays as they are."""
     on = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("_",)),
                                     jax.sharding.PartitionSpec())
-    key = jax.device_put(jax.random.key(0), on)
+    key = jax.device_put(jax.random.key(0), on) if mesh else jax.random.key(0)
     abstract = eqx_offload.checkpoint.filter_eval_shape(_master, key)
     made = eqx_offload.filter_make(_master, key)
     assert [x.sharding for x in jax.tree.leaves(made)] == [
         a.sharding for a in jax.tree.leaves(abstract)]
     assert "pinned_host" in memory_kinds(made).values()
-    tokens = jax.device_put(jnp.zeros((2, SHAPE.seq + 1), jnp.int32), on)
+    tokens = jnp.zeros((2, SHAPE.seq + 1), jnp.int32)
+    tokens = jax.device_put(tokens, on) if mesh else tokens
     from llama import llama_loss
 
     @eqx_offload.filter_jit(donate="all")
@@ -181,7 +185,7 @@ def test_made_arrays_are_what_filter_eval_shape_says_and_a_compiled_step_takes()
         grads = eqx.filter_grad(llama_loss)(model, tokens)
         return eqx_offload.master_weights(ADAMW).update(grads, state, model)
 
-    compiled = step.lower_for(("cpu",), abstract, {}).compile()
+    compiled = step.lower(*abstract).compile()
     new = compiled(*made)  # (a leaf of another sharding: a `SignatureError`)
     assert [x.sharding for x in jax.tree.leaves(new)] == [
         a.sharding for a in jax.tree.leaves(abstract)]
