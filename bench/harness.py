@@ -261,12 +261,9 @@ def train(step: Any, model: Any, state: Any, tokens: jax.Array, steps: int,
           progress: Optional[Callable[[list[float], list[float]], None]] = None
           ) -> tuple[Any, Any, list[float], list[float]]:
     """Up to `steps` calls of `step` (`step_of`) on `tokens`: the model, the state, the
-    losses and each step's seconds. It stops before a step would end past `seconds`
-    from now (a row then reports the steps it ran); `progress(losses, times)` after
-    each step."""
-    began = time.perf_counter()
-    losses: list[float] = []
-    times: list[float] = []
+    losses and each step's seconds, stopped before a step would end past `seconds` from
+    now (a row reports the steps it ran); `progress(losses, times)` after each step."""
+    began, losses, times = time.perf_counter(), list[float](), list[float]()
     for _ in range(steps):
         start = time.perf_counter()
         model, state, loss = step(model, state, tokens)

@@ -2,24 +2,22 @@
 where each array lives (`eqx_offload.filter_make`) and trained on one batch of random
 tokens. One process per row (the device's peak cannot be reset within one):
 
-    python bench/train.py MODE WIDTH LAYERS [STEPS] [SEQ] [BATCH] [--micro K] [--file NAME]
+    python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] [--micro K] [--file NAME]
         [--cache DIR] [--beside]
     JAX_PLATFORMS=cpu python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] --plan
 
 STEPS (default 20) optimizer steps at sequence SEQ (1024) and batch BATCH (4); with
 `--micro K`, each sums the gradients of K micro-batches in a scan and updates once.
-The step is compiled from abstract arguments before the model and state are made (the
-compiler's memory apart from theirs); with `--beside`, in a thread while `filter_make`
-makes them (docs/startup.md). Prints a progress line a step and one JSON record
-(`harness.record`, appended to $OUT/NAME.jsonl when OUT is set; NAME defaults to
-`capacity`): seconds (the compile, `filter_make`'s `startup_s`, `startup_total_s` from
-before tracing to the model made and the step compiled, each step), tokens a second, the
-losses, the bytes stored by memory kind, XLA's memory analysis, the resident memory
-before and after the compile, the start-up and the first step, `fill_gbps` and each
-start-up over what the host bytes take at that rate (`startup_over_fill`,
-`startup_total_over_fill`). `--cache DIR`: JAX's persistent compilation cache there,
-every program cached (`cache`: its events). `--plan` compiles for a TPU v5e without one
-(libtpu) and stops. Steps stop before they would pass ROW_SECONDS (next.sh's)."""
+The step is traced from abstract arguments, then compiled before the model and state are
+made (the compiler's memory apart); with `--beside`, while `filter_make` makes them
+(docs/startup.md). Prints a line a step and one JSON record (`harness.record`, appended
+to $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): seconds (compile,
+`filter_make`'s `startup_s`, `startup_total_s` from tracing to the model made and the
+step compiled, each step), tokens a second, losses, bytes stored by memory kind, XLA's
+memory analysis, resident memory (around the compile, start-up and first step),
+`fill_gbps` and each start-up over the host bytes at that rate (`*_over_fill`).
+`--cache DIR`: JAX's persistent compilation cache, every program cached (`cache`: its
+events). `--plan` compiles for a v5e deviceless and stops. Steps end by ROW_SECONDS."""
 
 import argparse
 import collections
@@ -51,13 +49,12 @@ TPU_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "local
            "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
-def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
-                  on: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """The donated step compiled for the device of `on` (a one-device mesh: an abstract
+def lower_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
+                on: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The donated step lowered for the device of `on` (a one-device mesh: an abstract
     `pinned_host` array of a `SingleDeviceSharding` traces as device memory) from
-    `filter_eval_shape` of `start` and the tokens' shape, allocating nothing. Returns it,
-    its abstract `(model, state, tokens)` and what it took: seconds, resident memory
-    before, at the peak and after (again after `trim`), and XLA's memory analysis."""
+    `filter_eval_shape` of `start`, allocating nothing; its abstract `(model, state,
+    tokens)`; and what it took (`lower_s`, resident memory)."""
     (device,) = on.device_set
     key, tokens = jax.eval_shape(lambda: (jax.random.key(0), harness.tokens_of(shape, micro)))
     model, state = eqx_offload.checkpoint.filter_eval_shape(
@@ -67,30 +64,36 @@ def compile_ahead(start: Any, grad_step: Any, shape: Any, micro: int,
     began = time.perf_counter()
     lowered = harness.step_of(grad_step, micro).lower_for((device.platform,), abstract, {})
     took.update(lower_s=time.perf_counter() - began, resident_after_lower=harness.resident())
+    return lowered, abstract, took
+
+
+def compile_lowered(lowered: Any, took: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """`lowered` compiled, and `took` with its seconds, resident memory (after, at the peak,
+    after `trim`) and XLA's memory analysis."""
     began = time.perf_counter()
     compiled = lowered.compile()
-    del lowered
-    took.update(compile_s=time.perf_counter() - began, resident_after_compile=harness.resident(),
-                resident_peak_compile=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    took = {**took, "compile_s": time.perf_counter() - began, "resident_after_compile":
+            harness.resident(), "resident_peak_compile": resource.getrusage(0).ru_maxrss << 10}
     trim()
     analysis = compiled.memory_analysis()
-    took.update(resident_after_trim=harness.resident(),
-                compiled={f: getattr(analysis, f, None) for f in ANALYSIS})
-    return compiled, abstract, took
+    return compiled, {**took, "resident_after_trim": harness.resident(),
+                      "compiled": {f: getattr(analysis, f, None) for f in ANALYSIS}}
 
 
-def fill_gbps(nbytes: int, on: Any, timed: list[tuple[str, float]]) -> float:
-    """GB/s at which `filter_make` makes new `pinned_host` memory: a stacked leaf of 8
-    float32 layers, `nbytes` (at most 1 GiB; a row passes its fp32 bytes, the same in
-    every run) made by its route (host zeros, each layer then written in), less its
-    tracing and compiles (`timed`: JAX's events, as `main` records them). Freed after."""
+def fill_gbps(nbytes: int, on: Any, timed: list[tuple[str, float, float]]) -> float:
+    """GB/s at which `filter_make` makes new `pinned_host` memory (run first; freed after):
+    8 stacked float32 layers, `nbytes` (at most 1 GiB), less the time its tracing and
+    compiles cover (`timed`: `(event, end, seconds)`; nested events once)."""
     rows = max(min(nbytes, 1 << 30) // 32, 1)
     made = lambda keys: eqx_offload.to_host(eqx_offload.stack_layers(  # noqa: E731
         lambda _: jnp.zeros((rows,), jnp.float32), keys))
     keys = jax.device_put(jax.random.split(jax.random.key(0), 8), on)
     before, began = len(timed), time.perf_counter()
     jax.block_until_ready(eqx_offload.filter_make(made, keys)).delete()
-    return rows * 32 / 1e9 / (time.perf_counter() - began - sum(s for _, s in timed[before:]))
+    took, covered, reach = time.perf_counter() - began, 0.0, began
+    for first, last in sorted((end - seconds, end) for _, end, seconds in timed[before:]):
+        covered, reach = covered + max(0.0, last - max(first, reach)), max(reach, last)
+    return rows * 32 / 1e9 / (took - covered)
 
 
 def trim() -> None:
@@ -111,9 +114,9 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
          cache: Optional[str] = None, beside: bool = False) -> dict[str, Any]:
     shape = harness.llama_shape(width, layers, seq, batch)
     events: collections.Counter[str] = collections.Counter()  # (the persistent cache's)
-    timed: list[tuple[str, float]] = []  # (JAX's tracing, lowering and compiles)
+    timed: list[tuple[str, float, float]] = []  # (JAX's tracing, lowering and compiles)
     jax.monitoring.register_event_duration_secs_listener(lambda event, seconds, **_: timed.extend(
-        [(event, seconds)] * event.startswith("/jax/core/compile/")))
+        [(event, time.perf_counter(), seconds)] * event.startswith("/jax/core/compile/")))
     if cache:  # (every program cached, however short its compile)
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -127,22 +130,22 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                            "backend": "tpu v5e (compile only)" if plan else jax.default_backend()}
     start, grad_step = harness.trainer(shape, name)
     on = NamedSharding(Mesh([v5e() if plan else jax.devices()[0]], ("_",)), P())
-    if beside:  # (the fill rate first)
+    if not plan:  # (first: new memory, before the compiler's is freed)
         row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
     began = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        compiling = pool.submit(compile_ahead, start, grad_step, shape, micro, on)
+    lowered, abstract, took = lower_ahead(start, grad_step, shape, micro, on)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (tracing holds Python's lock)
+        compiling = pool.submit(compile_lowered, lowered, took)
         if not beside:
-            step, abstract, took = compiling.result()
+            step, took = compiling.result()
             ahead_s = time.perf_counter() - began
             row.update(took, cache_after_compile=dict(events))
             print(json.dumps({**row, "phase": "compiled"}), flush=True)
             if plan:  # (and what the process holds without the executable)
-                del step, compiling
+                del step, compiling, lowered
                 trim()
                 return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
                                       resident_without_executable=harness.resident())
-            row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
         filling = time.perf_counter()
         # (every array with the sharding `filter_eval_shape` gave it: the compiled step's)
         model, state = eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on))
@@ -150,7 +153,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
         row.update(startup_s=time.perf_counter() - filling, cache_after_startup=dict(events),
                    stored=harness.bytes_by_kind((model, state)),
                    resident_after_startup=harness.resident())
-        step, abstract, took = compiling.result()
+        step, took = compiling.result()
     if beside:  # (the compile's fields, and the cache's events, after both)
         row.update(took, cache_after_compile=dict(events))
     row["startup_total_s"] = time.perf_counter() - began if beside else ahead_s + row["startup_s"]
@@ -171,7 +174,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
     model, state, losses, times = harness.train(step, model, state, tokens, steps, left, progress)
     return harness.record(**row, losses=losses, step_s=times, falls=losses[-1] < losses[0],
                           compiles_in_steps=sum(e.endswith("backend_compile_duration")
-                                                for e, _ in timed[before:]), cache=events,
+                                                for e, *_ in timed[before:]), cache=events,
                           **harness.timing(times, row["tokens_per_step"]))
 
 
@@ -184,8 +187,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--file", default="capacity")
     parser.add_argument("--cache", metavar="DIR")
-    parser.add_argument("--plan", action="store_true")
-    parser.add_argument("--beside", action="store_true")
+    for flag in ("--plan", "--beside"):
+        parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= len(args.numbers) <= 5:
         parser.error("give WIDTH LAYERS, then up to STEPS SEQ BATCH")

@@ -63,9 +63,9 @@ def _key(placed: str) -> jax.Array:
 @pytest.mark.parametrize("placed", ["default", "mesh"])
 def test_a_step_compiled_beside_filter_make_takes_its_arrays(placed: str) -> None:
     key, x = _key(placed), jnp.ones((4, 32), jnp.bfloat16)
+    lowered = _step.lower(*eqx_offload.checkpoint.filter_eval_shape(_start, key), x)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        compiling = pool.submit(lambda: _step.lower(
-            *eqx_offload.checkpoint.filter_eval_shape(_start, key), x).compile())
+        compiling = pool.submit(lowered.compile)
         model, state = eqx_offload.filter_make(_start, key)
         compiled = compiling.result()
     assert model.blocks.weight.sharding.memory_kind == "pinned_host"

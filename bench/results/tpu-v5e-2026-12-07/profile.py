@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqx_offload
 
@@ -49,8 +50,9 @@ def main() -> None:
     seq, batch = (rest + [1024, 4][len(rest):])[:2]
     shape = harness.llama_shape(width, layers, seq, batch)
     start, grad_step = harness.trainer(shape, a.mode)
-    step, abstract, took = train.compile_ahead(start, grad_step, shape, a.micro, jax.devices()[0])
-    on = abstract[2].sharding
+    on = NamedSharding(Mesh([jax.devices()[0]], ("_",)), P())  # (train.py's, since 2026-12-07b)
+    lowered, abstract, took = train.lower_ahead(start, grad_step, shape, a.micro, on)
+    step, took = train.compile_lowered(lowered, took)
     model, state = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding, may_alias=True),
                                 eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on)),
                                 abstract[:2])
