@@ -5,9 +5,12 @@ first call (trace, compile, run), the cached call and the eager call (the step n
 jitted).
 
     python scripts/trace_calls.py          # JSON: {"first": {...}, "cached": ..., "eager": ...}
+    python scripts/trace_calls.py --by-file  # and each call's lines per file, top moves
 """
 
+import collections
 import json
+import os
 import pathlib
 import sys
 import types
@@ -17,19 +20,24 @@ from typing import Any, Optional
 PACKAGE = str(pathlib.Path(__file__).resolve().parents[1] / "eqx_offload")
 
 
-def measure(call: Callable[[], Any], package: str = PACKAGE) -> dict[str, int]:
-    """`call()` traced: the lines of `package`'s files it runs, the files and the moves."""
+def measure(call: Callable[[], Any], package: str = PACKAGE,
+            by_file: bool = False) -> dict[str, Any]:
+    """`call()` traced: the lines of `package`'s files it runs, the files and the moves;
+    `by_file`: also the lines per file and the most frequent moves (`file:function`)."""
     lines: set[tuple[str, int]] = set()
-    moves = 0
+    moves: collections.Counter[tuple[str, str]] = collections.Counter()
     last: Optional[str] = None
+    last_at = ""
 
     def local(frame: types.FrameType, event: str, _: Any) -> Any:
-        nonlocal moves, last
+        nonlocal last, last_at
         if event == "line":
             file = frame.f_code.co_filename
             lines.add((file, frame.f_lineno))
-            moves += last is not None and last != file
-            last = file
+            at = f"{file.removeprefix(package + os.sep)}:{frame.f_code.co_name}"
+            if last is not None and last != file:
+                moves[last_at, at] += 1
+            last, last_at = file, at
         return local
 
     def calls(frame: types.FrameType, event: str, _: Any) -> Any:
@@ -40,10 +48,16 @@ def measure(call: Callable[[], Any], package: str = PACKAGE) -> dict[str, int]:
         call()
     finally:
         sys.settrace(None)
-    return {"lines": len(lines), "files": len({f for f, _ in lines}), "moves": moves}
+    counts: dict[str, Any] = {"lines": len(lines), "files": len({f for f, _ in lines}),
+                              "moves": sum(moves.values())}
+    if by_file:
+        per_file = collections.Counter(f.removeprefix(package + os.sep) for f, _ in lines)
+        counts["by_file"] = dict(per_file.most_common())
+        counts["top_moves"] = [f"{n} {a} -> {b}" for (a, b), n in moves.most_common(12)]
+    return counts
 
 
-def main(package: str = PACKAGE) -> dict[str, dict[str, int]]:
+def main(package: str = PACKAGE, by_file: bool = False) -> dict[str, dict[str, Any]]:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -84,11 +98,11 @@ def main(package: str = PACKAGE) -> dict[str, dict[str, int]]:
             result[0] = (model, state)
         return run
 
-    out["first"] = measure(step(fused_step), package)
-    out["cached"] = measure(step(fused_step), package)
-    out["eager"] = measure(step(lambda m, s, x: opt.step(stack_loss, m, s, x)), package)
+    out["first"] = measure(step(fused_step), package, by_file)
+    out["cached"] = measure(step(fused_step), package, by_file)
+    out["eager"] = measure(step(lambda m, s, x: opt.step(stack_loss, m, s, x)), package, by_file)
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main(by_file="--by-file" in sys.argv[1:])))

@@ -1,33 +1,79 @@
 """The one mover, `put` (one `jax.device_put` for a flat list of leaves and their
-targets), and the public movers on it: `to_host`, `to_device`, `filter_shard`. Every
+targets, each leaf's from `destination`), and the public movers on it: `to_host`,
+`to_device`, `filter_shard`. Every
 module that moves arrays between memories goes through `put` (the layout's `fetch` and
 `store`, the streamed and host-compute updates through `move`)."""
 
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.core import Tracer
 
-from .compat import device_put, HOST_OUTPUT_COPY_FAILS
+from .compat import device_put, HOST_OUTPUT_COPY_FAILS, single_device_sharding
 from .errors import nothing_to_move_message, OffloadError, OffloadWarning, OptionError
-from .errors import TreeError
-from .leaves import is_traced, path_to_str
-from .memory import check_host_kind, HOST_MEMORY_KINDS
-from .placement import (
-    default_kind, Destination, destination, is_host, memory_kind_of, space_of,
-    traced_move_error,
-)
+from .errors import TracedMoveError, TreeError
+from .leaves import is_traced, path_to_str, shown
+from .memory import check_devices_offer, check_host_kind, default_device, HOST_MEMORY_KINDS
+from .placement import default_kind, is_host, memory_kind_of
 from .types import HostMemoryKind, Where
 from .where import leaf_mask, warn_if_selects_nothing
 
 
 _T = TypeVar("_T")
 DEVICE = jax.memory.Space.Device
+
+
+# A sharding (eagerly) or a `jax.memory.Space` (traced). The latter is an attribute of
+# a `SimpleNamespace` in JAX, invisible to type checkers, hence the `Any`.
+Destination = Union[jax.sharding.Sharding, Any]
+
+
+def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
+    return TracedMoveError(
+        f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
+        f"{shown(path)} is inside a trace): JAX's traced `device_put` only targets "
+        "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
+        "memory_kind='pinned_host' under `jit`, or call this eagerly."
+    )
+
+
+def space_of(memory_kind: Optional[str]) -> Any:
+    """The `jax.memory.Space` a traced move to `memory_kind` targets (`None`: the
+    device's default memory)."""
+    return jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
+
+
+def destination(
+    leaf: Any, memory_kind: Optional[str], argument: str, path: str
+) -> Optional[Destination]:
+    """Where a move sends `leaf`, or `None` if it is there already.
+
+    `memory_kind=None` means the device's default memory (`to_device`). A concrete leaf
+    keeps its devices and layout (`sharding.with_memory_kind`); a NumPy array goes where
+    JAX would put it; a traced leaf goes to a `jax.memory.Space`."""
+    if isinstance(leaf, Tracer):
+        space = jax.typeof(leaf).memory_space
+        if memory_kind is not None and memory_kind != "pinned_host":
+            raise traced_move_error(memory_kind, argument, path)
+        target = space_of(memory_kind)
+        return None if space == target else target
+    if isinstance(leaf, jax.Array):
+        sharding = leaf.sharding
+        devices = sharding.addressable_devices
+    else:  # a NumPy array: it goes where JAX would put it
+        device = default_device()
+        sharding = single_device_sharding(device)
+        devices = {device}
+    target_kind = memory_kind if memory_kind is not None else default_kind(next(iter(devices)))
+    check_devices_offer(devices, target_kind, argument, path)
+    if isinstance(leaf, jax.Array) and sharding.memory_kind == target_kind:
+        return None
+    return sharding.with_memory_kind(target_kind)
 
 
 def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],

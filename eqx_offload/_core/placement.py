@@ -1,7 +1,8 @@
-"""Where a leaf is, and where it goes: the one module that answers placement questions.
+"""Where a leaf is: the one module that answers placement questions (where a move
+sends a leaf, `destination`, is the mover's own: `move`).
 
 - `memory_kind_of`: the memory kind of a leaf, concrete or traced (PRNG keys included).
-- `destination`: the sharding (eagerly) or memory space (traced) a move sends a leaf to.
+- `packed_vector` / `stacked_packed_vector`: the host arrays a TPU cannot copy a row of.
 - `input_shardings` / `output_shardings`: the concrete shardings, memory kinds
   included, that `filter_jit` compiles for and `abstract_init` restores into.
 - `retype_hosts` / `typed_sharding`: the one workaround for JAX typing some host arrays
@@ -12,16 +13,14 @@ Every other module asks here: `move`, `jit`, `report`, `stream`, `checkpoint` an
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 from jax.core import Tracer
 import numpy as np
 
 from .compat import copy, is_single_device_sharding, single_device_sharding
-from .errors import TracedMoveError
-from .leaves import shown
-from .memory import check_devices_offer, default_device, HOST_MEMORY_KINDS
+from .memory import default_device, HOST_MEMORY_KINDS
 from .types import Device
 
 
@@ -64,11 +63,7 @@ def any_on_host(leaves: Iterable[Any]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------
-# Where a leaf goes
-
-# A sharding (eagerly) or a `jax.memory.Space` (traced). The latter is an attribute of
-# a `SimpleNamespace` in JAX, invisible to type checkers, hence the `Any`.
-Destination = Union[jax.sharding.Sharding, Any]
+# What a TPU cannot copy a row of, and a device's own memory
 
 
 def packed_vector(aval: Any) -> bool:
@@ -86,52 +81,9 @@ def stacked_packed_vector(leaf: Any) -> bool:
     return is_host(leaf) and packed_vector(jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype))
 
 
-def traced_move_error(memory_kind: str, argument: str, path: str) -> TracedMoveError:
-    return TracedMoveError(
-        f"{argument}={memory_kind!r} cannot be reached inside `jax.jit` (leaf "
-        f"{shown(path)} is inside a trace): JAX's traced `device_put` only targets "
-        "`jax.memory.Space.Host`, which is 'pinned_host'. Use "
-        "memory_kind='pinned_host' under `jit`, or call this eagerly."
-    )
-
-
 def default_kind(device: Device) -> str:
     """The memory kind arrays land in on `device` when no kind is asked for."""
     return str(device.default_memory().kind)
-
-
-def space_of(memory_kind: Optional[str]) -> Any:
-    """The `jax.memory.Space` a traced move to `memory_kind` targets (`None`: the
-    device's default memory)."""
-    return jax.memory.Space.Device if memory_kind is None else jax.memory.Space.Host
-
-
-def destination(
-    leaf: Any, memory_kind: Optional[str], argument: str, path: str
-) -> Optional[Destination]:
-    """Where a move sends `leaf`, or `None` if it is there already.
-
-    `memory_kind=None` means the device's default memory (`to_device`). A concrete leaf
-    keeps its devices and layout (`sharding.with_memory_kind`); a NumPy array goes where
-    JAX would put it; a traced leaf goes to a `jax.memory.Space`."""
-    if isinstance(leaf, Tracer):
-        space = jax.typeof(leaf).memory_space
-        if memory_kind is not None and memory_kind != "pinned_host":
-            raise traced_move_error(memory_kind, argument, path)
-        target = space_of(memory_kind)
-        return None if space == target else target
-    if isinstance(leaf, jax.Array):
-        sharding = leaf.sharding
-        devices = sharding.addressable_devices
-    else:  # a NumPy array: it goes where JAX would put it
-        device = default_device()
-        sharding = single_device_sharding(device)
-        devices = {device}
-    target_kind = memory_kind if memory_kind is not None else default_kind(next(iter(devices)))
-    check_devices_offer(devices, target_kind, argument, path)
-    if isinstance(leaf, jax.Array) and sharding.memory_kind == target_kind:
-        return None
-    return sharding.with_memory_kind(target_kind)
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
+from jax.extend.core import jaxpr_as_fun
 from jax.experimental.layout import Layout, with_layout_constraint  # pytype: disable=import-error  # (no stub of it)
 
 from .._core.errors import (
@@ -229,9 +230,10 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
                     f"{hook.calls} times on those layers.\nSee {DOCS}.")
             return value
 
-        _check_layers_only_scanned(jax.make_jaxpr(differentiated)(rest, block, channel),
-                                   len(jtu.tree_leaves(rest)), len(block))
-        value, vjp = eqx.filter_vjp(differentiated, rest, block, channel)
+        # The loss traced once: checked, then differentiated as traced.
+        traced = jax.make_jaxpr(differentiated)(rest, block, channel)
+        _check_layers_only_scanned(traced, len(jtu.tree_leaves(rest)), len(block))
+        value, vjp = eqx.filter_vjp(functools.partial(_replayed, traced), rest, block, channel)
         g_rest, new_block, new_channel = vjp(jnp.ones_like(value))
         if acc is not None:
             g_rest = [None if g is None else a + g for a, g in zip(acc, g_rest, strict=True)]
@@ -296,6 +298,11 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
             continue
         return str(name)
     return None
+
+
+def _replayed(traced: Any, rest: list[Any], block: list[Any], channel: list[Any]) -> Any:
+    """The loss's value from its traced program `traced` (the step's `differentiated`)."""
+    return jaxpr_as_fun(traced)(*jtu.tree_leaves((rest, block, channel)))[0]
 
 
 def _literal(v: Any) -> bool:

@@ -23,8 +23,8 @@ import optax
 from .._core.errors import OptionError
 from .._core.inner import as_transformation
 from .._core.leaves import is_none, is_traced
-from .._core.move import move, put, to_host
-from .._core.placement import destination, is_host, memory_kind_of
+from .._core.move import destination, move, put, to_host
+from .._core.placement import is_host, memory_kind_of
 from .._core.types import HostMemoryKind, Where
 from .._optim.offloaded import offloaded
 from .remat import Policy

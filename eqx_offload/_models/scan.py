@@ -140,10 +140,10 @@ def scan_layers(
     if not isinstance(prefetch, bool):
         raise OptionError(f"scan_layers(prefetch={prefetch!r}): pass True or False.")
     dynamic, static = eqx.partition(layers, eqx.is_array)
-    _check_stacked(dynamic)
     hook = hook_for(jtu.tree_leaves(dynamic))
     save_input = _offload_input if offload_input else None
     if hook is not None:  # inside `update_in_backward(...).step`, on the layers it updates
+        # (stacked: `update_in_backward` checked these very leaves, `_check_stacked` below)
         if policy is not None or accumulate is not None:
             raise OptionError(
                 "scan_layers: pass policy=None and accumulate=None inside "
@@ -153,6 +153,7 @@ def scan_layers(
         hooked: _C = update_scan(_fetch_packed_vectors(dynamic), static, x, call, hook,
                                  save_input, unroll, _BATCHED_UPDATE)
         return hooked
+    _check_stacked(dynamic)
     dynamic = _fetch_packed_vectors(dynamic)
     if accumulate is not None:
         acc = _check_accumulate(dynamic, accumulate, policy)

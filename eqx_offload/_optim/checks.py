@@ -74,8 +74,6 @@ def check_new_state(inner: Any, state: Any, updates: Any, params: Any,
 
 def _accept_or_raise(inner: Any, state: Any, difference: StateError,
                      arguments: tuple[Any, ...], made_from: tuple[Any, Any]) -> None:
-    if not isinstance(state, OffloadedState):
-        raise difference
     try:
         new_state = eval_shape(functools.partial(_updated_state, inner), arguments)
     except Exception as error:  # any failure of the user's optimizer on this state
@@ -128,14 +126,14 @@ def check_is_offloaded(state: Any) -> None:
 
 
 def check_state(state: Any, expected: Any) -> None:
-    """Raise a `StateError` unless `state` is an `OffloadedState` whose inner state has
-    the structure and shapes of `expected` (the abstract state `inner.init` makes).
+    """Raise a `StateError` unless the inner state of `state` (an `OffloadedState`:
+    `update` checked that first, `check_is_offloaded`) has the structure and shapes of
+    `expected` (the abstract state `inner.init` makes).
 
     Shapes only: a dtype may legitimately change after `init` (optax's
     `inject_hyperparams(adam)` promotes a bfloat16 moment to float32 when the params mix
     dtypes) or differ from the updates' (mixed precision); and a state may hold Python
     scalars, whose shape is `()`."""
-    check_is_offloaded(state)
     found = structure_divergence(expected, state.inner_state)
     if found is not None:
         path, what = found
