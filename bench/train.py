@@ -3,21 +3,23 @@ where each array lives (`eqx_offload.filter_make`) and trained on one batch of r
 tokens. One process per row (the device's peak cannot be reset within one):
 
     python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] [--micro K] [--file NAME]
-        [--cache DIR] [--beside]
+        [--cache DIR] [--beside | --compile-first]
     JAX_PLATFORMS=cpu python bench/train.py MODE WIDTH LAYERS [STEPS SEQ BATCH] --plan
 
 STEPS (default 20) optimizer steps at sequence SEQ (1024) and batch BATCH (4); with
 `--micro K`, each sums the gradients of K micro-batches in a scan and updates once.
 The step is traced from abstract arguments, then compiled before the model and state are
-made (the compiler's memory apart); with `--beside`, while `filter_make` makes them
-(docs/startup.md). Prints a line a step and one JSON record (`harness.record`, appended
-to $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): seconds (compile,
-`filter_make`'s `startup_s`, `startup_total_s` from tracing to the model made and the
-step compiled, each step), tokens a second, losses, bytes stored by memory kind, XLA's
-memory analysis, resident memory (around the compile, start-up and first step),
+made (the compiler's memory apart); with `--beside`, while `filter_make` makes them; with
+`--compile-first`, by a process run first (`--compile-only`: compiles into the `--cache`,
+exits), which this one reads. Prints a line a step and one JSON record (`harness.record`,
+appended to $OUT/NAME.jsonl when OUT is set; NAME defaults to `capacity`): seconds
+(compile, `filter_make`'s `startup_s`, `startup_total_s` from tracing to the model made
+and the step compiled, each step), tokens a second, losses, bytes stored by memory kind,
+XLA's memory analysis, resident memory (around the compile, start-up and first step),
 `fill_gbps` and each start-up over the host bytes at that rate (`*_over_fill`).
 `--cache DIR`: JAX's persistent compilation cache, every program cached (`cache`: its
-events). `--plan` compiles for a v5e deviceless and stops. Steps end by ROW_SECONDS."""
+events; `compile_first_s`: the first process's seconds, in `startup_total_s`). `--plan`
+compiles for a v5e deviceless and stops. Steps end by ROW_SECONDS."""
 
 import argparse
 import collections
@@ -27,6 +29,7 @@ import gc
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from typing import Any, Optional
@@ -110,8 +113,11 @@ def v5e() -> Any:
 
 
 def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
-         batch: int = 4, micro: int = 1, plan: bool = False,
-         cache: Optional[str] = None, beside: bool = False) -> dict[str, Any]:
+         batch: int = 4, micro: int = 1, plan: bool = False, cache: Optional[str] = None,
+         beside: bool = False, first: Optional[list[str]] = None) -> dict[str, Any]:
+    began = time.perf_counter()  # (the compiling process first: before this one's runtime)
+    _ = subprocess.run(first, check=True) if first else None
+    first_s = time.perf_counter() - began if first else 0.0
     shape = harness.llama_shape(width, layers, seq, batch)
     events: collections.Counter[str] = collections.Counter()  # (the persistent cache's)
     timed: list[tuple[str, float, float]] = []  # (JAX's tracing, lowering and compiles)
@@ -130,7 +136,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                            "backend": "tpu v5e (compile only)" if plan else jax.default_backend()}
     start, grad_step = harness.trainer(shape, name)
     on = NamedSharding(Mesh([v5e() if plan else jax.devices()[0]], ("_",)), P())
-    if not plan:  # (first: new memory, before the compiler's is freed)
+    if not (plan or first == []):  # (first: new memory, before the compiler's is freed)
         row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
     began = time.perf_counter()
     lowered, abstract, took = lower_ahead(start, grad_step, shape, micro, on)
@@ -141,7 +147,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
             ahead_s = time.perf_counter() - began
             row.update(took, cache_after_compile=dict(events))
             print(json.dumps({**row, "phase": "compiled"}), flush=True)
-            if plan:  # (and what the process holds without the executable)
+            if plan or first == []:  # (and what the process holds without the executable)
                 del step, compiling, lowered
                 trim()
                 return harness.record(**row, stored=harness.bytes_by_kind(abstract[:2]),
@@ -156,7 +162,8 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
         step, took = compiling.result()
     if beside:  # (the compile's fields, and the cache's events, after both)
         row.update(took, cache_after_compile=dict(events))
-    row["startup_total_s"] = time.perf_counter() - began if beside else ahead_s + row["startup_s"]
+    row.update(compile_first_s=first_s, startup_total_s=first_s + (
+        time.perf_counter() - began if beside else ahead_s + row["startup_s"]))
     host_s = row["stored"].get("pinned_host", 0) / 1e9 / row["fill_gbps"]
     for what in ("startup", "startup_total"):
         row[f"{what}_over_fill"] = row[f"{what}_s"] / host_s if host_s else None
@@ -180,20 +187,22 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line's arguments: `mode` (read by `harness.mode_of`), `numbers`
-    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache`, `plan`, `beside`."""
+    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache` and the flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode")
     parser.add_argument("numbers", type=int, nargs="+", metavar="WIDTH LAYERS [STEPS SEQ BATCH]")
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--file", default="capacity")
     parser.add_argument("--cache", metavar="DIR")
-    for flag in ("--plan", "--beside"):
+    for flag in ("--plan", "--beside", "--compile-first", "--compile-only"):
         parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
     if not 2 <= len(args.numbers) <= 5:
         parser.error("give WIDTH LAYERS, then up to STEPS SEQ BATCH")
     if args.plan and args.beside:
         parser.error("--beside makes the model while the step compiles: not with --plan")
+    if (args.compile_first or args.compile_only) and not args.cache:
+        parser.error("--compile-first and --compile-only compile into a cache: add --cache DIR")
     try:
         harness.mode_of(args.mode)  # (an unknown mode fails here, before JAX starts)
     except ValueError as error:
@@ -204,6 +213,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse(sys.argv[1:])
     width, layers, *rest = args.numbers
+    first = [sys.executable, *(a for a in sys.argv if a != "--compile-first"),
+             "--compile-only", "--file", "compiled"]
     harness.run_row(args.file, {"mode": args.mode, "width": width, "layers": layers},
                     lambda: main(args.mode, width, layers, *rest, micro=args.micro,
-                                 plan=args.plan, cache=args.cache, beside=args.beside))
+                                 plan=args.plan, cache=args.cache, beside=args.beside,
+                                 first=first if args.compile_first else
+                                 [] if args.compile_only else None))

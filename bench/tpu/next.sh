@@ -77,29 +77,10 @@ call1() {  # the update in the backward pass against the normal step, 542M, 4k t
   row $T $R +activations $W $L8 $STEPS $SEQB $TP
   row $T $R +activations-backward $W $L8 $STEPS $SEQB $TP
 }
-# Capacity: the depth past 2026-12-06b's largest (fp32, bf16 state); 8-bit at 44 layers (2.39B)
-call3() {  # capacity with everything in host memory: 20 steps each
-  local l2=40 l4=26 t=$((T + 90))
-  [ "${SIZE:-}" = small ] && { l2=2; l4=2; t=$T; }
-  row $t $R +activations-bf16state-backward $W $l2 20 $SEQB
-  row $t $R +activations-backward $W $l4 20 $SEQB
-}
-call5() {  # 8-bit state: a capacity row, and 542M's step on the normal step and in backward
-  local l8=44
-  [ "${SIZE:-}" = small ] && l8=2
-  row $((T + 90)) $R +activations-int8state-backward $W $l8 20 $SEQB
-  row $T $R state-int8state $W $L8 $STEPS $SEQB $TP
-  row $T $R state-int8state-backward $W $L8 $STEPS $SEQB $TP
-}
 call6() {  # where the host's resident memory goes: primitives, then each mode's start-up
   row $T bench/host_rss.py primitives $MIB
   row $T bench/host_rss.py startup +activations-bf16state $W $L8 2
   row $T bench/host_rss.py startup state $W $L8 2
-}
-call4() {  # start-up: new pinned memory by route
-  for route in threads numpy fresh; do
-    row 90 bench/results/tpu-v5e-2026-12-06/startup_probe.py $route $MIB 4
-  done
 }
 call9() {  # 3.52B stored once (fp32 master, 8-bit moments; 66 layers): inputs on host, then not
   local l=66
@@ -111,13 +92,6 @@ call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers, 21.40
   local l=33
   [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-backward $W $l 20 $SEQB
-}
-call10() {  # the streamed update alone (lookahead 1, 2, 4; 8-bit), then 542M steps in one run
-  local o="bench/results/tpu-v5e-2026-12-06c/overlap.py --target chip --no-plan --width $W"
-  o="$o --ffn $((W * 11 / 4)) --layers $L8"
-  for la in 1 2 4; do row 60 $o --lookahead $la | tee -a "$OUT/overlap.jsonl"; done
-  row 90 $o --host-dtype int8 | tee -a "$OUT/overlap.jsonl"
-  call12
 }
 call12() {  # 542M's step in each mode of issue 62's ratios, one run
   for m in fp32 state state-int8state state-backward state-int8state-backward; do
@@ -132,10 +106,11 @@ call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in backwa
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
 }
 call14() {  # call 9's second row twice, 3 steps, JAX's compilation cache; the second --beside
+  # (call 18: the first with its step compiled by a process of its own, `--compile-first`)
   local l=66 c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"
-  row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c"  # (cold)
+  row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c" ${1:-}  # (cold)
   row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c" --beside
 }
 call15() {  # 64k tokens per optimizer step (16 micro-batches), each mode against plain
@@ -149,10 +124,17 @@ call16() {  # 542M in backward against the normal step at 4k and 64k tokens; 2.1
   for m in fp32 state-backward; do row $T $R $m $W $L8 4 $SEQB --micro 16 $TP; done
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
 }
+call17() {  # one host array made 3 ways; 2.19B (call13's) with its step compiled first
+  local z=bench/results/tpu-v5e-2026-12-07/zeros_rss.py c=/tmp/jaxcache
+  [ "${SIZE:-}" = small ] && c=$OUT/jaxcache
+  for r in stacked whole numpy; do for d in float32 bfloat16; do row 60 $z $r $d $MIB; done; done
+  [ -n "${DRY:-}" ] || rm -rf "$c"
+  row $((T + 120)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB --cache "$c" --compile-first
+}
 case $CALL in
-  1) call1 ;; 3) call3 ;; 4) call4 ;; 5) call5 ;; 6) call6 ;; 9) call9 ;;
-  10) call10 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;; 14) call14 ;; 15) call15 ;; 16) call16 ;;
-  all) call1; call3; call4; call5; call6; call9; call10; call11; call13; call14; call15; call16 ;;
-  *) echo "usage: $0 1|3|4|5|6|9|10|11|12|13|14|15|16|all" >&2; exit 2 ;;
+  1) call1 ;; 6) call6 ;; 9) call9 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;;
+  14) call14 ;; 15) call15 ;; 16) call16 ;; 17) call17 ;; 18) call14 --compile-first ;;
+  all) call1; call6; call9; call11; call12; call13; call14; call15; call16; call17 ;;
+  *) echo "usage: $0 1|6|9|11|12|13|14|15|16|17|18|all" >&2; exit 2 ;;
 esac
 [ -n "${DRY:-}" ] || echo "results: $OUT"

@@ -1,0 +1,54 @@
+"""Resident host memory for one host array made three ways, one process a row:
+
+    python zeros_rss.py ROUTE DTYPE MIB
+
+ROUTE: `stacked` (`filter_make` of 8 stacked layers in host memory: buffers of zeros
+made by the host's CPU, then written a layer at a time), `whole` (`filter_make` of one
+host leaf made whole), `numpy` (`jax.device_put` of NumPy's zeros into `pinned_host`).
+DTYPE: float32, bfloat16 or uint8. Prints one JSON line: resident memory above the start
+(after the runtime's first array) against the bytes in host memory."""
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_offload
+
+
+def resident() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS"))
+
+
+def main(route: str, dtype_name: str, mib: int) -> dict:
+    dtype = jnp.dtype(dtype_name)
+    shape = (8, 1024, mib * 2**20 // 8 // 1024 // dtype.itemsize)
+    jnp.zeros(()).block_until_ready()
+    start, began = resident(), time.perf_counter()
+    if route == "stacked":
+        def make(keys):
+            return eqx_offload.to_host(eqx_offload.stack_layers(
+                lambda k: jax.random.normal(k, shape[1:]).astype(dtype), keys))
+        made = eqx_offload.filter_make(make, jax.random.split(jax.random.key(0), 8))
+    elif route == "whole":
+        made = eqx_offload.filter_make(lambda: eqx_offload.to_host(jnp.zeros(shape, dtype)))
+    else:
+        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+        made = jax.device_put(np.zeros(shape, dtype), host)
+    made.block_until_ready()
+    return {"route": route, "dtype": dtype_name, "mib": mib, "s": time.perf_counter() - began,
+            "memory_kind": made.sharding.memory_kind, "host_gb": made.nbytes / 1e9,
+            "rss_gb": (resident() - start) / 1e9}
+
+
+if __name__ == "__main__":
+    row = main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "zeros_rss.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
