@@ -116,8 +116,11 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
          batch: int = 4, micro: int = 1, plan: bool = False, cache: Optional[str] = None,
          beside: bool = False, first: Optional[list[str]] = None) -> dict[str, Any]:
     began = time.perf_counter()  # (the compiling process first: before this one's runtime)
-    _ = subprocess.run(first, check=True) if first else None
-    first_s = time.perf_counter() - began if first else 0.0
+    done = subprocess.run(first, check=True, stdout=subprocess.PIPE, text=True) if first else None
+    first_s, first_row = (time.perf_counter() - began, json.loads(  # (its record, last)
+        done.stdout.splitlines()[-1])) if done else (0.0, {})
+    if "error" in first_row:
+        raise RuntimeError(f"the compiling process: {first_row['error']}")
     shape = harness.llama_shape(width, layers, seq, batch)
     events: collections.Counter[str] = collections.Counter()  # (the persistent cache's)
     timed: list[tuple[str, float, float]] = []  # (JAX's tracing, lowering and compiles)
@@ -136,8 +139,9 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
                            "backend": "tpu v5e (compile only)" if plan else jax.default_backend()}
     start, grad_step = harness.trainer(shape, name)
     on = NamedSharding(Mesh([v5e() if plan else jax.devices()[0]], ("_",)), P())
-    if not (plan or first == []):  # (first: new memory, before the compiler's is freed)
-        row["fill_gbps"] = fill_gbps(4 * shape.params, on, timed)
+    if not plan:  # (first: new memory, before the compiler's is freed; the compiling
+        # process's measure where there is one: the runtime keeps the probe's memory)
+        row["fill_gbps"] = first_row.get("fill_gbps") or fill_gbps(4 * shape.params, on, timed)
     began = time.perf_counter()
     lowered, abstract, took = lower_ahead(start, grad_step, shape, micro, on)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (tracing holds Python's lock)

@@ -127,7 +127,7 @@ call16() {  # 542M in backward against the normal step at 4k and 64k tokens; 2.1
 call17() {  # one host array made 3 ways; 2.19B (call13's) with its step compiled first
   local z=bench/results/tpu-v5e-2026-12-07/zeros_rss.py c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && c=$OUT/jaxcache
-  for r in stacked whole numpy; do for d in float32 bfloat16; do row 60 $z $r $d $MIB; done; done
+  for r in stacked whole numpy buffer writes; do for d in float32 bfloat16; do row 60 $z $r $d $MIB; done; done
   [ -n "${DRY:-}" ] || rm -rf "$c"
   row $((T + 120)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB --cache "$c" --compile-first
 }

@@ -4,7 +4,9 @@
 
 ROUTE: `stacked` (`filter_make` of 8 stacked layers in host memory: buffers of zeros
 made by the host's CPU, then written a layer at a time), `whole` (`filter_make` of one
-host leaf made whole), `numpy` (`jax.device_put` of NumPy's zeros into `pinned_host`).
+host leaf made whole), `numpy` (`jax.device_put` of NumPy's zeros into `pinned_host`),
+`buffer` (the stacked route's first program alone: zeros made by the host's CPU),
+`writes` (a buffer made whole, then the stacked route's 8 layer writes into it).
 DTYPE: float32, bfloat16 or uint8. Prints one JSON line: resident memory above the start
 (after the runtime's first array) against the bytes in host memory."""
 
@@ -28,6 +30,8 @@ def resident() -> int:
 def main(route: str, dtype_name: str, mib: int) -> dict:
     dtype = jnp.dtype(dtype_name)
     shape = (8, 1024, mib * 2**20 // 8 // 1024 // dtype.itemsize)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    stages = {}
     jnp.zeros(()).block_until_ready()
     start, began = resident(), time.perf_counter()
     if route == "stacked":
@@ -37,13 +41,26 @@ def main(route: str, dtype_name: str, mib: int) -> dict:
         made = eqx_offload.filter_make(make, jax.random.split(jax.random.key(0), 8))
     elif route == "whole":
         made = eqx_offload.filter_make(lambda: eqx_offload.to_host(jnp.zeros(shape, dtype)))
+    elif route == "buffer":  # (the library's own program, private)
+        from eqx_offload._models.make import _host_program
+        made = _host_program(jax.ShapeDtypeStruct(shape, dtype, sharding=host))()
+    elif route == "writes":
+        made = eqx_offload.filter_make(lambda: eqx_offload.to_host(jnp.zeros(shape, dtype)))
+        made.block_until_ready()
+        stages["buffer_rss_gb"] = (resident() - start) / 1e9
+
+        def write(buffer, layer):
+            row = jax.random.normal(jax.random.key(layer), (1, *shape[1:])).astype(dtype)
+            return jax.lax.dynamic_update_slice_in_dim(buffer, eqx_offload.to_host(row), layer, 0)
+        write = eqx_offload.filter_jit(write, donate=("buffer",))
+        for i in range(8):
+            made = write(made, jnp.int32(i))
     else:
-        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
         made = jax.device_put(np.zeros(shape, dtype), host)
     made.block_until_ready()
     return {"route": route, "dtype": dtype_name, "mib": mib, "s": time.perf_counter() - began,
             "memory_kind": made.sharding.memory_kind, "host_gb": made.nbytes / 1e9,
-            "rss_gb": (resident() - start) / 1e9}
+            "rss_gb": (resident() - start) / 1e9, **stages}
 
 
 if __name__ == "__main__":
