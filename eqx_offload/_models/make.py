@@ -11,12 +11,13 @@ The route (what `filter_make` runs, and what `eqx_offload.planner.plan_startup` 
    group that computes only them (XLA drops the rest of `fun`) and writes each output
    straight into its memory kind.
 3. The stacked leaves are allocated once in their memory (zeros made by the host's CPU
-   for those in host memory, so they never pass through the device), then one program,
-   compiled once, makes layer `i` of every stacked leaf on the device and writes it into
-   the donated buffers, for `i` in `0 .. L - 1`.
+   for those in host memory, so they never pass through the device; those of a floating
+   type under 32 bits, bf16, made by the device a leaf at a time and moved), then one
+   program, compiled once, makes layer `i` of every stacked leaf on the device and
+   writes it into the donated buffers, for `i` in `0 .. L - 1`.
 
-So the device holds at most one group, or one layer of every stacked leaf, at a time,
-and no array has two host copies.
+So the device holds at most one group, one layer of every stacked leaf, or one stacked
+bf16 leaf in host memory, at a time, and no array has two host copies.
 """
 
 import dataclasses
@@ -250,16 +251,12 @@ def _zeros(x: Any) -> jax.Array:
     return jnp.zeros(x.shape, x.dtype)
 
 
-def _host_zeros(x: Any) -> jax.Array:
-    """`_zeros` as the host's CPU makes them: a floating dtype under 32 bits (bf16) as
-    the zeros of an unsigned integer of its width, bitcast (the same bits, +0.0).
-    XLA:CPU computes bf16 in float32, a temporary twice the leaf that a TPU runtime's
-    host allocator keeps resident after it is freed."""
+def _narrow(x: Any) -> bool:
+    """A floating dtype under 32 bits (bf16): the host's CPU makes its zeros through a
+    temporary as large as the leaf, which a TPU runtime's host allocator keeps resident
+    after it is freed; the device makes those (one leaf a program) and moves them."""
     dtype = jnp.dtype(x.dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        bits = jnp.zeros(x.shape, jnp.dtype(f"uint{8 * dtype.itemsize}"))
-        return jax.lax.bitcast_convert_type(bits, dtype)
-    return _zeros(x)
+    return bool(jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4)
 
 
 def _placed(made: jax.Array, like: Any) -> jax.Array:
@@ -271,10 +268,10 @@ def _placed(made: jax.Array, like: Any) -> jax.Array:
 
 def _buffers_program(leaves: Sequence[Any]) -> Any:
     """Zeros of each leaf's shape in its memory: those in host memory made by the
-    host's CPU (`compute_on("device_host")`), so no byte of them is on the device, one
-    program a leaf (on a TPU, a program of several host outputs held a temporary of
-    about one more output in host memory, which the runtime's host allocator keeps),
-    compiled once for the leaves of one shape, dtype and sharding."""
+    host's CPU (`compute_on("device_host")`), so no byte of them is on the device, but
+    for `_narrow` ones; one program a leaf (on a TPU, a program of several host outputs
+    held a temporary of about one more output in host memory, which the runtime's host
+    allocator keeps), compiled once for the leaves of one shape, dtype and sharding."""
     host = [_on_host(x) for x in leaves]
     device = [x for x, h in zip(leaves, host, strict=True) if not h]
     on_device = filter_jit(lambda: [_placed(_zeros(x), x) for x in device])
@@ -291,23 +288,25 @@ def _buffers_plan(leaves: Sequence[Any]) -> Any:
     """`_buffers_program` as one program, for a plan: the same outputs in the same
     memories, made where it makes them (the host's own temporaries are not in a
     TPU plan)."""
-    host = [_on_host(x) for x in leaves]
+    host = [_on_host(x) and not _narrow(x) for x in leaves]
 
     def buffers(layer: jax.Array, dynamic: Any) -> list[Any]:
         del layer, dynamic
         on_host = [x for x, h in zip(leaves, host, strict=True) if h]
-        made = iter(host_compute(lambda: [_host_zeros(x) for x in on_host],
+        made = iter(host_compute(lambda: [_zeros(x) for x in on_host],
                                  compute_type="device_host",
                                  out_memory_spaces=[_HOST] * len(on_host))()
                     if on_host else [])
-        return [next(made) if h else _zeros(x) for x, h in zip(leaves, host, strict=True)]
+        return [next(made) if h else jax.device_put(_zeros(x), _HOST) if _on_host(x)
+                else _zeros(x) for x, h in zip(leaves, host, strict=True)]
     return filter_jit(buffers)
 
 
 def _host_program(x: Any) -> Any:
-    """The program that makes `_host_zeros(x)` in host memory, on the host's CPU."""
-    made = host_compute(lambda: _host_zeros(x), compute_type="device_host",
-                        out_memory_spaces=_HOST)
+    """The program that makes zeros of `x` in host memory, on the host's CPU (on the
+    device, and moved, if `_narrow`)."""
+    made = (lambda: jax.device_put(_zeros(x), _HOST)) if _narrow(x) else host_compute(
+        lambda: _zeros(x), compute_type="device_host", out_memory_spaces=_HOST)
     return filter_jit(lambda: _placed(made(), x))
 
 
@@ -370,7 +369,7 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
     never made itself. Each group of leaves (at most `group_bytes`) is computed on the
     device by a program of its own and written straight into its memory kind; stacked
     leaves are allocated once where they live (zeros in host memory made by the host's
-    CPU) and written a layer at a time. The values are bitwise those of
+    CPU, a bf16 leaf's by the device) and written a layer at a time. The values are bitwise those of
     `eqx.filter_jit(fun)(*args, **kwargs)`: each program is compiled, and XLA may round
     a compiled computation (`jax.random.normal(key, shape) * 0.02`) otherwise than
     the same operations run one at a time by an eager call of `fun`. What the route holds on the device, planned

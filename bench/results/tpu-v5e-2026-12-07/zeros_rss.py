@@ -6,7 +6,9 @@ ROUTE: `stacked` (`filter_make` of 8 stacked layers in host memory: buffers of z
 made by the host's CPU, then written a layer at a time), `whole` (`filter_make` of one
 host leaf made whole), `numpy` (`jax.device_put` of NumPy's zeros into `pinned_host`),
 `buffer` (the stacked route's first program alone: zeros made by the host's CPU),
-`writes` (a buffer made whole, then the stacked route's 8 layer writes into it).
+`writes` (a buffer made whole, then the stacked route's 8 layer writes into it);
+`direct` (the buffer as `jnp.zeros` of DTYPE by the host's CPU, no bitcast), `u32` (as
+uint32 zeros of half the last axis, bitcast to DTYPE and reshaped there).
 DTYPE: float32, bfloat16 or uint8. Prints one JSON line: resident memory above the start
 (after the runtime's first array) against the bytes in host memory."""
 
@@ -44,6 +46,16 @@ def main(route: str, dtype_name: str, mib: int) -> dict:
     elif route == "buffer":  # (the library's own program, private)
         from eqx_offload._models.make import _host_program
         made = _host_program(jax.ShapeDtypeStruct(shape, dtype, sharding=host))()
+    elif route in ("direct", "u32"):
+        from eqx_offload._core.compat import host_compute
+
+        def zeros():
+            if route == "direct":
+                return jnp.zeros(shape, dtype)
+            bits = jnp.zeros((*shape[:-1], shape[-1] * dtype.itemsize // 4), jnp.uint32)
+            return jax.lax.bitcast_convert_type(bits, dtype).reshape(shape)
+        made = jax.jit(host_compute(zeros, compute_type="device_host",
+                                    out_memory_spaces=jax.memory.Space.Host))()
     elif route == "writes":
         made = eqx_offload.filter_make(lambda: eqx_offload.to_host(jnp.zeros(shape, dtype)))
         made.block_until_ready()
