@@ -105,8 +105,7 @@ call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in backwa
   for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
 }
-call14() {  # call 9's second row twice, 3 steps, JAX's compilation cache; the second --beside
-  # (call 18: the first with its step compiled by a process of its own, `--compile-first`)
+call14() {  # call 9's second row twice, 3 steps, a compile cache; then --beside (18: first --compile-first)
   local l=66 c=/tmp/jaxcache
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"

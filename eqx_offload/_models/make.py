@@ -136,6 +136,7 @@ class Program:
     layers: int = 1
     planned: Any = None  # what a plan compiles in its place (the buffers: one program;
     # a whole group: without the placement on this machine's device)
+    parts: tuple[Any, ...] = ()  # the buffers: the programs `fun` calls, each with no argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +212,9 @@ def route(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     for n in sorted(set(by_layer.values())):
         indices = tuple(i for i, m in by_layer.items() if m == n)
         buffers = [full[i] for i in indices]
-        programs.append(Program(f"buffers of {len(indices)} stacked leaves",
-                                _buffers_program(buffers), "buffers", indices,
-                                planned=_buffers_plan(buffers)))
+        fun_of_buffers, parts = _buffers_program(buffers)
+        programs.append(Program(f"buffers of {len(indices)} stacked leaves", fun_of_buffers,
+                                "buffers", indices, planned=_buffers_plan(buffers), parts=parts))
         programs.append(Program(f"{n} layers of {len(indices)} stacked leaves",
                                 _layers_program(fun, static, indices), "layers", indices, n))
     return Route(abstract, tuple(programs), dynamic, static)
@@ -266,7 +267,7 @@ def _placed(made: jax.Array, like: Any) -> jax.Array:
     return placed
 
 
-def _buffers_program(leaves: Sequence[Any]) -> Any:
+def _buffers_program(leaves: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
     """Zeros of each leaf's shape in its memory: those in host memory made by the
     host's CPU (`compute_on("device_host")`), so no byte of them is on the device, but
     for `_narrow` ones; one program a leaf (on a TPU, a program of several host outputs
@@ -281,7 +282,7 @@ def _buffers_program(leaves: Sequence[Any]) -> Any:
         del layer, dynamic
         made = iter(on_device() if device else [])
         return [programs[x]() if h else next(made) for x, h in zip(leaves, host, strict=True)]
-    return buffers
+    return buffers, (*([on_device] if device else []), *programs.values())
 
 
 def _buffers_plan(leaves: Sequence[Any]) -> Any:
@@ -317,6 +318,21 @@ def _layers_program(fun: Callable[..., Any], static: Any, indices: Sequence[int]
         return [jax.lax.dynamic_update_slice_in_dim(b, r, layer, 0)
                 for b, r in zip(buffers, rows, strict=True)]
     return filter_jit(write, donate=("buffers",))
+
+
+def compile_route(made: Route) -> None:
+    """Compile each program of a route for this machine's devices, running none (JAX's
+    persistent compilation cache, when on, keeps them for a later `filter_make`)."""
+    zero = jnp.int32(0)
+    for program in made.programs:
+        if program.kind == "buffers":
+            for part in program.parts:
+                part.lower().compile()
+        elif program.kind == "whole":
+            program.fun.lower(zero, made.dynamic).compile()
+        else:  # (its buffers: the abstract leaves, each with its sharding)
+            buffers = [made.leaves[i] for i in program.indices]
+            program.fun.lower(buffers, zero, made.dynamic).compile()
 
 
 def run(made: Route) -> Any:
@@ -356,7 +372,7 @@ def _check_fun(fun: Any) -> None:
 
 
 def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20,
-                **kwargs: Any) -> _T:
+                compile_only: bool = False, **kwargs: Any) -> _T:
     """`fun(*args, **kwargs)`, every array leaf of the result made directly in the memory
     it lives in: the sibling of `eqx.filter_eval_shape` that allocates.
 
@@ -381,6 +397,10 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
     - `*args`, `**kwargs`: its arguments (arrays are traced, the rest static).
     - `group_bytes`: the bytes of the unstacked leaves one program makes (default
         256 MiB): the device holds about this much, and what computing it needs.
+    - `compile_only`: compile every program of the route and allocate nothing: the
+        result is `filter_eval_shape`'s. With JAX's persistent compilation cache on,
+        a later process's `filter_make` of the same model reads them from it (compile
+        in a process of its own first: docs/startup.md).
 
     **Returns:**
 
@@ -413,5 +433,10 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
         ```
     """
     _check_fun(fun)
-    result: _T = run(route(fun, args, kwargs, group_bytes=group_bytes))
+    made = route(fun, args, kwargs, group_bytes=group_bytes)
+    if compile_only:
+        compile_route(made)
+        abstract: _T = made.abstract
+        return abstract
+    result: _T = run(made)
     return result

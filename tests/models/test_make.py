@@ -206,6 +206,6 @@ def test_a_host_buffer_is_made_alone_by_the_hosts_cpu_but_for_bf16(dtype: Any) -
     assert out.sharding.memory_kind == "pinned_host"
     assert_tree_equal(out, jnp.zeros((4, 8), dtype))
     with count_compiles("<lambda>") as compiles:  # (one program for one shape)
-        buffers = make._buffers_program([x, x])(jnp.int32(0), None)
+        buffers = make._buffers_program([x, x])[0](jnp.int32(0), None)
     assert len(compiles) == 1
     assert [b.sharding.memory_kind for b in buffers] == ["pinned_host"] * 2
