@@ -26,7 +26,7 @@ from .._core.errors import (
     CompositionError, not_a_transformation_error, OptionError, StateError,
 )
 from .._core.inner import as_transformation
-from .._core.move import to_host
+from .._core.move import send_to_host
 from .._core.placement import any_on_host, is_host
 from .._optim.quantize import CODE_DTYPE
 from .._optim.backward import (
@@ -407,7 +407,7 @@ def _shared_update(transformation: optax.GradientTransformationExtraArgs, return
     _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     new = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
     # (one layer's update leaves its state on the device: each back where it lives)
-    return [to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
+    return [send_to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
 
 
 # pytype: disable=not-indexable  # (pytype reads `_M` above as no TypeVar)
