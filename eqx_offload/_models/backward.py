@@ -341,6 +341,7 @@ def _make_plan(optimizer: Any, params: Any, in_layers: tuple[bool, ...]) -> _Pla
     state = jax.eval_shape(transformation.init, layers_half)
     check_not_accumulating(state)
     check_separable(transformation, params, in_layers)
+    # (`per_layer` makes one layer's state: an `offloaded` update of a layer finds its layout)
     per_leaf = tuple(per_layer(transformation, layers_half))
     return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers,
                  layer_optimizer, transformation)

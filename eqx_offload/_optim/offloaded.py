@@ -1,9 +1,10 @@
 """`offloaded`: an optax transformation whose state lives in host memory between steps.
 
 Closures over `inner` and the normalised options, in the manner of Optax's own
-wrappers: `init` makes the state in host memory; `update` looks up the state's layout
-(`layout`), runs the strategy the options chose (`strategies`) and stores the new
-state. Checks run only on a layout not seen before, and while tracing (`checks`).
+wrappers: `init` makes the state in host memory and finds its layout (`layout`);
+`update` looks the state's layout up, runs the strategy the options chose
+(`strategies`) and stores the new state. Checks run only on a layout not seen before,
+and while tracing (`checks`).
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ from .accumulate import (
     Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
 )
 from .._core.compat import boundary
+from .._core.errors import OffloadError
 from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
@@ -136,7 +138,14 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
     jitted_init = filter_jit(functools.partial(_init_to_host, inner, options))
 
     def init_fn(params: optax.Params) -> OffloadedState:
-        return OffloadedState(_init(inner, options, jitted_init, params))
+        state = OffloadedState(_init(inner, options, jitted_init, params))
+        # The state's layout found (and checked) where it is made, for an update of
+        # gradients shaped as `params`; any other update finds its own on its first call.
+        try:
+            layout_for(inner, options, cache, state, params, params, {})
+        except OffloadError:  # (`init` given what no update takes: `update` says so)
+            pass
+        return state
 
     def update_fn(
         updates: optax.Updates,
