@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from typing import Any, Literal, Optional, Union
 
+import equinox as eqx
 import jax.tree_util as jtu
 import optax
 from jax.core import Tracer
@@ -19,7 +20,6 @@ from .accumulate import (
     Accumulator, as_multi_steps, check_accumulator, crosses_once, offloaded_multi_steps,
 )
 from .._core.compat import boundary
-from .._core.errors import OffloadError
 from .._core.shape import check_init_fits_host_pool
 from .._core.inner import as_transformation
 from .._core.types import HostMemoryKind, Where
@@ -139,12 +139,11 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
 
     def init_fn(params: optax.Params) -> OffloadedState:
         state = OffloadedState(_init(inner, options, jitted_init, params))
-        # The state's layout found (and checked) where it is made, for an update of
-        # gradients shaped as `params`; any other update finds its own on its first call.
-        try:
+        # The state's layout found where it is made (for params of arrays alone: `init`
+        # made it from what the check makes it from), for an update of gradients shaped
+        # as `params`; any other update finds its own on its first call.
+        if jtu.tree_structure(params) == jtu.tree_structure(eqx.filter(params, eqx.is_array)):
             layout_for(inner, options, cache, state, params, params, {})
-        except OffloadError:  # (`init` given what no update takes: `update` says so)
-            pass
         return state
 
     def update_fn(
