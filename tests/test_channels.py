@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Each `ContextVar` of the package, by module, and the name docs/architecture.md gives it.
 CHANNELS = {
-    "_core/target.py": "The program being traced",
+    "_jit/stage.py": "The program being traced",
     "_stream/backward.py": "The backward pass's hook",
 }
 

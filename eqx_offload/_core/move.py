@@ -178,6 +178,12 @@ def fetch(tree: _T) -> _T:
     return _moved(tree, None, None, "to_device")
 
 
+def send_to_host(tree: _T) -> _T:
+    """Every array leaf of `tree` in pinned host memory (those there already are not
+    copied): the library's own `to_host`, with no filter to resolve."""
+    return _moved(tree, None, "pinned_host", "memory_kind")
+
+
 def _moved(tree: _T, mask: Optional[Sequence[bool]], memory_kind: Optional[str],
            argument: str) -> _T:
     """The array leaves of `tree` that `mask` selects (default all) moved to

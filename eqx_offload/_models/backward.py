@@ -26,7 +26,7 @@ from .._core.errors import (
     CompositionError, not_a_transformation_error, OptionError, StateError,
 )
 from .._core.inner import as_transformation
-from .._core.move import to_host
+from .._core.move import send_to_host
 from .._core.placement import any_on_host, is_host
 from .._optim.quantize import CODE_DTYPE
 from .._optim.backward import (
@@ -341,6 +341,7 @@ def _make_plan(optimizer: Any, params: Any, in_layers: tuple[bool, ...]) -> _Pla
     state = jax.eval_shape(transformation.init, layers_half)
     check_not_accumulating(state)
     check_separable(transformation, params, in_layers)
+    # (`per_layer` makes one layer's state: an `offloaded` update of a layer finds its layout)
     per_leaf = tuple(per_layer(transformation, layers_half))
     return _Plan(treedef, in_layers, jtu.tree_structure(state), per_leaf, layers,
                  layer_optimizer, transformation)
@@ -407,7 +408,7 @@ def _shared_update(transformation: optax.GradientTransformationExtraArgs, return
     _, new_state = transformation.update(_tree(plan, zeros), state, _tree(plan, first))
     new = [a for a, m in zip(jtu.tree_leaves(new_state), plan.stacked, strict=True) if not m]
     # (one layer's update leaves its state on the device: each back where it lives)
-    return [to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
+    return [send_to_host(n) if is_host(o) else n for n, o in zip(new, shared, strict=True)]
 
 
 # pytype: disable=not-indexable  # (pytype reads `_M` above as no TypeVar)

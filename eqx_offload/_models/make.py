@@ -34,8 +34,8 @@ from .._core.compat import host_compute
 from .._core.errors import OptionError, TreeError
 from .._core.leaves import nbytes
 from .._core.shape import filter_eval_shape, is_abstract, is_arraylike
-from .._core.target import layer_being_made, making_layer
 from .._jit.jit import filter_jit
+from .._jit.stage import layer_being_made, making_layer
 
 
 _T = TypeVar("_T")

@@ -1,15 +1,17 @@
 """`offloaded`: an optax transformation whose state lives in host memory between steps.
 
 Closures over `inner` and the normalised options, in the manner of Optax's own
-wrappers: `init` makes the state in host memory; `update` looks up the state's layout
-(`layout`), runs the strategy the options chose (`strategies`) and stores the new
-state. Checks run only on a layout not seen before, and while tracing (`checks`).
+wrappers: `init` makes the state in host memory and finds its layout (`layout`);
+`update` looks the state's layout up, runs the strategy the options chose
+(`strategies`) and stores the new state. Checks run only on a layout not seen before,
+and while tracing (`checks`).
 """
 
 import dataclasses
 import functools
 from typing import Any, Literal, Optional, Union
 
+import equinox as eqx
 import jax.tree_util as jtu
 import optax
 from jax.core import Tracer
@@ -136,7 +138,13 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
     jitted_init = filter_jit(functools.partial(_init_to_host, inner, options))
 
     def init_fn(params: optax.Params) -> OffloadedState:
-        return OffloadedState(_init(inner, options, jitted_init, params))
+        state = OffloadedState(_init(inner, options, jitted_init, params))
+        # The state's layout found where it is made (for params of arrays alone: `init`
+        # made it from what the check makes it from), for an update of gradients shaped
+        # as `params`; any other update finds its own on its first call.
+        if jtu.tree_structure(params) == jtu.tree_structure(eqx.filter(params, eqx.is_array)):
+            layout_for(inner, options, cache, state, params, params, {})
+        return state
 
     def update_fn(
         updates: optax.Updates,

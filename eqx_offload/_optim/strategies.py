@@ -37,9 +37,9 @@ from .._core.compat import marked, optimization_barrier
 from .._core.errors import NotStreamable
 from .._core.move import place_like
 from .._core.placement import any_on_host, is_host
-from .._core.target import lowering_platforms
 from .._core.where import leaf_mask
 from .._jit.jit import filter_jit
+from .._jit.stage import lowering_platforms
 from .._stream import host_update, streamed_update, Transfers
 from .layout import fetch, Layout, narrowed, store, widened_dtype
 from .options import Options
@@ -114,7 +114,7 @@ def _after_gradients(leaves: list[Any], updates: Any) -> list[Any]:
 def by_platform(cpu: Callable[..., Any], accelerator: Callable[..., Any], *args: Any) -> Any:
     """`cpu(*args)` where the program being traced is lowered for the CPU alone,
     `accelerator(*args)` where it is lowered for accelerators alone, the other branch
-    not traced (`target.lowering_platforms`: known under `eqx_offload.filter_jit`, its
+    not traced (`stage.lowering_platforms`: known under `eqx_offload.filter_jit`, its
     call, `lower_for` and `export`); where the platforms are several or unknown (under
     `jax.jit`), both in one `jax.lax.platform_dependent`, and JAX lowers the one for
     the platform it lowers for. The one chooser of the default's branches: the whole
@@ -137,7 +137,7 @@ def auto_update(call: Call, updates: Any, state: Any, params: Any = None, /,
     once.
 
     The branch is chosen before tracing where the platforms the program is lowered for
-    are known (`target.lowering_platforms`: under `eqx_offload.filter_jit`, its call,
+    are known (`stage.lowering_platforms`: under `eqx_offload.filter_jit`, its call,
     `lower_for` and `export`): only the CPU, the whole state; no CPU, the streamed
     update. Where they are not (under `jax.jit`, or for the CPU and an accelerator at
     once) the program holds both, and JAX lowers only the one for the platform it

@@ -34,7 +34,7 @@ import jax.tree_util as jtu
 
 from .._core.compat import marked, optimization_barrier
 from .._core.leaves import is_none
-from .._core.move import to_host
+from .._core.move import send_to_host
 from .._core.placement import is_host, stacked_packed_vector
 from .layers import (
     add_unless_none, fetch, fetch_layer, layer_scan, layer_slice, LayerScan, merge,
@@ -216,7 +216,7 @@ def _last_two(update: Update, shared: list[Any], whole: list[bool], weights: lis
         weights, state = _written(weights, state, done)
     last_update = _apart(lambda todo: _update_layer(update, todo, shared), todo)
     weights, state = _written(weights, state, last_update)
-    return weights, [to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
+    return weights, [send_to_host(s) if w else s for s, w in zip(state, whole, strict=True)]
 
 
 def _zeros_layer(a: Any) -> Any:
@@ -255,7 +255,7 @@ def _apart(update: Callable[[Any], Any], todo: Any) -> Any:
 def _state_slices(state: list[Any], whole: list[bool], i: Any) -> list[Any]:
     """Layer `i`'s slice of each state leaf, in host memory (a `whole` one, on the
     device, sliced there and moved)."""
-    return [to_host(layer_slice(s, i)) if w else layer_slice(s, i)
+    return [send_to_host(layer_slice(s, i)) if w else layer_slice(s, i)
             for s, w in zip(state, whole, strict=True)]
 
 
@@ -268,7 +268,7 @@ def _written(weights: list[Any], state: list[Any], done: Any) -> tuple[list[Any]
 
 def _write_layer(stacks: list[Any], i: Any, pieces: list[Any]) -> list[Any]:
     """`stacks` with `pieces` (one layer's leaves, leading axis 1) written at layer `i`."""
-    return [_write(a, i, to_host(p) if is_host(a) else p)
+    return [_write(a, i, send_to_host(p) if is_host(a) else p)
             for a, p in zip(stacks, pieces, strict=True)]
 
 
@@ -285,12 +285,12 @@ def _exchanged(state: list[Any], whole: list[bool], i: Any,
     new_state, slices = list[Any](), list[Any]()
     for s, w, p in zip(state, whole, pieces, strict=True):
         if w:
-            slices.append(to_host(layer_slice(s, i)))
+            slices.append(send_to_host(layer_slice(s, i)))
             new_state.append(_write(s, j, p))
             continue
         s, piece = optimization_barrier((s, layer_slice(s, i)))
         slices.append(piece)
-        new_state.append(_write(s, j, to_host(p) if is_host(s) else p))
+        new_state.append(_write(s, j, send_to_host(p) if is_host(s) else p))
     return new_state, slices
 
 

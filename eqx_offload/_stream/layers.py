@@ -28,7 +28,7 @@ import jax.tree_util as jtu
 
 from .._core.errors import CompositionError
 from .._core.leaves import is_none
-from .._core.move import fetch as fetch, to_host  # (fetch: `backward` imports it here)
+from .._core.move import fetch as fetch, send_to_host  # (fetch: `backward` imports it here)
 from .._core.placement import is_host, packed_vector
 
 
@@ -55,7 +55,7 @@ def offload_input(h: Any) -> Any:
     are `packed_vector`s: the scan would write each layer's row of them into one host
     array, which XLA:TPU cannot (they are small; they stay on the device)."""
     def one(a: Any) -> Any:
-        return a if packed_vector(a) else to_host(a)
+        return a if packed_vector(a) else send_to_host(a)
     return jtu.tree_map(one, h)
 
 
@@ -201,7 +201,7 @@ class LayerScan:
             if acc is not None:  # every leaf on the device: the sum, no stacked output
                 acc = [_add_at(a, i, d) for a, d in zip(acc, g_device, strict=True)]
                 g_device = list[Any]()
-            return (g_h, preceding, g_consts, acc), (to_host(g_host), g_device)
+            return (g_h, preceding, g_consts, acc), (send_to_host(g_host), g_device)
 
         zeros = zeros_like_inexact(eqx.filter(consts, eqx.is_inexact_array))
         (g_x, _, g_consts, acc), (g_host, g_device) = jax.lax.scan(
