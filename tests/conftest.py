@@ -46,6 +46,16 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's `load` scheduler (`-n N`) hands each worker a run of consecutive tests, up to
+    # a sixth of those pending: with the long tests first (below), one run held most of
+    # them, and that worker compiled for minutes after the others had finished. At most
+    # 16 at a time, the long tests go one by one to whichever worker is free; neighbours
+    # (a module's cases) still mostly share a worker. `--maxschedchunk=N` sets another.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 16
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _MADE_CACHE:
         shutil.rmtree(os.environ.pop(CACHE_VARIABLE), ignore_errors=True)
