@@ -33,8 +33,9 @@ collect_ignore = ["accelerator"]
 jax.config.update("jax_num_cpu_devices", 8)
 
 # JAX's persistent compilation cache, one folder for this run, shared by the xdist
-# workers and the optax suite's children (a hit is the identical module's executable,
-# still reported as a compilation); the process that starts the run makes and removes it.
+# workers, the optax suite's children and `isolated.py`'s (a hit is the identical
+# module's executable, still reported as a compilation); the process that starts the run
+# makes and removes it.
 # JAX writes an entry in place: a process that reads one another is still writing fails
 # to decompress it, warns (pyproject.toml lets that warning pass) and compiles.
 CACHE_VARIABLE = "EQX_OFFLOAD_TEST_JAX_CACHE"
@@ -44,6 +45,16 @@ if _MADE_CACHE:
 jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VARIABLE])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's `load` scheduler (`-n N`) hands each worker a run of consecutive tests, up to
+    # a sixth of those pending: with the long tests first (below), one run held most of
+    # them, and that worker compiled for minutes after the others had finished. At most
+    # 16 at a time, the long tests spread over the workers, and a module's cases still
+    # mostly share one. `--maxschedchunk=N` sets another number.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 16
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

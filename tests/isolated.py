@@ -32,9 +32,23 @@ def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = 600,
     code = _CHILD.format(tests=_TESTS, file=os.path.abspath(file), name=func.__name__,
                          args=json.dumps(args), mark=_MARK)
     child_env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
-                 "PYTHONHASHSEED": "0", **(env or {})}
-    return subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                          text=True, timeout=timeout, env=child_env, cwd=_TESTS)
+                 "PYTHONHASHSEED": "0", **_shared_cache(), **(env or {})}
+    return subprocess.run([sys.executable, "-W", "error", "-W", _CACHE_RACE, "-c", code],
+                          capture_output=True, text=True, timeout=timeout, env=child_env,
+                          cwd=_TESTS)
+
+
+# The run's compilation cache (conftest.py's CACHE_VARIABLE): a child compiles what its
+# parent or another process of the run already compiled once. An entry read while another
+# process writes it is a miss (as pyproject.toml lets it pass in the tests): it compiles.
+_CACHE_RACE = "ignore:Error reading persistent compilation cache entry:UserWarning"
+
+
+def _shared_cache() -> dict[str, str]:
+    folder = os.environ.get("EQX_OFFLOAD_TEST_JAX_CACHE")
+    return {} if folder is None else {
+        "JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def result_of(process: subprocess.CompletedProcess) -> Any:

@@ -40,7 +40,8 @@ def abstract_step(mode: str, width: int, layers: int, seq: int, batch: int) -> A
 
 def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
     """(In a child, with `TPU_ENV`.) The v5e plan of the normal and the fused step:
-    `{name: [device peak, host bytes, stored state bytes]}`."""
+    `{name: [device peak, host bytes, stored state bytes, bytes moved to the device and
+    to the host, host temporaries, unaliased host outputs, host arguments]}`."""
     import jax
 
     found = {}
@@ -51,7 +52,8 @@ def plan_both(width: int, layers: int, seq: int, batch: int) -> dict[str, Any]:
                      if x.sharding.memory_kind == "pinned_host")
         found[name] = [plan.device_peak_bytes, plan.host_total_bytes, stored,
                        plan.bytes_moved("to_device"), plan.bytes_moved("to_host"),
-                       plan.host_temp_bytes]
+                       plan.host_temp_bytes, plan.unaliased_host_output_bytes,
+                       plan.host_argument_bytes]
     return found
 
 
@@ -76,10 +78,16 @@ def test_the_fused_step_plans_level_with_the_normal_step(tpu: Any) -> None:
     # memory is written: one layer's update leaves its state on the device, the
     # backward scan writes it into the stacked host arrays. (A layer more would be
     # `layer_state` more bytes, over the slack: XLA:TPU's tile padding.)
-    to_device, to_host, temp = fused_moved
+    to_device, to_host, temp, unaliased, arguments = fused_moved
     assert to_device <= normal_moved[0] + layer_state // 4, (to_device, normal_moved)
     assert to_host <= normal_moved[1] + layer_state // 4, (to_host, normal_moved)
     assert temp == 0
+    # The fp32 state's mode of `test_every_mode_with_host_state_compiles_and_aliases`:
+    # every host output reuses its donated input's buffer, and the host arguments are
+    # what is stored (up to XLA:TPU's tile padding).
+    assert unaliased == 0
+    assert fused_stored <= arguments <= fused_stored + fused_stored // 100, (
+        arguments, fused_stored)
 
 
 def plan_modes(modes: list[str], width: int, layers: int, seq: int,
@@ -108,9 +116,11 @@ def test_every_mode_with_host_state_compiles_and_aliases(tpu: Any) -> None:
     in fp32, bf16 and 8 bits, compiles for a v5e (a bf16 moment of a stacked norm scale
     is updated on the device whole: XLA:TPU cannot slice one row of it in host memory;
     8-bit codes cross the backward pass as float32 bits), and every host output reuses
-    its donated input's buffer."""
-    _assert_compiled_and_aliased([f"{base}{state}-backward" for base in ("state", "+activations")
-                                  for state in ("", "-bf16state", "-int8state")])
+    its donated input's buffer. (The fp32 state's, `state-backward`, at width 512: in
+    `test_the_fused_step_plans_level_with_the_normal_step`, which compiles it.)"""
+    _assert_compiled_and_aliased(["state-bf16state-backward", "state-int8state-backward",
+                                  *[f"+activations{state}-backward"
+                                    for state in ("", "-bf16state", "-int8state")]])
 
 
 def _assert_compiled_and_aliased(modes: list[str]) -> None:
