@@ -142,7 +142,7 @@ def _offloaded(inner: optax.GradientTransformationExtraArgs, options: Options,
         # The state's layout found where it is made (for params of arrays alone: `init`
         # made it from what the check makes it from), for an update of gradients shaped
         # as `params`; any other update finds its own on its first call.
-        if jtu.tree_structure(params) == jtu.tree_structure(eqx.filter(params, eqx.is_array)):
+        if all(eqx.is_array(x) for x in jtu.tree_leaves(params)):
             layout_for(inner, options, cache, state, params, params, {})
         return state
 
