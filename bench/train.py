@@ -112,9 +112,9 @@ def v5e() -> Any:
     return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
 
 
-def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
-         batch: int = 4, micro: int = 1, plan: bool = False, cache: Optional[str] = None,
-         beside: bool = False, first: Optional[list[str]] = None) -> dict[str, Any]:
+def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024, batch: int = 4,
+         micro: int = 1, plan: bool = False, cache: Optional[str] = None, beside: bool = False,
+         first: Optional[list[str]] = None, compile_only: bool = False) -> dict[str, Any]:
     began = time.perf_counter()  # (the compiling process first: before this one's runtime)
     done = subprocess.run(first, check=True, stdout=subprocess.PIPE, text=True) if first else None
     first_s, first_row = (time.perf_counter() - began, json.loads(  # (its record, last)
@@ -150,8 +150,8 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
             ahead_s = time.perf_counter() - began
             row.update(took, cache_after_compile=dict(events))
             print(json.dumps({**row, "phase": "compiled"}), flush=True)
-            if plan or first == []:  # (and what the process holds without the executable)
-                if first == []:  # (the start-up's programs too: `filter_make` compiles none)
+            if plan or compile_only:  # (and what the process holds without the executable)
+                if compile_only:  # (the start-up's programs too: `filter_make` compiles none)
                     eqx_offload.filter_make(start, jax.device_put(jax.random.key(0), on),
                                             compile_only=True)
                 del step, compiling, lowered
@@ -193,7 +193,7 @@ def main(name: str, width: int, layers: int, steps: int = 20, seq: int = 1024,
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line's arguments: `mode` (read by `harness.mode_of`), `numbers`
-    (WIDTH LAYERS and up to STEPS SEQ BATCH), `micro`, `file`, `cache` and the flags."""
+    (WIDTH LAYERS, up to STEPS SEQ BATCH), `micro`, `file`, `cache` and the flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode")
     parser.add_argument("numbers", type=int, nargs="+", metavar="WIDTH LAYERS [STEPS SEQ BATCH]")
@@ -224,5 +224,5 @@ if __name__ == "__main__":
     harness.run_row(args.file, {"mode": args.mode, "width": width, "layers": layers},
                     lambda: main(args.mode, width, layers, *rest, micro=args.micro,
                                  plan=args.plan, cache=args.cache, beside=args.beside,
-                                 first=first if args.compile_first else
-                                 [] if args.compile_only else None))
+                                 first=first if args.compile_first else None,
+                                 compile_only=args.compile_only))
