@@ -237,8 +237,7 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
         g_rest, new_block, new_channel = vjp(jnp.ones_like(value))
         if acc is not None:
             g_rest = [None if g is None else a + g for a, g in zip(acc, g_rest, strict=True)]
-        rest_grads = jtu.tree_unflatten(plan.treedef, [
-            None if m else g for g, m in zip(g_rest, plan.in_layers, strict=True)])
+        rest_grads = jtu.tree_unflatten(plan.treedef, g_rest)  # (`None` where `rest` is)
         rest_params = jtu.tree_unflatten(plan.treedef, rest)
         new_rest, state_rest = self._update_rest(rest_grads, state.rest, rest_params)
         new_shared = _shared_update(plan.transformation, self._returns_params(), plan,
@@ -355,9 +354,8 @@ def as_bits(a: Any) -> Any:
 
 
 def from_bits(a: Any, like: Any) -> Any:
-    """`as_bits` undone: `a` as the dtype of `like` (a leaf, or that dtype)."""
-    dtype = getattr(like, "dtype", like)
-    return jax.lax.bitcast_convert_type(a, dtype) if dtype == CODE_DTYPE else a
+    """`as_bits` undone: `a` as the dtype of the leaf `like`."""
+    return jax.lax.bitcast_convert_type(a, like.dtype) if like.dtype == CODE_DTYPE else a
 
 
 def _accumulated_leaves(accumulated: Any, plan: _Plan) -> list[Any]:
