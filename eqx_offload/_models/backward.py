@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, Literal
 from jax.experimental.layout import Layout, with_layout_constraint  # pytype: disable=import-error  # (no stub of it)
 
 from .._core.errors import (
@@ -279,7 +279,7 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
     `block` (or a move of one), looking into nested calls; `None` if none."""
     block = set(block)
     for eqn in jaxpr.eqns:
-        reads = [i for i, v in enumerate(eqn.invars) if not _literal(v) and v in block]
+        reads = [i for i, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in block]
         if not reads:
             continue
         name = eqn.primitive.name
@@ -302,10 +302,6 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
 def _replayed(traced: Any, rest: list[Any], block: list[Any], channel: list[Any]) -> Any:
     """The loss's value from its traced program `traced` (the step's `differentiated`)."""
     return jaxpr_as_fun(traced)(*jtu.tree_leaves((rest, block, channel)))[0]
-
-
-def _literal(v: Any) -> bool:
-    return type(v).__name__ == "Literal"
 
 
 def _merge(chosen: list[Any], others: list[Any], mask: tuple[bool, ...]) -> list[Any]:
