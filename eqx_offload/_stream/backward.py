@@ -317,7 +317,5 @@ def _marked_backward(mark: bool, *args: Any) -> Any:
     """`_backward`, with `mark` marked for `filter_jit` (`compat.scopes`: its options for
     a TPU). Not for state stored in another dtype (8-bit): the time model plans that
     step slower with them."""
-    if not mark:
-        return _backward(*args)
-    with marked("in_backward"):
+    with marked("in_backward") if mark else contextlib.nullcontext():
         return _backward(*args)
