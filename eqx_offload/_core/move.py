@@ -84,24 +84,17 @@ def put(leaves: Sequence[Any], targets: Sequence[Optional[Destination]],
     error): a leaf that comes back traced outside `memory_kind`'s space is an error
     naming `path_of(i)` (JAX drops 'unpinned_host' in a trace without a word)."""
     out = list(leaves)
-    indices: list[int] = []
-    chosen: list[Any] = []
-    destinations: list[Destination] = []
-    # The source of a traced device leaf: JAX moves a cotangent back to the source (a
-    # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
-    sources: list[Any] = []
-    for i, target in enumerate(targets):
-        if target is not None:
-            indices.append(i)
-            chosen.append(leaves[i])
-            destinations.append(target)
-            sources.append(DEVICE if isinstance(leaves[i], Tracer) and jax.typeof(
-                leaves[i]).memory_space == DEVICE else None)
+    indices = [i for i, target in enumerate(targets) if target is not None]
     if not indices:
         return out
+    chosen = [leaves[i] for i in indices]
+    # The source of a traced device leaf: JAX moves a cotangent back to the source (a
+    # host leaf's it finds by itself; its zero tangent JAX 0.10 types for the device).
+    sources = [DEVICE if isinstance(x, Tracer) and jax.typeof(x).memory_space == DEVICE
+               else None for x in chosen]
     # (`jax.device_put` itself where JAX copies every array: `compat.HOST_OUTPUT_COPY_FAILS`.)
     moved = (device_put if HOST_OUTPUT_COPY_FAILS else jax.device_put)(
-        chosen, destinations, src=sources)
+        chosen, [targets[i] for i in indices], src=sources)
     for i, leaf in zip(indices, moved, strict=True):
         if (argument is not None and isinstance(leaf, Tracer)  # (`is_traced`, inlined:
                 and jax.typeof(leaf).memory_space != space_of(memory_kind)):  # the eager path)

@@ -168,12 +168,9 @@ def input_shardings(leaves: Sequence[Any]) -> list[jax.sharding.Sharding]:
 
 
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
-    n = 0
-    for x, y in zip(reversed(a), reversed(b)):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many parts `a` and `b` end with alike."""
+    pairs = enumerate(zip(reversed(a), reversed(b)))
+    return next((n for n, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def output_shardings(

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, Literal
 from jax.experimental.layout import Layout, with_layout_constraint  # pytype: disable=import-error  # (no stub of it)
 
 from .._core.errors import (
@@ -237,8 +237,7 @@ class BackwardUpdate(Generic[_M]):  # pytype: disable=invalid-annotation  # (_M 
         g_rest, new_block, new_channel = vjp(jnp.ones_like(value))
         if acc is not None:
             g_rest = [None if g is None else a + g for a, g in zip(acc, g_rest, strict=True)]
-        rest_grads = jtu.tree_unflatten(plan.treedef, [
-            None if m else g for g, m in zip(g_rest, plan.in_layers, strict=True)])
+        rest_grads = jtu.tree_unflatten(plan.treedef, g_rest)  # (`None` where `rest` is)
         rest_params = jtu.tree_unflatten(plan.treedef, rest)
         new_rest, state_rest = self._update_rest(rest_grads, state.rest, rest_params)
         new_shared = _shared_update(plan.transformation, self._returns_params(), plan,
@@ -280,7 +279,7 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
     `block` (or a move of one), looking into nested calls; `None` if none."""
     block = set(block)
     for eqn in jaxpr.eqns:
-        reads = [i for i, v in enumerate(eqn.invars) if not _literal(v) and v in block]
+        reads = [i for i, v in enumerate(eqn.invars) if not isinstance(v, Literal) and v in block]
         if not reads:
             continue
         name = eqn.primitive.name
@@ -303,10 +302,6 @@ def _other_use(jaxpr: Any, block: set[Any]) -> Optional[str]:
 def _replayed(traced: Any, rest: list[Any], block: list[Any], channel: list[Any]) -> Any:
     """The loss's value from its traced program `traced` (the step's `differentiated`)."""
     return jaxpr_as_fun(traced)(*jtu.tree_leaves((rest, block, channel)))[0]
-
-
-def _literal(v: Any) -> bool:
-    return type(v).__name__ == "Literal"
 
 
 def _merge(chosen: list[Any], others: list[Any], mask: tuple[bool, ...]) -> list[Any]:
@@ -355,9 +350,8 @@ def as_bits(a: Any) -> Any:
 
 
 def from_bits(a: Any, like: Any) -> Any:
-    """`as_bits` undone: `a` as the dtype of `like` (a leaf, or that dtype)."""
-    dtype = getattr(like, "dtype", like)
-    return jax.lax.bitcast_convert_type(a, dtype) if dtype == CODE_DTYPE else a
+    """`as_bits` undone: `a` as the dtype of the leaf `like`."""
+    return jax.lax.bitcast_convert_type(a, like.dtype) if like.dtype == CODE_DTYPE else a
 
 
 def _accumulated_leaves(accumulated: Any, plan: _Plan) -> list[Any]:

@@ -132,10 +132,11 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
     weights = list(leaves)
     state = [fetch(s) if w else s for s, w in zip(state, whole, strict=True)]
 
-    def layer_vjp(i: Any, g: Any, current: list[Any], weights: list[Any],
+    def layer_vjp(i: Any, g: Any, current: list[Any], g_consts: Any, weights: list[Any],
                   state_slices: list[Any]) -> Any:
-        # Layer i's gradient and the update's inputs (its state: `state_slices`), the
-        # cotangents of its input and consts, and layer i - 1's fetched host weights.
+        # The cotangent of layer i's input, layer i - 1's fetched host weights, the
+        # consts' cotangents summed, and the update's inputs (layer i's gradient, its
+        # state: `state_slices`).
         host_weights, device_weights = scan.split(weights)
         preceding = fetch_layer(host_weights, jnp.maximum(i - 1, 0))
         device_slices = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
@@ -147,21 +148,18 @@ def _backward(update: Update, whole: list[bool], scan: LayerScan, leaves: list[A
             g_layer = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + d
                        for a, d in zip(acc, g_layer, strict=True)]
         todo = (i, [a[None] for a in g_layer], [a[None] for a in layer], state_slices)
-        return todo, g_h, g_c, preceding
+        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
+        return g_h, preceding, g_consts, todo
 
     def stages(i: Any, g: Any, current: list[Any], g_consts: Any, weights: list[Any],
                slices: list[Any], todo: Any) -> Any:
         # An iteration's update (of `todo`) and VJP (of layer i).
         done = _update_layer(update, todo, shared)
-        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices)
-        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
-        return g_h, preceding, g_consts, todo, done
+        return (*layer_vjp(i, g, current, g_consts, weights, slices), done)
 
     def first(carry: Any, i: Any) -> tuple[Any, None]:
         g, current, g_consts, (_, _, _, slices) = carry
-        todo, g_h, g_c, preceding = layer_vjp(i, g, current, weights, slices)
-        g_consts = jtu.tree_map(add_unless_none, g_consts, g_c, is_leaf=is_none)
-        return (g_h, preceding, g_consts, todo), None
+        return layer_vjp(i, g, current, g_consts, weights, slices), None
 
     def second(carry: Any, i: Any) -> tuple[Any, None]:
         g, current, g_consts, todo, _ = carry
@@ -319,7 +317,5 @@ def _marked_backward(mark: bool, *args: Any) -> Any:
     """`_backward`, with `mark` marked for `filter_jit` (`compat.scopes`: its options for
     a TPU). Not for state stored in another dtype (8-bit): the time model plans that
     step slower with them."""
-    if not mark:
-        return _backward(*args)
-    with marked("in_backward"):
+    with marked("in_backward") if mark else contextlib.nullcontext():
         return _backward(*args)

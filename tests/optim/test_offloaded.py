@@ -183,6 +183,7 @@ def test_state_whose_dtype_the_inner_optimizer_changed() -> None:
 
 
 _PACKAGE = os.path.dirname(eqx_offload.__file__) + os.sep
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 _TREE_MODULES = (os.path.join("jax", "_src", "tree_util.py"), os.path.join("jax", "_src", "tree.py"))
 _WALKS = {prefix + name for prefix in ("tree_", "") for name in (
     "flatten", "leaves", "map", "structure", "unflatten", "flatten_with_path",
@@ -217,7 +218,10 @@ def profile_update(update: Any, *args: Any) -> dict[str, Any]:
         sys.setprofile(None)
     return {"functions": sorted(f"{os.path.basename(c.co_filename)}:{c.co_name}" for c in codes),
             "files": sorted({os.path.basename(c.co_filename) for c in codes}),
-            "lines": sum(len(inspect.getsourcelines(code)[0]) for code in codes),
+            # (a comprehension's lines are its function's, counted: on Python 3.11
+            # `getsourcelines` of its own code object reads on to the end of that function)
+            "lines": sum(len(inspect.getsourcelines(code)[0]) for code in codes
+                         if code.co_name not in _COMPREHENSIONS),
             "walks": walks[0]}
 
 
@@ -232,6 +236,6 @@ def test_eager_default_update_is_short() -> None:
     # offloaded, checks, strategies, layout; move's `put` (and on JAX 0.12.1 compat's
     # route around its host-output copy, 44 lines)
     assert len(measured["files"]) <= 5 + compat.HOST_OUTPUT_COPY_FAILS
-    assert measured["lines"] <= 300 + 50 * compat.HOST_OUTPUT_COPY_FAILS
+    assert measured["lines"] <= 260 + 50 * compat.HOST_OUTPUT_COPY_FAILS
     assert measured["walks"] <= 8
 
