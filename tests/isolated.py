@@ -32,7 +32,7 @@ def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = 600,
     code = _CHILD.format(tests=_TESTS, file=os.path.abspath(file), name=func.__name__,
                          args=json.dumps(args), mark=_MARK)
     child_env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
-                 "PYTHONHASHSEED": "0", **_shared_cache(), **(env or {})}
+                 "PYTHONHASHSEED": "0", **shared_cache(), **(env or {})}
     return subprocess.run([sys.executable, "-W", "error", "-W", _CACHE_RACE, "-c", code],
                           capture_output=True, text=True, timeout=timeout, env=child_env,
                           cwd=_TESTS)
@@ -44,7 +44,9 @@ def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = 600,
 _CACHE_RACE = "ignore:Error reading persistent compilation cache entry:UserWarning"
 
 
-def _shared_cache() -> dict[str, str]:
+def shared_cache() -> dict[str, str]:
+    """The environment that points a child process at the run's compilation cache, every
+    program cached (empty outside a test run)."""
     folder = os.environ.get("EQX_OFFLOAD_TEST_JAX_CACHE")
     return {} if folder is None else {
         "JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

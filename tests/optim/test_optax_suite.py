@@ -8,9 +8,9 @@ import subprocess
 import sys
 from typing import Any
 
-import jax
 import optax
 import pytest
+from isolated import shared_cache
 
 
 SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "optax_suite")
@@ -33,10 +33,7 @@ def run_child(tmp_path: Any, rootdir: str, paths: list[str]) -> tuple[int, str, 
         "JAX_PLATFORMS": "cpu",
         # The run's compilation cache (optax's eager `lax.cond`s compile one program each
         # step); a hit is still logged as a compilation, as optax's checks expect.
-        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir
-        or str(tmp_path / "jax-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        **shared_cache(),
     }
     env.pop("EQX_OFFLOAD_SUITE_ADAPT_ALL", None)
     env.pop("PYTEST_XDIST_WORKER", None)
