@@ -385,11 +385,12 @@ def filter_make(fun: Callable[..., _T], *args: Any, group_bytes: int = 256 << 20
     never made itself. Each group of leaves (at most `group_bytes`) is computed on the
     device by a program of its own and written straight into its memory kind; stacked
     leaves are allocated once where they live (zeros in host memory made by the host's
-    CPU, a bf16 leaf's by the device) and written a layer at a time. The values are bitwise those of
-    `eqx.filter_jit(fun)(*args, **kwargs)`: each program is compiled, and XLA may round
-    a compiled computation (`jax.random.normal(key, shape) * 0.02`) otherwise than
-    the same operations run one at a time by an eager call of `fun`. What the route holds on the device, planned
-    for a TPU or GPU: `eqx_offload.planner.plan_startup`.
+    CPU, a bf16 leaf's by the device) and written a layer at a time. The values are
+    bitwise those of `eqx.filter_jit(fun)(*args, **kwargs)`: each program is compiled,
+    and XLA may round a compiled computation (`jax.random.normal(key, shape) * 0.02`)
+    otherwise than the same operations run one at a time by an eager call of `fun`.
+    What the route holds on the device, planned for a TPU or GPU:
+    `eqx_offload.planner.plan_startup`.
 
     **Arguments:**
 
