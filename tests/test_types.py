@@ -22,9 +22,12 @@ import eqx_offload
 
 
 def _load(path: pathlib.Path) -> Any:
+    """The file imported as a module (in `sys.modules`, as an import puts it: what it
+    defines pickles by name)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
 

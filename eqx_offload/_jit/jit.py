@@ -25,6 +25,7 @@ from .._core.types import Donate
 from .call import Call, flatten_call, FUN, over_one_device_meshes, Signature
 from .call import warn_changed_number
 from .donation import Donation, parse_donate
+from .saved import dumps, loads
 from .stage import compile_program, Executable, export_call, lower_call, Program, run
 
 
@@ -71,6 +72,12 @@ class Compiled:
         """The compiled program as text (`jax.stages.Compiled.as_text`)."""
         text: Optional[str] = self._executable.compiled.as_text()
         return text
+
+    def serialize(self) -> bytes:
+        """The executable and what calling it needs, as bytes: `filter_jit(f).load(data)`
+        in a later process (the same backend, device kind and JAX version) returns it
+        compiled, without tracing `f`. The function's own arrays are not in them."""
+        return dumps(self._executable, self._key, self._donate, self._name)
 
 
 class Lowered:
@@ -262,6 +269,14 @@ class _FilterJit(AsMethod, Generic[_P, _T]):
         call = flatten_call(args, self._with_fun(kwargs), self._donate, abstract=True,
                             name=self._name)
         return self._lower(call, tuple(platforms))
+
+    def load(self, data: bytes) -> Compiled:
+        """`Compiled.serialize()`'s bytes, saved from this function (the same name and
+        `donate`), loaded as a `Compiled` on this process's devices: nothing is traced or
+        compiled (a trusted file only: loading an executable can run any code). A
+        start-up reads it while `filter_make` fills host memory (docs/startup.md)."""
+        executable, key = loads(data, self._name, self._donate)
+        return Compiled(executable, key, self._donate, self._name, self._fun_arrays)
 
     def _lower(self, call: Call, platforms: Optional[tuple[str, ...]] = None) -> Lowered:
         program = lower_call(self._traced, self._name, call, self._donate.silence,

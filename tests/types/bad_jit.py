@@ -20,6 +20,9 @@ eqx_offload.filter_jit(donate=True)  # expect: mypy=call-overload pytype=wrong-a
 # The compiled function keeps the signature of `step`.
 eqx_offload.filter_jit(step)("not an array")  # expect: mypy=arg-type pytype=wrong-arg-types pyright=reportArgumentType pyrefly=bad-argument-type
 
+# A saved step loads from its bytes, not from the name of their file.
+eqx_offload.filter_jit(step).load("step.bin")  # expect: mypy=arg-type pytype=wrong-arg-types pyright=reportArgumentType pyrefly=bad-argument-type
+
 
 def moments() -> Nested[jax.Array]:
     # A `Nested[jax.Array]` is arrays in dicts, lists and tuples; a string is none of those.

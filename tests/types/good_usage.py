@@ -107,6 +107,10 @@ def train(steps: int = 3) -> float:
     lowered: eqx_offload.types.Lowered = step.lower(model, state, x, y)
     compiled: eqx_offload.types.Compiled = lowered.compile()
     print(compiled.memory_analysis() is not None, len(lowered.as_text()) > 0)
+    # Saved as bytes, loaded without tracing (a later process would read them from a file).
+    saved: bytes = compiled.serialize()
+    loaded: eqx_offload.types.Compiled = step.load(saved)
+    print(loaded.memory_analysis() is not None)
     step_options: dict[str, Any] = eqx_offload.stream.prefetch_options(device_bytes=None)
     print(sorted(step_options))
 

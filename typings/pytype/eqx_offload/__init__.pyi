@@ -30,9 +30,9 @@ from eqx_offload.errors import OffloadError as OffloadError
 from eqx_offload.memory import memory_report as memory_report
 from eqx_offload.planner import plan as plan
 from eqx_offload.remat import filter_remat as filter_remat, Policy
-from eqx_offload.types import (BackwardUpdate, Compute, Donate, Filter, HostMemoryKind, HostWeights,
-                               HostWeightsOptimizer, Lowered, MasterWeights, Nested as Nested,
-                               Where)
+from eqx_offload.types import (BackwardUpdate, Compiled, Compute, Donate, Filter, HostMemoryKind,
+                               HostWeights, HostWeightsOptimizer, Lowered, MasterWeights,
+                               Nested as Nested, Where)
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -139,6 +139,7 @@ class _FilterJit(Generic[_F]):
     def lower_for(
         self, platforms: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Lowered: ...
+    def load(self, data: bytes) -> Compiled: ...
 
 @overload
 def filter_jit(
