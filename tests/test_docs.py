@@ -10,6 +10,7 @@ import re
 import shlex
 import sys
 import textwrap
+import types
 from typing import Any
 
 import pytest
@@ -63,9 +64,15 @@ _PAGES_WITH_CODE = [p for p in _PAGES if python_blocks(p.read_text())]
 
 
 def _run_blocks(blocks: list[tuple[int, str]], where: str) -> None:
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
-    for line, code in blocks:  # running the documentation is the point
-        exec(compile(code, f"{where}:{line}", "exec"), namespace)  # noqa: S102
+    # (a module of its own, importable while it runs, as a script's `__main__` is: what
+    # it defines pickles by name, as `Compiled.serialize` needs)
+    module = types.ModuleType("__docs__")
+    sys.modules["__docs__"] = module
+    try:
+        for line, code in blocks:  # running the documentation is the point
+            exec(compile(code, f"{where}:{line}", "exec"), module.__dict__)  # noqa: S102
+    finally:
+        del sys.modules["__docs__"]
 
 
 # (pages and examples that compile for a GPU or a TPU: skipped, saying why, where that
