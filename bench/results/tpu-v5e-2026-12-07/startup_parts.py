@@ -1,10 +1,13 @@
-"""A second start-up from the persistent cache, its parts timed, in one of five orders
+"""A second start-up from the persistent cache, its parts timed, in one of several orders
 (one process a row; run `bench/train.py MODE WIDTH LAYERS 1 --cache DIR --compile-only`
-first, and `seq` before `loadonly`: it writes the serialized step):
+or `compile` first, `seq` before `loadonly` and `compile` before `load`):
 
     python startup_parts.py ORDER DIR [MODE WIDTH LAYERS]
 
-ORDER: `seq` (trace, compile, fill, one after the other; then the compiled step
+ORDER: `compile` (a cold process: the step compiled and saved with
+`Compiled.serialize` to DIR/step.bin.eqx, `filter_make(..., compile_only=True)`), `load`
+(`filter_jit(step).load` of those bytes in a thread while the main thread fills, then
+three steps), `seq` (trace, compile, fill, one after the other; then the compiled step
 serialized to DIR/step.bin), `beside` (`bench/train.py --beside`: trace, then compile in a
 thread while the main thread fills), `fillfirst` (fill in a thread, trace and compile in
 the main thread), `loadonly` (DIR/step.bin loaded in a thread while the main thread
@@ -70,7 +73,7 @@ def run(made):  # (filter_make's programs, each call timed)
 make.run = run
 
 
-PARTS = ("lower", "compile", "fill", "load", "serialize", "route done")
+PARTS = ("lower", "compile", "fill", "load", "serialize", "route done")  # (timed apart)
 
 
 def programs(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
@@ -122,6 +125,20 @@ def main(order: str, cache: str, mode: str, width: int, layers: int) -> dict:
             filling = pool.submit(timed, "fill", fill)
             timed("compile", compile_, timed("lower", lower))
             made = filling.result()
+        elif order == "compile":  # (a cold process: the step saved, every program cached)
+            compiled = timed("compile", compile_, timed("lower", lower))
+            data = timed("serialize", compiled.serialize)
+            with open(path + ".eqx", "wb") as f:
+                f.write(data)
+            timed("fill", lambda: eqx_offload.filter_make(start, key, compile_only=True))
+            row["serialized_bytes"], made = len(data), None
+        elif order == "load":  # (`filter_jit(step).load` of the bytes `compile` saved)
+            with open(path + ".eqx", "rb") as f:
+                data = f.read()
+            step = harness.step_of(grad_step)
+            loading = pool.submit(timed, "load", step.load, data)
+            made = timed("fill", fill)
+            compiled = loading.result()
         elif order == "loadonly":
             with open(path, "rb") as f:
                 blob = pickle.load(f)
@@ -130,12 +147,18 @@ def main(order: str, cache: str, mode: str, width: int, layers: int) -> dict:
             made = timed("fill", fill)
             loading.result()
         else:
-            raise SystemExit(f"ORDER: seq, beside, fillfirst or loadonly; got {order}")
+            raise SystemExit(f"ORDER: compile, load, seq, beside, fillfirst or loadonly; got {order}")
         if order != "seq":
             total = now() - began
     stop.set()
+    if made is None:
+        return harness.record(**row, parts={w: (b, s) for w, b, s in marks if w in PARTS})
     host = harness.bytes_by_kind(made).get("pinned_host", 0)
     bound = host / 1e9 / row["fill_gbps"]
+    if order in ("load", "beside"):  # (three steps: the losses and the step's seconds)
+        compiled = compiled if order == "load" else compiling.result()
+        tokens = jax.device_put(harness.tokens_of(shape), on)
+        row.update(zip(("losses", "step_s"), harness.train(compiled, *made, tokens, 3)[2:]))
     return harness.record(**row, total_s=round(total, 3), bound_s=round(bound, 3),
                           over_bound=round(total / bound, 3), host_bytes=host,
                           parts={w: (b, s) for w, b, s in marks if w in PARTS},
