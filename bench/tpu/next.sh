@@ -83,14 +83,12 @@ call6() {  # where the host's resident memory goes: primitives, then each mode's
   row $T bench/host_rss.py startup state $W $L8 2
 }
 call9() {  # 3.52B stored once (fp32 master, 8-bit moments; 66 layers): inputs on host, then not
-  local l=66
-  [ "${SIZE:-}" = small ] && l=2
+  local l=66; [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-int8state-backward $W $l 20 $SEQB
   row $((T + 95)) $R +params-once-int8state-backward $W $l 20 $SEQB
 }
 call11() {  # fp32 weights and fp32 moments stored once, 1.83B (33 layers, 21.40 GB stored)
-  local l=33
-  [ "${SIZE:-}" = small ] && l=2
+  local l=33; [ "${SIZE:-}" = small ] && l=2
   row $((T + 95)) $R +activations-once-backward $W $l 20 $SEQB
 }
 call12() {  # 542M's step in each mode of issue 62's ratios, one run
@@ -105,12 +103,14 @@ call13() {  # where a step's time goes (`jax.profiler`): 542M `state`, in backwa
   for m in state state-backward state-int8state-backward; do row $T $p $m $W $L8 $SEQB; done
   row $((T + 90)) $R +activations-once-bf16state-backward $W $LBIG 20 $SEQB
 }
-call14() {  # call 9's second row twice, 3 steps, a compile cache; then --beside (18: first --compile-first)
-  local l=66 c=/tmp/jaxcache
+call14() {  # call 9's 2nd row, 3 steps, cache; then --beside (18: the step saved, then loaded)
+  local l=66 c=/tmp/jaxcache m=+params-once-int8state-backward
   [ "${SIZE:-}" = small ] && { l=2; c=$OUT/jaxcache; }
   [ -n "${DRY:-}" ] || rm -rf "$c"
-  row $((T + 210)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c" ${1:-}  # (cold)
-  row $((T + 95)) $R +params-once-int8state-backward $W $l 3 $SEQB --cache "$c" --beside
+  [ "${1:-}" = saved ] && { for o in compile load beside load; do
+    row $((T + 110)) bench/results/tpu-v5e-2026-12-07/startup_parts.py $o "$c" $m $W $l; done; return; }
+  row $((T + 210)) $R $m $W $l 3 $SEQB --cache "$c"  # (cold)
+  row $((T + 95)) $R $m $W $l 3 $SEQB --cache "$c" --beside
 }
 call15() {  # 64k tokens per optimizer step (16 micro-batches), each mode against plain
   for m in fp32 state state-int8state state-bf16state state-backward; do
@@ -132,7 +132,7 @@ call17() {  # one host array made 3 ways; 2.19B (call13's) with its step compile
 }
 case $CALL in
   1) call1 ;; 6) call6 ;; 9) call9 ;; 11) call11 ;; 12) call12 ;; 13) call13 ;;
-  14) call14 ;; 15) call15 ;; 16) call16 ;; 17) call17 ;; 18) call14 --compile-first ;;
+  14) call14 ;; 15) call15 ;; 16) call16 ;; 17) call17 ;; 18) call14 saved ;;
   all) call1; call6; call9; call11; call12; call13; call14; call15; call16; call17 ;;
   *) echo "usage: $0 1|6|9|11|12|13|14|15|16|17|18|all" >&2; exit 2 ;;
 esac
