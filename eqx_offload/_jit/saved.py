@@ -95,8 +95,9 @@ def dumps(executable: Executable, key: Signature, donate: Donation, name: str) -
     file = io.BytesIO()
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(executable.compiled)
-        _Pickler(file).dump((name, donate, _devices_of(executable.compiled), payload, in_tree,
-                             out_tree, executable.output, key))
+        pickler = _Pickler(file)  # (what `loads` checks first, then the rest)
+        pickler.dump((name, donate, _devices_of(executable.compiled)))
+        pickler.dump((payload, in_tree, out_tree, executable.output, key))
     except (pickle.PicklingError, TypeError, AttributeError, ValueError,
             NotImplementedError) as e:
         raise OptionError(
@@ -110,13 +111,19 @@ def loads(data: bytes, name: str, donate: Donation) -> tuple[Executable, Signatu
     """The executable of `dumps`' bytes, loaded on this process's devices, and its
     `Signature`; an `OptionError` where it was saved from another function or donation."""
     devices = {d.id: d for d in jax.devices()}
-    saved, saved_donate, ids, payload, in_tree, out_tree, output, key = _Unpickler(
-        io.BytesIO(data), devices).load()
+    unpickler = _Unpickler(io.BytesIO(data), devices)
+    saved, saved_donate, ids = unpickler.load()
     if (saved, saved_donate) != (name, donate):
         raise OptionError(
             f"Load the bytes into the function they were saved from: `{saved}` with its "
             f"`donate`.\nfilter_jit({name}).load(data): saved from `{saved}`"
             f"{'' if saved_donate == donate else ' with another donate'}.\nSee {_DOCS}.")
+    if not set(ids) <= devices.keys():
+        raise OptionError(
+            "Load the step in a process with the devices it was compiled for, or compile "
+            f"it there.\nfilter_jit({name}).load(data): compiled for devices {ids}; this "
+            f"process has {sorted(devices)}.\nSee {_DOCS}.")
+    payload, in_tree, out_tree, output, key = unpickler.load()
     compiled = serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, execution_devices=[devices[i] for i in ids])
     return Executable(compiled, output), key

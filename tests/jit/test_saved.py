@@ -18,6 +18,7 @@ import pytest
 
 import eqx_offload
 from eqx_offload.errors import OptionError
+from isolated import result_of, run_isolated
 
 
 pytestmark = pytest.mark.both
@@ -127,3 +128,43 @@ def test_an_equinox_module_as_the_function_keeps_its_arrays_out_of_the_bytes() -
     other = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(2))
     assert jnp.array_equal(eqx_offload.filter_jit(other).load(data)(x),
                            eqx_offload.filter_jit(other)(x))
+
+
+def mesh_round_trip() -> list[float]:
+    """A step over two devices, not the first and not in id order, saved and loaded (in a
+    child: a program loaded on its devices in another order aborts the process)."""
+    devices = jax.devices()[2:4][::-1]
+    sharded = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("d",)),
+                                         jax.sharding.PartitionSpec("d"))
+    model = {"w": jax.device_put(jnp.arange(8.0), sharded)}
+    step = eqx_offload.filter_jit(_step)
+    data = step.lower(model, jnp.float32(3)).compile().serialize()
+    out = step.load(data)(model, jnp.float32(3))["w"]
+    assert out.sharding == sharded
+    result: list[float] = out.tolist()
+    return result
+
+
+def test_a_step_over_a_mesh_loads_on_the_mesh_devices_in_order() -> None:
+    assert result_of(run_isolated(mesh_round_trip)) == [3.0 * i for i in range(8)]
+
+
+def load_refused(path: str) -> str:
+    """The error of loading the bytes at `path` (in a child with two devices)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        eqx_offload.filter_jit(_step).load(data)
+    except OptionError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_bytes_for_devices_this_process_lacks_are_refused(tmp_path: Path) -> None:
+    on_sixth = jax.device_put(jnp.ones(3), jax.devices()[5])
+    path = tmp_path / "step.bin"
+    path.write_bytes(eqx_offload.filter_jit(_step).lower({"w": on_sixth}, jnp.float32(2))
+                     .compile().serialize())
+    error = result_of(run_isolated(load_refused, str(path),
+                                   env={"JAX_NUM_CPU_DEVICES": "2"}))
+    assert "devices [5]" in error and "has [0, 1]" in error, error
