@@ -39,7 +39,7 @@ def _module_name(obj: Any) -> Optional[str]:
         return None
     if isinstance(name, str) and "<" not in name:
         try:
-            if functools.reduce(getattr, name.split("."), module) is obj:
+            if _imported(module.__name__, name) is obj:
                 return name
         except AttributeError:
             pass
@@ -93,10 +93,11 @@ def _devices_of(compiled: Any) -> list[int]:
 def dumps(executable: Executable, key: Signature, donate: Donation, name: str) -> bytes:
     """`executable` and what calls it, as bytes for `loads`."""
     file = io.BytesIO()
-    try:
+    header = (name, donate, _devices_of(executable.compiled))  # (what `loads` checks first)
+    try:  # (the executable refused by JAX, or a value that does not pickle)
         payload, in_tree, out_tree = serialize_executable.serialize(executable.compiled)
-        pickler = _Pickler(file)  # (what `loads` checks first, then the rest)
-        pickler.dump((name, donate, _devices_of(executable.compiled)))
+        pickler = _Pickler(file)
+        pickler.dump(header)
         pickler.dump((payload, in_tree, out_tree, executable.output, key))
     except (pickle.PicklingError, TypeError, AttributeError, ValueError,
             NotImplementedError) as e:
